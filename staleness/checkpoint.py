@@ -1,0 +1,104 @@
+"""Export / restore of the staleness manager's state (plain data, versioned format)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from staleness.errors import CorruptState
+from staleness.feasibility import AdmissionCounts
+from staleness.types import StalenessConfig
+
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class SavedState:
+    config: StalenessConfig
+    version: int
+    groups: list[dict[str, Any]]
+    consumed_batches: int
+    aborted_groups: int
+
+
+def export_state(
+    config: StalenessConfig,
+    version: int,
+    groups: list[dict[str, Any]],
+    consumed_batches: int,
+    aborted_groups: int,
+) -> dict[str, Any]:
+    return {
+        "format": FORMAT,
+        "config": {
+            "eta": config.eta,
+            "batch_size": config.batch_size,
+            "group_size": config.group_size,
+            "batch_redundancy": config.batch_redundancy,
+            "group_redundancy": config.group_redundancy,
+        },
+        "version": version,
+        "groups": groups,
+        "consumed_batches": consumed_batches,
+        "aborted_groups": aborted_groups,
+    }
+
+
+def parse_state(state: Any) -> SavedState:
+    """Check the shape of a saved state; every problem names the field to fix."""
+    if not isinstance(state, dict):
+        raise CorruptState(
+            f"a staleness state is a dict from export_state(), got {type(state).__name__}"
+        )
+    if state.get("format") != FORMAT:
+        raise CorruptState(
+            f"unsupported staleness state format {state.get('format')!r}; expected {FORMAT}"
+        )
+    try:
+        config = StalenessConfig(**state["config"])
+        saved = SavedState(
+            config,
+            state["version"],
+            list(state["groups"]),
+            int(state["consumed_batches"]),
+            int(state["aborted_groups"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CorruptState(f"staleness state is missing or has a bad field: {exc}") from exc
+    version, eta = saved.version, config.eta
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise CorruptState(f"staleness state 'version' must be an int >= 0, got {version!r}")
+    seen: set[int] = set()
+    for i, g in enumerate(saved.groups):
+        try:
+            gid, v, buffer, members = g["id"], g["version"], g["buffer"], g["members"]
+            completed, dropped = g["completed"], g["dropped"]
+        except (KeyError, TypeError) as exc:
+            raise CorruptState(f"staleness state group #{i} lacks field {exc}") from exc
+        if gid in seen:
+            raise CorruptState(f"staleness state lists group {gid} twice")
+        seen.add(gid)
+        member_ids = [m[0] for m in members]
+        counted = [m[1] for m in members if buffer is None or m[0] in completed]
+        if not counted or v != min(counted):
+            raise CorruptState(f"group {gid}: version {v} is not the minimum V_traj of its members")
+        if len(set(member_ids)) != len(member_ids) or not set(completed) <= set(member_ids):
+            raise CorruptState(f"group {gid}: completed trajectories must be distinct members")
+        if (buffer is not None) != (len(completed) >= config.group_size):
+            raise CorruptState(f"group {gid}: 'buffer' must be set exactly when it is occupied")
+        if not isinstance(dropped, int) or dropped < 0:
+            raise CorruptState(f"group {gid}: 'dropped' must be an int >= 0")
+        if v > version or v + eta < version:
+            raise CorruptState(f"group {gid}: version {v} is outside [{version - eta}, {version}]")
+        if buffer is not None and not version <= buffer <= v + eta:
+            raise CorruptState(f"group {gid}: buffer {buffer} is outside [{version}, {v + eta}]")
+    return saved
+
+
+def check_fits(counts: AdmissionCounts) -> None:
+    """The restored groups must fit the buffers, as they did when they were saved."""
+    if max(counts.pinned_by_buffer()) > counts.batch_size or min(counts.slack()) < 0:
+        raise CorruptState(
+            "the saved groups do not fit within eta of the saved version; "
+            "was the state edited, or saved with another eta or batch_size?"
+        )

@@ -1,0 +1,556 @@
+"""The staleness manager: Reserve / Occupy / Consume / Abort on virtual staleness buffers.
+
+Paper §4. The manager tracks every in-flight group (its members' ``V_traj`` and which of
+them completed) and keeps the invariant that all tracked groups fit in the buffers
+``version .. version + eta``:
+
+- reserved groups are placeholders: any buffer of their window will do, and admission is
+  decided exactly from counts (``staleness.feasibility``);
+- occupied groups are committed to a buffer and only ever move earlier: after every
+  Occupy, Abort and Consume they are repacked lexicographically earliest (the entry
+  movement of Figure 7 right and Figure 8c). The trainer consumes the trainer's buffer.
+
+Thread safety: every public method holds one lock, so a trainer thread may block in
+``wait_ready`` while the control plane mutates the state.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+
+from staleness import checkpoint
+from staleness.errors import (
+    DuplicateTrajectory,
+    InvalidConfig,
+    NotReady,
+    NotReserved,
+    StalenessError,
+    StalenessViolation,
+    UnknownGroup,
+)
+from staleness.feasibility import AdmissionCounts
+from staleness.layout import canonical_buffers
+from staleness.sketch import CLOSED, Sketch
+from staleness.types import (
+    ConsumedBatch,
+    ConsumedGroup,
+    GroupId,
+    ManagerView,
+    Outcome,
+    StalenessConfig,
+    TrajId,
+)
+
+logger = logging.getLogger(__name__)
+
+_EMPTY = Outcome()
+_READY = Outcome(ready=True)
+_REMEMBER_ABORTED = 1 << 16  # aborted ids kept to recognise late completions
+
+
+class _Group:
+    __slots__ = ("buffer", "completed", "dropped", "members", "version")
+
+    def __init__(self, version: int) -> None:
+        self.version = version  # min V_traj over the members that count
+        self.members: dict[TrajId, int] = {}  # reserved trajectories -> V_traj
+        self.completed: list[TrajId] = []
+        self.dropped = 0  # members aborted one by one
+        self.buffer: int | None = None  # the buffer an occupied group is committed to
+
+
+def validate_config(config: StalenessConfig) -> None:
+    if not isinstance(config.eta, int) or config.eta < 0:
+        raise InvalidConfig(f"eta must be an integer >= 0 (0 = synchronous), got {config.eta!r}")
+    if not isinstance(config.batch_size, int) or config.batch_size < 1:
+        raise InvalidConfig(f"batch_size must be an integer >= 1, got {config.batch_size!r}")
+    if not isinstance(config.group_size, int) or config.group_size < 1:
+        raise InvalidConfig(f"group_size must be an integer >= 1, got {config.group_size!r}")
+    for name in ("batch_redundancy", "group_redundancy"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 10:
+            raise InvalidConfig(f"{name} must be a fraction in [0, 10], e.g. 0.0625; got {value!r}")
+
+
+class StalenessManager:
+    """Tracks every in-flight group and enforces ``V_traj <= V_buf <= V_traj + eta``."""
+
+    def __init__(self, config: StalenessConfig, version: int = 0) -> None:
+        validate_config(config)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise InvalidConfig(f"the initial version must be an integer >= 0, got {version!r}")
+        self.config = config
+        self.eta = config.eta
+        self.batch_size = config.batch_size
+        self.group_size = config.group_size
+        self.capacity = config.buffer_capacity
+        self.group_capacity = config.group_capacity
+        self._n = self.eta + 1
+        self._counts = AdmissionCounts(self.eta, self.batch_size, self.capacity, version)
+        self._groups: dict[GroupId, _Group] = {}
+        # Reserved group ids per version and occupied ones per buffer (rings, arrival order).
+        self._reserved: list[dict[GroupId, None]] = [{} for _ in range(self._n)]
+        self._pinned: list[dict[GroupId, None]] = [{} for _ in range(self._n)]
+        self._aborted: dict[GroupId, None] = {}
+        self.consumed_batches = 0
+        self.aborted_groups = 0
+        self.history: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=4096)
+        self._cond = threading.Condition(threading.Lock())
+        self._ready_listeners: list[Callable[[int], None]] = []
+
+    # -- queries ----------------------------------------------------------------------
+
+    @property
+    def version(self) -> int:
+        """The trainer's version: the buffer it consumes next."""
+        return self._counts.version
+
+    def verify(self, v_traj: int, group_id: GroupId | None = None) -> bool:
+        """Would a Reserve of a trajectory with this ``V_traj`` succeed? Changes nothing."""
+        with self._cond:
+            return self._verify(v_traj, group_id)
+
+    def _verify(self, v_traj: int, group_id: GroupId | None) -> bool:
+        counts = self._counts
+        if v_traj > counts.version:
+            raise StalenessError(
+                f"V_traj={v_traj} is newer than the trainer's version {counts.version}: "
+                "no instance can hold a policy that has not been trained yet"
+            )
+        if group_id is not None:
+            gv = self._sketch_lookup(group_id)
+            if gv == CLOSED:
+                return False
+            if gv is not None:
+                return v_traj >= gv or counts.admissible_lowering(gv, v_traj)
+        return counts.admissible(v_traj)
+
+    def is_ready(self) -> bool:
+        """Is the trainer's buffer Ready (``batch_size`` occupied groups)?"""
+        with self._cond:
+            return self._counts.head_ready()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the trainer's buffer is Ready; False on timeout. No busy loop."""
+        with self._cond:
+            return self._cond.wait_for(self._counts.head_ready, timeout)
+
+    def add_ready_listener(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(version)`` (outside the lock) whenever the trainer's buffer turns
+        Ready. For asyncio owners: ``lambda v: loop.call_soon_threadsafe(event.set)``."""
+        with self._cond:
+            self._ready_listeners.append(callback)
+
+    def group_version(self, group_id: GroupId) -> int | None:
+        """The tracked group's version, or None if it is not tracked."""
+        with self._cond:
+            group = self._groups.get(group_id)
+            return None if group is None else group.version
+
+    def sketch(self) -> Sketch:
+        """A scratch copy of the admission state for one decision cycle (O(eta))."""
+        with self._cond:
+            return Sketch(self._counts.copy(), self._sketch_lookup)
+
+    def _sketch_lookup(self, group_id: GroupId) -> int | None:
+        group = self._groups.get(group_id)
+        if group is None:
+            return CLOSED if group_id in self._aborted else None
+        if group.buffer is not None or len(group.members) >= self.group_capacity:
+            return CLOSED
+        return group.version
+
+    # -- Reserve ----------------------------------------------------------------------
+
+    def reserve(self, group_id: GroupId, traj_id: TrajId, v_traj: int) -> Outcome:
+        """Record that an initial trajectory starts generating with ``V_traj = v_traj``.
+
+        The group's first trajectory creates its reserved entry; later members lower the
+        group's version to ``min(V_group, v_traj)``. Re-routing a partial trajectory keeps
+        its ``V_traj`` and needs no Reserve.
+        """
+        with self._cond:
+            if isinstance(v_traj, bool) or not isinstance(v_traj, int) or v_traj < 0:
+                raise StalenessError(f"V_traj must be a non-negative int, got {v_traj!r}")
+            group = self._groups.get(group_id)
+            if group is not None:
+                if traj_id in group.members:
+                    raise DuplicateTrajectory(
+                        f"trajectory {traj_id} of group {group_id} is already reserved; "
+                        "re-routing a partial trajectory needs no Reserve"
+                    )
+                if group.buffer is not None:
+                    raise StalenessViolation(
+                        f"group {group_id} already completed its {self.group_size} "
+                        f"trajectories; abort trajectory {traj_id} instead of routing it"
+                    )
+                if len(group.members) >= self.group_capacity:
+                    raise StalenessViolation(
+                        f"group {group_id} already has {self.group_capacity} trajectories "
+                        "reserved (group_size x (1 + group_redundancy))"
+                    )
+            elif group_id in self._aborted:
+                raise StalenessViolation(f"group {group_id} was aborted; drop trajectory {traj_id}")
+            if not self._verify(v_traj, group_id):
+                raise StalenessViolation(self._explain_rejection(v_traj))
+            if group is None:
+                group = _Group(v_traj)
+                self._groups[group_id] = group
+                self._add_reserved(group_id, v_traj)
+            elif v_traj < group.version:
+                self._remove_reserved(group_id, group.version)
+                self._add_reserved(group_id, v_traj)
+                group.version = v_traj
+            group.members[traj_id] = v_traj
+            return _READY if self._counts.head_ready() else _EMPTY
+
+    def _explain_rejection(self, v_traj: int) -> str:
+        if self._counts.deadline(v_traj) < 0:
+            return (
+                f"V_traj={v_traj} is older than eta={self.eta} allows at trainer version "
+                f"{self.version}; sync the instance to a newer version first"
+            )
+        return (
+            f"no free entry in buffers {self.version}..{v_traj + self.eta} for "
+            f"V_traj={v_traj} (eta={self.eta}); route to an instance with a newer version "
+            "or wait for the trainer to consume"
+        )
+
+    # -- Occupy -----------------------------------------------------------------------
+
+    def complete(self, group_id: GroupId, traj_id: TrajId) -> Outcome:
+        """A trajectory finished and was rewarded. Occupies its group once ``G`` are done."""
+        with self._cond:
+            group = self._groups.get(group_id)
+            if group is None:
+                if group_id in self._aborted:
+                    return Outcome(discarded=True, abort_trajectories=(traj_id,))
+                raise UnknownGroup(f"group {group_id} is not tracked (never reserved or consumed)")
+            if traj_id not in group.members:
+                raise NotReserved(
+                    f"trajectory {traj_id} of group {group_id} completed without a Reserve"
+                )
+            if traj_id in group.completed:
+                raise DuplicateTrajectory(
+                    f"trajectory {traj_id} of group {group_id} completed twice"
+                )
+            if group.buffer is not None:  # a surplus member finishing after its group
+                return Outcome(discarded=True, abort_trajectories=(traj_id,))
+            group.completed.append(traj_id)
+            if len(group.completed) < self.group_size:
+                return _READY if self._counts.head_ready() else _EMPTY
+            outcome = self._occupy(group_id, group)
+        self._notify_if_ready(outcome.ready)
+        return outcome
+
+    def _occupy(self, group_id: GroupId, group: _Group) -> Outcome:
+        kept = tuple(group.completed)
+        new_v = min(group.members[t] for t in kept)
+        self._remove_reserved(group_id, group.version)
+        layout = self._counts.repack(extra_at=self._counts.deadline(new_v))
+        if layout is None:
+            # Batch-level redundancy: every occupied slot this group could use is taken.
+            self._forget(group_id)
+            return Outcome(
+                discarded=True,
+                abort_trajectories=tuple(group.members),
+                abort_groups=(group_id,),
+                ready=self._counts.head_ready(),
+            )
+        # Surplus members stay on record so that a late completion is recognised.
+        surplus = tuple(t for t in group.members if t not in kept)
+        group.version = new_v
+        self._pin(group_id, group, self.version + self._counts.deadline(new_v))
+        self._apply_layout(layout)
+        doomed = self._abort_doomed() if self.capacity > self.batch_size else ()
+        return Outcome(
+            occupied=True,
+            kept=kept,
+            abort_trajectories=surplus,
+            abort_groups=doomed,
+            ready=self._counts.head_ready(),
+        )
+
+    def _abort_doomed(self) -> tuple[GroupId, ...]:
+        """Reserved groups that could never be occupied any more (batch-redundancy surplus)."""
+        doomed: list[GroupId] = []
+        for k in range(self._n):
+            v = self.version - self.eta + k
+            bucket = self._reserved[v % self._n]
+            if not bucket:
+                continue
+            trial = self._counts.copy()
+            trial.add_reserved(v, -1)
+            if trial.repack(extra_at=k) is None:
+                for gid in list(bucket):
+                    self._remove_reserved(gid, v)
+                    self._forget(gid)
+                    doomed.append(gid)
+        if doomed:
+            self._apply_layout(self._repacked())
+        return tuple(doomed)
+
+    # -- Abort / filtering ------------------------------------------------------------
+
+    def abort(self, group_id: GroupId) -> Outcome:
+        """Drop a reserved or occupied group for good (filtering, redundancy, timeouts).
+
+        Occupied groups of later buffers move forward into the hole (Figure 8c), so the
+        trainer's buffer may turn Ready.
+        """
+        with self._cond:
+            group = self._groups.get(group_id)
+            if group is None:
+                if group_id in self._aborted:
+                    return Outcome(discarded=True)
+                raise UnknownGroup(f"group {group_id} is not tracked (never reserved or consumed)")
+            # An occupied group's surplus members were already reported at Occupy.
+            members = tuple(group.completed if group.buffer is not None else group.members)
+            self._untrack(group_id, group)
+            self._apply_layout(self._repacked())
+            outcome = Outcome(
+                abort_trajectories=members,
+                abort_groups=(group_id,),
+                ready=self._counts.head_ready(),
+            )
+        self._notify_if_ready(outcome.ready)
+        return outcome
+
+    def abort_trajectory(self, group_id: GroupId, traj_id: TrajId) -> Outcome:
+        """Drop one running member (e.g. its engine failed). The group survives while it can
+        still reach ``G`` completed members; otherwise the whole group is aborted."""
+        with self._cond:
+            group = self._groups.get(group_id)
+            if group is None:
+                if group_id in self._aborted:
+                    return Outcome(discarded=True)
+                raise UnknownGroup(f"group {group_id} is not tracked (never reserved or consumed)")
+            if (
+                traj_id not in group.members
+                or traj_id in group.completed
+                or group.buffer is not None
+            ):
+                raise NotReserved(
+                    f"trajectory {traj_id} of group {group_id} is not a running reserved member"
+                )
+            if self.group_capacity - group.dropped - 1 < self.group_size or len(group.members) == 1:
+                members = tuple(group.members)
+                self._untrack(group_id, group)
+                self._apply_layout(self._repacked())
+                outcome = Outcome(
+                    abort_trajectories=members,
+                    abort_groups=(group_id,),
+                    ready=self._counts.head_ready(),
+                )
+            else:
+                del group.members[traj_id]
+                group.dropped += 1
+                new_v = min(group.members.values())
+                if new_v != group.version:  # only ever rises, which only relaxes
+                    self._remove_reserved(group_id, group.version)
+                    self._add_reserved(group_id, new_v)
+                    group.version = new_v
+                    self._apply_layout(self._repacked())
+                outcome = Outcome(abort_trajectories=(traj_id,), ready=self._counts.head_ready())
+        self._notify_if_ready(outcome.ready)
+        return outcome
+
+    # -- Consume ----------------------------------------------------------------------
+
+    def consume(self) -> ConsumedBatch:
+        """Take the Ready buffer ``version`` and advance the trainer to ``version + 1``.
+
+        Reserved groups that cannot fit in the remaining buffers (only possible with batch
+        redundancy) are aborted and listed in ``aborted_groups``.
+        """
+        with self._cond:
+            counts = self._counts
+            if not counts.head_ready():
+                raise NotReady(self._explain_not_ready())
+            buffer_version = counts.version
+            picked = []
+            for gid in list(self._pinned[buffer_version % self._n]):
+                group = self._groups[gid]
+                self._unpin(gid, group)
+                del self._groups[gid]
+                picked.append(ConsumedGroup(gid, group.version, tuple(group.completed)))
+            aborted = self._abort_expired(buffer_version)
+            counts.advance()
+            self._apply_layout(self._repacked())
+            self.consumed_batches += 1
+            batch = ConsumedBatch(buffer_version, tuple(picked), aborted)
+            self.history.append((buffer_version, batch.staleness))
+            ready = counts.head_ready()
+        self._notify_if_ready(ready)
+        return batch
+
+    def _abort_expired(self, buffer_version: int) -> tuple[GroupId, ...]:
+        """Reserved groups that no longer fit once buffer ``buffer_version`` is gone."""
+        aborted: list[GroupId] = []
+        n = self._n
+
+        def drop_oldest(v: int) -> None:
+            gid = next(iter(self._reserved[v % n]))
+            self._remove_reserved(gid, v)
+            self._forget(gid)
+            aborted.append(gid)
+
+        expired = buffer_version - self.eta
+        while self._reserved[expired % n]:
+            drop_oldest(expired)
+        # With redundancy the remaining buffers may still be over-full: drop the oldest
+        # reservations (the long tail) until the next window fits.
+        shifted = self._counts.copy()
+        shifted.advance()
+        while min(shifted.slack()) < 0:
+            v = next(v for v in range(expired + 1, buffer_version + 1) if self._reserved[v % n])
+            drop_oldest(v)
+            shifted.add_reserved(v, -1)
+        return tuple(aborted)
+
+    def _explain_not_ready(self) -> str:
+        r = sum(self._counts.reserved)
+        y = self._counts.pinned_by_buffer()
+        return (
+            f"buffer {self.version} is not Ready: {y[0]} occupied of the {self.batch_size} "
+            f"needed ({r} groups reserved in flight); wait with wait_ready() before consume()"
+        )
+
+    # -- bookkeeping ----------------------------------------------------------------------
+
+    def _add_reserved(self, gid: GroupId, v: int) -> None:
+        self._reserved[v % self._n][gid] = None
+        self._counts.add_reserved(v)
+
+    def _remove_reserved(self, gid: GroupId, v: int) -> None:
+        del self._reserved[v % self._n][gid]
+        self._counts.add_reserved(v, -1)
+
+    def _pin(self, gid: GroupId, group: _Group, buffer: int) -> None:
+        group.buffer = buffer
+        self._pinned[buffer % self._n][gid] = None
+        self._counts.add_pinned(buffer)
+
+    def _unpin(self, gid: GroupId, group: _Group) -> None:
+        assert group.buffer is not None
+        del self._pinned[group.buffer % self._n][gid]
+        self._counts.add_pinned(group.buffer, -1)
+        group.buffer = None
+
+    def _untrack(self, gid: GroupId, group: _Group) -> None:
+        if group.buffer is not None:
+            self._unpin(gid, group)
+        else:
+            self._remove_reserved(gid, group.version)
+        self._forget(gid)
+
+    def _forget(self, gid: GroupId) -> None:
+        del self._groups[gid]
+        self._aborted[gid] = None
+        if len(self._aborted) > _REMEMBER_ABORTED:
+            del self._aborted[next(iter(self._aborted))]
+        self.aborted_groups += 1
+
+    def _repacked(self) -> list[int]:
+        layout = self._counts.repack()
+        if layout is None:
+            raise AssertionError("occupied groups no longer fit: the invariant is broken")
+        return layout
+
+    def _apply_layout(self, target: list[int]) -> None:
+        """Move occupied groups earlier until buffer ``j`` holds ``target[j]`` of them,
+        pulling from the nearest later buffers in arrival order."""
+        n, base = self._n, self.version
+        if target == self._counts.pinned_by_buffer():
+            return
+        for j in range(n):
+            here = self._pinned[(base + j) % n]
+            src = j + 1
+            while len(here) < target[j]:
+                while not self._pinned[(base + src) % n]:
+                    src += 1
+                    if src >= n:
+                        raise AssertionError("repack asked for more occupied groups than exist")
+                gid = next(iter(self._pinned[(base + src) % n]))
+                group = self._groups[gid]
+                self._unpin(gid, group)
+                self._pin(gid, group, base + j)
+
+    def _notify_if_ready(self, ready: bool) -> None:
+        if not ready:
+            return
+        with self._cond:
+            self._cond.notify_all()
+            listeners = list(self._ready_listeners)
+            version = self._counts.version
+        for callback in listeners:
+            try:
+                callback(version)
+            except Exception:  # a broken listener must not break the protocol
+                logger.exception("ready listener %r failed", callback)
+
+    # -- introspection and checkpointing -----------------------------------------------
+
+    def view(self) -> ManagerView:
+        """Buffers with their states and entries (occupied as committed, reserved latest)."""
+        with self._cond:
+            n, v, eta = self._n, self.version, self.eta
+            reserved = [
+                [(gid, v - eta + k) for gid in self._reserved[(v - eta + k) % n]] for k in range(n)
+            ]
+            pinned = [
+                [(gid, self._groups[gid].version) for gid in self._pinned[(v + j) % n]]
+                for j in range(n)
+            ]
+            return ManagerView(
+                eta=eta,
+                batch_size=self.batch_size,
+                group_size=self.group_size,
+                version=v,
+                buffers=canonical_buffers(v, self.batch_size, self.capacity, reserved, pinned),
+                reserved_groups=sum(len(b) for b in reserved),
+                occupied_groups=sum(len(b) for b in pinned),
+                consumed_batches=self.consumed_batches,
+                aborted_groups=self.aborted_groups,
+            )
+
+    def export_state(self) -> dict:
+        """Everything needed to resume, as plain data (msgpack/JSON friendly)."""
+        with self._cond:
+            groups = [
+                {
+                    "id": gid,
+                    "version": g.version,
+                    "buffer": g.buffer,
+                    "members": [[t, v] for t, v in g.members.items()],
+                    "completed": list(g.completed),
+                    "dropped": g.dropped,
+                }
+                for gid, g in self._groups.items()
+            ]
+            return checkpoint.export_state(
+                self.config, self.version, groups, self.consumed_batches, self.aborted_groups
+            )
+
+    @classmethod
+    def restore(cls, state: dict) -> StalenessManager:
+        """Rebuild a manager from ``export_state()``, validating it before trusting it."""
+        parsed = checkpoint.parse_state(state)
+        manager = cls(parsed.config, version=parsed.version)
+        manager.consumed_batches = parsed.consumed_batches
+        manager.aborted_groups = parsed.aborted_groups
+        for raw in parsed.groups:
+            group = _Group(raw["version"])
+            group.members = {t: v for t, v in raw["members"]}
+            group.completed = list(raw["completed"])
+            group.dropped = raw["dropped"]
+            manager._groups[raw["id"]] = group
+            if raw["buffer"] is None:
+                manager._add_reserved(raw["id"], group.version)
+            else:
+                manager._pin(raw["id"], group, raw["buffer"])
+        checkpoint.check_fits(manager._counts)
+        return manager

@@ -1,0 +1,73 @@
+"""A throwaway copy of the admission state for one coordinator cycle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from staleness.errors import StalenessError, StalenessViolation
+from staleness.feasibility import AdmissionCounts
+from staleness.types import GroupId, Outcome, TrajId
+
+_EMPTY = Outcome()
+CLOSED = -1  # what ``parent_group`` reports for a group that takes no more members
+
+
+class Sketch:
+    """Verify/reserve against a copy of the counts; the real manager is never touched.
+
+    Group versions are looked up in the parent (``group_version``) unless this sketch
+    reserved the group itself. A sketch is valid until its parent changes.
+    """
+
+    __slots__ = ("_counts", "_groups", "_parent_group")
+
+    def __init__(
+        self,
+        counts: AdmissionCounts,
+        parent_group: Callable[[GroupId], int | None],
+        groups: dict[GroupId, int] | None = None,
+    ) -> None:
+        self._counts = counts
+        self._parent_group = parent_group
+        self._groups: dict[GroupId, int] = {} if groups is None else groups
+
+    @property
+    def version(self) -> int:
+        return self._counts.version
+
+    def _group_version(self, group_id: GroupId) -> int | None:
+        v = self._groups.get(group_id)
+        return v if v is not None else self._parent_group(group_id)
+
+    def verify(self, v_traj: int, group_id: GroupId | None = None) -> bool:
+        counts = self._counts
+        if v_traj > counts.version:
+            raise StalenessError(
+                f"V_traj={v_traj} is newer than the trainer's version {counts.version}: "
+                "no instance can hold a policy that has not been trained yet"
+            )
+        if group_id is not None:
+            gv = self._group_version(group_id)
+            if gv is not None:
+                if gv == CLOSED:
+                    return False
+                return v_traj >= gv or counts.admissible_lowering(gv, v_traj)
+        return counts.admissible(v_traj)
+
+    def reserve(self, group_id: GroupId, traj_id: TrajId, v_traj: int) -> Outcome:
+        if not self.verify(v_traj, group_id):
+            raise StalenessViolation(
+                f"cannot reserve group {group_id} with V_traj={v_traj} in this sketch"
+            )
+        gv = self._group_version(group_id)
+        if gv is None:
+            self._counts.add_reserved(v_traj)
+            self._groups[group_id] = v_traj
+        elif v_traj < gv:
+            self._counts.add_reserved(gv, -1)
+            self._counts.add_reserved(v_traj)
+            self._groups[group_id] = v_traj
+        return _EMPTY
+
+    def sketch(self) -> Sketch:
+        return Sketch(self._counts.copy(), self._parent_group, dict(self._groups))

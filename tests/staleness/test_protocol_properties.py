@@ -1,0 +1,205 @@
+"""Long random sequences of protocol operations against a bookkeeping model."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from staleness import (
+    EntryKind,
+    StalenessConfig,
+    StalenessManager,
+    StalenessViolation,
+)
+from tests.staleness.oracle import brute_lexmax_occupied, flow_feasible
+
+
+class ProtocolMachine(RuleBasedStateMachine):
+    @initialize(
+        eta=st.integers(0, 3),
+        batch=st.integers(1, 4),
+        group=st.integers(1, 3),
+        batch_red=st.sampled_from([0.0, 0.0, 0.5, 1.0]),
+        group_red=st.sampled_from([0.0, 0.0, 0.5, 1.0]),
+    )
+    def setup(self, eta, batch, group, batch_red, group_red):
+        cfg = StalenessConfig(eta, batch, group, batch_red, group_red)
+        self.m = StalenessManager(cfg)
+        self.cfg = cfg
+        self.next_gid = 0
+        self.next_tid = 0
+        self.members: dict[int, dict[int, int]] = {}  # live group -> traj -> v_traj
+        self.done: dict[int, list[int]] = {}
+        self.occupied: set[int] = set()
+        self.gone: set[int] = set()  # consumed or aborted
+        self.consumed: set[int] = set()
+
+    # -- operations ---------------------------------------------------------------------
+
+    def _instance_version(self, lag: int) -> int:
+        return max(0, self.m.version - lag)
+
+    @rule(lag=st.integers(0, 5))
+    def reserve_new_group(self, lag):
+        v = self._instance_version(lag)
+        ok = self.m.verify(v)
+        before = self.m.export_state()
+        gid, tid = self.next_gid, self.next_tid
+        try:
+            self.m.reserve(gid, tid, v)
+        except StalenessViolation:
+            assert not ok, "verify said yes but reserve refused"
+            assert self.m.export_state() == before
+            # Exactness: refused only if no placement exists in which occupied groups stay
+            # at or before their committed buffers.
+            assert not (
+                v + self.cfg.eta >= self.m.version
+                and flow_feasible(
+                    [*self._windows(committed=True), (v, v + self.cfg.eta, False)],
+                    self.m.version,
+                    self.cfg.eta + 1,
+                    self.cfg.batch_size,
+                    self.cfg.buffer_capacity,
+                )
+            )
+            return
+        assert ok, "verify said no but reserve succeeded"
+        self.next_gid += 1
+        self.next_tid += 1
+        self.members[gid] = {tid: v}
+        self.done[gid] = []
+
+    @precondition(lambda self: any(g not in self.occupied for g in self.members))
+    @rule(data=st.data(), lag=st.integers(0, 5))
+    def reserve_member(self, data, lag):
+        open_groups = sorted(g for g in self.members if g not in self.occupied)
+        gid = data.draw(st.sampled_from(open_groups))
+        v = self._instance_version(lag)
+        ok = self.m.verify(v, gid)
+        tid = self.next_tid
+        try:
+            self.m.reserve(gid, tid, v)
+        except StalenessViolation:
+            assert not ok
+            return
+        assert ok
+        self.next_tid += 1
+        self.members[gid][tid] = v
+
+    @precondition(lambda self: any(self._running(g) for g in self.members))
+    @rule(data=st.data())
+    def complete(self, data):
+        gid = data.draw(st.sampled_from(sorted(g for g in self.members if self._running(g))))
+        tid = data.draw(st.sampled_from(sorted(self._running(gid))))
+        out = self.m.complete(gid, tid)
+        if out.discarded:
+            assert gid in out.abort_groups
+            self._forget(gid)
+        else:
+            self.done[gid].append(tid)
+            if out.occupied:
+                assert len(out.kept) == self.cfg.group_size
+                assert set(out.kept) == set(self.done[gid])
+                assert set(out.abort_trajectories) == set(self.members[gid]) - set(out.kept)
+                self.occupied.add(gid)
+                for t in out.abort_trajectories:
+                    del self.members[gid][t]
+            else:
+                assert len(self.done[gid]) < self.cfg.group_size
+        for g in out.abort_groups:
+            if g != gid:
+                self._forget(g)
+        assert out.ready == self.m.is_ready()
+
+    @precondition(lambda self: bool(self.members))
+    @rule(data=st.data())
+    def abort_group(self, data):
+        gid = data.draw(st.sampled_from(sorted(self.members)))
+        out = self.m.abort(gid)
+        assert set(out.abort_trajectories) == set(self.members[gid])
+        self._forget(gid)
+
+    @precondition(lambda self: self.m.is_ready())
+    @rule()
+    def consume(self):
+        batch = self.m.consume()
+        assert len(batch.groups) == self.cfg.batch_size
+        for g in batch.groups:
+            assert g.group_id in self.occupied, "consumed a group that was not occupied"
+            assert 0 <= batch.version - g.version <= self.cfg.eta
+            assert g.version == min(self.members[g.group_id][t] for t in g.trajectories)
+            assert set(g.trajectories) == set(self.done[g.group_id])
+            assert g.group_id not in self.consumed
+            self.consumed.add(g.group_id)
+            self._forget(g.group_id)
+        for gid in batch.aborted_groups:
+            assert self.cfg.batch_redundancy > 0
+            self._forget(gid)
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def _running(self, gid):
+        if gid in self.occupied:
+            return []
+        return [t for t in self.members[gid] if t not in self.done[gid]]
+
+    def _forget(self, gid):
+        self.members.pop(gid, None)
+        self.done.pop(gid, None)
+        self.occupied.discard(gid)
+        self.gone.add(gid)
+
+    def _windows(self, committed: bool):
+        """Each tracked group's admissible buffers; occupied ones capped at their committed
+        buffer when ``committed``."""
+        buffer_of = {e.group_id: buf.version for buf in self.m.view().buffers for e in buf.entries}
+        out = []
+        for g in self.members:
+            if g in self.occupied:
+                v = min(self.members[g][t] for t in self.done[g])
+                hi = buffer_of[g] if committed else v + self.cfg.eta
+                out.append((v, hi, True))
+            else:
+                v = min(self.members[g].values())
+                out.append((v, v + self.cfg.eta, False))
+        return out
+
+    # -- invariants ---------------------------------------------------------------------
+
+    @invariant()
+    def every_entry_within_bound_and_nothing_lost(self):
+        if not hasattr(self, "m"):
+            return
+        view = self.m.view()
+        seen = {}
+        for buf in view.buffers:
+            assert len(buf.entries) <= self.cfg.buffer_capacity
+            assert buf.occupied <= self.cfg.batch_size
+            for e in buf.entries:
+                assert e.version <= buf.version <= e.version + self.cfg.eta
+                assert e.group_id not in seen, "group placed twice"
+                seen[e.group_id] = e
+        assert set(seen) == set(self.members), "a tracked group was lost or invented"
+        for gid, e in seen.items():
+            assert (e.kind is EntryKind.OCCUPIED) == (gid in self.occupied)
+
+    @invariant()
+    def occupied_packed_lexicographically_earliest(self):
+        if not hasattr(self, "m") or len(self.members) > 7:
+            return
+        got = tuple(buf.occupied for buf in self.m.view().buffers)
+        best = brute_lexmax_occupied(
+            self._windows(committed=False),
+            self.m.version,
+            self.cfg.eta + 1,
+            self.cfg.batch_size,
+            self.cfg.buffer_capacity,
+        )
+        assert got == best
+
+
+ProtocolMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=60, deadline=None
+)
+TestProtocol = ProtocolMachine.TestCase
