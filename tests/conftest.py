@@ -1,0 +1,30 @@
+"""Skip marked tests cleanly where what they need is absent."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+
+import pytest
+
+
+def _has_cuda() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    reasons = {}
+    if any(item.get_closest_marker("gpu") for item in items) and not _has_cuda():
+        reasons["gpu"] = "needs a CUDA GPU"
+    if importlib.util.find_spec("ray") is None:
+        reasons["ray"] = "needs ray: pip install -e '.[ray]'"
+    if not (shutil.which("chromium") or shutil.which("chromium-browser")):
+        reasons["browser"] = "needs Debian's chromium package"
+    for item in items:
+        for marker, reason in reasons.items():
+            if item.get_closest_marker(marker):
+                item.add_marker(pytest.mark.skip(reason=reason))
