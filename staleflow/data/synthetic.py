@@ -1,0 +1,138 @@
+"""The built-in verifiable task: short integer arithmetic, e.g. ``"12+7*3="`` -> ``"33"``.
+
+Problems are generated offline and deterministically: problem ``i`` of seed ``s`` depends
+only on ``(s, i)``, through a small counter-based generator defined here, so it is the
+same on every machine and library version, and any slice can be generated on its own.
+Answers follow the usual precedence (``*`` before ``+`` and ``-``). Prompts are a few
+characters and answers at most a few digits, so a tiny model can learn the task after a
+short supervised warm-up and then improve with RL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALPHABET = "0123456789+-*="
+_OPERATORS = "+-*"
+_MASK = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class ArithmeticConfig:
+    """Difficulty knobs of the arithmetic task.
+
+    num_operands: numbers per problem (2 to 8).
+    max_digits: each number is drawn uniformly from ``[0, 10**max_digits)`` (1 to 6).
+    operators: the operators to draw from, a non-empty subset of ``"+-*"``.
+    seed: picks the problem set; use different seeds for train and evaluation.
+    """
+
+    num_operands: int = 2
+    max_digits: int = 2
+    operators: str = "+-"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 2 <= self.num_operands <= 8:
+            raise ValueError(f"num_operands={self.num_operands}; use 2 to 8")
+        if not 1 <= self.max_digits <= 6:
+            raise ValueError(f"max_digits={self.max_digits}; use 1 to 6")
+        if not self.operators or set(self.operators) - set(_OPERATORS):
+            raise ValueError(f"operators={self.operators!r}; use a non-empty subset of '+-*'")
+        if len(set(self.operators)) != len(self.operators):
+            raise ValueError(f"operators={self.operators!r} repeats an operator")
+
+    @classmethod
+    def level(cls, difficulty: int, seed: int = 0) -> ArithmeticConfig:
+        """Presets from 1 (one-digit sums) to 5; the default config is level 2."""
+        presets = {
+            1: (2, 1, "+-"),
+            2: (2, 2, "+-"),
+            3: (3, 2, "+-*"),
+            4: (4, 2, "+-*"),
+            5: (4, 3, "+-*"),
+        }
+        if difficulty not in presets:
+            raise ValueError(f"difficulty={difficulty}; use 1 to {max(presets)}")
+        operands, digits, ops = presets[difficulty]
+        return cls(num_operands=operands, max_digits=digits, operators=ops, seed=seed)
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    index: int
+    prompt: str  # e.g. "12+7*3="
+    answer: str  # e.g. "33"
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
+
+class _Stream:
+    """Random integers for one problem, keyed by (seed, index)."""
+
+    def __init__(self, seed: int, index: int) -> None:
+        self._state = _splitmix64(_splitmix64(seed & _MASK) ^ (index & _MASK))
+
+    def below(self, n: int) -> int:
+        self._state = (self._state + 1) & _MASK
+        return _splitmix64(self._state) % n  # bias < n / 2**64: irrelevant here
+
+
+def evaluate(tokens: list[int | str]) -> int:
+    """Value of ``[n0, op, n1, op, ...]`` with ``*`` binding tighter than ``+`` and ``-``."""
+    total, term, sign = 0, int(tokens[0]), 1
+    for op, value in zip(tokens[1::2], tokens[2::2], strict=True):
+        if op == "*":
+            term *= int(value)
+        else:
+            total += sign * term
+            term, sign = int(value), (1 if op == "+" else -1)
+    return total + sign * term
+
+
+class ArithmeticTask:
+    """Problem ``i`` for any ``i >= 0``; the set is unbounded and needs no storage."""
+
+    def __init__(self, config: ArithmeticConfig | None = None) -> None:
+        self.config = config or ArithmeticConfig()
+
+    def problem(self, index: int) -> Problem:
+        if index < 0:
+            raise ValueError(f"problem index {index} is negative")
+        cfg = self.config
+        rng = _Stream(cfg.seed, index)
+        limit = 10**cfg.max_digits
+        parts: list[int | str] = [rng.below(limit)]
+        for _ in range(cfg.num_operands - 1):
+            parts.append(cfg.operators[rng.below(len(cfg.operators))])
+            parts.append(rng.below(limit))
+        prompt = "".join(map(str, parts)) + "="
+        return Problem(index, prompt, str(evaluate(parts)))
+
+    def problems(self, count: int, start: int = 0) -> list[Problem]:
+        return [self.problem(i) for i in range(start, start + count)]
+
+    @property
+    def max_prompt_chars(self) -> int:
+        cfg = self.config
+        return cfg.num_operands * (cfg.max_digits + 1)
+
+    @property
+    def max_answer_chars(self) -> int:
+        largest = (10**self.config.max_digits - 1) ** (
+            self.config.num_operands if "*" in self.config.operators else 1
+        ) * (1 if "*" in self.config.operators else self.config.num_operands)
+        return len(str(largest)) + 1  # a minus sign
+
+
+def check(response_text: str, answer: str) -> float:
+    """1.0 when the response is exactly the answer (surrounding whitespace ignored).
+
+    Exact match, not "contains": a response that lists several numbers gets no credit.
+    """
+    return 1.0 if response_text.strip() == answer.strip() else 0.0

@@ -1,0 +1,189 @@
+"""The trajectory server over Ray: a service class the actor wraps, and a client.
+
+Array-heavy calls (route, interrupt_return, complete, take_batch, the routing view) pass
+packed wire messages (``wire.py``) as bytes; the small ones pass typed frozen records by
+Ray's own serialisation. Ray is imported only inside :func:`spawn_trajectory_server`, so
+importing this module (or ``trajectory_server``) never imports ray.
+
+The actor runs one call at a time (Ray's default ``max_concurrency=1``), which is what the
+single-threaded core needs. Errors raised by the core reach the caller as the same typed
+exceptions (Ray re-raises them as subclasses of the original class).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from trajectory_server import wire
+from trajectory_server.interface import PromptSource
+from trajectory_server.server import TrajectoryServer
+from trajectory_server.types import (
+    AbortedTrajectory,
+    Completion,
+    GroupStatus,
+    InfoValue,
+    InstanceId,
+    PartialTrajectory,
+    RoutableTrajectory,
+    RoutedTrajectory,
+    TrainingBatch,
+    TrajectoryServerConfig,
+    TrajState,
+    TSStats,
+)
+
+
+class TrajectoryServerService:
+    """Bytes-in, bytes-out facade of :class:`TrajectoryServer`; what the Ray actor runs."""
+
+    def __init__(self, config: TrajectoryServerConfig, source: PromptSource) -> None:
+        self._ts = TrajectoryServer(config, source)
+        self._packed_view: tuple[Sequence[RoutableTrajectory], bytes] | None = None
+
+    def route(self, request: bytes) -> bytes:
+        req = wire.unpack(request, wire.RouteRequest)
+        v: int | Mapping[int, int] | None = req.v_traj
+        if v is None and req.v_traj_by_traj:
+            v = req.v_traj_by_traj
+        return wire.pack(wire.RouteReply(self._ts.route(req.traj_ids, v, req.instance_id)))
+
+    def interrupt_return(self, message: bytes) -> None:
+        self._ts.interrupt_return(wire.unpack(message, wire.InterruptReturn).partials)
+
+    def complete(self, message: bytes) -> bytes:
+        batch = wire.unpack(message, wire.CompletionBatch)
+        return wire.pack(wire.GroupStatusBatch(self._ts.complete_many(batch.completions)))
+
+    def take_batch(
+        self, group_ids: Sequence[int], select: Mapping[int, Sequence[int]] | None
+    ) -> bytes:
+        return wire.pack(self._ts.take_batch(group_ids, select))
+
+    def routing_view(self) -> bytes:
+        view = self._ts.routing_view()
+        # the core returns the same object until the queue changes: reuse its encoding
+        if self._packed_view is None or self._packed_view[0] is not view:
+            self._packed_view = (view, wire.pack(wire.RoutingColumns.from_records(view)))
+        return self._packed_view[1]
+
+    def refill(self) -> tuple[int, ...]:
+        return self._ts.refill()
+
+    def abort(self, traj_ids: Sequence[int]) -> tuple[AbortedTrajectory, ...]:
+        return self._ts.abort(traj_ids)
+
+    def abort_group(self, group_id: int) -> tuple[AbortedTrajectory, ...]:
+        return self._ts.abort_group(group_id)
+
+    def state_of(self, traj_id: int) -> TrajState:
+        return self._ts.state_of(traj_id)
+
+    def group_members(self, group_id: int) -> tuple[int, ...]:
+        return self._ts.group_members(group_id)
+
+    def group_status(self, group_id: int) -> GroupStatus:
+        return self._ts.group_status(group_id)
+
+    def stats(self) -> TSStats:
+        return self._ts.stats()
+
+
+def spawn_trajectory_server(
+    config: TrajectoryServerConfig, source: PromptSource, **actor_options: Any
+) -> TrajectoryServerClient:
+    """Start the TS as a Ray actor (``ray.init`` must have run) and return a client.
+
+    ``source`` is pickled into the actor. ``actor_options`` go to ``.options()``, e.g.
+    ``name="trajectory_server"``, ``num_cpus=1``.
+    """
+    try:
+        import ray
+    except ImportError as exc:
+        raise ImportError(
+            "the trajectory server actor needs ray; install it with "
+            "`pip install 'staleflow[ray]'`, or use TrajectoryServer in process"
+        ) from exc
+    remote_cls = ray.remote(TrajectoryServerService)
+    options = {"num_cpus": 0, **actor_options}
+    handle = remote_cls.options(**options).remote(config, source)
+    return TrajectoryServerClient(handle)
+
+
+class TrajectoryServerClient:
+    """Blocking client with the core's API; each call is one actor round trip."""
+
+    def __init__(self, handle: Any) -> None:
+        import ray  # the handle only exists if ray does
+
+        self._ray = ray
+        self.handle = handle
+
+    def _call(self, method: str, *args: object) -> Any:
+        return self._ray.get(getattr(self.handle, method).remote(*args))
+
+    def route(
+        self,
+        traj_ids: Iterable[int],
+        v_traj: int | Mapping[int, int] | None,
+        instance_id: InstanceId,
+    ) -> tuple[RoutedTrajectory, ...]:
+        if isinstance(v_traj, Mapping):
+            req = wire.RouteRequest(tuple(traj_ids), None, dict(v_traj), instance_id)
+        else:
+            req = wire.RouteRequest(tuple(traj_ids), v_traj, {}, instance_id)
+        reply = self._call("route", wire.pack(req))
+        return wire.unpack(reply, wire.RouteReply).trajectories
+
+    def interrupt_return(self, partials: Iterable[PartialTrajectory]) -> None:
+        self._call("interrupt_return", wire.pack(wire.InterruptReturn(tuple(partials))))
+
+    def complete(
+        self,
+        traj_id: int,
+        tokens: np.ndarray,
+        logprobs: np.ndarray,
+        versions: np.ndarray,
+        reward: float,
+        finish_reason: str,
+        info: Mapping[str, InfoValue] | None = None,
+    ) -> GroupStatus:
+        c = Completion(traj_id, tokens, logprobs, versions, reward, finish_reason, info or {})
+        return self.complete_many((c,))[0]
+
+    def complete_many(self, completions: Iterable[Completion]) -> tuple[GroupStatus, ...]:
+        reply = self._call("complete", wire.pack(wire.CompletionBatch(tuple(completions))))
+        return wire.unpack(reply, wire.GroupStatusBatch).statuses
+
+    def take_batch(
+        self, group_ids: Iterable[int], select: Mapping[int, Sequence[int]] | None = None
+    ) -> TrainingBatch:
+        plain = None if select is None else {g: tuple(ids) for g, ids in select.items()}
+        reply = self._call("take_batch", tuple(group_ids), plain)
+        return wire.unpack(reply, TrainingBatch)
+
+    def routing_view(self) -> tuple[RoutableTrajectory, ...]:
+        return wire.unpack(self._call("routing_view"), wire.RoutingColumns).to_records()
+
+    def refill(self) -> tuple[int, ...]:
+        return self._call("refill")
+
+    def abort(self, traj_ids: Iterable[int]) -> tuple[AbortedTrajectory, ...]:
+        return self._call("abort", tuple(traj_ids))
+
+    def abort_group(self, group_id: int) -> tuple[AbortedTrajectory, ...]:
+        return self._call("abort_group", group_id)
+
+    def state_of(self, traj_id: int) -> TrajState:
+        return self._call("state_of", traj_id)
+
+    def group_members(self, group_id: int) -> tuple[int, ...]:
+        return self._call("group_members", group_id)
+
+    def group_status(self, group_id: int) -> GroupStatus:
+        return self._call("group_status", group_id)
+
+    def stats(self) -> TSStats:
+        return self._call("stats")

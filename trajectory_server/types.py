@@ -1,0 +1,255 @@
+"""Plain data of the trajectory server (paper §5.1): configuration, records and payloads.
+
+Arrays follow one convention everywhere: tokens are 1-D ``np.int32``, logprobs 1-D
+``np.float32``, per-token policy versions 1-D ``np.int32``, all three of the same length.
+A *response* is everything generated after the prompt so far; a partial trajectory's
+response grows each time it is routed, interrupted and routed again.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import numpy as np
+
+from trajectory_server.errors import InvalidConfig
+
+TrajId = int
+GroupId = int
+InstanceId = int | str
+InfoValue = int | float | str
+
+
+class TrajState(enum.StrEnum):
+    """Where a live trajectory is. Consumed and aborted trajectories are gone."""
+
+    QUEUED = "queued"  # in the TS and routable: initial, or an interrupted partial
+    ROUTED = "routed"  # handed to a rollout instance (generating, or being rewarded)
+    COMPLETED = "completed"  # finished and rewarded; waits for its group to be consumed
+
+
+@dataclass(slots=True)
+class TrajectoryServerConfig:
+    """Configuration of the trajectory server.
+
+    eta: the staleness bound; with ``batch_size`` it sizes the default capacity.
+    batch_size: groups per training step.
+    group_size: trajectories per group that training needs (G).
+    group_redundancy: r_g; each group runs ``floor(G * (1 + r_g))`` trajectories (§4.3).
+    batch_redundancy: r_b; widens the default capacity to
+        ``(eta + 1) * floor(batch_size * (1 + r_b))`` groups, one per staleness-buffer entry.
+    capacity_groups: overrides the default capacity (groups held at once, in any state).
+    auto_refill: sample new prompts as soon as groups leave (consumed or aborted).
+    """
+
+    eta: int = 1
+    batch_size: int = 1
+    group_size: int = 1
+    group_redundancy: float = 0.0
+    batch_redundancy: float = 0.0
+    capacity_groups: int | None = None
+    auto_refill: bool = True
+
+    def __post_init__(self) -> None:
+        if self.eta < 0:
+            raise InvalidConfig(f"eta={self.eta} is negative; use 0 for synchronous RL")
+        if self.batch_size < 1:
+            raise InvalidConfig(f"batch_size={self.batch_size}; it must be at least 1")
+        if self.group_size < 1:
+            raise InvalidConfig(f"group_size={self.group_size}; it must be at least 1")
+        for name in ("group_redundancy", "batch_redundancy"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 16.0:
+                raise InvalidConfig(f"{name}={value}; use a ratio in [0, 16), e.g. 1/16")
+        if self.capacity_groups is not None and self.capacity_groups < 1:
+            raise InvalidConfig(
+                f"capacity_groups={self.capacity_groups}; it must be at least 1, "
+                "or None for (eta + 1) * batch_size"
+            )
+
+    @property
+    def trajectories_per_group(self) -> int:
+        return int(self.group_size * (1.0 + self.group_redundancy) + 1e-9)
+
+    @property
+    def capacity(self) -> int:
+        """Groups the TS holds at once."""
+        if self.capacity_groups is not None:
+            return self.capacity_groups
+        entries = int(self.batch_size * (1.0 + self.batch_redundancy) + 1e-9)
+        return (self.eta + 1) * entries
+
+
+class RoutableTrajectory(NamedTuple):
+    """One entry of the routing view (the MLQ of §5.3), as the coordinator reads it.
+
+    An immutable named tuple rather than a frozen dataclass: the view holds thousands of
+    these, rebuilt every coordinator cycle on the Ray client side, and a named tuple is
+    built about three times faster.
+    """
+
+    traj_id: int
+    group_id: int
+    v_traj: int | None  # None: initial trajectory, not yet routed
+    length: int  # prompt tokens + tokens generated so far
+    prompt_len: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RoutedTrajectory:
+    """What a rollout instance receives for one routed trajectory.
+
+    The instance continues generation after ``prompt + tokens``; ``tokens``, ``logprobs``
+    and ``versions`` are empty for an initial trajectory. Every response it sends back
+    (``PartialTrajectory`` or ``Completion``) must start with these tokens.
+    """
+
+    traj_id: int
+    group_id: int
+    v_traj: int
+    sample_id: int
+    answer: str  # ground truth, carried along for the reward worker
+    prompt: np.ndarray
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.tokens)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PartialTrajectory:
+    """An interrupted trajectory returned to the TS: the whole response so far."""
+
+    traj_id: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Completion:
+    """A finished, rewarded trajectory sent to the TS: the whole response."""
+
+    traj_id: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    reward: float
+    finish_reason: str  # e.g. "stop" or "length", as the engine reported it
+    info: Mapping[str, InfoValue] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupStatus:
+    """Progress of a group after a completion."""
+
+    group_id: int
+    completed: int  # completed trajectories waiting in the TS
+    live: int  # trajectories of the group still in the TS, in any state
+
+    @property
+    def all_completed(self) -> bool:
+        return self.completed == self.live
+
+
+@dataclass(frozen=True, slots=True)
+class AbortedTrajectory:
+    """A trajectory the TS dropped; if it was ROUTED, its instance must abort it too."""
+
+    traj_id: int
+    group_id: int
+    state: TrajState  # its state when it was dropped
+    instance_id: InstanceId | None  # set when it was ROUTED
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TrainingTrajectory:
+    """A completed trajectory as the trainer receives it."""
+
+    traj_id: int
+    v_traj: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    reward: float
+    finish_reason: str
+    info: Mapping[str, InfoValue] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TrainingGroup:
+    group_id: int
+    sample_id: int
+    answer: str
+    prompt: np.ndarray
+    trajectories: tuple[TrainingTrajectory, ...]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TrainingBatch:
+    """What ``take_batch`` hands to the trainer.
+
+    ``dropped``: members of the taken groups that were not taken (not completed, or not
+    selected); the TS forgot them, and those that were ROUTED must be aborted on their
+    instances.
+    """
+
+    groups: tuple[TrainingGroup, ...]
+    dropped: tuple[AbortedTrajectory, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class TSStats:
+    """Counts for the dashboard. ``*_by_v`` map ``V_traj`` to a count; initial
+    trajectories (no ``V_traj`` yet) are counted in ``initial`` only."""
+
+    capacity_groups: int
+    groups: int
+    queued: int
+    routed: int
+    completed: int
+    initial: int
+    queued_by_v: dict[int, int]
+    routed_by_v: dict[int, int]
+    completed_by_v: dict[int, int]
+    created_trajectories: int
+    consumed_trajectories: int
+    aborted_trajectories: int
+    created_groups: int
+    consumed_groups: int
+    aborted_groups: int
+    dataset_exhausted: bool
+
+    def metrics(self) -> dict[str, float]:
+        """Flat metric keys, e.g. ``ts/queued``."""
+        out: dict[str, float] = {
+            f"ts/{name}": float(getattr(self, name))
+            for name in (
+                "capacity_groups",
+                "groups",
+                "queued",
+                "routed",
+                "completed",
+                "initial",
+                "created_trajectories",
+                "consumed_trajectories",
+                "aborted_trajectories",
+                "created_groups",
+                "consumed_groups",
+                "aborted_groups",
+            )
+        }
+        for state, counts in (
+            ("queued", self.queued_by_v),
+            ("routed", self.routed_by_v),
+            ("completed", self.completed_by_v),
+        ):
+            for v, n in counts.items():
+                out[f"ts/{state}_by_v/{v}"] = float(n)
+        return out
