@@ -1,0 +1,101 @@
+"""The coordinator's section of the configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+from coordinator.cost_model import PRESETS, CostModel
+
+STRATEGY_NAMES = ("throughput", "vanilla")
+
+
+class ConfigError(ValueError):
+    """A coordinator setting is out of range; the message says how to fix it."""
+
+
+@dataclass(frozen=True, slots=True)
+class CostModelConfig:
+    """Which cost model to use: a named preset, with any coefficient overridden.
+
+    Units: k1 s per KV token, k2 and k4 s, k3 s per running trajectory, k5 KV tokens per
+    trajectory token, kv_budget (M) KV tokens per instance.
+    """
+
+    preset: str = field(default="qwen3-30b-a3b-h20", metadata={"help": f"one of {sorted(PRESETS)}"})
+    k1: float | None = None
+    k2: float | None = None
+    k3: float | None = None
+    k4: float | None = None
+    k5: float | None = None
+    kv_budget: float | None = None
+
+    def build(self) -> CostModel:
+        if self.preset not in PRESETS:
+            raise ConfigError(
+                f"coordinator.cost_model.preset={self.preset!r} is unknown: use one of "
+                f"{sorted(PRESETS)}, or fit your engine with coordinator.profiler and pass "
+                "k1..k5 and kv_budget explicitly"
+            )
+        overrides = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.name != "preset" and getattr(self, f.name) is not None
+        }
+        try:
+            return replace(PRESETS[self.preset], **overrides)
+        except ValueError as e:
+            raise ConfigError(f"coordinator.cost_model: {e}") from e
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    """Strategies (§5.3 or their §6.5 vanilla counterparts), their hyper-parameters and the
+    cycle period. Each strategy is chosen independently."""
+
+    routing: str = field(default="throughput", metadata={"help": "throughput | vanilla"})
+    synchronization: str = field(default="throughput", metadata={"help": "throughput | vanilla"})
+    migration: str = field(default="throughput", metadata={"help": "throughput | vanilla"})
+    mu: float = field(
+        default=0.3,
+        metadata={"help": "route only where the gain is >= mu x an idle instance's gain"},
+    )
+    phi_wait: int = field(default=3, metadata={"help": "queued trajectories kept per instance"})
+    phi_throughput: float = field(
+        default=5.0, metadata={"help": "max ratio of highest to lowest instance throughput"}
+    )
+    period_s: float = field(default=1.0, metadata={"help": "seconds between snapshot cycles"})
+    cost_model: CostModelConfig = field(default_factory=CostModelConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("routing", "synchronization", "migration"):
+            value = getattr(self, name)
+            if value not in STRATEGY_NAMES:
+                raise ConfigError(
+                    f"coordinator.{name}={value!r} is unknown: use 'throughput' (the paper's "
+                    "strategy) or 'vanilla' (its §6.5 ablation counterpart)"
+                )
+        if not 0.0 < self.mu <= 1.0:
+            raise ConfigError(
+                f"coordinator.mu={self.mu} is out of range: use a value in (0, 1]; it is the "
+                "share of an idle instance's throughput gain a route must reach (paper: 0.3)"
+            )
+        if isinstance(self.phi_wait, bool) or not isinstance(self.phi_wait, int):
+            raise ConfigError(f"coordinator.phi_wait={self.phi_wait!r} must be an integer >= 0")
+        if self.phi_wait < 0:
+            raise ConfigError(
+                f"coordinator.phi_wait={self.phi_wait} is negative: use the number of queued "
+                "trajectories an instance may keep before the excess migrates (paper: 3)"
+            )
+        if not self.phi_throughput >= 1.0:
+            raise ConfigError(
+                f"coordinator.phi_throughput={self.phi_throughput} is below 1: it bounds the "
+                "ratio of the highest to the lowest instance throughput, so use >= 1 "
+                "(paper: 5)"
+            )
+        if not self.period_s > 0.0:
+            raise ConfigError(
+                f"coordinator.period_s={self.period_s} must be > 0 seconds (e.g. 1.0)"
+            )
+        if not isinstance(self.cost_model, CostModelConfig):
+            raise ConfigError("coordinator.cost_model must be a CostModelConfig")
+        self.cost_model.build()  # fail now, not at the first cycle

@@ -1,0 +1,164 @@
+"""Algorithm 1 (one decision over a validated snapshot) and the snapshot-command cycle."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from coordinator.aborts import AbortRequests
+from coordinator.commands import Abort, Command, Interrupt, Pull, Reservation, Route
+from coordinator.config import CoordinatorConfig
+from coordinator.fleet import Fleet
+from coordinator.interface import (
+    AdmissionSource,
+    CommandExecutor,
+    ParameterVersionSource,
+    SnapshotSource,
+    TrajectorySource,
+)
+from coordinator.pool import TrajectoryPool
+from coordinator.routing import Placement
+from coordinator.speculative import SpeculativeState
+from coordinator.strategies import Strategies, build_strategies
+from coordinator.types import InstanceId, Snapshot, TrajectoryView
+from staleness.interface import AdmissionSketch
+from staleness.types import GroupId, TrajId
+
+logger = logging.getLogger(__name__)
+
+
+def plan_cycle(
+    snapshot: Snapshot,
+    ts_trajs: Sequence[TrajectoryView],
+    ps_version: int,
+    sketch: AdmissionSketch,
+    strategies: Strategies,
+    aborts: AbortRequests | None = None,
+) -> list[Command]:
+    """Algorithm 1 on a validated snapshot. Routes are Reserved in ``sketch`` only."""
+    S = Fleet(snapshot)
+    commands: list[Command] = []
+    if aborts:
+        for pos, trajs in aborts.on_instances(S):
+            commands.append(Abort(S.ids[pos], _ids(trajs)))
+            S.discard(pos, trajs, strategies.cost.k5)
+    ts = TrajectoryPool(
+        ts_trajs,
+        excluded_trajs=aborts.trajs if aborts else (),
+        excluded_groups=aborts.groups if aborts else (),
+    )
+    for pos in strategies.sync.select(S, ts, ps_version, sketch):  # lines 3-8
+        trajs = S.discard_all(pos)
+        if trajs:
+            commands.append(Interrupt(S.ids[pos], _ids(trajs)))
+        commands.append(Pull(S.ids[pos], ps_version))
+        S.set_version(pos, ps_version)
+        ts.add(trajs)
+    for pos, trajs in strategies.migration.select(S):  # lines 9-12
+        commands.append(Interrupt(S.ids[pos], _ids(trajs)))
+        S.discard(pos, trajs, strategies.cost.k5)
+        ts.add(trajs)
+    placements = strategies.routing.route(S, ts, sketch)  # lines 13-14
+    commands.extend(_routes(S.ids, placements))
+    return commands
+
+
+def _ids(trajs: Iterable[TrajectoryView]) -> tuple[TrajId, ...]:
+    return tuple(t.traj_id for t in trajs)
+
+
+def _routes(ids: list[InstanceId], placements: list[Placement]) -> list[Route]:
+    """One Route per instance, trajectories in decision order."""
+    trajs: dict[int, list[TrajId]] = {}
+    reservations: dict[int, list[Reservation]] = {}
+    for p in placements:
+        trajs.setdefault(p.pos, []).append(p.traj.traj_id)
+        if p.initial:
+            reservations.setdefault(p.pos, []).append(
+                Reservation(p.traj.group_id, p.traj.traj_id, p.v_traj)
+            )
+    return [Route(ids[pos], tuple(t), tuple(reservations.get(pos, ()))) for pos, t in trajs.items()]
+
+
+@dataclass(slots=True)
+class CycleStats:
+    cycles: int = 0  # snapshots taken
+    discarded: int = 0  # snapshots rejected by Eq. 1
+    commands: int = 0
+    last_decision_s: float = 0.0  # wall time of the last plan_cycle
+
+
+class Coordinator:
+    """The snapshot-command cycle of §5.2, one :meth:`step` per period.
+
+    Time comes from outside (``step(now)`` or the injected ``clock``) so that a simulator
+    can drive it on virtual time.
+    """
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        *,
+        snapshots: SnapshotSource,
+        trajectories: TrajectorySource,
+        parameters: ParameterVersionSource,
+        admission: AdmissionSource,
+        executor: CommandExecutor,
+        instances: Mapping[InstanceId, int],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.strategies = build_strategies(config)
+        self.speculative = SpeculativeState(instances)
+        self.stats = CycleStats()
+        self._snapshots, self._trajectories = snapshots, trajectories
+        self._parameters, self._admission = parameters, admission
+        self._executor = executor
+        self._clock = clock
+        self._aborts = AbortRequests()
+        self._next_due = float("-inf")
+
+    @property
+    def next_due(self) -> float:
+        """When the next cycle may run (on the caller's clock)."""
+        return self._next_due
+
+    def request_abort(self, trajs: Iterable[TrajId] = (), groups: Iterable[GroupId] = ()) -> None:
+        """Drop these trajectories / whole groups at the next valid snapshot."""
+        self._aborts.add(trajs, groups)
+
+    def step(self, now: float | None = None) -> list[Command]:
+        """One cycle if it is due: snapshot → validate → strategies → issue."""
+        now = self._clock() if now is None else now
+        if now < self._next_due:
+            return []
+        self._next_due = now + self.config.period_s
+        for done in self._executor.poll():
+            self.speculative.settle(done)
+        snapshot = self._snapshots.snapshot()
+        self.stats.cycles += 1
+        if not self.speculative.validate(snapshot):
+            self.stats.discarded += 1
+            if logger.isEnabledFor(logging.DEBUG):
+                logger.debug("snapshot discarded: %s", self.speculative.mismatches(snapshot)[:3])
+            return []
+        ts_trajs = self._trajectories.routable()
+        started = time.perf_counter()
+        commands = plan_cycle(
+            snapshot,
+            ts_trajs,
+            self._parameters.latest_version(),
+            self._admission.sketch(),
+            self.strategies,
+            self._aborts if self._aborts else None,
+        )
+        self.stats.last_decision_s = time.perf_counter() - started
+        if self._aborts:
+            self._aborts.retain_listed(ts_trajs)
+        for command in commands:
+            self.speculative.apply(command)
+        self._executor.issue(commands)
+        self.stats.commands += len(commands)
+        return commands

@@ -1,0 +1,83 @@
+"""The mutable working copy of a validated snapshot, updated as Algorithm 1 decides.
+
+Instances are addressed by *position* (0..n-1, in ascending instance id); ``ids`` maps
+positions back to instance ids. Per-instance numbers live in numpy arrays so that the
+strategies can evaluate the cost model for all instances at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from coordinator.types import InstanceId, Snapshot, TrajectoryView
+
+
+class Fleet:
+    """``S`` of Algorithm 1 for one cycle: versions, loads and the trajectories on each
+    instance. The snapshot itself is never modified."""
+
+    __slots__ = ("ids", "kv", "n_run", "n_wait", "run", "version", "wait")
+
+    ids: list[InstanceId]
+    version: npt.NDArray[np.int64]
+    n_run: npt.NDArray[np.float64]
+    kv: npt.NDArray[np.float64]  # tokens
+    n_wait: npt.NDArray[np.int64]
+    run: list[tuple[TrajectoryView, ...]]
+    wait: list[tuple[TrajectoryView, ...]]
+
+    def __init__(self, snapshot: Snapshot | None = None) -> None:
+        insts = sorted(snapshot.instances, key=lambda s: s.inst) if snapshot else []
+        self.ids = [s.inst for s in insts]
+        self.version = np.array([s.inst_version for s in insts], dtype=np.int64)
+        self.n_run = np.array([len(s.run_trajs) for s in insts], dtype=np.float64)
+        self.kv = np.array([s.kv_cache for s in insts], dtype=np.float64)
+        self.n_wait = np.array([len(s.wait_trajs) for s in insts], dtype=np.int64)
+        self.run = [s.run_trajs for s in insts]
+        self.wait = [s.wait_trajs for s in insts]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def copy(self) -> Fleet:
+        """An independent copy for tentative decisions (trajectory tuples are shared)."""
+        out = Fleet()
+        out.ids = self.ids
+        out.version = self.version.copy()
+        out.n_run = self.n_run.copy()
+        out.kv = self.kv.copy()
+        out.n_wait = self.n_wait.copy()
+        out.run = list(self.run)
+        out.wait = list(self.wait)
+        return out
+
+    def trajectories(self, pos: int) -> tuple[TrajectoryView, ...]:
+        """run + wait of instance ``pos``."""
+        return self.run[pos] + self.wait[pos]
+
+    def discard_all(self, pos: int) -> tuple[TrajectoryView, ...]:
+        """``S[inst].discard(run + wait)``: the instance is left empty (its KV released)."""
+        out = self.run[pos] + self.wait[pos]
+        self.run[pos] = self.wait[pos] = ()
+        self.n_run[pos] = 0.0
+        self.kv[pos] = 0.0
+        self.n_wait[pos] = 0
+        return out
+
+    def discard(self, pos: int, trajs: tuple[TrajectoryView, ...], k5: float) -> None:
+        """``S[inst].discard(trajs)`` for any subset of run + wait."""
+        gone = {t.traj_id for t in trajs}
+        run = tuple(t for t in self.run[pos] if t.traj_id not in gone)
+        wait = tuple(t for t in self.wait[pos] if t.traj_id not in gone)
+        if run:
+            freed = sum(t.length for t in self.run[pos] if t.traj_id in gone)
+            self.kv[pos] = max(0.0, float(self.kv[pos]) - k5 * freed)
+        else:
+            self.kv[pos] = 0.0  # nothing left running: no KV, whatever the page rounding
+        self.run[pos], self.wait[pos] = run, wait
+        self.n_run[pos] = len(run)
+        self.n_wait[pos] = len(wait)
+
+    def set_version(self, pos: int, version: int) -> None:
+        self.version[pos] = version

@@ -1,0 +1,80 @@
+"""Migration strategies: Algorithm 5 and the vanilla counterpart (no proactive migration)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from coordinator.cost_model import CostModel
+from coordinator.fleet import Fleet
+from coordinator.types import TrajectoryView
+
+Migration = tuple[int, tuple[TrajectoryView, ...]]  # (instance position, trajectories)
+
+
+class ThroughputMigration:
+    """Algorithm 5.
+
+    Case 1: an instance with more than ``phi_wait`` queued trajectories gives back the
+    excess, taken from the tail of its queue (the ones that would wait longest).
+
+    Case 2: ``phi_throughput`` bounds the *ratio* of cost-model throughputs (Eq. 2)
+    ``T_max / T_min``, as in Algorithm 5 line 14. When exceeded, every trajectory on the
+    highest-throughput instance returns to the TS to be spread out by routing. Two guards
+    keep it from churning where the paper's text is silent:
+
+    - ``T_min`` is taken over the instances that could receive every trajectory of the
+      highest-throughput instance (version >= their largest ``V_traj``). An idle instance
+      too old to take them would otherwise make the ratio infinite in every cycle and send
+      the same trajectories back where they came from.
+    - An instance holding a single trajectory is never emptied: moving one trajectory
+      cannot balance anything.
+    """
+
+    def __init__(self, cost: CostModel, phi_wait: int, phi_throughput: float) -> None:
+        if phi_wait < 0:
+            raise ValueError(f"phi_wait must be >= 0 (got {phi_wait})")
+        if not phi_throughput >= 1.0:
+            raise ValueError(f"phi_throughput must be a ratio >= 1 (got {phi_throughput})")
+        self.cost = cost
+        self.phi_wait = phi_wait
+        self.phi_throughput = phi_throughput
+
+    def select(self, fleet: Fleet) -> list[Migration]:
+        out: list[Migration] = []
+        excess_of: dict[int, int] = {}
+        for pos in np.flatnonzero(fleet.n_wait > self.phi_wait).tolist():
+            excess = int(fleet.n_wait[pos]) - self.phi_wait
+            excess_of[pos] = excess
+            out.append((pos, fleet.wait[pos][-excess:]))
+        if len(fleet) >= 2:
+            imbalance = self._imbalance(fleet, excess_of)
+            if imbalance is not None:
+                out.append(imbalance)
+        return out
+
+    def _imbalance(self, fleet: Fleet, excess_of: dict[int, int]) -> Migration | None:
+        tput = self.cost.throughputs(fleet.n_run, fleet.kv)
+        top = int(tput.argmax())
+        if tput[top] <= 0.0:
+            return None
+        wait = fleet.wait[top]
+        trajs = fleet.run[top] + wait[: len(wait) - excess_of.get(top, 0)]
+        if len(trajs) < 2:
+            return None
+        need = max((t.v_traj for t in trajs if t.v_traj is not None), default=0)
+        hosts = fleet.version >= need
+        hosts[top] = False
+        if not hosts.any():
+            return None
+        low = float(tput[hosts].min())
+        if low > 0.0 and tput[top] / low <= self.phi_throughput:
+            return None
+        return top, trajs
+
+
+class NoMigration:
+    """Vanilla migration (§6.5): trajectories move only when a Pull interrupts them."""
+
+    def select(self, fleet: Fleet) -> list[Migration]:
+        del fleet
+        return []

@@ -1,0 +1,150 @@
+"""The routing strategy (Algorithm 3, with Algorithm 2 as the candidate test).
+
+Why a cycle stays cheap. Instances are grouped by version once per pass, and everything
+Algorithm 3 asks per instance is asked per version group instead: for a partial
+trajectory the candidates are the groups of version ``>= V_traj`` (a bisection); gains
+(Eq. 3) come from a :class:`~coordinator.gains.GainTable`, evaluated as one vector
+expression per trajectory length and updated in O(1) after a route; Algorithm 2's
+``verify`` for an initial trajectory is asked only of a group whose best gain clears the
+threshold, and a refusal is remembered for the rest of the group's trajectories. Runs of
+interchangeable trajectories (same length, same group) share all of it. A route costs a
+few argmaxes over version groups and one Reserve in the sketch, never a loop over
+instances in Python.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from coordinator.cost_model import CostModel
+from coordinator.fleet import Fleet
+from coordinator.gains import GainTable
+from coordinator.pool import Level, TrajectoryPool, batches
+from coordinator.types import TrajectoryView
+from staleness.interface import AdmissionSketch
+
+
+class Placement(NamedTuple):
+    """Route ``traj`` to the instance at position ``pos`` with ``V_traj = v_traj``.
+
+    A named tuple, not a dataclass: a cycle may create thousands and this is cheaper."""
+
+    pos: int
+    traj: TrajectoryView
+    v_traj: int
+    initial: bool  # V_traj is assigned by this decision and must be Reserved
+
+
+# probe(traj, length, threshold, chosen_version, chosen_gain, chosen_pos) -> stop the pass?
+# Called once per decision, before it takes effect; chosen_* are None when the trajectory
+# is withheld (routing stops after it).
+Probe = Callable[[TrajectoryView, int, float, int | None, float, int | None], bool]
+
+
+@dataclass(frozen=True, slots=True)
+class VersionBuckets:
+    """Instance positions sorted by (version, position), cut into equal-version runs."""
+
+    order: list[int]
+    versions: list[int]
+    starts: list[int]
+    ends: list[int]
+
+    @classmethod
+    def of(cls, fleet: Fleet) -> VersionBuckets:
+        order = np.argsort(fleet.version, kind="stable")
+        versions, starts = np.unique(fleet.version[order], return_index=True)
+        starts_l = starts.tolist()
+        return cls(order.tolist(), versions.tolist(), starts_l, [*starts_l[1:], len(order)])
+
+
+_ABOVE_ALL_VERSIONS = 1 << 62
+
+
+class ThroughputRouting:
+    """Algorithm 3: MLQ by ``V_traj``, waterfall over version groups against
+    ``mu * ΔT_ideal``, withholding (and stopping) when nothing clears the threshold."""
+
+    def __init__(self, cost: CostModel, mu: float) -> None:
+        if not 0.0 < mu <= 1.0:
+            raise ValueError(f"mu must be in (0, 1] (got {mu})")
+        self.cost = cost
+        self.mu = mu
+
+    def route(self, fleet: Fleet, pool: TrajectoryPool, sketch: AdmissionSketch) -> list[Placement]:
+        """Decide routes; updates ``fleet``'s loads and reserves in ``sketch`` as it goes."""
+        return self.run(fleet, pool.levels(), sketch)
+
+    def run(
+        self,
+        fleet: Fleet,
+        levels: list[Level],
+        sketch: AdmissionSketch,
+        probe: Probe | None = None,
+    ) -> list[Placement]:
+        """Algorithm 3 over an already built MLQ; ``probe`` watches every decision."""
+        mu, ideal_gain = self.mu, self.cost.ideal_gain
+        bk = VersionBuckets.of(fleet)
+        order, bver = bk.order, bk.versions
+        nb = len(bver)
+        table = GainTable(
+            self.cost,
+            fleet.n_run[order],
+            fleet.kv[order],
+            fleet.n_wait[order] > 0,
+            bk.starts,
+            bk.ends,
+        )
+        best, place = table.best, table.place
+        verify, reserve = sketch.verify, sketch.reserve
+        out: list[Placement] = []
+        try:
+            for v_level, trajs in levels:
+                initial = v_level is None
+                # Algorithm 2 for partial trajectories: instances of version >= V_traj.
+                first = 0 if v_level is None else bisect_left(bver, v_level)
+                for batch in batches(trajs, initial):
+                    length = batch[0].length
+                    thr = mu * ideal_gain(length)
+                    # A Reserve never makes room for anything else, so verify(v, group) stays
+                    # "no" for the rest of the run, unless the group's own version moves
+                    # down (its first Reserve, or one lower), which changes what it checks.
+                    refused: set[int] = set()
+                    floor = _ABOVE_ALL_VERSIONS  # lowest version placed in this run
+                    for t in batch:
+                        sel, sel_b, gain = -1, -1, 0.0
+                        for b in range(first, nb):  # waterfall: oldest version group first
+                            j, gain = best(b, length)
+                            if gain < thr:
+                                continue
+                            # Algorithm 2, asked only where the gain would do (it is dearer).
+                            if initial and (b in refused or not verify(bver[b], t.group_id)):
+                                refused.add(b)
+                                continue
+                            sel, sel_b = j, b
+                            break
+                        if probe is not None:
+                            if sel < 0:
+                                probe(t, length, thr, None, 0.0, None)
+                                return out
+                            if probe(t, length, thr, bver[sel_b], gain, order[sel]):
+                                return out
+                        if sel < 0:
+                            return out  # withheld: stop, lower priorities wait (Alg. 3 l. 41)
+                        v = bver[sel_b] if v_level is None else v_level
+                        if initial:
+                            reserve(t.group_id, t.traj_id, v)
+                            if v < floor:  # the group's version may have moved down
+                                floor = v
+                                refused.clear()
+                        out.append(Placement(order[sel], t, v, initial))
+                        place(sel, length)
+            return out
+        finally:
+            fleet.n_run[order] = table.n
+            fleet.kv[order] = table.kv

@@ -1,0 +1,150 @@
+"""Synchronisation strategies: Algorithm 4 and the greedy (vanilla) counterpart."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from coordinator.cost_model import CostModel
+from coordinator.fleet import Fleet
+from coordinator.pool import Level, TrajectoryPool
+from coordinator.routing import ThroughputRouting
+from coordinator.types import TrajectoryView
+from staleness.interface import AdmissionSketch
+
+
+class ThroughputSync:
+    """Algorithm 4: Pull only where it unlocks routing.
+
+    An instance behind the PS is a candidate when no TS trajectory is routable to it at its
+    current version. Algorithm 4 then re-runs the routing strategy once per candidate on a
+    snapshot where only that candidate is upgraded. We get the same answers from a single
+    tentative pass: upgrading candidate ``i`` changes nothing in Algorithm 3 until the first
+    trajectory that would pick ``i``, because ``i`` (empty-handed so far: nothing was
+    routable to it) joins the highest version group, which the waterfall visits last. So
+    we run routing once on a throwaway sketch and, at every decision, ask for each
+    remaining candidate whether it would have won that decision.
+    """
+
+    def __init__(self, routing: ThroughputRouting) -> None:
+        self.routing = routing
+
+    def select(
+        self, fleet: Fleet, pool: TrajectoryPool, ps_version: int, sketch: AdmissionSketch
+    ) -> list[int]:
+        lagging = np.flatnonzero(fleet.version < ps_version).tolist()
+        if not lagging:
+            return []
+        levels = pool.ts_levels()
+        partial = [v for v, _ in levels if v is not None]
+        groups = list(dict.fromkeys(t.group_id for v, ts in levels if v is None for t in ts))
+        routable: dict[int, bool] = {}
+        candidates = []
+        for pos in lagging:
+            v = int(fleet.version[pos])
+            if v not in routable:  # Algorithm 4 lines 5-9, once per version (Algorithm 2)
+                routable[v] = (bool(partial) and partial[0] <= v) or any(
+                    sketch.verify(v, g) for g in groups
+                )
+            if not routable[v]:
+                candidates.append(pos)
+        candidates = self._could_win(fleet, levels, candidates)
+        if not candidates:
+            return []
+        return self._tentative(fleet, levels, ps_version, sketch, candidates)
+
+    def _could_win(self, fleet: Fleet, levels: list[Level], candidates: list[int]) -> list[int]:
+        """Drop candidates whose gain clears the threshold for no length in the TS.
+
+        Nothing is routed to a candidate during the tentative pass, so its gain for a
+        given length is fixed; clearing the threshold for some trajectory's length is
+        necessary to win that trajectory. This spares the pass when no candidate can win.
+        """
+        if not candidates:
+            return []
+        lengths = np.unique(np.array([t.length for _, ts in levels for t in ts], np.float64))
+        cost, pos = self.routing.cost, np.array(candidates)
+        gains = cost.marginal_gains(  # candidates x lengths
+            fleet.n_run[pos][:, None],
+            fleet.kv[pos][:, None],
+            (fleet.n_wait[pos] > 0)[:, None],
+            lengths,
+        )
+        threshold = self.routing.mu * (
+            1.0 / (cost.k1 * cost.k5 * lengths + max(cost.k2, cost.k3) + cost.k4)
+        )
+        out: list[int] = pos[(gains >= threshold).any(axis=1)].tolist()
+        return out
+
+    def _tentative(
+        self,
+        fleet: Fleet,
+        levels: list[Level],
+        ps_version: int,
+        sketch: AdmissionSketch,
+        candidates: list[int],
+    ) -> list[int]:
+        scratch = sketch.sketch()
+        probe = _UpgradeProbe(self.routing.cost, fleet, candidates, ps_version, scratch)
+        self.routing.run(fleet.copy(), levels, scratch, probe)
+        return sorted(probe.chosen)
+
+
+class _UpgradeProbe:
+    """Watches a tentative routing pass: would candidate ``i``, upgraded to ``ps_version``,
+    have won a decision? Candidates are evaluated together, as numpy arrays."""
+
+    def __init__(
+        self,
+        cost: CostModel,
+        fleet: Fleet,
+        candidates: list[int],
+        ps_version: int,
+        sketch: AdmissionSketch,
+    ) -> None:
+        self.cost, self.ps_version, self.sketch = cost, ps_version, sketch
+        self.pos = np.array(candidates, dtype=np.int64)
+        self.n, self.kv = fleet.n_run[self.pos], fleet.kv[self.pos]
+        self.queued = fleet.n_wait[self.pos] > 0
+        self.chosen: list[int] = []
+        self._length = -1
+        self._gains = np.empty(0)
+
+    def __call__(
+        self,
+        t: TrajectoryView,
+        length: int,
+        thr: float,
+        sel_version: int | None,
+        sel_gain: float,
+        sel_pos: int | None,
+    ) -> bool:
+        keep = self.pos != sel_pos  # routed at its old version after all: no Pull needed
+        # The waterfall stops in an older group before it reaches ps_version; otherwise the
+        # upgraded instance competes if Algorithm 2 admits it at ps_version.
+        reaches = sel_version is None or sel_version >= self.ps_version
+        if reaches and (t.v_traj is not None or self.sketch.verify(self.ps_version, t.group_id)):
+            if length != self._length:
+                self._length = length
+                self._gains = self.cost.marginal_gains(self.n, self.kv, self.queued, length)
+            g = self._gains
+            wins = (g >= thr) & keep
+            if sel_pos is not None:
+                wins &= (g > sel_gain) | ((g == sel_gain) & (self.pos < sel_pos))
+            self.chosen.extend(self.pos[wins].tolist())
+            keep &= ~wins
+        if not keep.all():
+            self.pos, self.n, self.kv = self.pos[keep], self.n[keep], self.kv[keep]
+            self.queued = self.queued[keep]
+            self._length = -1
+        return len(self.pos) == 0
+
+
+class GreedySync:
+    """Vanilla synchronisation (§6.5): every instance behind the PS Pulls at once."""
+
+    def select(
+        self, fleet: Fleet, pool: TrajectoryPool, ps_version: int, sketch: AdmissionSketch
+    ) -> list[int]:
+        del pool, sketch
+        out: list[int] = np.flatnonzero(fleet.version < ps_version).tolist()
+        return out

@@ -1,0 +1,55 @@
+"""Configuration: defaults, strategy choice, and errors that say how to fix a value."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator import ConfigError, CoordinatorConfig, CostModelConfig, build_strategies
+from coordinator.migration import NoMigration, ThroughputMigration
+from coordinator.routing import ThroughputRouting
+from coordinator.sync import GreedySync, ThroughputSync
+from coordinator.vanilla_routing import LeastLoadedRouting
+
+
+def test_defaults_are_the_papers() -> None:
+    c = CoordinatorConfig()
+    assert (c.mu, c.phi_wait, c.phi_throughput) == (0.3, 3, 5.0)
+    s = build_strategies(c)
+    assert isinstance(s.routing, ThroughputRouting)
+    assert isinstance(s.sync, ThroughputSync)
+    assert isinstance(s.migration, ThroughputMigration)
+    assert s.cost.k1 == 7.28e-8
+
+
+def test_vanilla_counterparts_are_chosen_independently() -> None:
+    s = build_strategies(CoordinatorConfig(routing="vanilla", migration="vanilla"))
+    assert isinstance(s.routing, LeastLoadedRouting)
+    assert isinstance(s.sync, ThroughputSync)
+    assert isinstance(s.migration, NoMigration)
+    assert isinstance(
+        build_strategies(CoordinatorConfig(synchronization="vanilla")).sync, GreedySync
+    )
+
+
+def test_cost_model_overrides() -> None:
+    model = CostModelConfig(k1=1e-7, kv_budget=500_000).build()
+    assert (model.k1, model.kv_budget, model.k2) == (1e-7, 500_000, 1.72e-3)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "hint"),
+    [
+        ({"routing": "fastest"}, "'throughput'"),
+        ({"mu": 0.0}, r"\(0, 1\]"),
+        ({"mu": 1.5}, r"\(0, 1\]"),
+        ({"phi_wait": -1}, "queued trajectories"),
+        ({"phi_wait": 2.5}, "integer"),
+        ({"phi_throughput": 0.5}, ">= 1"),
+        ({"period_s": 0}, "> 0 seconds"),
+        ({"cost_model": CostModelConfig(preset="gpt-9")}, "coordinator.profiler"),
+        ({"cost_model": CostModelConfig(kv_budget=-1)}, "kv_budget"),
+    ],
+)
+def test_bad_values_name_the_fix(kwargs: dict[str, object], hint: str) -> None:
+    with pytest.raises(ConfigError, match=hint):
+        CoordinatorConfig(**kwargs)  # type: ignore[arg-type]

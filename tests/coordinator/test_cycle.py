@@ -1,0 +1,177 @@
+"""Algorithm 1 (plan_cycle) and the snapshot-command cycle (Coordinator.step)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from coordinator import (
+    Abort,
+    Coordinator,
+    CoordinatorConfig,
+    InProcessExecutor,
+    Interrupt,
+    Pull,
+    Route,
+    plan_cycle,
+)
+from staleness import StalenessConfig, StalenessManager
+from tests.coordinator.builders import (
+    COST,
+    config,
+    initial,
+    instance,
+    manager,
+    snapshot,
+    strategies,
+)
+from tests.coordinator.fakes import FakeCluster, group
+
+COMBOS = list(itertools.product(("throughput", "vanilla"), repeat=3))
+
+
+def test_sync_interrupts_pulls_and_reroutes_in_one_cycle() -> None:
+    m = manager(3, eta=1, batch=8)
+    stale = instance(0, 1, [1_000] * 2, v_traj=1)  # its trajectories have V_traj 1
+    snap = snapshot(stale, instance(1, 3, [1_000] * 80))
+    # Migration off: emptying instance 0 would otherwise make instance 1 migrate too.
+    cmds = plan_cycle(snap, initial(1, 2), 3, m.sketch(), strategies(migration="vanilla"))
+    kinds = [type(c) for c in cmds]
+    assert kinds[:2] == [Interrupt, Pull]
+    assert cmds[0] == Interrupt(0, tuple(t.traj_id for t in stale.run_trajs))
+    assert cmds[1] == Pull(0, 3)
+    [route] = [c for c in cmds if isinstance(c, Route)]
+    assert route.inst == 0
+    # The stale partial trajectories come first (MLQ) and keep V_traj 1 (no Reserve).
+    assert route.trajs[:2] == cmds[0].trajs
+    assert {r.v_traj for r in route.reservations} == {3} and len(route.reservations) == 2
+
+
+def test_migration_returns_trajectories_that_routing_spreads_out() -> None:
+    m = manager(3, eta=1, batch=8)
+    fast = instance(0, 3, [1_000] * 30)
+    snap = snapshot(fast, instance(1, 3, [20_000]), instance(2, 3))
+    cmds = plan_cycle(snap, [], 3, m.sketch(), strategies())
+    assert cmds[0] == Interrupt(0, tuple(t.traj_id for t in fast.run_trajs))
+    per_inst = {c.inst: len(c.trajs) for c in cmds if isinstance(c, Route)}
+    assert sum(per_inst.values()) <= 30 and len(per_inst) >= 2
+
+
+@pytest.mark.parametrize(("routing", "sync", "migration"), COMBOS)
+def test_all_eight_combinations_run(routing: str, sync: str, migration: str) -> None:
+    m = manager(3, eta=2, batch=8, group=4)
+    snap = snapshot(
+        instance(0, 1, [3_000] * 3, v_traj=1),
+        instance(1, 2, [1_000] * 40, wait=6),
+        instance(2, 3, [500] * 2),
+        instance(3, 3),
+    )
+    strat = strategies(routing=routing, synchronization=sync, migration=migration)
+    cmds = plan_cycle(snap, initial(1, 4) + initial(2, 4, 3_000), 3, m.sketch(), strat)
+    assert any(isinstance(c, Route) for c in cmds)
+    assert any(isinstance(c, Pull) for c in cmds) == (sync == "vanilla")
+    assert any(isinstance(c, Interrupt) for c in cmds) == (
+        sync == "vanilla" or migration == "throughput"
+    )
+
+
+def test_abort_requests_drop_trajectories_from_instances_and_routing() -> None:
+    from coordinator.aborts import AbortRequests
+
+    m = manager(3, eta=1, batch=8)
+    busy = instance(0, 3, [1_000] * 3)
+    doomed = busy.run_trajs[0]
+    ts = initial(5, 2) + initial(6, 1)
+    aborts = AbortRequests()
+    aborts.add(trajs=[doomed.traj_id], groups=[5])
+    strat = strategies(migration="vanilla")  # keep instance 0's survivors where they are
+    cmds = plan_cycle(snapshot(busy, instance(1, 3)), ts, 3, m.sketch(), strat, aborts)
+    assert cmds[0] == Abort(0, (doomed.traj_id,))
+    routed = {t for c in cmds if isinstance(c, Route) for t in c.trajs}
+    assert routed == {ts[2].traj_id}
+
+
+class Harness:
+    """Coordinator + in-process executor + fake engines/TS/PS + the real manager."""
+
+    def __init__(self, cfg: CoordinatorConfig, versions: dict[int, int], m: StalenessManager):
+        self.world = FakeCluster(versions, kv_budget=int(COST.kv_budget))
+        self.manager = m
+        self.executor = InProcessExecutor(self.world, self.world, self.world, m)
+        self.coordinator = Coordinator(
+            cfg,
+            snapshots=self.world,
+            trajectories=self.world,
+            parameters=self.world,
+            admission=m,
+            executor=self.executor,
+            instances=versions,
+            clock=lambda: 0.0,
+        )
+
+
+def test_step_honours_the_period_and_discards_outdated_snapshots() -> None:
+    h = Harness(config(period_s=2.0), {0: 0, 1: 0}, manager(0, eta=1, batch=4, group=2))
+    h.world.enqueue(group(1, 2, first_traj=10) + group(2, 2, first_traj=20))
+    first = h.coordinator.step(10.0)
+    assert first and all(isinstance(c, Route) for c in first)
+    assert h.coordinator.next_due == 12.0
+    assert h.coordinator.step(11.0) == []  # not due
+    assert h.coordinator.step(12.0) == []  # due, but the routes have not landed yet
+    assert h.coordinator.stats.discarded == 1
+    h.executor.run_until_idle()
+    h.coordinator.step(14.0)
+    assert h.coordinator.stats.discarded == 1 and h.coordinator.stats.cycles == 3
+    assert h.coordinator.step() == []  # the injected clock says 0.0: not due
+
+
+@pytest.mark.parametrize("race", [False, True], ids=["settled", "racing"])
+@pytest.mark.parametrize(("routing", "sync", "migration"), COMBOS)
+def test_closed_loop_conserves_trajectories_and_respects_eta(
+    routing: str, sync: str, migration: str, race: bool
+) -> None:
+    """A small cluster over 200 cycles. ``racing``: trajectories finish between the
+    snapshot and the commands, so Interrupts miss them and the executor must report it,
+    or the speculative state would reject every later snapshot."""
+    rng = random.Random(f"{routing}{sync}{migration}{race}")
+    eta, batch, G = 1, 3, 2
+    m = StalenessManager(StalenessConfig(eta=eta, batch_size=batch, group_size=G))
+    h = Harness(
+        config(routing=routing, synchronization=sync, migration=migration, period_s=1.0),
+        {i: 0 for i in range(4)},
+        m,
+    )
+    world, ids = h.world, itertools.count()
+    all_trajs: set[int] = set()
+    trained = 0
+
+    def finish_some() -> None:
+        for inst in world.instances.values():  # reward is instant
+            for tid, t in list(inst.running.items()):
+                if rng.random() < 0.3:
+                    world.finish(tid)
+                    m.complete(t.group_id, tid)
+
+    for now in range(200):
+        while len(world.ts) < 3 * G:  # the TS keeps itself topped up
+            first = next(ids) * G
+            world.enqueue(group(first // G, G, first_traj=first, length=rng.choice([50, 500])))
+            all_trajs.update(range(first, first + G))
+        h.coordinator.step(float(now))
+        if race:
+            finish_some()
+        h.executor.run_until_idle()
+        world.generate(50)
+        if not race:
+            finish_some()
+        while m.is_ready():
+            consumed = m.consume()
+            trained += 1
+            assert all(consumed.version - g.version <= eta for g in consumed.groups)
+            world.ps_version = consumed.version + 1  # the trainer pushes the next version
+        for tid in all_trajs:
+            assert len(world.where(tid)) == 1, (tid, world.where(tid))
+    assert trained >= 5
+    assert h.coordinator.stats.discarded == 0  # every shortfall was settled in time
