@@ -1,0 +1,43 @@
+"""In-process transport: a thin Transport face on a VersionedStore (tests, embedded mode)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from parameter_server.layout import Layout, Slice
+from parameter_server.store import StoreInfo, VersionedStore, Weights
+
+
+class LocalTransport:
+    """Pull/Push straight against a store in this process."""
+
+    name = "local"
+
+    def __init__(self, store: VersionedStore) -> None:
+        self._store = store
+        self.layout: Layout = store.layout
+
+    def pull(self, dest: np.ndarray, version: int | None = None) -> int:
+        return self._store.pull(dest, version)
+
+    def pull_slices(
+        self, dest: np.ndarray, slices: Sequence[Slice], version: int | None = None
+    ) -> int:
+        return self._store.pull_slices(dest, slices, version)
+
+    def push(self, weights: Weights, version: int | None = None) -> int:
+        return self._store.push(weights, version)
+
+    def info(self) -> StoreInfo:
+        return self._store.info()
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> LocalTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
