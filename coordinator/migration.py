@@ -28,6 +28,10 @@ class ThroughputMigration:
       the same trajectories back where they came from.
     - An instance holding a single trajectory is never emptied: moving one trajectory
       cannot balance anything.
+    - A trajectory moved by case 2 is not moved again by case 2 until it has generated
+      tokens since: near the end of a step some instance is idle, the ratio is infinite
+      every cycle, and long trajectories whose re-prefill outlasts the cycle period would
+      otherwise bounce between instances without ever decoding (found by the simulator).
     """
 
     def __init__(self, cost: CostModel, phi_wait: int, phi_throughput: float) -> None:
@@ -38,6 +42,7 @@ class ThroughputMigration:
         self.cost = cost
         self.phi_wait = phi_wait
         self.phi_throughput = phi_throughput
+        self._moved_at: dict[int, int] = {}  # traj_id -> length when case 2 last moved it
 
     def select(self, fleet: Fleet) -> list[Migration]:
         out: list[Migration] = []
@@ -59,6 +64,8 @@ class ThroughputMigration:
             return None
         wait = fleet.wait[top]
         trajs = fleet.run[top] + wait[: len(wait) - excess_of.get(top, 0)]
+        moved_at = self._moved_at
+        trajs = tuple(t for t in trajs if moved_at.get(t.traj_id, -1) < t.length)
         if len(trajs) < 2:
             return None
         need = max((t.v_traj for t in trajs if t.v_traj is not None), default=0)
@@ -69,6 +76,10 @@ class ThroughputMigration:
         low = float(tput[hosts].min())
         if low > 0.0 and tput[top] / low <= self.phi_throughput:
             return None
+        if len(moved_at) > 1 << 16:  # forget trajectories long gone
+            moved_at.clear()
+        for t in trajs:
+            moved_at[t.traj_id] = t.length
         return top, trajs
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from coordinator.fleet import Fleet
 from coordinator.migration import NoMigration, ThroughputMigration
 from tests.coordinator.builders import COST, instance, snapshot
@@ -71,3 +73,19 @@ def test_both_cases_on_one_instance_interrupt_each_trajectory_once() -> None:
 def test_vanilla_never_migrates() -> None:
     fleet = Fleet(snapshot(instance(0, 2, [1_000] * 30, wait=9), instance(1, 2)))
     assert NoMigration().select(fleet) == []
+
+
+def test_trajectories_moved_without_progress_since_are_not_moved_again() -> None:
+    """The livelock the simulator found: an idle instance makes the ratio infinite every
+    cycle, and the same trajectories came back and left again before decoding a token."""
+    migration = ThroughputMigration(COST, phi_wait=3, phi_throughput=5.0)
+    fast = instance(0, 2, [1_000] * 4)
+    [(_, moved)] = migration.select(Fleet(snapshot(fast, instance(1, 2))))
+    assert len(moved) == 4
+    # Routing put them all on instance 1 and instance 0 is idle: no progress, no move.
+    back = replace(instance(1, 2), run_trajs=fast.run_trajs, kv_cache=4_000)
+    assert migration.select(Fleet(snapshot(instance(0, 2), back))) == []
+    # Once they have decoded, the imbalance may move them again.
+    grown = tuple(replace(t, length=t.length + 50) for t in fast.run_trajs)
+    back = replace(back, run_trajs=grown)
+    assert len(migration.select(Fleet(snapshot(instance(0, 2), back)))[0][1]) == 4

@@ -1,0 +1,280 @@
+"""A simulated rollout instance: continuous batching under the cost model of Appendix B.
+
+One decode step of ``n`` running trajectories holding ``kv`` KV tokens takes
+``k1*kv + max(k2, k3*n) + k4`` seconds and gives every running trajectory one token, so
+``kv`` grows by ``k5*n`` per step. Time advances in *chunks* of whole steps during which
+``n`` is fixed: until the next completion, until the KV budget ``M`` would overflow, or
+until the caller's horizon. The duration of a chunk of ``s`` steps is an arithmetic series
+(kv grows linearly), so no per-token work is done. Trajectory lengths are derived from a
+per-instance step counter, never updated one by one.
+
+When the cache is full, the most recently admitted trajectories are preempted into the
+front of the waiting queue and release their KV (recompute preemption, as vLLM and SGLang
+do); re-admission costs a re-prefill of the whole prefix, like a Route after an Interrupt.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator.cost_model import CostModel
+from coordinator.types import InstanceSnapshot
+from trajectory_server.types import PartialTrajectory, RoutedTrajectory
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCosts:
+    """Costs beyond the decode step (seconds).
+
+    prefill_s_per_token: (re-)prefill of a routed or re-admitted prefix.
+    pull_s: one Pull (bytes / bandwidth + latency), blocking the instance.
+    noise: sigma of a lognormal multiplicative factor drawn per chunk (0: exact model).
+    """
+
+    prefill_s_per_token: float = 6.0e-5
+    pull_s: float = 3.0
+    noise: float = 0.0
+
+
+class SimTrajectory:
+    """One trajectory on an instance. Satisfies ``coordinator.TrajectoryView``: ``length``
+    is read from the instance's step counter, so snapshots need no copies."""
+
+    __slots__ = (
+        "base",
+        "group_id",
+        "inst",
+        "payload",
+        "prompt_len",
+        "start",
+        "target",
+        "traj_id",
+        "v_traj",
+    )
+
+    def __init__(self, payload: RoutedTrajectory, target: int, inst: SimInstance) -> None:
+        self.payload = payload
+        self.traj_id = payload.traj_id
+        self.group_id = payload.group_id
+        self.v_traj: int = payload.v_traj
+        self.prompt_len = len(payload.prompt)
+        self.base = payload.length  # prompt + tokens when this run segment began
+        self.target = target  # prompt + full response
+        self.inst = inst
+        self.start = -1  # instance step at which it started running; -1 while waiting
+
+    @property
+    def length(self) -> int:
+        if self.start < 0:
+            return self.base
+        return self.base + self.inst.steps - self.start
+
+    def response(self, version: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Whole response so far: the routed prefix plus what this instance generated."""
+        # Token ids and logprobs are constants; read-only broadcast views cost no memory
+        # and the TS keeps read-only arrays as they are. Versions stay real per token.
+        n = self.length - self.prompt_len
+        tokens = np.broadcast_to(np.int32(1), (n,))
+        logprobs = np.broadcast_to(np.float32(0.0), (n,))
+        prefix = self.payload.versions
+        if len(prefix) == 0 or (prefix.strides == (0,) and prefix[0] == version):
+            return tokens, logprobs, np.broadcast_to(np.int32(version), (n,))
+        new = np.full(n - len(prefix), version, np.int32)
+        versions = np.concatenate([prefix, new])
+        versions.flags.writeable = False
+        return tokens, logprobs, versions
+
+
+@dataclass(slots=True)
+class InstanceTimes:
+    """Where an instance's virtual time went (seconds)."""
+
+    decode: float = 0.0
+    prefill: float = 0.0
+    pull: float = 0.0
+    idle: float = 0.0
+    tokens: int = 0
+    preemptions: int = 0
+
+
+Finished = Callable[[float, "SimInstance", SimTrajectory], None]
+
+
+class SimInstance:
+    """A rollout engine with a virtual clock (``clock`` may run past the caller's horizon
+    by at most one decode step: commands then take effect after that step)."""
+
+    def __init__(
+        self,
+        inst_id: int,
+        cost: CostModel,
+        costs: EngineCosts,
+        rng: np.random.Generator,
+    ) -> None:
+        self.inst_id = inst_id
+        self.cost, self.costs, self.rng = cost, costs, rng
+        self.version = 0
+        self.clock = 0.0
+        self.steps = 0
+        self.running: dict[int, SimTrajectory] = {}  # admission order
+        self.waiting: list[SimTrajectory] = []  # head first
+        self.completed: list[int] = []  # since the last Pull
+        self._sum_base = 0  # sum over running of (base - start): kv = k5*(sum + n*steps)
+        self._finish: list[tuple[int, int]] = []  # (step it completes at, traj_id)
+        self._debt = 0.0  # prefill time owed before the next decode step
+        self.times = InstanceTimes()
+
+    # -- state ------------------------------------------------------------------------
+
+    @property
+    def kv(self) -> float:
+        return self.cost.k5 * (self._sum_base + len(self.running) * self.steps)
+
+    def snapshot(self) -> InstanceSnapshot:
+        return InstanceSnapshot(
+            inst=self.inst_id,
+            kv_cache=int(self.kv),
+            run_trajs=tuple(self.running.values()),
+            wait_trajs=tuple(self.waiting),
+            complete_trajs=tuple(self.completed),
+            inst_version=self.version,
+        )
+
+    def holds(self) -> list[int]:
+        """Ids of the trajectories running or waiting here."""
+        return [*self.running, *(t.traj_id for t in self.waiting)]
+
+    # -- commands ---------------------------------------------------------------------
+
+    def submit(self, trajs: Sequence[SimTrajectory], now: float) -> None:
+        """Queue routed trajectories; they run as soon as the cache admits them."""
+        self.clock = max(self.clock, now)
+        self.waiting.extend(trajs)
+        self._admit()
+
+    def remove(self, ids: Sequence[int], now: float) -> dict[int, PartialTrajectory]:
+        """Interrupt or abort: take trajectories off the instance, with their partials."""
+        self.clock = max(self.clock, now)
+        out: dict[int, PartialTrajectory] = {}
+        wanted = set(ids)
+        for tid in ids:
+            t = self.running.get(tid)
+            if t is not None:
+                out[tid] = self._partial(t)
+                self._stop(t)
+        if any(t.traj_id in wanted for t in self.waiting):
+            kept = []
+            for t in self.waiting:
+                if t.traj_id in wanted:
+                    out[t.traj_id] = self._partial(t)
+                else:
+                    kept.append(t)
+            self.waiting = kept
+        if out:
+            self._admit()
+        return out
+
+    def pull(self, version: int, now: float) -> None:
+        if self.running or self.waiting:
+            raise RuntimeError(
+                f"instance {self.inst_id}: Pull with trajectories still on it; the executor "
+                "must Interrupt them first"
+            )
+        start = max(self.clock, now)
+        self.clock = start + self.costs.pull_s
+        self.times.pull += self.costs.pull_s
+        self.version = version
+        self.completed = []
+
+    # -- time -------------------------------------------------------------------------
+
+    def advance(self, horizon: float, finished: Finished) -> None:
+        """Run whole decode steps until ``horizon`` (the last one may end past it)."""
+        c, times = self.cost, self.times
+        while self.clock < horizon:
+            if self._debt > 0.0:
+                self.clock += self._debt
+                times.prefill += self._debt
+                self._debt = 0.0
+                continue
+            n = len(self.running)
+            if n == 0:
+                times.idle += horizon - self.clock
+                self.clock = horizon
+                return
+            kv = self.kv
+            if kv + c.k5 * n > c.kv_budget and n > 1:
+                self._preempt()
+                continue
+            to_full = max(1, int((c.kv_budget - kv) // (c.k5 * n)))
+            to_done = self._finish[0][0] - self.steps
+            first = c.k1 * kv + max(c.k2, c.k3 * n) + c.k4  # latency of the first step
+            growth = c.k1 * c.k5 * n  # added to the latency by each further step
+            f = math.exp(self.costs.noise * self.rng.standard_normal()) if self.costs.noise else 1.0
+            k = min(to_full, to_done, _steps_within((horizon - self.clock) / f, first, growth))
+            duration = f * (k * first + growth * k * (k - 1) / 2.0)
+            self.clock += duration
+            times.decode += duration
+            times.tokens += n * k
+            self.steps += k
+            self._complete_due(finished)
+
+    def _complete_due(self, finished: Finished) -> None:
+        while self._finish and self._finish[0][0] <= self.steps:
+            _, tid = heapq.heappop(self._finish)
+            t = self.running.get(tid)
+            if t is None or t.start + t.target - t.base != self.steps:
+                continue  # stale heap entry (preempted or removed)
+            self._stop(t)
+            self.completed.append(tid)
+            finished(self.clock, self, t)
+        self._admit()
+
+    # -- internals --------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        """Admit the head of the queue while it fits with one step of headroom."""
+        c = self.cost
+        while self.waiting:
+            t = self.waiting[0]
+            n1 = len(self.running) + 1
+            if self.running and self.kv + c.k5 * (t.length + n1) > c.kv_budget:
+                return
+            self.waiting.pop(0)
+            self._debt += self.costs.prefill_s_per_token * t.length
+            t.base, t.start = t.length, self.steps
+            self.running[t.traj_id] = t
+            self._sum_base += t.base - t.start
+            heapq.heappush(self._finish, (t.start + t.target - t.base, t.traj_id))
+
+    def _stop(self, t: SimTrajectory) -> None:
+        """Take a running trajectory out of the batch, freezing its length."""
+        del self.running[t.traj_id]
+        self._sum_base -= t.base - t.start
+        t.base, t.start = t.length, -1
+
+    def _preempt(self) -> None:
+        victim = next(reversed(self.running.values()))
+        self._stop(victim)
+        self.waiting.insert(0, victim)
+        self.times.preemptions += 1
+
+    def _partial(self, t: SimTrajectory) -> PartialTrajectory:
+        tokens, logprobs, versions = t.response(self.version)
+        return PartialTrajectory(t.traj_id, tokens, logprobs, versions)
+
+
+def _steps_within(budget: float, first: float, growth: float) -> int:
+    """Most whole steps whose total latency fits ``budget`` (at least one)."""
+    if budget <= first:
+        return 1
+    if growth <= 0.0:
+        return max(1, int(budget // first))
+    b = first - growth / 2.0
+    k = int((-b + math.sqrt(b * b + 2.0 * growth * budget)) / growth)
+    return max(1, k)

@@ -1,0 +1,150 @@
+"""Named simulated clusters and the systems compared in §6.
+
+Every number of the paper preset is explained in ``docs/simulator.md``; the short form:
+
+- cost model: Table 4 (Qwen3-30B-A3B, k1..k4), profiled per rollout instance; the
+  coordinator's ``qwen3-30b-a3b-h20`` preset adds k5 = 1 KV token per token and
+  M = 262,144 tokens for one H20 per instance.
+- layout: 128 H20 GPUs (§6.1, §6.5). Table 4 describes one instance on one GPU (the model's
+  ~61 GB of bf16 weights fit one 96 GB H20), so instances have one GPU each; the paper
+  tunes the rollout/training split without reporting it; 64 rollout + 64 training GPUs
+  gave StaleFlow the highest simulated throughput at eta = 3 of the splits 96/32, 80/48
+  and 64/64 (docs/simulator.md has the figures), so it is the default.
+- batch 128 x group 16 (§6.1), eta = 3 (§6.5), response cap 20K (§6.1/§6.4; §6.5 itself
+  uses 40K, available with ``max_response=40_000``), prompts capped at 2K (§6.1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from coordinator import CoordinatorConfig, CostModelConfig
+from staleflow.sim.cluster import ClusterConfig
+from staleflow.sim.engine import EngineCosts
+from staleflow.sim.trainer import TrainerCosts
+from staleflow.sim.workload import WorkloadConfig
+
+# Training FLOPs per token: forward + backward (6 x 3.3B active parameters) plus the
+# old-policy log-prob forward (2 x 3.3B), i.e. ~2.6e10. One H20 delivers ~148 dense bf16
+# TFLOP/s, of which we assume 25% (MoE training MFU) per training GPU.
+_TRAIN_FLOPS_PER_TOKEN = 2.6e10
+_TRAIN_FLOPS_PER_GPU = 148e12 * 0.25
+# Pull: ~61 GB of bf16 weights over PCIe DMA from the co-located PS replica (App. A.1) at
+# ~25 GB/s, plus ~0.5 s of fixed latency. Push goes over RDMA and is overlapped anyway.
+_PULL_S = 61.0 / 25.0 + 0.5
+# Prefill: 2 x 3.3B FLOPs per prompt token; ~15% of an H20's 148 TFLOP/s when re-prefilling
+# long prefixes of many trajectories -> ~6e-5 s per token.
+_PREFILL_S_PER_TOKEN = 6.0e-5
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    rollout_gpus: int = 64
+    train_gpus: int = 64
+    gpus_per_instance: int = 1
+
+    @property
+    def total(self) -> int:
+        return self.rollout_gpus + self.train_gpus
+
+
+def paper_6_5(
+    eta: int = 3,
+    *,
+    steps: int = 4,
+    max_response: int = 20_000,
+    layout: Layout = Layout(),
+    seed: int = 0,
+    noise: float = 0.05,
+) -> ClusterConfig:
+    """Qwen3-30B-A3B on 128 H20 GPUs, batch 128 x group 16 (§6.1, §6.5)."""
+    return ClusterConfig(
+        instances=layout.rollout_gpus // layout.gpus_per_instance,
+        eta=eta,
+        batch_size=128,
+        group_size=16,
+        steps=steps,
+        coordinator=CoordinatorConfig(cost_model=CostModelConfig("qwen3-30b-a3b-h20")),
+        engine=EngineCosts(prefill_s_per_token=_PREFILL_S_PER_TOKEN, pull_s=_PULL_S, noise=noise),
+        trainer=TrainerCosts(
+            seconds_per_token=_TRAIN_FLOPS_PER_TOKEN / (_TRAIN_FLOPS_PER_GPU * layout.train_gpus),
+            step_overhead_s=10.0,
+            push_s=_PULL_S,
+        ),
+        workload=WorkloadConfig(max_response=max_response),
+        seed=seed,
+        name="staleflow",
+    )
+
+
+def tiny(eta: int = 1, *, steps: int = 4, seed: int = 0) -> ClusterConfig:
+    """A few seconds of virtual time per step, for tests: 4 instances with a small KV
+    budget (so that preemption and migration happen), batch 4 x group 4, 2K responses."""
+    return ClusterConfig(
+        instances=4,
+        eta=eta,
+        batch_size=4,
+        group_size=4,
+        steps=steps,
+        coordinator=CoordinatorConfig(
+            period_s=0.5,
+            cost_model=CostModelConfig("qwen3-30b-a3b-h20", kv_budget=12_000.0),
+        ),
+        engine=EngineCosts(prefill_s_per_token=2e-5, pull_s=0.5, noise=0.1),
+        trainer=TrainerCosts(seconds_per_token=2e-4, step_overhead_s=0.5, push_s=0.3),
+        workload=WorkloadConfig(max_response=2_000, prompt_median=50, max_prompt=200),
+        seed=seed,
+        name="staleflow",
+    )
+
+
+PRESETS: dict[str, Callable[..., ClusterConfig]] = {"paper-6.5": paper_6_5, "tiny": tiny}
+
+# Systems of §6.1 / §6.5 expressed on the same simulated hardware.
+SYSTEMS = ("staleflow", "vanilla", "sync")
+
+
+def _strategies(config: ClusterConfig, routing: str, sync: str, migration: str) -> ClusterConfig:
+    coord = replace(config.coordinator, routing=routing, synchronization=sync, migration=migration)
+    return replace(config, coordinator=coord)
+
+
+def system(name: str, config: ClusterConfig, layout: Layout | None = None) -> ClusterConfig:
+    """``config`` turned into one of the compared systems.
+
+    - ``staleflow``: the throughput-oriented routing, synchronisation and migration.
+    - ``vanilla``: in-flight-limited strict staleness, baseline (3): at most
+      ``(eta + 1) x batch`` groups in flight (the TS capacity), least-loaded routing,
+      greedy (global) synchronisation with partial rollout, no proactive migration. The
+      paper finds this all-vanilla combination matches VeRL-Async (§6.5).
+    - ``sync``: baseline (1), colocated synchronous RL: eta = 0, so rollout and training
+      alternate, and both use all GPUs (``layout`` says how many; training speeds up by
+      ``total / train_gpus``).
+    - ``R?S?M?`` with ``1`` (throughput) or ``0`` (vanilla) per strategy, e.g. ``R1S0M1``:
+      the eight combinations of Figure 16.
+    """
+    if name == "staleflow":
+        return replace(_strategies(config, "throughput", "throughput", "throughput"), name=name)
+    if name == "vanilla":
+        return replace(_strategies(config, "vanilla", "vanilla", "vanilla"), name=name)
+    if name == "sync":
+        layout = layout or Layout()
+        t = config.trainer
+        trainer = replace(
+            t, seconds_per_token=t.seconds_per_token * layout.train_gpus / layout.total
+        )
+        out = _strategies(config, "vanilla", "vanilla", "vanilla")
+        return replace(
+            out,
+            eta=0,
+            instances=layout.total // layout.gpus_per_instance,
+            trainer=trainer,
+            name=name,
+        )
+    if len(name) == 6 and name[0] == "R" and name[2] == "S" and name[4] == "M":
+        flags = [name[1], name[3], name[5]]
+        if set(flags) <= {"0", "1"}:
+            pick = ["throughput" if f == "1" else "vanilla" for f in flags]
+            return replace(_strategies(config, *pick), name=name)
+    raise ValueError(f"unknown system {name!r}: use one of {SYSTEMS} or an ablation like 'R1S0M1'")

@@ -1,0 +1,94 @@
+"""What a simulated run reports."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from staleflow.sim.cluster import SimCluster
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """Throughput is the paper's (§6.1): tokens (prompt + response) of the trajectories
+    consumed by training, divided by the time until the last counted step ended.
+
+    ``staleness``: consumed groups per staleness ``V_buf - V_group``, over every batch.
+    ``steady_tokens_per_s``: the same after the warm-up, i.e. over the steps after the
+    first ``eta + 1`` (whose buffers all hold version-0 data, shortest groups first);
+    0.0 when the run has no step after the warm-up.
+    ``max_staleness_per_batch``: one entry per consumed batch.
+    Idle ratios are shares of the run's virtual time.
+    """
+
+    name: str
+    eta: int
+    steps: int
+    seconds: float
+    tokens: int
+    tokens_per_s: float
+    steady_tokens_per_s: float
+    staleness: dict[int, int]
+    max_staleness_per_batch: tuple[int, ...]
+    rollout_idle_ratio: float
+    rollout_prefill_ratio: float
+    rollout_pull_ratio: float
+    trainer_idle_ratio: float
+    mean_response_len: float
+    preemptions: int
+    commands: dict[str, int]
+    cycles: int
+    discarded_snapshots: int
+    stalled: bool  # stopped early: no training step for ``stall_timeout_s``
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["staleness"] = {str(k): v for k, v in self.staleness.items()}
+        out["max_staleness_per_batch"] = list(self.max_staleness_per_batch)
+        return out
+
+
+def summarise(cluster: SimCluster) -> Summary:
+    trainer = cluster.trainer
+    end = trainer.step_ends[-1] if trainer.step_ends else cluster.now
+    end = max(end, 1e-9)
+    hist: Counter[int] = Counter()
+    per_batch = []
+    for b in cluster.batches[: trainer.steps]:
+        hist.update(b.staleness)
+        per_batch.append(max(b.staleness, default=0))
+    times = [i.times for i in cluster.instances.values()]
+    span = max(cluster.now, 1e-9) * len(times)
+    counted = sum(len(g.trajectories) for b in cluster.batches[: trainer.steps] for g in b.groups)
+    responses = cluster.response_lengths[:counted]
+    return Summary(
+        name=cluster.config.name,
+        eta=cluster.config.eta,
+        steps=trainer.steps,
+        seconds=end,
+        tokens=trainer.tokens,
+        tokens_per_s=trainer.tokens / end,
+        steady_tokens_per_s=_steady(cluster),
+        staleness=dict(sorted(hist.items())),
+        max_staleness_per_batch=tuple(per_batch),
+        rollout_idle_ratio=sum(t.idle for t in times) / span,
+        rollout_prefill_ratio=sum(t.prefill for t in times) / span,
+        rollout_pull_ratio=sum(t.pull for t in times) / span,
+        trainer_idle_ratio=1.0 - min(1.0, trainer.busy_time / end),
+        mean_response_len=sum(responses) / len(responses) if responses else 0.0,
+        preemptions=sum(t.preemptions for t in times),
+        commands=dict(cluster.planes.commands),
+        cycles=cluster.coordinator.stats.cycles,
+        discarded_snapshots=cluster.coordinator.stats.discarded,
+        stalled=cluster.stalled,
+    )
+
+
+def _steady(cluster: SimCluster) -> float:
+    t, warm = cluster.trainer, cluster.config.eta + 1
+    if len(t.step_ends) <= warm:
+        return 0.0
+    span = t.step_ends[-1] - t.step_ends[warm - 1]
+    return sum(t.step_tokens[warm:]) / span if span > 0 else 0.0

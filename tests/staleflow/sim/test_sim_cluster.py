@@ -1,0 +1,96 @@
+"""The simulated cluster runs the real staleness manager, TS and coordinator: every run
+keeps the staleness bound, conserves trajectories and is deterministic for a seed."""
+
+from __future__ import annotations
+
+import pytest
+
+from staleflow.sim import SimCluster, TrainerCosts, paper_6_5, system, tiny
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("eta", [0, 1, 2, 4])
+@pytest.mark.parametrize("name", ["staleflow", "vanilla"])
+def test_bound_and_conservation(name: str, eta: int, seed: int) -> None:
+    cluster = SimCluster(system(name, tiny(eta=eta, steps=5, seed=seed)))
+    period = cluster.config.coordinator.period_s
+    # Check conservation after every period, not only at the end.
+    while cluster.trainer.steps < cluster.config.steps:
+        cluster.coordinator.step(cluster.now)
+        cluster.executor.run_until_idle()
+        horizon = cluster.now + period
+        for inst in cluster.instances.values():
+            inst.advance(horizon, cluster._finished)
+        cluster._drain(horizon)
+        cluster.now = horizon
+        assert cluster.check() == []
+        assert cluster.now < 10_000, "the simulated run stalled"
+    assert cluster.batches, "nothing was consumed"
+    for batch in cluster.batches:
+        assert len(batch.groups) == cluster.config.batch_size
+        assert max(batch.staleness) <= eta, (batch.version, batch.staleness)
+        for g in batch.groups:
+            assert len(g.trajectories) == cluster.config.group_size
+    consumed = [t for b in cluster.batches for g in b.groups for t in g.trajectories]
+    assert len(consumed) == len(set(consumed)) == len(cluster.consumed)
+
+
+def test_eta_zero_is_on_policy() -> None:
+    summary = SimCluster(tiny(eta=0, steps=5, seed=3)).run()
+    assert summary.steps == 5
+    assert set(summary.staleness) == {0}
+    assert summary.max_staleness_per_batch == (0,) * 5
+
+
+def test_staleness_is_used_when_allowed() -> None:
+    summary = SimCluster(tiny(eta=2, steps=6, seed=0)).run()
+    assert max(summary.staleness) == 2
+
+
+def test_same_seed_same_summary() -> None:
+    a = SimCluster(tiny(eta=2, steps=4, seed=7)).run()
+    b = SimCluster(tiny(eta=2, steps=4, seed=7)).run()
+    c = SimCluster(tiny(eta=2, steps=4, seed=8)).run()
+    assert a == b
+    assert a != c
+
+
+@pytest.mark.parametrize("name", ["sync", "R1S0M1", "R0S1M0"])
+def test_other_systems_run(name: str) -> None:
+    cluster = SimCluster(system(name, tiny(eta=2, steps=3)))
+    summary = cluster.run()
+    assert summary.steps == 3 and summary.name == name
+    assert cluster.check() == []
+    if name == "sync":
+        assert set(summary.staleness) == {0}
+
+
+def test_unknown_system_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="R1S0M1"):
+        system("R2S0M1", tiny())
+
+
+def test_summary_figures_are_consistent() -> None:
+    s = SimCluster(tiny(eta=1, steps=4)).run()
+    assert s.tokens_per_s == pytest.approx(s.tokens / s.seconds)
+    assert sum(s.staleness.values()) == 4 * 4
+    for ratio in (s.rollout_idle_ratio, s.rollout_prefill_ratio, s.trainer_idle_ratio):
+        assert 0.0 <= ratio <= 1.0
+    assert 0 < s.mean_response_len <= 2_000
+    assert set(s.as_dict()) >= {"tokens_per_s", "staleness", "steps"}
+
+
+@pytest.mark.slow
+def test_paper_scale_runs_and_keeps_the_bound() -> None:
+    cluster = SimCluster(paper_6_5(eta=1, steps=3))
+    summary = cluster.run()
+    assert summary.steps == 3 and max(summary.staleness) <= 1
+    assert cluster.check() == []
+
+
+def test_a_run_without_progress_stops_and_says_so() -> None:
+    config = tiny(eta=1, steps=3).with_(
+        trainer=TrainerCosts(step_overhead_s=1e6), stall_timeout_s=50.0
+    )
+    summary = SimCluster(config).run()
+    assert summary.stalled and summary.steps == 0
