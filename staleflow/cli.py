@@ -65,6 +65,49 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if worst <= args.eta else 1
 
 
+def cmd_sim(args: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from staleflow.sim import PRESETS, simulate, system
+
+    preset = PRESETS[args.preset]
+    try:
+        config = system(args.system, preset(eta=args.eta, steps=args.steps, seed=args.seed))
+    except ValueError as exc:
+        print(f"staleflow sim: {exc}", file=sys.stderr)
+        return 2
+    summary = simulate(config)
+    table = Table(title=f"simulated {args.system} on {args.preset}, eta={args.eta}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("training steps", f"{summary.steps}" + (" (stalled)" if summary.stalled else "")),
+        ("virtual time", f"{summary.seconds:,.0f} s"),
+        ("throughput", f"{summary.tokens_per_s:,.0f} tokens/s"),
+        ("throughput after warm-up", f"{summary.steady_tokens_per_s:,.0f} tokens/s"),
+        (
+            "rollout idle / prefill / pull",
+            f"{summary.rollout_idle_ratio:.3f} / "
+            f"{summary.rollout_prefill_ratio:.3f} / {summary.rollout_pull_ratio:.3f}",
+        ),
+        ("trainer idle", f"{summary.trainer_idle_ratio:.3f}"),
+        (
+            "staleness (V_buf - V_traj: groups)",
+            " ".join(f"{k}:{v}" for k, v in sorted(summary.staleness.items())),
+        ),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary.as_dict(), f, indent=2)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="staleflow",
@@ -80,6 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--live", action="store_true", help="redraw the buffers while running")
     demo.set_defaults(func=cmd_demo)
+    sim = sub.add_parser("sim", help="run one simulated job and print its summary")
+    sim.add_argument("--preset", choices=["paper-6.5", "tiny"], default="tiny")
+    sim.add_argument(
+        "--system",
+        default="staleflow",
+        help="staleflow, vanilla, sync, or an ablation such as R1S0M1",
+    )
+    sim.add_argument("--eta", type=int, default=3, help="staleness bound (0 = synchronous)")
+    sim.add_argument("--steps", type=int, default=8, help="training steps to simulate")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--json", help="also write the summary to this JSON file")
+    sim.set_defaults(func=cmd_sim)
     return parser
 
 

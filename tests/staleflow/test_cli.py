@@ -37,3 +37,18 @@ def test_console_script_help():
         check=True,
     )
     assert "demo" in out.stdout
+
+
+def test_cli_sim_prints_a_summary_and_writes_json(capsys, tmp_path):
+    out = tmp_path / "sim.json"
+    assert main(["sim", "--preset", "tiny", "--eta", "1", "--steps", "3", "--json", str(out)]) == 0
+    assert "throughput" in capsys.readouterr().out
+    import json
+
+    summary = json.loads(out.read_text())
+    assert summary["steps"] == 3 and max(int(k) for k in summary["staleness"]) <= 1
+
+
+def test_cli_sim_unknown_system_is_a_clear_error(capsys):
+    assert main(["sim", "--system", "nonsense", "--steps", "1"]) == 2
+    assert "unknown system" in capsys.readouterr().err
