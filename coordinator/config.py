@@ -7,6 +7,9 @@ from dataclasses import dataclass, field, fields, replace
 from coordinator.cost_model import PRESETS, CostModel
 
 STRATEGY_NAMES = ("throughput", "vanilla")
+# Synchronisation has one more: "drain", the one-step-overlap baseline's global Pull after a
+# full drain (coordinator/drain_sync.py). It has no routing or migration counterpart.
+SYNC_NAMES = (*STRATEGY_NAMES, "drain")
 
 
 class ConfigError(ValueError):
@@ -53,7 +56,9 @@ class CoordinatorConfig:
     cycle period. Each strategy is chosen independently."""
 
     routing: str = field(default="throughput", metadata={"help": "throughput | vanilla"})
-    synchronization: str = field(default="throughput", metadata={"help": "throughput | vanilla"})
+    synchronization: str = field(
+        default="throughput", metadata={"help": "throughput | vanilla | drain"}
+    )
     migration: str = field(default="throughput", metadata={"help": "throughput | vanilla"})
     mu: float = field(
         default=0.3,
@@ -69,11 +74,18 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         for name in ("routing", "synchronization", "migration"):
             value = getattr(self, name)
-            if value not in STRATEGY_NAMES:
-                raise ConfigError(
-                    f"coordinator.{name}={value!r} is unknown: use 'throughput' (the paper's "
-                    "strategy) or 'vanilla' (its §6.5 ablation counterpart)"
-                )
+            if value in STRATEGY_NAMES or (name == "synchronization" and value in SYNC_NAMES):
+                continue
+            extra = (
+                ", or 'drain' (Pull all instances together once all are empty: one-step "
+                "overlap without partial rollout, VeRL-Pipeline)"
+                if name == "synchronization"
+                else ""
+            )
+            raise ConfigError(
+                f"coordinator.{name}={value!r} is unknown: use 'throughput' (the paper's "
+                f"strategy) or 'vanilla' (its §6.5 ablation counterpart){extra}"
+            )
         if not 0.0 < self.mu <= 1.0:
             raise ConfigError(
                 f"coordinator.mu={self.mu} is out of range: use a value in (0, 1]; it is the "

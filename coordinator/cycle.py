@@ -60,6 +60,8 @@ def plan_cycle(
         commands.append(Interrupt(S.ids[pos], _ids(trajs)))
         S.discard(pos, trajs, strategies.cost.k5)
         ts.add(trajs)
+    if strategies.hold is not None and strategies.hold.holds_routing(S, ps_version):
+        return commands  # instances drain before a global Pull (drain_sync.py)
     placements = strategies.routing.route(S, ts, sketch)  # lines 13-14
     commands.extend(_routes(S.ids, placements))
     return commands

@@ -7,6 +7,7 @@ from typing import Protocol
 
 from coordinator.config import CoordinatorConfig
 from coordinator.cost_model import CostModel
+from coordinator.drain_sync import DrainGlobalSync
 from coordinator.fleet import Fleet
 from coordinator.migration import Migration, NoMigration, ThroughputMigration
 from coordinator.pool import TrajectoryPool
@@ -37,12 +38,21 @@ class RoutingStrategy(Protocol):
         ...
 
 
+class RoutingHold(Protocol):
+    def holds_routing(self, fleet: Fleet, ps_version: int) -> bool:
+        """Skip the routing step this cycle (e.g. instances must drain before a Pull). Pure."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class Strategies:
     sync: SyncStrategy
     migration: MigrationStrategy
     routing: RoutingStrategy
     cost: CostModel
+    # Set only by synchronisation strategies that need routing to pause (drain-then-Pull);
+    # None keeps Algorithm 1 as the paper writes it.
+    hold: RoutingHold | None = None
 
 
 def build_strategies(config: CoordinatorConfig) -> Strategies:
@@ -53,14 +63,18 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
     )
     # Algorithm 4's tentative routing is the paper's routing strategy, whichever strategy
     # routes for real: it asks whether a Pull would let throughput-worthy work in.
-    sync: SyncStrategy = (
-        ThroughputSync(throughput_routing)
-        if config.synchronization == "throughput"
-        else GreedySync()
-    )
+    sync: SyncStrategy
+    hold: RoutingHold | None = None
+    if config.synchronization == "throughput":
+        sync = ThroughputSync(throughput_routing)
+    elif config.synchronization == "drain":
+        drain = DrainGlobalSync()  # it also holds routing until the fleet has drained
+        sync, hold = drain, drain
+    else:
+        sync = GreedySync()
     migration: MigrationStrategy = (
         ThroughputMigration(cost, config.phi_wait, config.phi_throughput)
         if config.migration == "throughput"
         else NoMigration()
     )
-    return Strategies(sync=sync, migration=migration, routing=routing, cost=cost)
+    return Strategies(sync=sync, migration=migration, routing=routing, cost=cost, hold=hold)
