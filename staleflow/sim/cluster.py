@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -116,6 +117,10 @@ class SimCluster:
         )
         self._events: list[tuple[float, int, str, Any]] = []
         self.stalled = False
+        # Called once per cycle, after the commands were applied (state at ``now``): lets
+        # an optional recorder (``timeline.Timeline``) sample instances without a copy of
+        # this loop.
+        self.observers: list[Callable[[SimCluster], None]] = []
         self._seq = 0
         self.rewarding: dict[int, SimTrajectory] = {}  # finished, reward pending
         self.batches: list[ConsumedBatch] = []
@@ -154,6 +159,8 @@ class SimCluster:
                 break
             self.coordinator.step(self.now)
             self.executor.run_until_idle()
+            for observe in self.observers:
+                observe(self)
             horizon = self.now + period
             for inst in self.instances.values():
                 inst.advance(horizon, self._finished)

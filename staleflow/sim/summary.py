@@ -92,3 +92,13 @@ def _steady(cluster: SimCluster) -> float:
         return 0.0
     span = t.step_ends[-1] - t.step_ends[warm - 1]
     return sum(t.step_tokens[warm:]) / span if span > 0 else 0.0
+
+
+def staleness_per_buffer(cluster: SimCluster) -> list[tuple[int, dict[int, int]]]:
+    """Figure 18: ``(V_buf, {staleness: groups})`` per consumed buffer, from the staleness
+    manager's own record, limited to the steps the summary counts (the last Consume may
+    have started a step that the run did not wait for)."""
+    out = []
+    for version, staleness in list(cluster.manager.history)[: cluster.trainer.steps]:
+        out.append((version, dict(sorted(Counter(staleness).items()))))
+    return out

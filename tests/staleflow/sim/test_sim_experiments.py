@@ -1,0 +1,192 @@
+"""The simulator's experiment scripts (experiments/sim_*.py) run on the ``tiny`` preset and
+write sane CSV, JSON and PNG files; the timeline recorder and the scaling helper too."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import itertools
+import json
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from staleflow.sim import SimCluster, system, tiny
+from staleflow.sim.scaling import scale, value
+from staleflow.sim.summary import staleness_per_buffer
+from staleflow.sim.timeline import Timeline
+
+pytest.importorskip("matplotlib")
+
+EXPERIMENTS = Path(__file__).resolve().parents[3] / "experiments"
+SCRIPTS = ("sim_eta_sweep", "sim_ablation", "sim_instance_load", "sim_staleness", "sim_scaling")
+
+
+def _script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = json.loads(path.read_text())
+    with path.with_suffix(".csv").open() as f:
+        assert len(list(csv.DictReader(f))) == len(rows)
+    return rows
+
+
+def _run(name: str, tmp_path: Path, *args: str) -> Path:
+    out = tmp_path / name
+    assert _script(name).main(["--preset", "tiny", "--out", str(out), *args]) == 0
+    return out
+
+
+def test_help_exits_cleanly(capsys: pytest.CaptureFixture[str]) -> None:
+    for name in SCRIPTS:
+        with pytest.raises(SystemExit) as e:
+            _script(name).main(["--help"])
+        assert e.value.code == 0
+        assert "--preset" in capsys.readouterr().out
+
+
+def test_eta_sweep(tmp_path: Path) -> None:
+    out = _run(
+        "sim_eta_sweep",
+        tmp_path,
+        "--etas",
+        "0,1",
+        "--steps",
+        "3",
+        "--systems",
+        "staleflow,vanilla,sync",
+    )
+    rows = _rows(out / "sweep.json")
+    assert [(r["name"], r["eta"]) for r in rows] == [
+        ("staleflow", 0),
+        ("staleflow", 1),
+        ("vanilla", 0),
+        ("vanilla", 1),
+        ("sync", 0),
+    ]
+    assert all(r["tokens_per_s"] > 0 and r["steps"] == 3 for r in rows)
+    gains = _rows(out / "gains.json")
+    assert {(g["baseline"], g["eta"]) for g in gains} == {
+        ("vanilla", 0),
+        ("vanilla", 1),
+        ("sync", 0),
+        ("sync", 1),
+    }
+    assert all(0.2 < g["gain"] < 10 for g in gains)
+    assert (out / "eta_sweep.png").stat().st_size > 0
+
+
+def test_ablation(tmp_path: Path) -> None:
+    out = _run("sim_ablation", tmp_path, "--eta", "1", "--steps", "2")
+    rows = _rows(out / "ablation.json")
+    assert len(rows) == 8
+    assert len({r["system"] for r in rows}) == 8
+    assert rows[0]["system"] == "R0S0M0" and rows[0]["normalised"] == 1.0
+    assert all(r["tokens_per_s"] > 0 and 0.2 < r["normalised"] < 5 for r in rows)
+    assert (out / "ablation.png").stat().st_size > 0
+
+
+def test_staleness(tmp_path: Path) -> None:
+    out = _run("sim_staleness", tmp_path, "--eta", "2", "--steps", "6")
+    rows = _rows(out / "staleness.json")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    for r in rows:
+        assert 0 <= r["max_staleness"] <= 2
+        assert r["groups"] == sum(r[f"staleness_{k}"] for k in range(3)) == 4
+    assert (out / "staleness.png").stat().st_size > 0
+
+
+def test_instance_load(tmp_path: Path) -> None:
+    out = _run("sim_instance_load", tmp_path, "--eta", "1", "--steps", "3")
+    loads, syncs = _rows(out / "instance_load.json"), _rows(out / "syncs.json")
+    assert {r["system"] for r in loads} == {"staleflow", "vanilla"}
+    assert {r["inst"] for r in loads} == {0, 1, 2, 3}
+    assert all(r["running"] >= 0 and r["tokens_per_s"] >= 0 for r in loads)
+    assert syncs and all(s["version"] >= 1 for s in syncs)
+    assert (out / "instance_load.png").stat().st_size > 0
+
+
+def test_scaling(tmp_path: Path) -> None:
+    out = _run("sim_scaling", tmp_path, "--eta", "1", "--steps", "2")
+    rows = _rows(out / "scaling.json")
+    assert len(rows) == 3 * 3 * 2
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["relative_to_vanilla"] == 1.0 for r in rows if r["system"] == "vanilla")
+    assert (out / "scaling.png").stat().st_size > 0
+
+
+def test_scaling_script_one_dimension(tmp_path: Path) -> None:
+    out = _run(
+        "sim_scaling",
+        tmp_path,
+        "--eta",
+        "1",
+        "--steps",
+        "2",
+        "--dimensions",
+        "gpus",
+        "--factors",
+        "1,2",
+    )
+    rows = _rows(out / "scaling.json")
+    assert [(r["value"], r["system"]) for r in rows] == [
+        (8, "staleflow"),
+        (8, "vanilla"),
+        (16, "staleflow"),
+        (16, "vanilla"),
+    ]
+
+
+def test_scale() -> None:
+    base = tiny()
+    assert value(scale(base, "response", 2), "response") == 2 * base.workload.max_response
+    assert value(scale(base, "batch", 0.5), "batch") == base.batch_size // 2
+    big = scale(base, "gpus", 2)
+    assert big.instances == 2 * base.instances
+    assert big.trainer.seconds_per_token == pytest.approx(base.trainer.seconds_per_token / 2)
+    with pytest.raises(ValueError):
+        scale(base, "nodes", 2)
+
+
+def test_timeline_records_every_cycle_and_every_pull() -> None:
+    cluster = SimCluster(system("vanilla", tiny(eta=1, steps=3)))
+    timeline = Timeline().attach(cluster)
+    summary = cluster.run()
+    n = len(cluster.instances)
+    assert len(timeline.samples) == summary.cycles * n
+    # Greedy (vanilla) sync pulls every instance to every new version it reaches.
+    final = {i.inst_id: i.version for i in cluster.instances.values()}
+    assert len(timeline.syncs) == sum(final.values())
+    assert all(s.kv_tokens >= 0 and s.waiting >= 0 for s in timeline.samples)
+
+
+def test_timeline_sampling_interval_keeps_every_pull() -> None:
+    dense, sparse = Timeline(), Timeline(every_s=5.0)
+    cluster = SimCluster(tiny(eta=1, steps=3))
+    dense.attach(cluster)
+    sparse.attach(cluster)
+    cluster.run()
+    assert len(sparse.samples) < len(dense.samples)
+    assert sparse.syncs == dense.syncs
+    times = sorted({s.time for s in sparse.samples})
+    assert all(b - a >= 5.0 - 1e-9 for a, b in itertools.pairwise(times))
+
+
+def test_staleness_per_buffer_matches_summary() -> None:
+    cluster = SimCluster(tiny(eta=2, steps=5))
+    summary = cluster.run()
+    per_buffer = staleness_per_buffer(cluster)
+    assert len(per_buffer) == summary.steps
+    total: dict[int, int] = {}
+    for _, hist in per_buffer:
+        for k, v in hist.items():
+            total[k] = total.get(k, 0) + v
+    assert total == summary.staleness
