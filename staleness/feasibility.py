@@ -142,12 +142,6 @@ class AdmissionCounts:
         self._d_min = d_min
         self._dirty = False
 
-    def d_min(self) -> int:
-        """Smallest deadline a new reserved group may have; ``eta + 1`` if none."""
-        if self._dirty:
-            self._refresh()
-        return self._d_min
-
     # -- repacking occupied groups -----------------------------------------------------
 
     def repack(self, extra_at: int | None = None) -> list[int] | None:

@@ -33,7 +33,7 @@ from staleness.errors import (
 )
 from staleness.feasibility import AdmissionCounts
 from staleness.layout import canonical_buffers
-from staleness.sketch import CLOSED, Sketch
+from staleness.sketch import CLOSED, Sketch, admits
 from staleness.types import (
     ConsumedBatch,
     ConsumedGroup,
@@ -114,19 +114,7 @@ class StalenessManager:
             return self._verify(v_traj, group_id)
 
     def _verify(self, v_traj: int, group_id: GroupId | None) -> bool:
-        counts = self._counts
-        if v_traj > counts.version:
-            raise StalenessError(
-                f"V_traj={v_traj} is newer than the trainer's version {counts.version}: "
-                "no instance can hold a policy that has not been trained yet"
-            )
-        if group_id is not None:
-            gv = self._sketch_lookup(group_id)
-            if gv == CLOSED:
-                return False
-            if gv is not None:
-                return v_traj >= gv or counts.admissible_lowering(gv, v_traj)
-        return counts.admissible(v_traj)
+        return admits(self._counts, self._sketch_lookup, v_traj, group_id)
 
     def is_ready(self) -> bool:
         """Is the trainer's buffer Ready (``batch_size`` occupied groups)?"""

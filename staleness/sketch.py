@@ -12,6 +12,31 @@ _EMPTY = Outcome()
 CLOSED = -1  # what ``parent_group`` reports for a group that takes no more members
 
 
+def admits(
+    counts: AdmissionCounts,
+    group_version: Callable[[GroupId], int | None],
+    v_traj: int,
+    group_id: GroupId | None,
+) -> bool:
+    """The admission rule shared by the manager and its sketches.
+
+    ``group_version`` gives a tracked group's version, ``CLOSED`` for a group that takes no
+    more members, or None for an unknown group.
+    """
+    if v_traj > counts.version:
+        raise StalenessError(
+            f"V_traj={v_traj} is newer than the trainer's version {counts.version}: "
+            "no instance can hold a policy that has not been trained yet"
+        )
+    if group_id is not None:
+        gv = group_version(group_id)
+        if gv == CLOSED:
+            return False
+        if gv is not None:
+            return v_traj >= gv or counts.admissible_lowering(gv, v_traj)
+    return counts.admissible(v_traj)
+
+
 class Sketch:
     """Verify/reserve against a copy of the counts; the real manager is never touched.
 
@@ -40,19 +65,7 @@ class Sketch:
         return v if v is not None else self._parent_group(group_id)
 
     def verify(self, v_traj: int, group_id: GroupId | None = None) -> bool:
-        counts = self._counts
-        if v_traj > counts.version:
-            raise StalenessError(
-                f"V_traj={v_traj} is newer than the trainer's version {counts.version}: "
-                "no instance can hold a policy that has not been trained yet"
-            )
-        if group_id is not None:
-            gv = self._group_version(group_id)
-            if gv is not None:
-                if gv == CLOSED:
-                    return False
-                return v_traj >= gv or counts.admissible_lowering(gv, v_traj)
-        return counts.admissible(v_traj)
+        return admits(self._counts, self._group_version, v_traj, group_id)
 
     def reserve(self, group_id: GroupId, traj_id: TrajId, v_traj: int) -> Outcome:
         if not self.verify(v_traj, group_id):
