@@ -55,6 +55,7 @@ class InProcessExecutor:
         trajectories: TrajectoryPlane,
         parameters: ParameterPlane,
         staleness: AdmissionControl,
+        run_round: Callable[[Sequence[Callable[[], None]]], None] | None = None,
     ) -> None:
         self._engine, self._ts, self._ps, self._staleness = (
             engine,
@@ -70,6 +71,9 @@ class InProcessExecutor:
         self._pulling: dict[int, int] = {}  # inst -> pending Pull op
         self._reports: list[CommandDone] = []
         self._blocked: set[Lane] = set()
+        # How one round of mutually independent operations runs: in turn by default; a
+        # real deployment passes a thread pool's map so Pulls and Routes overlap.
+        self._run_round = run_round or _in_turn
         self.ticks = 0
 
     # -- CommandExecutor -------------------------------------------------------------------
@@ -116,8 +120,7 @@ class InProcessExecutor:
     def tick(self) -> int:
         """Complete every operation whose dependencies were done before this tick."""
         ready = [op for op in self._ops if not op.deps and op.lane not in self._blocked]
-        for op in ready:
-            op.action()
+        self._run_round([op.action for op in ready])
         finished = {op.op_id for op in ready}
         self._ops = [op for op in self._ops if op.op_id not in finished]
         self._pending -= finished
@@ -207,7 +210,14 @@ class InProcessExecutor:
                     for r in command.reservations
                     if r.traj_id in progress.payloads
                 }
-                self._engine.submit(command.inst, progress.payloads, assigned)
+                failed = self._engine.submit(command.inst, progress.payloads, assigned)
+                if failed:
+                    progress.missed.extend(failed)
             self._report(command, progress)
 
         return run
+
+
+def _in_turn(actions: Sequence[Callable[[], None]]) -> None:
+    for action in actions:
+        action()

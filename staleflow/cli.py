@@ -108,6 +108,57 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_launch(args: argparse.Namespace) -> int:
+    import logging
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from staleflow.config import load_config
+    from staleflow.runtime.display import live_panel, step_line, summary_table
+    from staleflow.runtime.launch import LaunchError, launch
+
+    overrides = list(args.overrides)
+    for flag, key in (("eta", "eta"), ("steps", "steps"), ("address", "address")):
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.append(f"{key}={value}")
+    try:
+        cfg = load_config(args.config, overrides)
+    except (ValueError, OSError) as exc:
+        print(f"staleflow launch: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    console = Console()
+    live = Live(console=console, refresh_per_second=4, transient=True) if args.live else None
+
+    def on_record(rec: dict[str, float]) -> None:
+        console.print(step_line(rec, cfg.eta))
+
+    def on_tick(state: object) -> None:
+        if live is not None:
+            live.update(live_panel(state))
+
+    try:
+        if live is not None:
+            live.start()
+        result = launch(
+            cfg,
+            on_record=on_record,
+            on_tick=on_tick if live is not None else None,
+            on_phase=lambda text: console.print(f"[dim]{text}[/]"),
+        )
+    except LaunchError as exc:
+        console.print(f"[red]staleflow launch failed:[/] {exc}")
+        return 1
+    finally:
+        if live is not None:
+            live.stop()
+    result.summary["run_dir"] = str(result.run_dir)
+    console.print(summary_table(result.summary, cfg.eta))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="staleflow",
@@ -135,12 +186,32 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--json", help="also write the summary to this JSON file")
     sim.set_defaults(func=cmd_sim)
+    launch = sub.add_parser(
+        "launch",
+        help="run real asynchronous RL (embedded CPU backends by default)",
+        description="Run real, staleness-bounded asynchronous RL. With no arguments: the "
+        "built-in arithmetic task, a small Qwen2 model (warmed up once and cached), 2 rollout "
+        "instances, local Ray. Any setting can be given as key=value (e.g. rollout.instances=4 "
+        "coordinator.routing=vanilla); see docs/configuration.md for every key.",
+    )
+    launch.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    launch.add_argument("--config", help="a YAML config file (overrides apply on top)")
+    launch.add_argument("--eta", type=int, help="staleness bound (0 = synchronous on-policy)")
+    launch.add_argument("--steps", type=int, help="training steps")
+    launch.add_argument("--address", help="join this Ray cluster instead of a local one")
+    launch.add_argument(
+        "--live",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="draw buffers and instances while running",
+    )
+    launch.set_defaults(func=cmd_launch)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "eta", 0) < 0:
+    if (getattr(args, "eta", 0) or 0) < 0:
         print("staleflow: --eta must be >= 0 (0 = synchronous on-policy RL)", file=sys.stderr)
         return 2
     return args.func(args)

@@ -48,7 +48,10 @@ class TrajectoryServerService:
         v: int | Mapping[int, int] | None = req.v_traj
         if v is None and req.v_traj_by_traj:
             v = req.v_traj_by_traj
-        return wire.pack(wire.RouteReply(self._ts.route(req.traj_ids, v, req.instance_id)))
+        routed = self._ts.route(
+            req.traj_ids, v, req.instance_id, skip_unavailable=req.skip_unavailable
+        )
+        return wire.pack(wire.RouteReply(routed))
 
     def interrupt_return(self, message: bytes) -> None:
         self._ts.interrupt_return(wire.unpack(message, wire.InterruptReturn).partials)
@@ -129,11 +132,14 @@ class TrajectoryServerClient:
         traj_ids: Iterable[int],
         v_traj: int | Mapping[int, int] | None,
         instance_id: InstanceId,
+        *,
+        skip_unavailable: bool = False,
     ) -> tuple[RoutedTrajectory, ...]:
+        ids = tuple(traj_ids)
         if isinstance(v_traj, Mapping):
-            req = wire.RouteRequest(tuple(traj_ids), None, dict(v_traj), instance_id)
+            req = wire.RouteRequest(ids, None, dict(v_traj), instance_id, skip_unavailable)
         else:
-            req = wire.RouteRequest(tuple(traj_ids), v_traj, {}, instance_id)
+            req = wire.RouteRequest(ids, v_traj, {}, instance_id, skip_unavailable)
         reply = self._call("route", wire.pack(req))
         return wire.unpack(reply, wire.RouteReply).trajectories
 

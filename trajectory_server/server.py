@@ -221,12 +221,18 @@ class TrajectoryServer:
         traj_ids: Iterable[int],
         v_traj: int | Mapping[int, int] | None,
         instance_id: InstanceId,
+        *,
+        skip_unavailable: bool = False,
     ) -> tuple[RoutedTrajectory, ...]:
         """Hand QUEUED trajectories to ``instance_id`` and mark them ROUTED.
 
         ``v_traj``: one version for all, or one per trajectory id. Initial trajectories
         get theirs here; partial ones keep theirs and may only be given the same value
         (or None). The payload arrays are read-only and shared with the server.
+
+        ``skip_unavailable``: route only those still QUEUED and leave out the rest (gone,
+        or no longer QUEUED) instead of raising; a router whose view of the queue is a
+        moment old uses it, and learns what it missed from the ids absent from the result.
         """
         if isinstance(instance_id, bool) or not isinstance(instance_id, int | str):
             raise InvalidPayload(f"instance_id must be an int or a str, got {instance_id!r}")
@@ -237,6 +243,10 @@ class TrajectoryServer:
             raise VersionConflict(f"v_traj names trajectories {extra} that route was not given")
         plan: list[tuple[_Traj, int]] = []
         for tid in ids:
+            if skip_unavailable:
+                live = self._trajs.get(tid)
+                if live is None or live.state is not QUEUED:
+                    continue
             traj = self._lookup(tid)
             if traj.state is not QUEUED:
                 raise InvalidTransition(

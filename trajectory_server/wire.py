@@ -116,6 +116,7 @@ class RouteRequest:
     v_traj: int | None  # one version for all, or None
     v_traj_by_traj: dict[int, int]  # per-trajectory versions (used when v_traj is None)
     instance_id: int | str
+    skip_unavailable: bool = False
 
 
 @dataclass(frozen=True, slots=True, eq=False)

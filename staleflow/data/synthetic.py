@@ -136,3 +136,64 @@ def check(response_text: str, answer: str) -> float:
     Exact match, not "contains": a response that lists several numbers gets no credit.
     """
     return 1.0 if response_text.strip() == answer.strip() else 0.0
+
+
+# The response format. A response reduces the expression one operator at a time, the
+# leftmost ``*`` first and then ``+``/``-`` left to right, each intermediate expression
+# followed by ``=``, ending in the answer: "12+7*3=" -> "12+21=33", and "63+23=" -> "86"
+# (two operands: just the answer). Showing the steps keeps each token a small, local
+# computation that a tiny model can learn; the reward reads only the text after the last
+# ``=``.
+
+
+def _parse(prompt: str) -> list[int | str]:
+    expression = prompt.strip().removesuffix("=")
+    parts: list[int | str] = []
+    number = ""
+    for char in expression:
+        if char.isdigit():
+            number += char
+        elif char in _OPERATORS and number:
+            parts += [int(number), char]
+            number = ""
+        else:
+            raise ValueError(f"cannot parse the prompt {prompt!r} at {char!r}")
+    if not number:
+        raise ValueError(f"cannot parse the prompt {prompt!r}: it ends in an operator")
+    parts.append(int(number))
+    return parts
+
+
+def _reduce_once(parts: list[int | str]) -> list[int | str]:
+    ops = parts[1::2]
+    # the leftmost "*" first (precedence), else the leftmost "+" or "-" (left associativity)
+    i = 2 * ops.index("*") + 1 if "*" in ops else 1
+    left, op, right = int(parts[i - 1]), parts[i], int(parts[i + 1])
+    value = left * right if op == "*" else left + right if op == "+" else left - right
+    return [*parts[: i - 1], value, *parts[i + 2 :]]
+
+
+def solution_steps(problem: Problem | str) -> str:
+    """The target response for a problem (or its prompt), without EOS.
+
+    One step per operator, ``=``-separated, the last step being the answer:
+    ``"12+7*3="`` -> ``"12+21=33"``; with two operands just the answer, ``"63+23="`` ->
+    ``"86"``. Only the leading number of a step can be negative (``"5-9+3="`` ->
+    ``"-4+3=-1"``), since ``*`` is reduced before any subtraction, so every step is a
+    well-formed expression over :data:`ALPHABET` whose value is the answer.
+    """
+    prompt = problem.prompt if isinstance(problem, Problem) else problem
+    parts = _parse(prompt)
+    steps: list[str] = []
+    while len(parts) > 1:
+        parts = _reduce_once(parts)
+        steps.append("".join(map(str, parts)))
+    if not steps:
+        raise ValueError(f"the prompt {prompt!r} has no operator")
+    return "=".join(steps)
+
+
+def extract_answer(response_text: str) -> str:
+    """The final answer of a response: the text after its last ``=``, stripped (the whole
+    text, stripped, when it has no ``=``). Compare it with :attr:`Problem.answer` exactly."""
+    return response_text.rpartition("=")[2].strip()

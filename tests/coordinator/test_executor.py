@@ -102,3 +102,22 @@ def test_reservations_reach_the_staleness_manager() -> None:
     ex.issue([Route(0, (70, 71), (Reservation(7, 70, 3), Reservation(7, 71, 3)))])
     ex.run_until_idle()
     assert m.group_version(7) == 3
+
+
+def test_trajectories_a_plane_could_not_start_are_reported_missed() -> None:
+    """A plane that only claims at take time learns at delivery that a trajectory left the
+    TS meanwhile; the Route's report must say so, or the speculative state drifts."""
+    world, ex = setup({0: 1})
+    [a, b] = group(3, 2, first_traj=30, v_traj=1)
+    world.enqueue([a, b])
+    original = world.submit
+
+    def submit_all_but_31(inst, payloads, v_traj):
+        original(inst, {t: p for t, p in payloads.items() if t != 31}, v_traj)
+        return [31]
+
+    world.submit = submit_all_but_31  # type: ignore[method-assign]
+    ex.issue([Route(0, (30, 31))])
+    ex.run_until_idle()
+    [done] = ex.poll()
+    assert done.missed == (31,)

@@ -338,3 +338,13 @@ def test_instance_id_must_be_int_or_str(ts):
     with pytest.raises(InvalidPayload, match="instance_id"):
         ts.route([0], 0, ("a", 1))  # type: ignore[arg-type]
     assert ts.state_of(0) is TrajState.QUEUED
+
+
+def test_route_can_skip_trajectories_no_longer_queued(ts):
+    ts.route([0], 0, "a")
+    ts.abort([3])
+    with pytest.raises(InvalidTransition):
+        ts.route([0, 1], 0, "b")
+    routed = ts.route([0, 1, 2, 3], {1: 0, 2: 1}, "b", skip_unavailable=True)
+    assert [r.traj_id for r in routed] == [1, 2]
+    assert ts.state_of(0) is TrajState.ROUTED and ts.state_of(1) is TrajState.ROUTED

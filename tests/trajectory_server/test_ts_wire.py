@@ -121,7 +121,7 @@ def test_decoder_refuses_bad_input():
         wire.unpack(msgpack.packb(["nope", []]))
     with pytest.raises(WireError, match="expected a RouteReply"):
         wire.unpack(wire.pack(wire.GroupStatusBatch(())), wire.RouteReply)
-    with pytest.raises(WireError, match="needs 4 fields"):
+    with pytest.raises(WireError, match="needs 5 fields"):
         wire.unpack(msgpack.packb(["route_request", [1, 2]]))
     # an int32 array header that claims 5 elements, followed by only 8 bytes
     short = msgpack.ExtType(1, b"\x03<i4\x01" + (5).to_bytes(8, "little") + bytes(8))

@@ -72,3 +72,45 @@ def test_check():
     assert check("33 34", "33") == 0.0
     assert check("", "33") == 0.0
     assert check("333", "33") == 0.0
+
+
+def test_solution_steps_reduce_one_operator_at_a_time():
+    from staleflow.data.synthetic import solution_steps
+
+    assert solution_steps("12+7*3=") == "12+21=33"
+    assert solution_steps("63+23=") == "86"
+    assert solution_steps("44-54=") == "-10"
+    assert solution_steps("5-9+3=") == "-4+3=-1"
+    assert solution_steps("2*3-4*5+1=") == "6-4*5+1=6-20+1=-14+1=-13"
+    task = ArithmeticTask(ArithmeticConfig(seed=0))
+    assert solution_steps(task.problem(0)) == "43"
+    with pytest.raises(ValueError, match="parse"):
+        solution_steps("12/3=")
+    with pytest.raises(ValueError, match="no operator"):
+        solution_steps("12=")
+
+
+@pytest.mark.parametrize("level", [1, 2, 3, 4, 5])
+def test_every_solution_step_is_a_valid_expression_of_the_answer(level):
+    from staleflow.data.synthetic import extract_answer, solution_steps
+
+    task = ArithmeticTask(ArithmeticConfig.level(level, seed=11))
+    for p in task.problems(200):
+        response = solution_steps(p)
+        steps = response.split("=")
+        assert len(steps) == task.config.num_operands - 1
+        assert set(response) <= set(ALPHABET)
+        assert all(str(eval(step)) == p.answer for step in steps)
+        assert steps[-1] == p.answer and extract_answer(response) == p.answer
+        assert check(extract_answer(response), p.answer) == 1.0
+
+
+def test_extract_answer():
+    from staleflow.data.synthetic import extract_answer
+
+    assert extract_answer("12+21=33") == "33"
+    assert extract_answer("33") == "33"
+    assert extract_answer(" 33 \n") == "33"
+    assert extract_answer("1=2= 3") == "3"
+    assert extract_answer("12+21=") == ""
+    assert extract_answer("") == ""

@@ -1,0 +1,220 @@
+"""The top level of the configuration of ``staleflow launch``, and the checks across
+sections."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from coordinator.config import ConfigError, CoordinatorConfig, CostModelConfig
+from staleflow.config.sections import (
+    FILE_TASKS,
+    DataConfig,
+    ModelConfig,
+    PSConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainerConfig,
+    _help,
+    require,
+    require_at_least,
+)
+from staleflow.config.walk import check_types
+from staleflow.rewards.registry import resolve_reward_kind
+
+if TYPE_CHECKING:
+    from trajectory_server.types import TrajectoryServerConfig
+
+# The embedded default (a few-million-parameter model on CPU) steps in milliseconds, so
+# the coordinator cycles faster than CoordinatorConfig's cluster default of 1 s. No cost
+# model has been fitted for it; the preset's coefficients are kept (only their ratios
+# steer routing), with the KV budget of one embedded instance (rollout.kv_budget_tokens).
+EMBEDDED_PERIOD_S = 0.2
+EMBEDDED_KV_BUDGET = 16384
+
+
+def _embedded_coordinator() -> CoordinatorConfig:
+    return CoordinatorConfig(
+        period_s=EMBEDDED_PERIOD_S,
+        cost_model=CostModelConfig(kv_budget=float(EMBEDDED_KV_BUDGET)),
+    )
+
+
+_NAME = re.compile(r"[A-Za-z0-9._-]*")
+
+
+@dataclass(frozen=True, slots=True)
+class RunConfig:
+    """Everything ``staleflow launch`` needs; the defaults run the built-in arithmetic task
+    on one CPU machine with embedded backends. Each component receives its own section."""
+
+    eta: int = field(default=3, metadata=_help("staleness bound: 0 is synchronous on-policy RL"))
+    steps: int = field(default=20, metadata=_help("training steps"))
+    seed: int = field(default=0, metadata=_help("seed of sampling, data order and init"))
+    run_dir: str = field(
+        default="runs", metadata=_help("parent folder; each run gets a timestamped subfolder")
+    )
+    name: str = field(default="", metadata=_help("run name, appended to its folder's name"))
+    address: str = field(
+        default="", metadata=_help("Ray cluster address; '' = start a local Ray instance")
+    )
+    batch_size: int = field(default=8, metadata=_help("groups per training step"))
+    group_size: int = field(default=8, metadata=_help("trajectories per group (G)"))
+    group_redundancy: float = field(
+        default=0.0,
+        metadata=_help("extra trajectories per group, as a share of G (in [0, 16))"),
+    )
+    batch_redundancy: float = field(
+        default=0.0,
+        metadata=_help("extra groups per staleness buffer, as a share of batch_size"),
+    )
+    checkpoint_every: int = field(
+        default=0, metadata=_help("save a checkpoint every N steps; 0 = only at the end")
+    )
+    dashboard: bool = field(default=False, metadata=_help("serve the REST dashboard"))
+    dashboard_port: int = field(default=8265, metadata=_help("port of the dashboard"))
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    parameter_server: PSConfig = field(default_factory=PSConfig)
+    coordinator: CoordinatorConfig = field(default_factory=_embedded_coordinator)
+
+    def __post_init__(self) -> None:
+        check_types(self, "")
+        require(self.eta >= 0, "eta", self.eta, "is negative: use 0 for synchronous RL, e.g. 3")
+        require_at_least("steps", self.steps, 1, "training step")
+        require(self.seed >= 0, "seed", self.seed, "is negative: use a seed >= 0")
+        require_at_least("batch_size", self.batch_size, 1, "group per step")
+        require_at_least("group_size", self.group_size, 1, "trajectory per group")
+        for key in ("group_redundancy", "batch_redundancy"):
+            value = getattr(self, key)
+            require(
+                0.0 <= value < 16.0,
+                key,
+                value,
+                "is out of range: use a ratio in [0, 16), e.g. 0.0625",
+            )
+        require_at_least("checkpoint_every", self.checkpoint_every, 0, "steps (0 = at the end)")
+        require(
+            1 <= self.dashboard_port <= 65535,
+            "dashboard_port",
+            self.dashboard_port,
+            "is not a TCP port: use 1 to 65535, e.g. 8265",
+        )
+        require(
+            bool(_NAME.fullmatch(self.name)),
+            "name",
+            self.name,
+            "is not usable in a folder name: use letters, digits, '.', '_' and '-'",
+        )
+        require(bool(self.run_dir), "run_dir", self.run_dir, "is empty: use e.g. runs")
+        self._check_across_sections()
+
+    def _check_across_sections(self) -> None:
+        data, model, rollout = self.data, self.model, self.rollout
+        if data.task in FILE_TASKS:
+            require(
+                bool(data.path),
+                "data.path",
+                data.path,
+                f"is required for data.task={data.task}: set data.path=/path/to/train.jsonl "
+                "(or .parquet)",
+            )
+            require(
+                bool(data.tokenizer or model.checkpoint),
+                "data.tokenizer",
+                data.tokenizer,
+                f"is required for data.task={data.task} without model.checkpoint: the "
+                "built-in model's tokenizer only knows arithmetic; set model.checkpoint or "
+                "data.tokenizer",
+            )
+        elif data.path:
+            raise ConfigError(
+                f"data.path={data.path!r} is set but data.task=arithmetic does not read files: "
+                "set data.task to jsonl, parquet, gsm8k or dapo, or drop data.path"
+            )
+        for key, backend, gpu in (
+            ("rollout.backend", rollout.backend, "sglang"),
+            ("trainer.backend", self.trainer.backend, "megatron"),
+        ):
+            require(
+                backend != gpu or bool(model.checkpoint),
+                key,
+                backend,
+                f"needs a Hugging Face checkpoint: set model.checkpoint, or use {key}=embedded",
+            )
+        if rollout.backend == "embedded":
+            require(
+                rollout.kv_budget_tokens >= rollout.max_response_tokens + 1,
+                "rollout.kv_budget_tokens",
+                rollout.kv_budget_tokens,
+                "cannot hold even one trajectory: raise it above rollout.max_response_tokens "
+                f"plus the prompt (max_response_tokens={rollout.max_response_tokens})",
+            )
+        if not model.checkpoint:
+            self._check_builtin_context()
+
+    def _check_builtin_context(self) -> None:
+        try:
+            from staleflow.models.presets import PRESETS
+        except ImportError:
+            return
+        limit = PRESETS[self.model.preset].max_position_embeddings
+        require(
+            self.rollout.max_response_tokens < limit,
+            "rollout.max_response_tokens",
+            self.rollout.max_response_tokens,
+            f"does not fit the {self.model.preset} model's {limit}-token context with a "
+            "prompt: lower it",
+        )
+
+    def resolved(self) -> RunConfig:
+        """This config with ``auto`` choices that depend on other sections made explicit
+        (``reward.kind``), so each component can be handed its own section alone."""
+        kind = resolve_reward_kind(self.reward.kind, self.data.task)
+        if kind == self.reward.kind:
+            return self
+        return replace(self, reward=replace(self.reward, kind=kind))
+
+    def trajectory_server_config(self) -> TrajectoryServerConfig:
+        """The trajectory server's configuration, from the top-level keys."""
+        from trajectory_server.types import TrajectoryServerConfig
+
+        return TrajectoryServerConfig(
+            eta=self.eta,
+            batch_size=self.batch_size,
+            group_size=self.group_size,
+            group_redundancy=self.group_redundancy,
+            batch_redundancy=self.batch_redundancy,
+        )
+
+
+def config_warnings(config: RunConfig) -> list[str]:
+    """Valid but probably unintended settings, one sentence each (``load_config`` logs
+    them)."""
+    out = []
+    if config.group_size < 2:
+        out.append(
+            f"group_size={config.group_size}: group-relative advantages ({config.trainer.advantage}) "
+            "are 0 for a group of one, so training learns nothing; use group_size >= 2"
+        )
+    kv_budget = config.coordinator.cost_model.kv_budget
+    if (
+        config.rollout.backend == "embedded"
+        and kv_budget is not None
+        and kv_budget != config.rollout.kv_budget_tokens
+    ):
+        out.append(
+            f"coordinator.cost_model.kv_budget={kv_budget:g} differs from "
+            f"rollout.kv_budget_tokens={config.rollout.kv_budget_tokens}: the coordinator "
+            "will misjudge what fits; set both to the same value"
+        )
+    if config.reward.kind == "arithmetic" and config.data.task != "arithmetic":
+        out.append(
+            f"reward.kind=arithmetic with data.task={config.data.task}: it grades the text "
+            "after the last '=' exactly; math_verify (reward.kind=auto) suits math datasets"
+        )
+    return out

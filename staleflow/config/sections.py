@@ -1,0 +1,331 @@
+"""The sections of the run configuration, one per component.
+
+Each section checks its own values in ``__post_init__``; checks that involve several
+sections live in :mod:`staleflow.config.run`. Messages name the dotted key and the fix.
+The ``coordinator`` section is :class:`coordinator.config.CoordinatorConfig`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from coordinator.config import ConfigError
+from staleflow.config.walk import check_types
+from staleflow.rewards.registry import AUTO, reward_names
+
+DATA_TASKS = ("arithmetic", "gsm8k", "dapo", "jsonl", "parquet")
+FILE_TASKS = DATA_TASKS[1:]
+ROLLOUT_BACKENDS = ("embedded", "sglang")
+TRAINER_BACKENDS = ("embedded", "megatron")
+OFF_POLICY_MODES = ("decoupled", "tis", "none")
+ADVANTAGES = ("grpo", "dapo")
+# parameter_server.transport.TRANSPORT_NAMES, not imported: configuration stays
+# importable without the transports' modules
+TRANSPORTS = ("auto", "shm", "nixl", "socket")
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+def require(ok: bool, key: str, value: object, fix: str) -> None:
+    """Raise ``ConfigError("<key>=<value> <fix>")`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"{key}={value!r} {fix}")
+
+
+def require_choice(key: str, value: str, choices: Sequence[str], what: str = "") -> None:
+    require(
+        value in choices,
+        key,
+        value,
+        f"is unknown: use one of {' | '.join(choices)}" + (f" ({what})" if what else ""),
+    )
+
+
+def require_at_least(key: str, value: float, low: float, what: str) -> None:
+    require(value >= low, key, value, f"is too small: use at least {low:g} {what}")
+
+
+def require_positive(key: str, value: float, example: str) -> None:
+    require(math.isfinite(value) and value > 0, key, value, f"must be > 0, e.g. {example}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The policy: a built-in model warmed up on the task, or a local HF checkpoint."""
+
+    KEY: ClassVar[str] = "model"
+
+    preset: str = field(
+        default="tiny",
+        metadata=_help(
+            "size of the built-in model (staleflow.models.presets); unused with a checkpoint"
+        ),
+    )
+    checkpoint: str = field(
+        default="",
+        metadata=_help(
+            "local Hugging Face checkpoint directory; '' = the built-in model with a "
+            "supervised warm-up"
+        ),
+    )
+    warmup_steps: int = field(
+        default=500, metadata=_help("supervised warm-up steps of the built-in model")
+    )
+    warmup: bool = field(
+        default=True,
+        metadata=_help("warm the built-in model up on solved problems before RL"),
+    )
+    cache_dir: str = field(
+        default="",
+        metadata=_help(
+            "folder reused across runs for the warmed-up model; '' = $STALEFLOW_CACHE/warmup "
+            "or ~/.cache/staleflow/warmup"
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        check_types(self, self.KEY)
+        if not self.checkpoint:
+            require(bool(self.preset), "model.preset", self.preset, "is empty: use e.g. tiny")
+            presets = _model_presets()
+            if presets is not None:
+                require_choice("model.preset", self.preset, presets)
+        require_at_least("model.warmup_steps", self.warmup_steps, 0, "steps (0 skips it)")
+
+
+def _model_presets() -> tuple[str, ...] | None:
+    """Names of the built-in model sizes, if that package is installed (torch-free)."""
+    try:
+        from staleflow.models.presets import PRESETS
+    except ImportError:
+        return None
+    return tuple(sorted(PRESETS))
+
+
+@dataclass(frozen=True, slots=True)
+class DataConfig:
+    """Where prompts and their ground truths come from."""
+
+    KEY: ClassVar[str] = "data"
+
+    task: str = field(
+        default="arithmetic",
+        metadata=_help(
+            "arithmetic (built in) | gsm8k | dapo | jsonl | parquet (local files at data.path)"
+        ),
+    )
+    path: str = field(default="", metadata=_help("local .jsonl or .parquet file of a file task"))
+    difficulty: int = field(
+        default=2, metadata=_help("level of the arithmetic task, 1 (one-digit sums) to 5")
+    )
+    tokenizer: str = field(
+        default="",
+        metadata=_help(
+            "local tokenizer (HF directory or CharTokenizer .json) of a file task; '' = the "
+            "checkpoint's"
+        ),
+    )
+    max_prompt_tokens: int = field(
+        default=512, metadata=_help("prompts longer than this are skipped")
+    )
+
+    def __post_init__(self) -> None:
+        check_types(self, self.KEY)
+        require_choice("data.task", self.task, DATA_TASKS)
+        from staleflow.data.synthetic import ArithmeticConfig
+
+        try:
+            ArithmeticConfig.level(self.difficulty)
+        except ValueError as exc:
+            raise ConfigError(f"data.difficulty={self.difficulty} is out of range: {exc}") from None
+        require_at_least("data.max_prompt_tokens", self.max_prompt_tokens, 1, "token")
+        suffixes = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet", ".pq")}.get(self.task)
+        if self.path and suffixes:
+            require(
+                self.path.endswith(suffixes),
+                "data.path",
+                self.path,
+                f"does not end in {' or '.join(suffixes)} as data.task={self.task} needs: "
+                "fix the path, or set data.task to the file's format",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutConfig:
+    """The rollout instances and how they sample."""
+
+    KEY: ClassVar[str] = "rollout"
+
+    backend: str = field(
+        default="embedded", metadata=_help("embedded (CPU, in process) | sglang (GPU)")
+    )
+    instances: int = field(default=2, metadata=_help("rollout instances"))
+    temperature: float = field(default=1.0, metadata=_help("sampling temperature (> 0)"))
+    top_p: float = field(default=1.0, metadata=_help("nucleus sampling mass, in (0, 1]"))
+    max_response_tokens: int = field(
+        default=32, metadata=_help("a response stops at this many tokens")
+    )
+    kv_budget_tokens: int = field(
+        default=16384,
+        metadata=_help(
+            "KV-cache capacity of one embedded instance, in tokens (SGLang sizes its own)"
+        ),
+    )
+    max_running: int = field(
+        default=64, metadata=_help("trajectories an embedded instance decodes at once")
+    )
+    num_threads: int = field(
+        default=1, metadata=_help("CPU threads of one embedded instance (torch)")
+    )
+
+    def __post_init__(self) -> None:
+        check_types(self, self.KEY)
+        require_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS)
+        require_at_least("rollout.instances", self.instances, 1, "rollout instance")
+        require_positive("rollout.temperature", self.temperature, "1.0 (RL needs sampling)")
+        require(0.0 < self.top_p <= 1.0, "rollout.top_p", self.top_p, "is out of range: use (0, 1]")
+        require_at_least("rollout.max_response_tokens", self.max_response_tokens, 1, "token")
+        require_at_least("rollout.kv_budget_tokens", self.kv_budget_tokens, 1, "token")
+        require_at_least("rollout.max_running", self.max_running, 1, "trajectory")
+        require_at_least("rollout.num_threads", self.num_threads, 1, "thread")
+
+
+@dataclass(frozen=True, slots=True)
+class RewardConfig:
+    """How finished responses are graded."""
+
+    KEY: ClassVar[str] = "reward"
+
+    kind: str = field(
+        default=AUTO,
+        metadata=_help(
+            "auto (arithmetic for the built-in task, math_verify for datasets) | arithmetic "
+            "| math_verify | exact"
+        ),
+    )
+    workers: int = field(default=1, metadata=_help("reward workers"))
+    timeout_s: float = field(
+        default=5.0,
+        metadata=_help(
+            "seconds one response may take to grade before it scores 0; 0 = no limit. "
+            "Enforced by a killable child process for math_verify"
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        check_types(self, self.KEY)
+        require_choice("reward.kind", self.kind, (AUTO, *reward_names()))
+        require_at_least("reward.workers", self.workers, 1, "worker")
+        require(
+            math.isfinite(self.timeout_s) and self.timeout_s >= 0,
+            "reward.timeout_s",
+            self.timeout_s,
+            "must be >= 0 seconds (0 = no limit), e.g. 5",
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerConfig:
+    """The training workers: optimiser and the off-policy PPO-style loss."""
+
+    KEY: ClassVar[str] = "trainer"
+
+    backend: str = field(
+        default="embedded", metadata=_help("embedded (PyTorch, CPU) | megatron (GPU)")
+    )
+    lr: float = field(default=3e-5, metadata=_help("AdamW learning rate"))
+    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
+    max_grad_norm: float = field(default=1.0, metadata=_help("gradient-norm clipping bound"))
+    eps_low: float = field(
+        default=0.2, metadata=_help("lower clip range: ratios below 1 - eps_low are clipped")
+    )
+    eps_high: float = field(
+        default=0.28,
+        metadata=_help(
+            "upper clip range: ratios above 1 + eps_high are clipped (DAPO clip-higher)"
+        ),
+    )
+    off_policy: str = field(
+        default="decoupled",
+        metadata=_help(
+            "correction for stale data: decoupled (PPO with a proximal policy) | tis "
+            "(truncated importance sampling) | none"
+        ),
+    )
+    is_cap: float = field(
+        default=5.0, metadata=_help("cap on the importance weights of the off-policy correction")
+    )
+    advantage: str = field(
+        default="grpo", metadata=_help("grpo | dapo (group-relative advantages)")
+    )
+    micro_batch_size: int = field(
+        default=32, metadata=_help("trajectories per forward/backward pass")
+    )
+    num_threads: int = field(default=1, metadata=_help("CPU threads of the embedded trainer"))
+
+    def __post_init__(self) -> None:
+        check_types(self, self.KEY)
+        require_choice("trainer.backend", self.backend, TRAINER_BACKENDS)
+        require_positive("trainer.lr", self.lr, "1e-4")
+        require(
+            math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+            "trainer.weight_decay",
+            self.weight_decay,
+            "must be >= 0, e.g. 0.0 or 0.01",
+        )
+        require_positive("trainer.max_grad_norm", self.max_grad_norm, "1.0")
+        require(
+            0.0 <= self.eps_low < 1.0,
+            "trainer.eps_low",
+            self.eps_low,
+            "is out of range: use [0, 1), e.g. 0.2",
+        )
+        require(
+            math.isfinite(self.eps_high) and self.eps_high >= 0,
+            "trainer.eps_high",
+            self.eps_high,
+            "must be >= 0, e.g. 0.28",
+        )
+        require_choice("trainer.off_policy", self.off_policy, OFF_POLICY_MODES)
+        require(
+            math.isfinite(self.is_cap) and self.is_cap >= 1.0,
+            "trainer.is_cap",
+            self.is_cap,
+            "must be >= 1 (a cap below 1 would shrink even on-policy tokens), e.g. 5.0",
+        )
+        require_choice("trainer.advantage", self.advantage, ADVANTAGES)
+        require_at_least("trainer.micro_batch_size", self.micro_batch_size, 1, "trajectory")
+        require_at_least("trainer.num_threads", self.num_threads, 1, "thread")
+
+
+@dataclass(frozen=True, slots=True)
+class PSConfig:
+    """The parameter server: versioned weights between trainer and rollout instances."""
+
+    KEY: ClassVar[str] = "parameter_server"
+
+    transport: str = field(
+        default="auto",
+        metadata=_help(
+            "auto (shared memory on one host, else NIXL, else socket) | shm | nixl | socket"
+        ),
+    )
+    num_slots: int = field(
+        default=3,
+        metadata=_help("weight versions held at once (one written while others are read)"),
+    )
+
+    def __post_init__(self) -> None:
+        check_types(self, self.KEY)
+        require_choice("parameter_server.transport", self.transport, TRANSPORTS)
+        require_at_least(
+            "parameter_server.num_slots",
+            self.num_slots,
+            2,
+            "slots (one is readable while the next version is written)",
+        )

@@ -1,0 +1,116 @@
+"""The rollout-engine contract (DESIGN.md: ``RolloutEngine``), shared by every backend.
+
+An engine is a plain, single-threaded object driven by its instance wrapper
+(``staleflow.rollout``): the wrapper calls :meth:`RolloutEngine.step` in a loop and the
+control methods between steps, so engines need no locks. Token arrays are 1-D ``int32``,
+logprobs ``float32``, per-token policy versions ``int32``, all of one length, as in the
+trajectory server (``trajectory_server.types``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+FINISH_STOP = "stop"  # the model emitted EOS (or a stop token)
+FINISH_LENGTH = "length"  # the response reached its token budget
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class GenerationRequest:
+    """Generate after ``prompt + tokens`` until EOS or ``len(response) == max_response``.
+
+    ``tokens``/``logprobs``/``versions`` hold the response so far: empty for a fresh
+    trajectory, the partial response for one resumed after an interrupt or preemption
+    (the engine re-prefills ``prompt + tokens`` and keeps the given logprobs and versions
+    for those tokens).
+    """
+
+    traj_id: int
+    prompt: np.ndarray
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    max_response: int
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class EngineOutput:
+    """A trajectory leaving the engine: finished (``finish_reason`` set) or interrupted
+    (``finish_reason`` None). Arrays cover the whole response so far, including what the
+    request came in with."""
+
+    traj_id: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineState:
+    """What the engine knows of the §5.2 snapshot fields.
+
+    ``kv_tokens``: tokens held in the KV cache now. ``running``: ids in the running batch
+    with their current length (prompt + response so far); ``waiting``: queued ids, head
+    first, with their lengths; waiting requests hold no KV cache. ``version``: the policy
+    version of the loaded weights.
+    """
+
+    kv_tokens: int
+    running: tuple[tuple[int, int], ...]
+    waiting: tuple[tuple[int, int], ...]
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimes:
+    """Cumulative seconds an engine spent in each phase (Table 3), and tokens produced."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+
+
+class RolloutEngine(Protocol):
+    def submit(self, requests: Sequence[GenerationRequest]) -> None:
+        """Queue requests at the back of the waiting queue, in order. Raises ``ValueError``
+        (naming the trajectory) for a duplicate id or malformed arrays, changing nothing."""
+        ...
+
+    def step(self) -> list[EngineOutput]:
+        """Admit waiting requests while the KV budget allows (prefill), preempting running
+        ones back into the queue when the budget is exceeded, then decode one token for
+        every running request. Returns the requests that finished in this step. A no-op
+        returning [] when there is no work."""
+        ...
+
+    def interrupt(self, traj_ids: Iterable[int]) -> dict[int, EngineOutput]:
+        """Remove running or waiting requests and return their partial responses.
+        Unknown ids (finished, aborted, never submitted) are absent from the result."""
+        ...
+
+    def abort(self, traj_ids: Iterable[int]) -> list[int]:
+        """Drop requests for good; returns the ids that were running or waiting."""
+        ...
+
+    def load_weights(self, weights: Mapping[str, object], version: int) -> None:
+        """Load named parameters (numpy arrays or tensors, the names and shapes of
+        :meth:`weight_shapes`) as policy ``version``. Running and waiting requests stay;
+        tokens generated from now on carry ``version``."""
+        ...
+
+    def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Parameter name -> (shape, dtype name) that :meth:`load_weights` expects."""
+        ...
+
+    def state(self) -> EngineState: ...
+
+    def times(self) -> StepTimes: ...
+
+    @property
+    def has_work(self) -> bool: ...

@@ -1,0 +1,446 @@
+"""The embedded CPU rollout engine: continuous batching of a ``transformers`` causal LM.
+
+Every running request keeps its whole sequence but the last token in its cache row; the
+last (sampled, not yet cached) token is the input of the next decode step. A step:
+
+1. Preempt: if one more token for every running request would exceed the KV budget
+   (``sum(length + 1) > kv_budget_tokens``), move the most recently admitted requests to
+   the *front* of the waiting queue (earliest admitted first), dropping their cache rows
+   but keeping their partial response, logprobs and versions (recompute preemption, as
+   vLLM/SGLang do; they re-prefill ``prompt + response`` on readmission).
+2. Admit: take the head of the waiting queue while a slot is free and it fits with one
+   token of growth (FIFO, no skipping), and prefill their ``prompt + response`` minus the
+   last token, batched with right padding.
+3. Decode one token for every running request in one batched forward, then retire the
+   finished ones (EOS, included in the response, or ``max_response`` tokens).
+
+So after every step ``kv_tokens = sum(prompt + response)`` over running requests is at
+most the budget. Requests whose ``prompt + max_response`` exceeds ``max_seq_len``, or
+whose response is already ``max_response`` long, are refused at :meth:`submit` with a
+``ValueError`` (nothing is queued from that call).
+
+Logprobs are ``log_softmax(logits / T)[token]``: the sampled token under the policy at
+temperature ``T`` *before* top-p renormalisation (``log_softmax(logits)`` when greedy,
+``T == 0``); see :mod:`staleflow.engines.embedded.sampling`, which also explains why
+sampling is reproducible across batching, preemption and interrupt/resume.
+
+Weight updates (:meth:`EmbeddedEngine.load_weights`) copy into the model in place and keep
+the KV cache of running requests (as SGLang's in-place update does): their past K/V came
+from older weights, and only tokens sampled after the load carry the new version.
+
+The engine owns the model it is given (puts it in eval mode and overwrites its parameters
+on ``load_weights``) and is single-threaded: no internal threads, driven by its caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from staleflow.engines.base import (
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineOutput,
+    EngineState,
+    GenerationRequest,
+    StepTimes,
+)
+from staleflow.engines.embedded import sampling
+from staleflow.engines.embedded.config import EmbeddedEngineConfig
+from staleflow.engines.embedded.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_INT32 = np.iinfo(np.int32)
+
+
+class _Request:
+    """A trajectory inside the engine. The response grows as Python lists (cheap appends
+    per step) and becomes arrays only when the request leaves."""
+
+    __slots__ = ("admitted", "logprobs", "max_response", "prompt", "tokens", "traj_id", "versions")
+
+    def __init__(self, req: GenerationRequest, prompt: np.ndarray, tokens: np.ndarray) -> None:
+        self.traj_id = int(req.traj_id)
+        self.prompt = prompt
+        self.tokens: list[int] = tokens.tolist()
+        self.logprobs: list[float] = np.asarray(req.logprobs, dtype=np.float32).tolist()
+        self.versions: list[int] = np.asarray(req.versions, dtype=np.int32).tolist()
+        self.max_response = int(req.max_response)
+        self.admitted = -1  # admission sequence number while running
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.tokens)
+
+    def sequence(self) -> np.ndarray:
+        return np.concatenate([self.prompt, np.asarray(self.tokens, dtype=np.int32)])
+
+    def output(self, finish_reason: str | None) -> EngineOutput:
+        return EngineOutput(
+            traj_id=self.traj_id,
+            tokens=np.asarray(self.tokens, dtype=np.int32),
+            logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            versions=np.asarray(self.versions, dtype=np.int32),
+            finish_reason=finish_reason,
+        )
+
+
+class EmbeddedEngine:
+    """A :class:`~staleflow.engines.base.RolloutEngine` running a ``transformers`` model on
+    CPU (any device the model sits on works; CPU is what it is built and tested for)."""
+
+    def __init__(self, model: nn.Module, config: EmbeddedEngineConfig, *, version: int = 0) -> None:
+        if not isinstance(config, EmbeddedEngineConfig):
+            raise TypeError(f"config must be an EmbeddedEngineConfig, got {type(config).__name__}")
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        model.eval()
+        self._runner = ModelRunner(model)
+        shape = self._runner.shape
+        if shape.max_positions is not None and config.max_seq_len > shape.max_positions:
+            # RoPE runs past it (HF does not enforce it either), but the model was not
+            # trained there: say so rather than refuse.
+            logger.warning(
+                "max_seq_len=%d exceeds the model's max_position_embeddings=%d",
+                config.max_seq_len,
+                shape.max_positions,
+            )
+        for tok in config.eos_ids:
+            if tok >= shape.vocab_size:
+                raise ValueError(
+                    f"eos_token_id {tok} is outside the model's vocabulary of {shape.vocab_size}"
+                )
+        self.config = config
+        self._model = model
+        self._eos = frozenset(config.eos_ids)
+        self._version = int(version)
+        # Deduplicated (tied weights appear once), the same names a trainer's
+        # named_parameters() yields.
+        self._params: dict[str, nn.Parameter] = dict(model.named_parameters())
+        with torch.inference_mode():
+            self._cache = self._runner.new_cache(config.max_running, config.max_seq_len)
+        self._rows: list[_Request] = []  # running; index == cache row
+        self._waiting: deque[_Request] = deque()
+        self._known: dict[int, _Request] = {}
+        self._admissions = 0
+        self._prefill_s = 0.0
+        self._decode_s = 0.0
+        self._prefill_tokens = 0
+        self._decode_tokens = 0
+        self.preemptions = 0
+        logger.info(
+            "embedded engine: %d layers, %d/%d heads, KV cache %.1f MiB (%d slots x %d tokens), "
+            "budget %d tokens",
+            shape.num_layers,
+            shape.num_heads,
+            shape.kv_heads,
+            self._cache.nbytes() / 2**20,
+            config.max_running,
+            config.max_seq_len,
+            config.kv_budget_tokens,
+        )
+
+    # ----------------------------------------------------------------- requests in / out
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> None:
+        checked: list[_Request] = []
+        seen: set[int] = set()
+        for req in requests:
+            r = self._check(req)
+            if r.traj_id in self._known or r.traj_id in seen:
+                raise ValueError(f"trajectory {r.traj_id}: already in the engine (duplicate id)")
+            seen.add(r.traj_id)
+            checked.append(r)
+        for r in checked:
+            self._waiting.append(r)
+            self._known[r.traj_id] = r
+
+    def _check(self, req: GenerationRequest) -> _Request:
+        traj_id = req.traj_id
+        if not isinstance(traj_id, int | np.integer) or isinstance(traj_id, bool):
+            raise ValueError(f"trajectory {traj_id!r}: traj_id must be an int")
+        where = f"trajectory {traj_id}"
+        vocab = self._runner.shape.vocab_size
+        prompt = _ids(req.prompt, f"{where}: prompt", vocab)
+        tokens = _ids(req.tokens, f"{where}: tokens", vocab)
+        if len(prompt) == 0:
+            raise ValueError(f"{where}: empty prompt; give at least one token")
+        logprobs = _array(req.logprobs, f"{where}: logprobs", "f")
+        versions = _array(req.versions, f"{where}: versions", "iu")
+        if not len(tokens) == len(logprobs) == len(versions):
+            raise ValueError(
+                f"{where}: tokens, logprobs and versions must have one entry per token, got "
+                f"lengths {len(tokens)}, {len(logprobs)}, {len(versions)}"
+            )
+        max_response = req.max_response
+        if not isinstance(max_response, int | np.integer) or max_response < 1:
+            raise ValueError(f"{where}: max_response must be a positive int, got {max_response!r}")
+        if len(tokens) >= max_response:
+            raise ValueError(
+                f"{where}: the response already has {len(tokens)} tokens, max_response is "
+                f"{max_response}; it is finished, do not resubmit it"
+            )
+        if len(prompt) + max_response > self.config.max_seq_len:
+            raise ValueError(
+                f"{where}: prompt ({len(prompt)}) + max_response ({max_response}) exceeds "
+                f"max_seq_len={self.config.max_seq_len}; shorten the request or raise max_seq_len"
+            )
+        return _Request(req, prompt, tokens)
+
+    def interrupt(self, traj_ids: Iterable[int]) -> dict[int, EngineOutput]:
+        return {r.traj_id: r.output(None) for r in self._remove(traj_ids)}
+
+    def abort(self, traj_ids: Iterable[int]) -> list[int]:
+        return [r.traj_id for r in self._remove(traj_ids)]
+
+    def _remove(self, traj_ids: Iterable[int]) -> list[_Request]:
+        found = []
+        for tid in dict.fromkeys(traj_ids):  # dedupe, keep order
+            r = self._known.pop(tid, None)
+            if r is None:
+                continue
+            found.append(r)
+            if r.admitted >= 0:
+                self._release_row(self._rows.index(r))
+            else:
+                self._waiting.remove(r)
+        return found
+
+    # ---------------------------------------------------------------------------- stepping
+
+    def step(self) -> list[EngineOutput]:
+        if not self.has_work:
+            return []
+        self._preempt()
+        self._admit()
+        return self._decode()
+
+    def _preempt(self) -> None:
+        budget = self.config.kv_budget_tokens
+        need = sum(r.length + 1 for r in self._rows)
+        victims = []
+        while need > budget and len(self._rows) > 1:
+            row = max(range(len(self._rows)), key=lambda i: self._rows[i].admitted)
+            r = self._rows[row]
+            need -= r.length + 1
+            self._release_row(row)
+            victims.append(r)
+        # Latest-admitted was taken first; pushing each to the front leaves the earliest
+        # admitted at the head, in admission order.
+        for r in victims:
+            self._waiting.appendleft(r)
+        if victims:
+            self.preemptions += len(victims)
+            logger.debug("preempted %s", [r.traj_id for r in victims])
+
+    def _admit(self) -> None:
+        budget, slots = self.config.kv_budget_tokens, self.config.max_running
+        used = sum(r.length + 1 for r in self._rows)
+        admitted: list[_Request] = []
+        while self._waiting and len(self._rows) < slots:
+            head = self._waiting[0]
+            if used + head.length + 1 > budget:
+                break
+            self._waiting.popleft()
+            used += head.length + 1
+            head.admitted = self._admissions
+            self._admissions += 1
+            self._rows.append(head)
+            admitted.append(head)
+        if admitted:
+            self._prefill(len(self._rows) - len(admitted), admitted)
+
+    def _prefill(self, first_row: int, admitted: list[_Request]) -> None:
+        """Cache ``prompt + response[:-1]`` of each admitted request (its last token is the
+        next decode input), in right-padded batches of at most ``max_prefill_tokens``."""
+        t0 = time.perf_counter()
+        cap = self.config.max_prefill_tokens
+        batch: list[tuple[int, np.ndarray]] = []
+        longest = 0
+        tokens = 0
+        for i, r in enumerate(admitted):
+            seq = r.sequence()[:-1]
+            if len(seq) == 0:
+                continue  # a one-token prompt: nothing to cache yet
+            tokens += len(seq)
+            if batch and (len(batch) + 1) * max(longest, len(seq)) > cap:
+                self._prefill_batch(batch, longest)
+                batch, longest = [], 0
+            batch.append((first_row + i, seq))
+            longest = max(longest, len(seq))
+        if batch:
+            self._prefill_batch(batch, longest)
+        self._prefill_s += time.perf_counter() - t0
+        self._prefill_tokens += tokens
+
+    def _prefill_batch(self, batch: list[tuple[int, np.ndarray]], longest: int) -> None:
+        ids = np.zeros((len(batch), longest), dtype=np.int64)
+        for j, (_, seq) in enumerate(batch):
+            ids[j, : len(seq)] = seq
+        device = self._runner.shape.device
+        self._runner.prefill(
+            self._cache,
+            torch.from_numpy(ids).to(device),
+            torch.tensor([len(s) for _, s in batch], device=device),
+            torch.tensor([row for row, _ in batch], device=device),
+        )
+
+    def _decode(self) -> list[EngineOutput]:
+        rows = self._rows
+        if not rows:
+            return []
+        t0 = time.perf_counter()
+        device = self._runner.shape.device
+        last = [r.tokens[-1] if r.tokens else int(r.prompt[-1]) for r in rows]
+        ids = torch.tensor(last, dtype=torch.long, device=device)
+        positions = torch.tensor([r.length - 1 for r in rows], dtype=torch.long, device=device)
+        logits = self._runner.decode(self._cache, ids, positions)
+        cfg = self.config
+        u = sampling.uniforms(cfg.seed, [r.traj_id for r in rows], [len(r.tokens) for r in rows])
+        with torch.inference_mode():
+            toks, lps = sampling.sample(
+                logits, torch.from_numpy(u).to(device), temperature=cfg.temperature, top_p=cfg.top_p
+            )
+        finished: list[tuple[int, str]] = []
+        version = self._version
+        for i, (r, tok, lp) in enumerate(zip(rows, toks.tolist(), lps.tolist(), strict=True)):
+            r.tokens.append(tok)
+            r.logprobs.append(lp)
+            r.versions.append(version)
+            if tok in self._eos:
+                finished.append((i, FINISH_STOP))
+            elif len(r.tokens) >= r.max_response:
+                finished.append((i, FINISH_LENGTH))
+        outputs = []
+        # Highest rows first, so moving the last row into a hole never moves a finished one.
+        for i, reason in reversed(finished):
+            r = rows[i]
+            self._release_row(i)
+            del self._known[r.traj_id]
+            outputs.append(r.output(reason))
+        outputs.reverse()
+        self._decode_tokens += len(last)
+        self._decode_s += time.perf_counter() - t0
+        return outputs
+
+    def _release_row(self, row: int) -> None:
+        """Free cache row ``row``, keeping rows dense by moving the last request into it."""
+        rows = self._rows
+        r = rows[row]
+        r.admitted = -1
+        tail = rows.pop()
+        if tail is not r:
+            rows[row] = tail
+            with torch.inference_mode():
+                self._cache.move(len(rows), row, tail.length - 1)
+
+    # ----------------------------------------------------------------------------- weights
+
+    def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        return {
+            name: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
+            for name, p in self._params.items()
+        }
+
+    def load_weights(self, weights: Mapping[str, object], version: int) -> None:
+        """Copy every parameter of :meth:`weight_shapes` in place (floating arrays or tensors
+        of any float dtype, cast to the parameter's). Unknown, missing, misshapen or
+        non-float entries raise ``ValueError`` naming the parameter before anything is
+        copied. Running requests keep their KV cache, computed by the older weights."""
+        missing = [n for n in self._params if n not in weights]
+        extra = [n for n in weights if n not in self._params]
+        if extra:
+            raise ValueError(
+                f"unknown parameter {extra[0]!r} (and {len(extra) - 1} more); expected the "
+                "names of weight_shapes()"
+            )
+        if missing:
+            raise ValueError(
+                f"parameter {missing[0]!r} is missing (and {len(missing) - 1} more); "
+                "load_weights takes every parameter of weight_shapes()"
+            )
+        tensors: dict[str, torch.Tensor] = {}
+        for name, value in weights.items():
+            param = self._params[name]
+            t = _as_tensor(value, name)
+            if tuple(t.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"parameter {name!r}: shape {tuple(t.shape)}, expected {tuple(param.shape)}"
+                )
+            tensors[name] = t
+        # Everything is checked before the first copy, so a bad update changes nothing.
+        with torch.no_grad():
+            for name, t in tensors.items():
+                self._params[name].copy_(t)
+        self._version = int(version)
+        logger.info("loaded weights of version %d", version)
+
+    # ------------------------------------------------------------------------ observation
+
+    def state(self) -> EngineState:
+        return EngineState(
+            kv_tokens=sum(r.length for r in self._rows),
+            running=tuple((r.traj_id, r.length) for r in self._rows_by_admission()),
+            waiting=tuple((r.traj_id, r.length) for r in self._waiting),
+            version=self._version,
+        )
+
+    def _rows_by_admission(self) -> list[_Request]:
+        return sorted(self._rows, key=lambda r: r.admitted)
+
+    def times(self) -> StepTimes:
+        return StepTimes(
+            prefill_s=self._prefill_s,
+            decode_s=self._decode_s,
+            prefill_tokens=self._prefill_tokens,
+            decode_tokens=self._decode_tokens,
+        )
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._rows or self._waiting)
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+
+def _array(values: object, what: str, kinds: str) -> np.ndarray:
+    if not isinstance(values, np.ndarray):
+        raise ValueError(f"{what} must be a numpy array, got {type(values).__name__}")
+    if values.ndim != 1:
+        raise ValueError(f"{what} must be 1-D, got shape {values.shape}")
+    if values.size and values.dtype.kind not in kinds:
+        raise ValueError(
+            f"{what} has dtype {values.dtype}; expected {'floats' if kinds == 'f' else 'integers'}"
+        )
+    return values
+
+
+def _ids(values: object, what: str, vocab: int) -> np.ndarray:
+    arr = _array(values, what, "iu")
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab):
+        raise ValueError(f"{what} has token ids outside [0, {vocab}) of the model's vocabulary")
+    return arr.astype(np.int32, copy=True)
+
+
+def _as_tensor(value: object, name: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+    elif isinstance(value, np.ndarray):
+        arr = value if value.flags.writeable else value.copy()  # from_numpy wants writable
+        t = torch.from_numpy(arr)
+    else:
+        raise ValueError(
+            f"parameter {name!r}: expected a numpy array or tensor, got {type(value).__name__}"
+        )
+    if not t.is_floating_point():
+        raise ValueError(f"parameter {name!r}: dtype {t.dtype} is not a floating type")
+    return t

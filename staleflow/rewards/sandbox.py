@@ -1,0 +1,168 @@
+"""Runs a reward function in a child process, so that a time limit can be enforced.
+
+A thread cannot be stopped in Python, and ``signal.alarm`` works only in the main thread,
+while reward workers score from threads and Ray actors. A process can be killed: each
+call waits at most ``timeout_s`` for its answer, and past that the child is killed and
+a fresh one started for the next call. The child is spawned, not forked, because forking
+a process that runs threads (any Ray actor) can deadlock the child.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import signal
+import threading
+import weakref
+from collections.abc import Mapping
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+from staleflow.rewards.base import RewardError, RewardTimeout, as_reward
+from staleflow.rewards.registry import load_factory
+
+logger = logging.getLogger(__name__)
+
+
+def _serve(conn: Connection, factory: str, options: Mapping[str, object]) -> None:
+    # Ctrl-C reaches the whole process group; the parent decides when the child stops
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        fn = load_factory(factory)(**options)
+    except BaseException as exc:
+        conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", ""))
+    while True:
+        try:
+            request = conn.recv()
+        except (EOFError, OSError):
+            return  # the parent is gone
+        if request is None:
+            return
+        try:
+            reply = ("ok", as_reward(fn(*request)))
+        except Exception as exc:
+            reply = ("error", str(exc) if isinstance(exc, RewardError) else repr(exc))
+        conn.send(reply)
+
+
+class _Child:
+    def __init__(self, process: BaseProcess, conn: Connection) -> None:
+        self.process, self.conn = process, conn
+
+    def stop(self, graceful: bool) -> None:
+        if graceful:
+            with contextlib.suppress(OSError):  # the child may be gone already
+                self.conn.send(None)
+            self.process.join(1.0)
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5.0)
+        self.conn.close()
+
+
+class TimeLimitedRewardFn:
+    """A :class:`~staleflow.rewards.base.RewardFn` whose calls take at most ``timeout_s``.
+
+    factory, options: how the child builds the function (``"module:attr"`` called with
+    ``options``; see :mod:`staleflow.rewards.registry`). The child starts in the
+    constructor, which waits up to ``start_timeout_s`` for it to be ready, so a function
+    that cannot be built (a missing package) fails here. Calls are serialised: one child
+    scores one response at a time. A call past the limit raises
+    :class:`~staleflow.rewards.base.RewardTimeout`; its next call waits for a new child.
+    """
+
+    def __init__(
+        self,
+        factory: str,
+        timeout_s: float,
+        *,
+        options: Mapping[str, object] | None = None,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s}; it must be > 0 seconds")
+        self.factory = factory
+        self.timeout_s = float(timeout_s)
+        self.start_timeout_s = float(start_timeout_s)
+        self.restarts = 0
+        self._options = dict(options or {})
+        self._ctx = mp.get_context("spawn")
+        self._lock = threading.Lock()
+        self._child: _Child | None = None
+        self._finalizer: weakref.finalize | None = None
+        with self._lock:
+            self._start()
+
+    def _start(self) -> _Child:
+        parent, child_end = self._ctx.Pipe()
+        process = self._ctx.Process(
+            target=_serve,
+            args=(child_end, self.factory, self._options),
+            name=f"staleflow-reward({self.factory})",
+            daemon=True,  # dies with this process
+        )
+        process.start()
+        child_end.close()
+        child = _Child(process, parent)
+        try:
+            ready = parent.poll(self.start_timeout_s)
+            status, text = parent.recv() if ready else ("fatal", "")
+        except (EOFError, OSError):
+            status, text = "fatal", f"the process exited with code {process.exitcode}"
+        if status != "ready":
+            child.stop(graceful=False)
+            if not text:
+                text = f"not ready after {self.start_timeout_s:g}s"
+            if text.startswith(("ImportError", "ModuleNotFoundError")):
+                raise ImportError(f"reward function {self.factory}: {text}")
+            raise RewardError(f"cannot start reward function {self.factory}: {text}")
+        self._child = child
+        self._finalizer = weakref.finalize(self, child.stop, True)
+        return child
+
+    def _discard(self) -> None:
+        """Kill the current child (hung, or dead already); the next call starts another."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if self._child is not None:
+            self._child.stop(graceful=False)
+        self._child, self._finalizer = None, None
+        self.restarts += 1
+
+    def __call__(self, response_text: str, answer: str) -> float:
+        with self._lock:
+            child = self._child or self._start()
+            try:
+                child.conn.send((response_text, answer))
+                # poll is also true when the child died: recv then raises EOFError
+                if not child.conn.poll(self.timeout_s):
+                    self._discard()
+                    logger.warning(
+                        "reward function %s took over %gs; restarted its process",
+                        self.factory,
+                        self.timeout_s,
+                    )
+                    raise RewardTimeout(f"timed out after {self.timeout_s:g}s")
+                status, value = child.conn.recv()
+            except (EOFError, OSError):
+                self._discard()  # reaps it: its exit code is known only after that
+                code = child.process.exitcode
+                raise RewardError(f"the reward process died (exit code {code})") from None
+        if status != "ok":
+            raise RewardError(value)
+        return value
+
+    def close(self) -> None:
+        """Stop the child (also done when this object is collected, or at exit)."""
+        with self._lock:
+            if self._finalizer is not None:
+                self._finalizer()
+            self._child, self._finalizer = None, None
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None between a timeout and the next call)."""
+        return None if self._child is None else self._child.process.pid

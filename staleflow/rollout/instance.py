@@ -1,0 +1,264 @@
+"""One rollout instance: an engine, the thread that steps it, and what the coordinator sees.
+
+The engine is single-threaded; :class:`RolloutInstance` runs it on its own generation
+thread and applies control calls (submit, interrupt, abort, weight loads) between steps
+under one lock, as SGLang's scheduler does between forward passes. A finished trajectory
+leaves through ``on_finished`` (the reward path) outside the lock, and stays listed in the
+snapshot's ``complete_trajs`` until the next Pull, which is what the coordinator's
+speculative state (Eq. 1) counts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from coordinator.types import InstanceSnapshot, TrajRecord
+from staleflow.engines.base import EngineOutput, GenerationRequest, RolloutEngine
+from trajectory_server.types import PartialTrajectory, RoutedTrajectory
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Finished:
+    """A trajectory that finished generating, on its way to a reward worker."""
+
+    traj_id: int
+    group_id: int
+    v_traj: int
+    sample_id: int
+    answer: str
+    prompt: np.ndarray
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
+    instance: int
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceTimes:
+    """Cumulative seconds and counts of one instance (Table 3's rollout columns)."""
+
+    busy_s: float  # generating (engine steps with work)
+    idle_s: float  # no work
+    prefill_s: float
+    decode_s: float
+    prefill_tokens: int
+    decode_tokens: int
+    load_s: float  # loading pulled weights into the engine
+    finished: int
+
+
+@dataclass(slots=True)
+class _Meta:
+    group_id: int
+    v_traj: int
+    sample_id: int
+    answer: str
+    prompt: np.ndarray
+
+
+class RolloutInstance:
+    """Drive ``engine`` on a thread; see the module docstring.
+
+    ``max_response``: the response budget of every trajectory. ``on_finished`` receives
+    finished trajectories in the order they finished; an exception it raises stops the
+    instance (reported by :meth:`check`), because a lost completion would stall training.
+    """
+
+    def __init__(
+        self,
+        inst: int,
+        engine: RolloutEngine,
+        *,
+        max_response: int,
+        on_finished: Callable[[list[Finished]], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_response < 1:
+            raise ValueError(f"max_response={max_response}; use at least 1 token")
+        self.inst = inst
+        self._engine = engine
+        self._max_response = max_response
+        self._on_finished = on_finished
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._meta: dict[int, _Meta] = {}
+        self._completed: list[int] = []  # since the last Pull
+        self._busy_s = self._idle_s = self._load_s = 0.0
+        self._finished = 0
+        self._failure: BaseException | None = None
+        self._stop = False
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError(f"instance {self.inst} already started")
+        self._thread = threading.Thread(target=self._run, name=f"rollout-{self.inst}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._lock:
+            self._stop = True
+            self._work.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def check(self) -> None:
+        """Raise if the generation thread died (the error says why)."""
+        if self._failure is not None:
+            raise RuntimeError(
+                f"rollout instance {self.inst} stopped: {self._failure!r}"
+            ) from self._failure
+
+    # -- commands (any thread) ---------------------------------------------------------
+
+    def submit(self, routed: Sequence[RoutedTrajectory]) -> None:
+        """Start generating trajectories handed out by the TS (queued behind the rest)."""
+        requests = [
+            GenerationRequest(
+                traj_id=r.traj_id,
+                prompt=r.prompt,
+                tokens=r.tokens,
+                logprobs=r.logprobs,
+                versions=r.versions,
+                max_response=self._max_response,
+            )
+            for r in routed
+        ]
+        with self._lock:
+            self.check()
+            dup = [r.traj_id for r in routed if r.traj_id in self._meta]
+            if dup:
+                raise ValueError(f"instance {self.inst} already holds trajectories {dup}")
+            self._engine.submit(requests)
+            for r in routed:
+                self._meta[r.traj_id] = _Meta(r.group_id, r.v_traj, r.sample_id, r.answer, r.prompt)
+            self._work.notify_all()
+
+    def interrupt(self, traj_ids: Iterable[int]) -> dict[int, PartialTrajectory]:
+        """Stop trajectories and return their partial responses (absent: already finished)."""
+        with self._lock:
+            outs = self._engine.interrupt(list(traj_ids))
+            for tid in outs:
+                self._meta.pop(tid, None)
+        return {
+            tid: PartialTrajectory(tid, o.tokens, o.logprobs, o.versions) for tid, o in outs.items()
+        }
+
+    def abort(self, traj_ids: Iterable[int]) -> list[int]:
+        with self._lock:
+            dropped = self._engine.abort(list(traj_ids))
+            for tid in dropped:
+                self._meta.pop(tid, None)
+        return dropped
+
+    def load_weights(self, weights: Mapping[str, object], version: int) -> None:
+        """Load pulled weights; the completed list restarts (the coordinator's Pull)."""
+        started = self._clock()
+        with self._lock:
+            if self._meta:
+                # The coordinator interrupts an instance before it Pulls; whatever is still
+                # here keeps generating with the new weights (versions are per token), which
+                # the staleness bound allows since V_traj is fixed by the first token.
+                logger.warning(
+                    "instance %d loads version %d with %d trajectories still on it",
+                    self.inst,
+                    version,
+                    len(self._meta),
+                )
+            self._engine.load_weights(weights, version)
+            self._completed.clear()
+            self._load_s += self._clock() - started
+
+    # -- views -------------------------------------------------------------------------
+
+    def snapshot(self) -> InstanceSnapshot:
+        with self._lock:
+            state = self._engine.state()
+            return InstanceSnapshot(
+                inst=self.inst,
+                kv_cache=state.kv_tokens,
+                run_trajs=tuple(self._record(t, n) for t, n in state.running),
+                wait_trajs=tuple(self._record(t, n) for t, n in state.waiting),
+                complete_trajs=tuple(self._completed),
+                inst_version=state.version,
+            )
+
+    def times(self) -> InstanceTimes:
+        with self._lock:
+            t = self._engine.times()
+            return InstanceTimes(
+                busy_s=self._busy_s,
+                idle_s=self._idle_s,
+                prefill_s=t.prefill_s,
+                decode_s=t.decode_s,
+                prefill_tokens=t.prefill_tokens,
+                decode_tokens=t.decode_tokens,
+                load_s=self._load_s,
+                finished=self._finished,
+            )
+
+    @property
+    def version(self) -> int:
+        with self._lock:
+            return self._engine.state().version
+
+    def held(self) -> set[int]:
+        """Trajectories running or waiting here."""
+        with self._lock:
+            return set(self._meta)
+
+    def _record(self, traj_id: int, length: int) -> TrajRecord:
+        m = self._meta[traj_id]
+        return TrajRecord(traj_id, m.group_id, m.v_traj, length, len(m.prompt))
+
+    # -- the generation thread ---------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    idle_from = self._clock()
+                    while not self._stop and not self._engine.has_work:
+                        self._work.wait()
+                    self._idle_s += self._clock() - idle_from
+                    if self._stop:
+                        return
+                    started = self._clock()
+                    outs = self._engine.step()
+                    self._busy_s += self._clock() - started
+                    finished = [self._finish(o) for o in outs]
+                if finished:
+                    self._on_finished(finished)
+        except BaseException as exc:  # reported through check()
+            logger.exception("rollout instance %d failed", self.inst)
+            self._failure = exc
+
+    def _finish(self, out: EngineOutput) -> Finished:
+        m = self._meta.pop(out.traj_id)
+        self._completed.append(out.traj_id)
+        self._finished += 1
+        return Finished(
+            traj_id=out.traj_id,
+            group_id=m.group_id,
+            v_traj=m.v_traj,
+            sample_id=m.sample_id,
+            answer=m.answer,
+            prompt=m.prompt,
+            tokens=out.tokens,
+            logprobs=out.logprobs,
+            versions=out.versions,
+            finish_reason=out.finish_reason or "stop",
+            instance=self.inst,
+        )

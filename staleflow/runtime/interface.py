@@ -1,0 +1,96 @@
+"""Contracts between the runtime's components (no logic).
+
+Each component is a plain class with a blocking API; in a deployment it runs inside a
+Ray actor and its peers hold *clients* with the same methods (``staleflow.runtime.actors``),
+in unit tests they hold the objects themselves. Payloads are typed frozen records whose
+arrays travel as numpy buffers, never as lists of Python ints.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from coordinator.types import InstanceSnapshot
+from staleflow.rollout.instance import InstanceTimes
+from staleness.types import ConsumedBatch
+from trajectory_server.types import AbortedTrajectory
+
+
+class InstanceHandle(Protocol):
+    """A rollout instance as the control plane drives it.
+
+    Route and Interrupt move payloads between the instance and the trajectory server
+    directly; the control plane only names trajectories and versions.
+    """
+
+    def snapshot(self) -> InstanceSnapshot: ...
+
+    def route(self, traj_ids: Sequence[int], v_traj: Mapping[int, int]) -> tuple[int, ...]:
+        """Fetch these QUEUED trajectories from the TS (initial ones get ``v_traj``) and
+        start them; returns those the TS still had."""
+        ...
+
+    def interrupt(self, traj_ids: Sequence[int]) -> tuple[int, ...]:
+        """Stop these and hand their partial responses back to the TS; returns those that
+        were still here."""
+        ...
+
+    def abort(self, traj_ids: Sequence[int]) -> tuple[int, ...]: ...
+
+    def pull(self, at_least: int) -> int:
+        """Load the PS's latest weights (version >= ``at_least``); returns the version."""
+        ...
+
+    def times(self) -> InstanceTimes: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Rewarded:
+    """A trajectory that the TS now holds as completed; the control plane Occupies it."""
+
+    traj_id: int
+    group_id: int
+    v_traj: int
+    reward: float
+    error: str  # "" unless the reward function failed (then reward is 0.0)
+    response_len: int
+    finish_reason: str
+    instance: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    """One training step, as the trainer reports it to the control plane.
+
+    ``version``: the buffer consumed (the policy moved from ``version`` to ``version+1``).
+    ``staleness``: ``version - V_traj`` -> number of trajectories trained on.
+    """
+
+    version: int
+    wait_s: float  # waiting for the buffer to be Ready
+    train_s: float
+    push_wait_s: float  # waiting for the previous Push (0 when it overlapped fully)
+    trajectories: int
+    tokens: int
+    staleness: Mapping[int, int]
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    consumed_traj_ids: tuple[int, ...] = ()
+    token_staleness: Mapping[int, int] = field(default_factory=dict)  # per generated token
+
+
+class ControlHandle(Protocol):
+    """The control plane as the trainer and the reward workers reach it."""
+
+    def rewarded(self, records: Sequence[Rewarded]) -> None: ...
+
+    def consume(self, version: int, timeout_s: float | None = None) -> ConsumedBatch:
+        """Block until buffer ``version`` is Ready, Consume it and return it."""
+        ...
+
+    def dropped(self, trajectories: Iterable[AbortedTrajectory]) -> None:
+        """The TS forgot these; abort those still on instances."""
+        ...
+
+    def trained(self, report: StepReport) -> None: ...

@@ -1,0 +1,128 @@
+"""The coordinator's data planes (``coordinator.interface``) over live rollout instances.
+
+The executor takes trajectories from the TS before it Reserves them, but the TS assigns
+``V_traj`` only when it routes. So ``take`` only *claims* trajectories of the routing
+view (nothing crosses the network); the instance fetches them from the TS itself on
+delivery, with the ``V_traj`` just Reserved, and trajectories the TS no longer holds are
+reported missed. Interrupted partials go from the instance to the TS directly, so the
+executor's ``give_back`` only has claims to release.
+
+Every call is timed per command kind, for the Pull / Route / Interrupt shares of Table 3.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TypeVar
+
+from staleflow.runtime.interface import InstanceHandle
+from staleness.errors import StalenessError
+from staleness.manager import StalenessManager
+from staleness.types import TrajId
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class _Claim:
+    __slots__ = ()
+
+
+class _Returned:
+    """Marks a trajectory the instance already handed back to the TS."""
+
+    __slots__ = ()
+
+
+CLAIM, RETURNED = _Claim(), _Returned()
+
+
+class RuntimePlanes:
+    """``EnginePlane``, ``TrajectoryPlane`` and ``ParameterPlane`` at once.
+
+    ``group_of`` maps a trajectory to its group (from the routing view), so that a
+    Reserve whose trajectory the TS no longer had can be released again.
+    """
+
+    def __init__(
+        self,
+        instances: Mapping[int, InstanceHandle],
+        admission: StalenessManager,
+        group_of: Callable[[TrajId], int | None],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.instances = instances
+        self._admission = admission
+        self._group_of = group_of
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._claimed: set[TrajId] = set()
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.missed_routes = 0
+
+    # -- TrajectoryPlane ---------------------------------------------------------------
+
+    def take(self, trajs: Sequence[TrajId]) -> Mapping[TrajId, object]:
+        with self._lock:
+            fresh = [t for t in trajs if t not in self._claimed]
+            self._claimed.update(fresh)
+        return dict.fromkeys(fresh, CLAIM)
+
+    def give_back(self, partials: Mapping[TrajId, object]) -> None:
+        with self._lock:
+            for tid, payload in partials.items():
+                if payload is CLAIM:
+                    self._claimed.discard(tid)
+                elif payload is not RETURNED:
+                    raise TypeError(f"trajectory {tid}: unexpected payload {payload!r}")
+
+    # -- EnginePlane -------------------------------------------------------------------
+
+    def submit(
+        self, inst: int, payloads: Mapping[TrajId, object], v_traj: Mapping[TrajId, int]
+    ) -> list[TrajId]:
+        ids = list(payloads)
+        routed = set(self._timed("route", lambda: self.instances[inst].route(ids, dict(v_traj))))
+        with self._lock:
+            self._claimed.difference_update(ids)
+        missed = [tid for tid in ids if tid not in routed]
+        for tid in missed:
+            # No longer QUEUED in the TS: a partial that finished before the Interrupt
+            # meant to migrate it reached it, or an initial one whose group was consumed or
+            # aborted since the cycle's view. Release a Reserve made for the latter so it
+            # cannot hold a buffer slot.
+            self.missed_routes += 1
+            group = self._group_of(tid)
+            if tid in v_traj and group is not None:
+                try:
+                    self._admission.abort_trajectory(group, tid)
+                except StalenessError:
+                    logger.debug("trajectory %d: nothing to release", tid)
+        return missed
+
+    def interrupt(self, inst: int, trajs: Sequence[TrajId]) -> Mapping[TrajId, object]:
+        returned = self._timed("interrupt", lambda: self.instances[inst].interrupt(list(trajs)))
+        return dict.fromkeys(returned, RETURNED)
+
+    def abort(self, inst: int, trajs: Sequence[TrajId]) -> Collection[TrajId]:
+        return self._timed("abort", lambda: self.instances[inst].abort(list(trajs)))
+
+    # -- ParameterPlane ----------------------------------------------------------------
+
+    def pull(self, inst: int, at_least: int) -> int:
+        return self._timed("pull", lambda: self.instances[inst].pull(at_least))
+
+    def _timed(self, kind: str, call: Callable[[], T]) -> T:
+        started = self._clock()
+        try:
+            return call()
+        finally:
+            elapsed = self._clock() - started
+            with self._lock:
+                self.seconds[kind] += elapsed
+                self.calls[kind] += 1

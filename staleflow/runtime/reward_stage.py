@@ -1,0 +1,93 @@
+"""The reward path of one finished trajectory: score it, store it in the TS as completed,
+then tell the control plane (which Occupies its group). The TS write comes first so that
+a buffer never turns Ready before the trainer can fetch every trajectory in it."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+import numpy as np
+
+from staleflow.rollout.instance import Finished
+from staleflow.runtime.interface import Rewarded
+from trajectory_server.types import Completion, GroupStatus
+
+logger = logging.getLogger(__name__)
+
+
+class ScoredLike(Protocol):
+    @property
+    def reward(self) -> float: ...
+
+    @property
+    def error(self) -> str: ...
+
+
+class Scorer(Protocol):
+    """Scores (response_text, answer) pairs; never raises for one bad item."""
+
+    def __call__(self, items: Sequence[tuple[int, str, str]]) -> Sequence[ScoredLike]: ...
+
+
+class CompletionSink(Protocol):
+    def complete_many(self, completions: Iterable[Completion]) -> tuple[GroupStatus, ...]: ...
+
+
+class RewardStage:
+    def __init__(
+        self,
+        score: Scorer,
+        decode: Callable[[np.ndarray], str],
+        ts: CompletionSink,
+        report: Callable[[Sequence[Rewarded]], None],
+    ) -> None:
+        self._score, self._decode, self._ts, self._report = score, decode, ts, report
+        self.processed = 0
+        self.errors = 0
+
+    def process(self, finished: Sequence[Finished]) -> None:
+        if not finished:
+            return
+        items = []
+        for f in finished:
+            try:
+                text = self._decode(f.tokens)
+            except Exception as exc:  # a bad token must not stop the pool
+                text = ""
+                logger.warning("trajectory %d: cannot decode its response: %s", f.traj_id, exc)
+            items.append((f.traj_id, text, f.answer))
+        results = self._score(items)
+        if len(results) != len(finished):
+            raise RuntimeError(
+                f"the reward function scored {len(results)} of {len(finished)} trajectories"
+            )
+        completions = []
+        for f, r in zip(finished, results, strict=True):
+            info: dict[str, int | float | str] = {"instance": f.instance}
+            if r.error:
+                info["reward_error"] = r.error[:500]
+                self.errors += 1
+            completions.append(
+                Completion(
+                    f.traj_id, f.tokens, f.logprobs, f.versions, r.reward, f.finish_reason, info
+                )
+            )
+        self._ts.complete_many(completions)
+        self.processed += len(finished)
+        self._report(
+            [
+                Rewarded(
+                    traj_id=f.traj_id,
+                    group_id=f.group_id,
+                    v_traj=f.v_traj,
+                    reward=r.reward,
+                    error=r.error,
+                    response_len=len(f.tokens),
+                    finish_reason=f.finish_reason,
+                    instance=f.instance,
+                )
+                for f, r in zip(finished, results, strict=True)
+            ]
+        )

@@ -1,0 +1,33 @@
+"""Trainers: the embedded PyTorch GRPO trainer, and the registry the launcher picks from.
+
+Importing this package does not import torch; :func:`create_trainer` imports the chosen
+backend on demand.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from staleflow.trainers.interface import METRIC_KEYS, Trainer
+
+TRAINERS: dict[str, str] = {
+    "embedded": "staleflow.trainers.embedded:EmbeddedTrainer",
+}
+
+
+def trainer_class(name: str) -> type:
+    """The trainer class registered under ``name`` (imported now)."""
+    try:
+        target = TRAINERS[name]
+    except KeyError:
+        raise ValueError(f"unknown trainer {name!r}; use one of {sorted(TRAINERS)}") from None
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def create_trainer(name: str, *args: Any, **kwargs: Any) -> Trainer:
+    return trainer_class(name)(*args, **kwargs)
+
+
+__all__ = ["METRIC_KEYS", "TRAINERS", "Trainer", "create_trainer", "trainer_class"]

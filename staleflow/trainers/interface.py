@@ -1,0 +1,51 @@
+"""The trainer contract: what the training loop drives, whatever the backend.
+
+Importable without torch; trainers exchange weights as numpy arrays.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from trajectory_server.types import TrainingBatch
+
+# Metric keys every trainer reports from ``train_step``; backends may add more under
+# ``train/``.
+METRIC_KEYS: tuple[str, ...] = (
+    "train/loss",
+    "train/grad_norm",
+    "train/clip_frac",
+    "train/importance_weight_mean",
+    "train/entropy",
+    "train/kl_behav",
+    "train/tokens",
+    "train/reward_mean",
+    "train/response_len_mean",
+)
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    @property
+    def version(self) -> int:
+        """The policy version of the current weights: the number of optimizer steps taken
+        (plus the version the trainer started from)."""
+        ...
+
+    def train_step(self, batch: TrainingBatch) -> dict[str, float]:
+        """One optimizer step on one consumed batch; increments :attr:`version`. Returns
+        metrics, at least :data:`METRIC_KEYS`. Raises ``ValueError`` naming the
+        trajectory for a malformed batch, before changing anything."""
+        ...
+
+    def export_weights(self) -> dict[str, np.ndarray]:
+        """A copy of the current weights by parameter name (``staleflow.models.policy_state``
+        names), unaffected by later steps: safe to push while the next step runs."""
+        ...
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        """Write weights, optimizer state and version to directory ``path``."""
+        ...

@@ -1,0 +1,156 @@
+"""The supervised warm-up, sampling-based accuracy, and the on-disk warm-up cache."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from staleflow.data.synthetic import ArithmeticConfig, ArithmeticTask, Problem  # noqa: E402
+from staleflow.models import build_arithmetic_model, policy_state  # noqa: E402
+from staleflow.models import warmup as warmup_module  # noqa: E402
+from staleflow.models.warmup import (  # noqa: E402
+    DEFAULT_PRESET,
+    META_FILE,
+    _collate,
+    default_cache_dir,
+    default_task_config,
+    ensure_warm_checkpoint,
+    ensure_warm_model,
+    evaluate_accuracy,
+    sample_responses,
+    warmup,
+)
+
+LEVEL1 = ArithmeticConfig.level(1)
+
+
+def test_collate_puts_the_loss_on_the_response_and_eos_only():
+    _, tokenizer = build_arithmetic_model("micro")
+    problems = [Problem(0, "1+2*3=", "7"), Problem(1, "5+4=", "9")]
+    ids, labels, n = _collate(problems, tokenizer)
+    first = tokenizer.decode(ids[0].tolist(), skip_special=False)
+    assert first == "<bos>1+2*3=1+6=7<eos>"
+    # position t is labelled with token t + 1: the response starts after "<bos>1+2*3="
+    assert labels[0, :6].tolist() == [-100] * 6
+    assert tokenizer.decode(labels[0, 6:12].tolist(), skip_special=False) == "1+6=7<eos>"
+    assert labels[0, 12] == -100
+    assert tokenizer.decode(labels[1, 4:6].tolist(), skip_special=False) == "9<eos>"
+    assert (labels[1, 6:] == -100).all()
+    assert (ids[1, 7:] == tokenizer.pad_id).all()
+    assert n == 6 + 2
+
+
+def _warm_micro(seed=0, steps=15):
+    model, tokenizer = build_arithmetic_model("micro", seed=seed)
+    stats = warmup(
+        model, tokenizer, ArithmeticTask(LEVEL1), steps=steps, batch_size=16, lr=1e-2, seed=seed
+    )
+    return model, tokenizer, stats
+
+
+def test_warmup_lowers_the_loss_and_is_deterministic():
+    a, _, stats = _warm_micro()
+    b, _, stats_b = _warm_micro()
+    assert stats.final_loss < 0.75 * stats.first_loss
+    assert stats.examples == 15 * 16 and stats.target_tokens > stats.examples
+    assert (stats.first_loss, stats.final_loss) == (stats_b.first_loss, stats_b.final_loss)
+    sa, sb = policy_state(a), policy_state(b)
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    c, _, _ = _warm_micro(seed=1)
+    assert not torch.equal(policy_state(c)["model.norm.weight"], sa["model.norm.weight"])
+
+
+def test_warmup_rejects_bad_settings():
+    model, tokenizer = build_arithmetic_model("micro")
+    with pytest.raises(ValueError, match="steps=0"):
+        warmup(model, tokenizer, ArithmeticTask(LEVEL1), steps=0)
+    with pytest.raises(ValueError, match="lr"):
+        warmup(model, tokenizer, ArithmeticTask(LEVEL1), steps=1, lr=0.0)
+
+
+def test_sampling_is_reproducible_and_accuracy_is_a_fraction():
+    model, tokenizer = build_arithmetic_model("micro")
+    prompts = ["1+2=", "13+4=", "7-8="]
+    a = sample_responses(model, tokenizer, prompts, temperature=1.0, max_new_tokens=6, seed=3)
+    b = sample_responses(model, tokenizer, prompts, temperature=1.0, max_new_tokens=6, seed=3)
+    assert a == b and len(a) == 3 and all(len(r) <= 6 for r in a)
+    greedy = sample_responses(model, tokenizer, prompts, temperature=0.0, max_new_tokens=6)
+    assert greedy == sample_responses(model, tokenizer, prompts, temperature=0.0, max_new_tokens=6)
+    with pytest.raises(ValueError, match="temperature"):
+        sample_responses(model, tokenizer, prompts, temperature=-1.0)
+    accuracy = evaluate_accuracy(model, tokenizer, ArithmeticTask(LEVEL1), n=16, temperature=1.0)
+    assert 0.0 <= accuracy <= 1.0
+
+
+def test_evaluate_accuracy_counts_right_answers(monkeypatch):
+    model, tokenizer = build_arithmetic_model("micro")
+    task = ArithmeticTask(LEVEL1)
+    problems = task.problems(4)
+    answers = [f"9+9={p.answer}" for p in problems[:3]] + ["nope"]
+    monkeypatch.setattr(warmup_module, "sample_responses", lambda *a, **k: answers)
+    assert evaluate_accuracy(model, tokenizer, task, n=4) == 0.75
+
+
+def test_ensure_warm_checkpoint_builds_once_then_reuses(tmp_path, monkeypatch):
+    kwargs = dict(steps=3, batch_size=8, lr=1e-2, cache_dir=tmp_path, eval_problems=8)
+    path = ensure_warm_checkpoint("micro", LEVEL1, **kwargs)
+    meta = json.loads((path / META_FILE).read_text())
+    assert meta["key"]["task"]["max_digits"] == 1 and meta["key"]["steps"] == 3
+    assert "torch" in meta["key"] and "transformers" in meta["key"]
+    assert 0.0 <= meta["accuracy_t1"] <= 1.0
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary leftovers
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the cache was not used")
+
+    monkeypatch.setattr(warmup_module, "warmup", fail)
+    assert ensure_warm_checkpoint("micro", LEVEL1, **kwargs) == path
+    model, tokenizer = ensure_warm_model("micro", LEVEL1, **kwargs)
+    assert tokenizer.vocab_size == model.config.vocab_size == 17
+    # anything that changes the result changes the entry
+    with pytest.raises(AssertionError, match="cache was not used"):
+        ensure_warm_checkpoint("micro", LEVEL1, **{**kwargs, "seed": 1})
+    with pytest.raises(AssertionError, match="cache was not used"):
+        ensure_warm_checkpoint("micro", ArithmeticConfig.level(2), **kwargs)
+
+
+def test_ensure_warm_checkpoint_loads_the_same_weights_it_trained(tmp_path):
+    kwargs = dict(steps=2, batch_size=4, lr=1e-2, seed=4, cache_dir=tmp_path, eval_problems=0)
+    model, _ = ensure_warm_model("micro", LEVEL1, **kwargs)
+    fresh, tokenizer = build_arithmetic_model("micro", seed=4)
+    warmup(fresh, tokenizer, ArithmeticTask(LEVEL1), steps=2, batch_size=4, lr=1e-2, seed=4)
+    a, b = policy_state(model), policy_state(fresh)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_cache_dir_follows_staleflow_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("STALEFLOW_CACHE", str(tmp_path))
+    assert default_cache_dir() == tmp_path / "warmup"
+    monkeypatch.delenv("STALEFLOW_CACHE")
+    assert default_cache_dir().parts[-3:] == (".cache", "staleflow", "warmup")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)  # minutes of CPU, more on a shared machine
+def test_default_warmup_leaves_room_for_rl(tmp_path, request):
+    """The default preset and task: a couple of minutes on 2 cores, and a policy that
+    succeeds sometimes but not always (the starting point of RL)."""
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("minutes of CPU: run with -m slow")
+    start = time.perf_counter()
+    # one thread: on a shared machine a second one mostly waits (10x slower measured)
+    model, tokenizer = ensure_warm_model(
+        DEFAULT_PRESET, cache_dir=tmp_path, eval_problems=0, num_threads=1
+    )
+    seconds = time.perf_counter() - start
+    held_out = ArithmeticTask(default_task_config(seed=99))
+    accuracy = evaluate_accuracy(model, tokenizer, held_out, n=512, temperature=1.0)
+    greedy = evaluate_accuracy(model, tokenizer, held_out, n=512, temperature=0.0)
+    print(f"warm-up {seconds:.0f}s, accuracy T=1 {accuracy:.3f}, greedy {greedy:.3f}")
+    assert 0.10 <= accuracy <= 0.70
+    assert greedy >= accuracy - 0.05
