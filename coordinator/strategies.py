@@ -66,7 +66,10 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
     sync: SyncStrategy
     hold: RoutingHold | None = None
     if config.synchronization == "throughput":
-        sync = ThroughputSync(throughput_routing)
+        # Without proactive migration a Pull is the only way a queue leaves an instance, so
+        # the sync strategy then also releases queues beyond phi_wait (sync.py).
+        release = config.phi_wait if config.migration == "vanilla" else None
+        sync = ThroughputSync(throughput_routing, release)
     elif config.synchronization == "drain":
         drain = DrainGlobalSync()  # it also holds routing until the fleet has drained
         sync, hold = drain, drain

@@ -23,10 +23,34 @@ class ThroughputSync:
     routable to it) joins the highest version group, which the waterfall visits last. So
     we run routing once on a throwaway sketch and, at every decision, ask for each
     remaining candidate whether it would have won that decision.
+
+    Queue release (beyond Algorithm 4, only with ``phi_wait`` set). Algorithm 4 looks only
+    at the TS. It assumes that what sits on an instance is running: the throughput routing
+    never routes into a queue (Eq. 3 gives a queued route no gain), so queues come only
+    from preemption, and migration case 1 returns any excess beyond ``phi_wait`` to the
+    TS. A routing strategy without a threshold (vanilla, least-loaded) breaks the first
+    half: when one instance is the only one of the version a batch of groups needs, it
+    receives all of them and queues most. Without proactive migration the second half is
+    gone too: once the PS moves on, Algorithm 4 never Pulls that instance (nothing in the
+    TS is for it, and a queued instance wins no tentative decision) and nothing else moves
+    its queue, so the buffer those groups belong to waits for one instance to work
+    through hundreds of trajectories while the rest of the fleet idles (R0S1M0 stalled).
+    With ``phi_wait`` set, an instance behind the PS is therefore also Pulled when its
+    queue exceeds ``phi_wait`` (the paper's own tolerance for queued trajectories) and a
+    tentative routing pass, on the fleet as Algorithm 1 will see it after this cycle's
+    other Pulls, would route at least one of the queued trajectories to another instance
+    with a gain above the threshold. The Pull interrupts the instance and returns its
+    trajectories to the TS for re-routing: the passive migration of §6.5's vanilla
+    migration. ``build_strategies`` sets ``phi_wait`` only when migration is vanilla;
+    with throughput migration, case 1 releases the same queue without interrupting the
+    running trajectories, and Algorithm 4 stays exactly as the paper writes it.
     """
 
-    def __init__(self, routing: ThroughputRouting) -> None:
+    def __init__(self, routing: ThroughputRouting, phi_wait: int | None = None) -> None:
+        if phi_wait is not None and phi_wait < 0:
+            raise ValueError(f"phi_wait must be >= 0 or None (got {phi_wait})")
         self.routing = routing
+        self.phi_wait = phi_wait  # None: Algorithm 4 alone, no queue release
 
     def select(
         self, fleet: Fleet, pool: TrajectoryPool, ps_version: int, sketch: AdmissionSketch
@@ -35,6 +59,25 @@ class ThroughputSync:
         if not lagging:
             return []
         levels = pool.ts_levels()
+        chosen = self._algorithm4(fleet, levels, lagging, ps_version, sketch)
+        if self.phi_wait is None:
+            return chosen
+        taken = set(chosen)
+        queued = [p for p in lagging if fleet.n_wait[p] > self.phi_wait and p not in taken]
+        if queued:
+            chosen = sorted(
+                chosen + self._release(fleet, levels, chosen, queued, ps_version, sketch)
+            )
+        return chosen
+
+    def _algorithm4(
+        self,
+        fleet: Fleet,
+        levels: list[Level],
+        lagging: list[int],
+        ps_version: int,
+        sketch: AdmissionSketch,
+    ) -> list[int]:
         partial = [v for v, _ in levels if v is not None]
         groups = list(dict.fromkeys(t.group_id for v, ts in levels if v is None for t in ts))
         routable: dict[int, bool] = {}
@@ -51,6 +94,51 @@ class ThroughputSync:
         if not candidates:
             return []
         return self._tentative(fleet, levels, ps_version, sketch, candidates)
+
+    def _release(
+        self,
+        fleet: Fleet,
+        levels: list[Level],
+        chosen: list[int],
+        queued: list[int],
+        ps_version: int,
+        sketch: AdmissionSketch,
+    ) -> list[int]:
+        """Which of the ``queued`` instances hold a queued trajectory that another instance
+        would run (see the class docstring). One tentative routing pass for all of them."""
+        after = fleet.copy()
+        pool = TrajectoryPool([t for _, ts in levels for t in ts])
+        for pos in chosen:  # Algorithm 1 lines 4-8 for this cycle's other Pulls
+            pool.add(after.discard_all(pos))
+            after.set_version(pos, ps_version)
+        owner: dict[int, int] = {}
+        for pos in queued:
+            # Only the queue: it holds no KV, so moving it costs nothing it would not cost
+            # where it is. The running trajectories would come back too, but they are
+            # running, so they are no reason to Pull.
+            waiting = [t for t in fleet.wait[pos] if t.v_traj is not None]
+            owner.update((t.traj_id, pos) for t in waiting)
+            pool.add(waiting)
+        released: set[int] = set()
+
+        def probe(
+            t: TrajectoryView,
+            length: int,
+            thr: float,
+            sel_version: int | None,
+            sel_gain: float,
+            sel_pos: int | None,
+        ) -> bool:
+            del length, thr, sel_version, sel_gain
+            pos = owner.get(t.traj_id)
+            # A queued instance keeps its queue in ``after``, so its gain is -inf and it is
+            # never ``sel_pos``; the check only guards that reading.
+            if pos is not None and sel_pos is not None and sel_pos != pos:
+                released.add(pos)
+            return len(released) == len(queued)
+
+        self.routing.run(after, pool.levels(), sketch.sketch(), probe)
+        return sorted(released)
 
     def _could_win(self, fleet: Fleet, levels: list[Level], candidates: list[int]) -> list[int]:
         """Drop candidates whose gain clears the threshold for no length in the TS.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,16 +14,29 @@ from coordinator.routing import ThroughputRouting
 from coordinator.sync import GreedySync, ThroughputSync
 from staleness import StalenessManager
 from staleness.interface import AdmissionSketch
-from tests.coordinator.builders import COST, initial, instance, manager, partial, snapshot
+from tests.coordinator.builders import (
+    COST,
+    initial,
+    instance,
+    manager,
+    partial,
+    snapshot,
+    strategies,
+)
 from tests.coordinator.test_routing import HEAVY, MODERATE
 
 ROUTING = ThroughputRouting(COST, 0.3)
 
 
-def sync(fleet: Fleet, ts: list[TrajectoryView], ps: int, sketch: AdmissionSketch) -> list[int]:
-    return [
-        fleet.ids[p] for p in ThroughputSync(ROUTING).select(fleet, TrajectoryPool(ts), ps, sketch)
-    ]
+def sync(
+    fleet: Fleet,
+    ts: Sequence[TrajectoryView],
+    ps: int,
+    sketch: AdmissionSketch,
+    phi_wait: int | None = None,
+) -> list[int]:
+    strategy = ThroughputSync(ROUTING, phi_wait)
+    return [fleet.ids[p] for p in strategy.select(fleet, TrajectoryPool(ts), ps, sketch)]
 
 
 def test_syncs_an_instance_that_cannot_take_work_until_it_pulls() -> None:
@@ -130,3 +145,54 @@ def test_single_pass_equals_algorithm4(
 ) -> None:
     fleet, ts, ps, m = case
     assert sync(fleet, ts, ps, m.sketch()) == brute_force_algorithm4(fleet, ts, ps, m)
+
+
+# -- a queue piled on a lagging instance is released by its Pull -------------------------
+
+
+def test_syncs_a_lagging_instance_whose_queue_another_instance_could_run() -> None:
+    # Vanilla routing has no threshold: it can queue far more trajectories on the only
+    # instance of a version than that instance runs. Once the PS moves on and the TS has
+    # nothing for that instance, Algorithm 4 alone never Pulls it (a queued instance wins
+    # no tentative decision) and, without migration, its queue waits for it alone.
+    m = manager(2, eta=3, batch=64)
+    fleet = Fleet(snapshot(instance(0, 1, MODERATE, wait=40), instance(1, 2)))
+    assert sync(fleet, [], 2, m.sketch()) == []  # Algorithm 4 alone
+    assert sync(fleet, [], 2, m.sketch(), phi_wait=3) == [0]
+
+
+def test_a_queue_within_phi_wait_is_left_to_the_instance() -> None:
+    m = manager(2, eta=3, batch=64)
+    fleet = Fleet(snapshot(instance(0, 1, MODERATE, wait=3), instance(1, 2)))
+    assert sync(fleet, [], 2, m.sketch(), phi_wait=3) == []
+
+
+def test_a_queue_no_other_instance_can_take_stays() -> None:
+    m = manager(2, eta=3, batch=64)
+    # The only other instance is older than the queued trajectories' V_traj ...
+    fleet = Fleet(snapshot(instance(0, 1, MODERATE, wait=40), instance(1, 0)))
+    assert sync(fleet, [], 2, m.sketch(), phi_wait=3) == []
+    # ... or too busy for any of them to clear the routing threshold.
+    fleet = Fleet(snapshot(instance(0, 1, MODERATE, wait=40), instance(1, 2, HEAVY)))
+    assert sync(fleet, [], 2, m.sketch(), phi_wait=3) == []
+    # Not behind the PS: a Pull would load nothing new (only migration may move them).
+    fleet = Fleet(snapshot(instance(0, 2, MODERATE, wait=40), instance(1, 2)))
+    assert sync(fleet, [], 2, m.sketch(), phi_wait=3) == []
+
+
+def test_an_instance_synced_this_cycle_can_take_the_queue() -> None:
+    # Instance 1 is behind too and Algorithm 4 Pulls it (it is idle and the TS holds work
+    # for version 2 only); after that Pull it can run instance 0's queue (Algorithm 1
+    # applies the Pulls before routing), so instance 0 is released in the same cycle.
+    m = manager(2, eta=1, batch=64)
+    fleet = Fleet(snapshot(instance(0, 1, MODERATE, wait=40), instance(1, 0)))
+    assert sync(fleet, initial(1, 2), 2, m.sketch(), phi_wait=3) == [0, 1]
+
+
+def test_queue_release_is_on_only_without_proactive_migration() -> None:
+    # Throughput migration (case 1) returns the same queue to the TS without interrupting
+    # the running trajectories, so Algorithm 4 then stays as the paper writes it.
+    released = strategies(routing="vanilla", migration="vanilla", phi_wait=5).sync
+    assert isinstance(released, ThroughputSync) and released.phi_wait == 5
+    paper = strategies(routing="vanilla", migration="throughput").sync
+    assert isinstance(paper, ThroughputSync) and paper.phi_wait is None
