@@ -1,29 +1,38 @@
 """Figure 16: the eight routing / synchronisation / migration combinations at one eta.
 
 Each combination ``R?S?M?`` (1: StaleFlow's throughput-oriented strategy, 0: the vanilla
-one) runs on the same simulated cluster; throughput is normalised to all-vanilla (R0S0M0).
+one) runs on the same simulated cluster; throughput is normalised to all-vanilla (R0S0M0)
+of the same seed (the same workload draws), then summarised over ``--seeds``.
 
-    python experiments/sim_ablation.py --preset paper-6.5 --eta 3 --steps 8
+    python experiments/sim_ablation.py --preset paper-6.5 --eta 3 --max-response 40000 \
+        --steps 10 --seeds 3 --jobs 2
 
-Writes ablation.csv / ablation.json / ablation.png into --out.
+Writes ablation.csv / ablation.json (one row per combination, over the seeds),
+ablation_runs.csv / ablation_runs.json (one row per run) and ablation.png into --out.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from staleflow.sim import SimCluster, system
 from staleflow.sim.report import (
+    add_seed_options,
     parser,
     preset,
     print_table,
     progress,
     pyplot,
     results_dir,
+    run_each,
     save_figure,
+    seed_list,
+    spread,
+    stats,
     write_rows,
 )
 
@@ -31,56 +40,140 @@ SCRIPT = "sim_ablation"
 COMBOS = [f"R{r}S{s}M{m}" for r, s, m in itertools.product("01", repeat=3)]
 
 
+class Run(NamedTuple):
+    """One simulated run; module-level and picklable for ``--jobs``."""
+
+    name: str
+    preset: str
+    eta: int
+    steps: int
+    seed: int
+    max_response: int | None = None
+
+
+def simulate(run: Run) -> dict[str, Any]:
+    config = preset(
+        run.preset, eta=run.eta, steps=run.steps, seed=run.seed, max_response=run.max_response
+    )
+    s = SimCluster(system(run.name, config)).run()
+    return {
+        "system": run.name,
+        "seed": run.seed,
+        "eta": s.eta,
+        "steps": s.steps,
+        "tokens_per_s": s.tokens_per_s,
+        "steady_tokens_per_s": s.steady_tokens_per_s,
+        "rollout_idle_ratio": s.rollout_idle_ratio,
+        "rollout_prefill_ratio": s.rollout_prefill_ratio,
+        "preemptions": s.preemptions,
+        "commands": s.commands,
+        "stalled": s.stalled,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser(SCRIPT, __doc__, steps=8)
     p.add_argument("--eta", type=int, default=3)
+    p.add_argument(
+        "--max-response",
+        type=int,
+        default=None,
+        help="response cap (paper-6.5 only; §6.5 / Figure 16 use 40000, the preset 20000)",
+    )
+    add_seed_options(p)
     args = p.parse_args(argv)
+    try:
+        seeds = seed_list(args.seeds, args.seed)
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
+    if args.max_response is not None and args.preset != "paper-6.5":
+        p.error("--max-response applies to the paper-6.5 preset only")
     out = results_dir(args.out, SCRIPT)
 
-    rows: list[dict[str, Any]] = []
-    with progress(len(COMBOS), "ablation") as advance:
-        for name in COMBOS:
-            advance(name)
-            config = preset(args.preset, eta=args.eta, steps=args.steps, seed=args.seed)
-            s = SimCluster(system(name, config)).run()
-            rows.append(
-                {
-                    "system": name,
-                    "routing": name[1],
-                    "sync": name[3],
-                    "migration": name[5],
-                    "eta": s.eta,
-                    "steps": s.steps,
-                    "tokens_per_s": s.tokens_per_s,
-                    "steady_tokens_per_s": s.steady_tokens_per_s,
-                    "preemptions": s.preemptions,
-                    "commands": s.commands,
-                    "stalled": s.stalled,
-                }
+    tasks = [
+        Run(name, args.preset, args.eta, args.steps, seed, args.max_response)
+        for name in COMBOS
+        for seed in seeds
+    ]
+    runs: list[dict[str, Any]] = []
+    with progress(len(tasks), "ablation") as advance:
+        for _, row in run_each(
+            args.jobs, simulate, tasks, advance, lambda r: f"{r.name} seed={r.seed}"
+        ):
+            runs.append(row)
+            print(
+                f"{row['system']} seed={row['seed']}: {row['tokens_per_s']:,.0f} tok/s "
+                f"(steady {row['steady_tokens_per_s']:,.0f}), {row['steps']} steps"
+                + (" STALLED" if row["stalled"] else ""),
+                flush=True,
             )
-    base = rows[0]["tokens_per_s"] or 1.0  # R0S0M0 comes first
-    for row in rows:
-        row["normalised"] = row["tokens_per_s"] / base
+    base = {r["seed"]: r for r in runs if r["system"] == "R0S0M0"}
+    for r in runs:
+        b = base[r["seed"]]
+        r["normalised"] = r["tokens_per_s"] / (b["tokens_per_s"] or 1.0)
+        r["steady_normalised"] = r["steady_tokens_per_s"] / (b["steady_tokens_per_s"] or 1.0)
 
-    cols = ["system", "tokens_per_s", "steady_tokens_per_s", "normalised", "preemptions", "stalled"]
-    print_table(f"Figure 16: ablation at eta={args.eta} ({args.preset})", rows, cols)
-    paths = write_rows(out, "ablation", rows)
-    paths.append(_plot(rows, args.eta, out))
+    rows = [_combine(name, [r for r in runs if r["system"] == name]) for name in COMBOS]
+    cols = ["system", "tokens_per_s", "steady_tokens_per_s", "normalised", "steady_normalised"]
+    cols += ["preemptions", "stalled"]
+    cap = f", cap {args.max_response}" if args.max_response else ""
+    title = f"Figure 16: ablation at eta={args.eta} ({args.preset}{cap})"
+    if len(seeds) > 1:
+        title += f", {len(seeds)} seeds: mean \u00b1 std [min..max]"
+    print_table(title, [{**r, **{c: r.get(f"{c}_text", r[c]) for c in cols}} for r in rows], cols)
+    paths = write_rows(out, "ablation", rows) + write_rows(out, "ablation_runs", runs)
+    paths.append(_plot(rows, args.eta, len(seeds), out))
     print("wrote " + ", ".join(str(x) for x in paths))
     return 0
 
 
-def _plot(rows: list[dict[str, Any]], eta: int, out: Path) -> Path:
+def _combine(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row per combination: means (the plotted values) plus std / min / max."""
+    row: dict[str, Any] = {
+        "system": name,
+        "routing": name[1],
+        "sync": name[3],
+        "migration": name[5],
+        "eta": runs[0]["eta"],
+        "seeds": [r["seed"] for r in runs],
+        "steps": min(r["steps"] for r in runs),
+        "stalled": sum(bool(r["stalled"]) for r in runs),
+    }
+    fmts = {
+        "tokens_per_s": "{:,.0f}",
+        "steady_tokens_per_s": "{:,.0f}",
+        "normalised": "{:.3f}",
+        "steady_normalised": "{:.3f}",
+        "preemptions": "{:,.0f}",
+    }
+    for field, fmt in fmts.items():
+        values = [float(r[field]) for r in runs]
+        s = stats(values)
+        row[field] = s["mean"]
+        row.update({f"{field}_{k}": v for k, v in s.items() if k != "mean"})
+        row[f"{field}_text"] = spread(values, fmt)
+    return row
+
+
+def _plot(rows: list[dict[str, Any]], eta: int, n_seeds: int, out: Path) -> Path:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
     xs = range(len(rows))
-    bars = ax.bar(xs, [r["normalised"] for r in rows], color="tab:blue")
+    errs = [r["normalised_std"] for r in rows]
+    bars = ax.bar(
+        xs,
+        [r["normalised"] for r in rows],
+        yerr=errs if n_seeds > 1 else None,
+        color="tab:blue",
+    )
     ax.bar_label(bars, fmt="%.2f")
     marks = {"1": "\u2713", "0": "\u00d7"}  # check mark / cross, as in Figure 16
     labels = [f"R{marks[r['routing']]} S{marks[r['sync']]} M{marks[r['migration']]}" for r in rows]
     ax.set_xticks(list(xs), labels)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set_ylabel("throughput / all-vanilla")
+    ax.set_ylabel(
+        "throughput / all-vanilla" + (f" (mean of {n_seeds} seeds)" if n_seeds > 1 else "")
+    )
     ax.set_title(f"Ablation of rollout coordination strategies (eta={eta})")
     return save_figure(fig, out, "ablation")
 

@@ -1,12 +1,16 @@
 """Sweep the staleness bound eta on the simulated cluster and compare systems (§6.2, §6.5).
 
-Example (the paper's §6.5 cluster, a few minutes on two cores)::
+Example (the paper's §6.5 cluster, three seeds, a few minutes per seed on two cores)::
 
-    python experiments/sim_eta_sweep.py --preset paper-6.5 --steps 8 --json out.json
+    python experiments/sim_eta_sweep.py --preset paper-6.5 --seeds 3 --json out.json
 
-Prints one row per (system, eta): throughput, time, staleness histogram, idle ratios.
-Writes sweep.{csv,json}, gains.{csv,json} (StaleFlow over each baseline per eta) and a
-Figure-13-style eta_sweep.png into --out (default results/sim_eta_sweep/).
+Prints one row per (system, eta, seed): throughput, time, staleness histogram, idle ratios;
+then, per (system, eta), mean +- std [min..max] over the seeds, and StaleFlow's gain over
+each baseline. A gain is computed per seed (both systems see the same workload draws for
+a seed) and then summarised over seeds.
+Writes sweep.{csv,json} (one row per run), sweep_stats.{csv,json} (per system and eta),
+gains.{csv,json} (StaleFlow over each baseline per eta) and a Figure-13-style
+eta_sweep.png into --out (default results/sim_eta_sweep/).
 """
 
 from __future__ import annotations
@@ -16,13 +20,46 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from staleflow.sim import PRESETS, SYSTEMS, SimCluster, system
 from staleflow.sim.presets import Layout
-from staleflow.sim.report import progress, pyplot, results_dir, save_figure, write_rows
+from staleflow.sim.report import (
+    add_seed_options,
+    progress,
+    pyplot,
+    results_dir,
+    run_each,
+    save_figure,
+    seed_list,
+    spread,
+    stats,
+    write_rows,
+)
 
 SCRIPT = "sim_eta_sweep"
+
+
+class Run(NamedTuple):
+    """One simulated run; module-level and picklable for ``--jobs``."""
+
+    name: str
+    eta: int  # the requested bound (a system with its own bound ignores it)
+    seed: int
+    steps: int
+    preset: str
+    kwargs: dict[str, Any]
+    layout: Layout | None
+    fixed: bool
+
+
+def simulate(run: Run) -> dict[str, Any]:
+    preset = PRESETS[run.preset](eta=run.eta, steps=run.steps, seed=run.seed, **run.kwargs)
+    config = system(run.name, preset, run.layout)
+    started = time.perf_counter()
+    s = SimCluster(config).run()
+    wall = time.perf_counter() - started
+    return {**s.as_dict(), "seed": run.seed, "wall_s": wall, "fixed_eta": run.fixed}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         help="training steps per run; 0: max(8, 2*eta + 6), so that at least eta + 5 steps "
         "follow the warm-up",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="first seed (see --seeds)")
+    add_seed_options(p)
     p.add_argument("--rollout-gpus", type=int, default=None, help="paper-6.5 only")
     p.add_argument("--train-gpus", type=int, default=None, help="paper-6.5 only")
     p.add_argument("--max-response", type=int, default=None, help="paper-6.5 only")
@@ -50,11 +88,15 @@ def main(argv: list[str] | None = None) -> int:
         "--out", type=Path, default=None, help=f"results folder (default results/{SCRIPT}/)"
     )
     args = p.parse_args(argv)
+    try:
+        seeds = seed_list(args.seeds, args.seed)
+    except argparse.ArgumentTypeError as e:
+        p.error(str(e))
 
     etas = [int(e) for e in args.etas.split(",") if e]
     names = [s for s in args.systems.split(",") if s]
     layout: Layout | None = None
-    kwargs: dict[str, object] = {"seed": args.seed}
+    kwargs: dict[str, Any] = {}
     if args.preset == "paper-6.5":
         default = Layout()
         layout = Layout(
@@ -65,98 +107,161 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_response:
             kwargs["max_response"] = args.max_response
     out = results_dir(args.out, SCRIPT)
-    runs = [(n, e) for n in names for e in etas]
     # Systems that set their own bound (sync: 0, pipeline: 1) ignore the requested one.
     probe = 1 + max(etas, default=0)
     fixed = {
         n: system(n, PRESETS[args.preset](eta=probe, **kwargs), layout).eta != probe for n in names
     }
-    done: set[tuple[str, int]] = set()
+    runs: list[Run] = []
+    done: set[tuple[str, int, int]] = set()
+    for name in names:
+        for eta in etas:
+            steps = args.steps or max(8, 2 * eta + 6)
+            config = system(name, PRESETS[args.preset](eta=eta, steps=steps, **kwargs), layout)
+            for seed in seeds:
+                if (name, config.eta, seed) in done:
+                    continue  # a system with its own bound (sync: 0, pipeline: 1) runs once
+                done.add((name, config.eta, seed))
+                runs.append(Run(name, eta, seed, steps, args.preset, kwargs, layout, fixed[name]))
+
     results: list[dict[str, Any]] = []
     header = (
-        f"{'system':<10} {'eta':>3} {'tok/s':>9} {'steady':>9} {'steps':>5} {'sim s':>7} {'wall s':>6} "
-        f"{'roll idle':>9} {'prefill':>7} {'trn idle':>8} {'preempt':>7}  staleness"
+        f"{'system':<10} {'eta':>3} {'seed':>4} {'tok/s':>9} {'steady':>9} {'steps':>5} "
+        f"{'sim s':>7} {'wall s':>6} {'roll idle':>9} {'prefill':>7} {'trn idle':>8} "
+        f"{'preempt':>7}  staleness"
     )
     print(header)
     with progress(len(runs), "eta sweep") as advance:
-        for name, eta in runs:
-            advance(f"{name} eta={eta}")
-            steps = args.steps or max(8, 2 * eta + 6)
-            preset = PRESETS[args.preset](eta=eta, steps=steps, **kwargs)
-            config = system(name, preset, layout)
-            if (name, config.eta) in done:
-                continue  # a system with its own bound (sync: 0, pipeline: 1) runs once
-            done.add((name, config.eta))
-            started = time.perf_counter()
-            s = SimCluster(config).run()
-            wall = time.perf_counter() - started
-            results.append({**s.as_dict(), "wall_s": wall, "fixed_eta": fixed[name]})
+        for _, r in run_each(
+            args.jobs, simulate, runs, advance, lambda r: f"{r.name} eta={r.eta} seed={r.seed}"
+        ):
+            results.append(r)
             print(
-                f"{name:<10} {s.eta:>3} {s.tokens_per_s:>9.0f} {s.steady_tokens_per_s:>9.0f} "
-                f"{s.steps:>5} {s.seconds:>7.0f} "
-                f"{wall:>6.1f} {s.rollout_idle_ratio:>9.3f} {s.rollout_prefill_ratio:>7.3f} "
-                f"{s.trainer_idle_ratio:>8.3f} {s.preemptions:>7}  {s.staleness}"
-                + ("  STALLED" if s.stalled else ""),
+                f"{r['name']:<10} {r['eta']:>3} {r['seed']:>4} {r['tokens_per_s']:>9.0f} "
+                f"{r['steady_tokens_per_s']:>9.0f} {r['steps']:>5} {r['seconds']:>7.0f} "
+                f"{r['wall_s']:>6.1f} {r['rollout_idle_ratio']:>9.3f} "
+                f"{r['rollout_prefill_ratio']:>7.3f} {r['trainer_idle_ratio']:>8.3f} "
+                f"{r['preemptions']:>7}  {r['staleness']}" + ("  STALLED" if r["stalled"] else ""),
                 flush=True,
             )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
         print(f"wrote {args.json}")
+    summary = sweep_stats(results)
     table = gains(results)
+    if len(seeds) > 1:
+        print(f"\nover {len(seeds)} seeds {seeds}: mean \u00b1 std [min..max]")
+        for row in summary:
+            print(
+                f"{row['name']:<10} eta={row['eta']:<3} tok/s {row['tokens_per_s_text']:<36} "
+                f"steady {row['steady_tokens_per_s_text']}"
+                + (f"  STALLED in {row['stalled']} run(s)" if row["stalled"] else "")
+            )
     for g in table:
-        print(f"staleflow over {g['baseline']} at eta={g['eta']}: {g['gain']:.2f}x")
-    paths = write_rows(out, "sweep", results) + write_rows(out, "gains", table)
+        print(
+            f"staleflow over {g['baseline']} at eta={g['eta']}: {g['gain_text']}x "
+            f"(steady: {g['steady_gain_text']}x)"
+        )
+    paths = write_rows(out, "sweep", results)
+    paths += write_rows(out, "sweep_stats", summary) + write_rows(out, "gains", table)
     if results:
-        paths.append(_plot(results, table, etas, out))
+        paths.append(_plot(summary, table, etas, out))
     print("wrote " + ", ".join(str(x) for x in paths))
     return 0
 
 
-def gains(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """StaleFlow's throughput over each baseline's at the same eta. A baseline with its own
-    bound (``fixed_eta``: sync, pipeline) ran once and is compared at every eta, as VeRL
-    and VeRL-Pipeline are in Figure 13."""
-    ours = {r["eta"]: r["tokens_per_s"] for r in results if r["name"] == "staleflow"}
+def sweep_stats(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (system, eta): throughput and steady throughput over the seeds."""
+    keys = list(dict.fromkeys((r["name"], r["eta"]) for r in results))
     out = []
-    for eta, mine in ours.items():
-        for base in dict.fromkeys(r["name"] for r in results if r["name"] != "staleflow"):
-            theirs = _throughput(results, base, eta)
-            if theirs:
-                out.append({"eta": eta, "baseline": base, "gain": mine / theirs})
+    for name, eta in keys:
+        rows = [r for r in results if r["name"] == name and r["eta"] == eta]
+        row: dict[str, Any] = {"name": name, "eta": eta, "seeds": [r["seed"] for r in rows]}
+        row["fixed_eta"] = rows[0]["fixed_eta"]
+        for field in ("tokens_per_s", "steady_tokens_per_s"):
+            values = [float(r[field]) for r in rows]
+            row.update({f"{field}_{k}": v for k, v in stats(values).items()})
+            row[f"{field}_text"] = spread(values, "{:,.0f}")
+        row["stalled"] = sum(bool(r["stalled"]) for r in rows)
+        out.append(row)
     return out
 
 
-def _throughput(results: list[dict[str, Any]], name: str, eta: int) -> float | None:
+def gains(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """StaleFlow's throughput over each baseline's at the same eta, per seed (the same
+    seed draws the same workload for both), summarised over seeds: ``gain`` is the mean.
+    A baseline with its own bound (``fixed_eta``: sync, pipeline) ran once per seed and is
+    compared at every eta, as VeRL and VeRL-Pipeline are in Figure 13."""
+    ours = [r for r in results if r["name"] == "staleflow"]
+    etas = list(dict.fromkeys(r["eta"] for r in ours))
+    bases = list(dict.fromkeys(r["name"] for r in results if r["name"] != "staleflow"))
+    out = []
+    for eta in etas:
+        for base in bases:
+            ratios: dict[str, list[float]] = {"tokens_per_s": [], "steady_tokens_per_s": []}
+            seeds = []
+            for mine in (r for r in ours if r["eta"] == eta):
+                theirs = _run(results, base, eta, mine["seed"])
+                if theirs is None or not theirs["tokens_per_s"]:
+                    continue
+                seeds.append(mine["seed"])
+                for field, values in ratios.items():
+                    if theirs[field]:
+                        values.append(mine[field] / theirs[field])
+            if not seeds:
+                continue
+            row: dict[str, Any] = {"eta": eta, "baseline": base, "seeds": seeds}
+            g = stats(ratios["tokens_per_s"])
+            row.update({"gain": g["mean"], "gain_std": g["std"]})
+            row.update({"gain_min": g["min"], "gain_max": g["max"]})
+            row["gain_text"] = spread(ratios["tokens_per_s"], "{:.3f}")
+            steady = ratios["steady_tokens_per_s"]
+            row["steady_gain"] = stats(steady)["mean"] if steady else None
+            row["steady_gain_text"] = spread(steady, "{:.3f}") if steady else "n/a"
+            out.append(row)
+    return out
+
+
+def _run(results: list[dict[str, Any]], name: str, eta: int, seed: int) -> dict[str, Any] | None:
     for r in results:
+        if r["name"] == name and r["seed"] == seed and (r["eta"] == eta or r["fixed_eta"]):
+            return r
+    return None
+
+
+def _mean(summary: list[dict[str, Any]], name: str, eta: int) -> tuple[float, float] | None:
+    for r in summary:
         if r["name"] == name and (r["eta"] == eta or r["fixed_eta"]):
-            return float(r["tokens_per_s"])
+            return float(r["tokens_per_s_mean"]), float(r["tokens_per_s_std"])
     return None
 
 
 def _plot(
-    results: list[dict[str, Any]], table: list[dict[str, Any]], etas: list[int], out: Path
+    summary: list[dict[str, Any]], table: list[dict[str, Any]], etas: list[int], out: Path
 ) -> Path:
     plt = pyplot()
-    names = list(dict.fromkeys(r["name"] for r in results))
+    names = list(dict.fromkeys(r["name"] for r in summary))
     gain = {(g["baseline"], g["eta"]): g["gain"] for g in table}
     fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(etas)), 4))
     width = 0.8 / len(names)
     for k, name in enumerate(names):
-        xs, ys = [], []
+        xs, ys, errs = [], [], []
         for j, eta in enumerate(etas):
-            y = _throughput(results, name, eta)
+            y = _mean(summary, name, eta)
             if y is not None:
                 xs.append(j + (k - (len(names) - 1) / 2) * width)
-                ys.append(y)
-        bars = ax.bar(xs, ys, width, label=name)
+                ys.append(y[0])
+                errs.append(y[1])
+        bars = ax.bar(xs, ys, width, yerr=errs if any(errs) else None, label=name)
         if name != "staleflow":
             labels = [f"({gain[name, e]:.2f}x)" if (name, e) in gain else "" for e in etas]
             if len(labels) == len(bars):
                 ax.bar_label(bars, labels=labels, fontsize=6, rotation=90, padding=2)
     ax.set_xticks(range(len(etas)), [f"eta={e}" for e in etas])
-    ax.set_ylabel("tokens/s")
+    ax.set_ylabel("tokens/s (mean over seeds, std as error bar)")
     ax.set_title(
-        "Throughput vs staleness bound\n(x): StaleFlow's gain over that baseline", fontsize=10
+        "Throughput vs staleness bound\n(x): StaleFlow's mean gain over that baseline",
+        fontsize=10,
     )
     ax.legend(fontsize="small")
     return save_figure(fig, out, "eta_sweep")

@@ -5,7 +5,7 @@ paper's 10K/20K/40K responses, batch 64/128/256 and 64/128/256 GPUs on ``paper-6
 StaleFlow and the all-vanilla baseline run at every point, and StaleFlow's throughput is
 also reported relative to the baseline.
 
-    python experiments/sim_scaling.py --preset paper-6.5 --eta 3 --steps 8
+    python experiments/sim_scaling.py --preset paper-6.5 --eta 3 --steps 8 --jobs 2
 
 Writes scaling.csv / scaling.json / scaling.png into --out.
 """
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from staleflow.sim import SimCluster, Summary, system
+from staleflow.sim import ClusterConfig, SimCluster, Summary, system
 from staleflow.sim.report import (
     parser,
     preset,
@@ -24,6 +24,7 @@ from staleflow.sim.report import (
     progress,
     pyplot,
     results_dir,
+    run_each,
     save_figure,
     write_rows,
 )
@@ -32,12 +33,20 @@ from staleflow.sim.scaling import DIMENSIONS, scale, value
 SCRIPT = "sim_scaling"
 
 
+def _simulate(task: tuple[str, ClusterConfig]) -> Summary:
+    name, config = task
+    return SimCluster(system(name, config)).run()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = parser(SCRIPT, __doc__, steps=8)
     p.add_argument("--eta", type=int, default=3)
     p.add_argument("--factors", default="0.5,1,2", help="comma-separated, relative to the preset")
     p.add_argument("--dimensions", default=",".join(DIMENSIONS), help=f"from {DIMENSIONS}")
     p.add_argument("--systems", default="staleflow,vanilla", help="comma-separated")
+    p.add_argument(
+        "--jobs", type=int, default=1, help="runs in parallel processes (results do not change)"
+    )
     args = p.parse_args(argv)
     out = results_dir(args.out, SCRIPT)
     factors = [float(f) for f in args.factors.split(",") if f]
@@ -47,13 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     base = preset(args.preset, eta=args.eta, steps=args.steps, seed=args.seed)
     # Factor 1 is the same cluster in every dimension: run it once per system.
     points = {(d, f) for d in dims for f in factors}
-    unique = {(n, "base" if f == 1 else d, f) for d, f in points for n in names}
+    unique = sorted({(n, "base" if f == 1 else d, f) for d, f in points for n in names})
+    tasks = [
+        (name, base if dim == "base" else scale(base, dim, factor)) for name, dim, factor in unique
+    ]
     runs: dict[tuple[str, str, float], Summary] = {}
-    with progress(len(unique), "scaling") as advance:
-        for name, dim, factor in sorted(unique):
-            advance(f"{name} {dim} x{factor:g}")
-            config = base if dim == "base" else scale(base, dim, factor)
-            runs[name, dim, factor] = SimCluster(system(name, config)).run()
+    labels = {id(t): f"{k[0]} {k[1]} x{k[2]:g}" for k, t in zip(unique, tasks, strict=True)}
+    with progress(len(tasks), "scaling") as advance:
+        results = run_each(args.jobs, _simulate, tasks, advance, lambda t: labels[id(t)])
+        for point_key, (_, summary) in zip(unique, results, strict=True):
+            runs[point_key] = summary
 
     rows: list[dict[str, Any]] = []
     for dim in dims:

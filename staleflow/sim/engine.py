@@ -31,7 +31,10 @@ from trajectory_server.types import PartialTrajectory, RoutedTrajectory
 class EngineCosts:
     """Costs beyond the decode step (seconds).
 
-    prefill_s_per_token: (re-)prefill of a routed or re-admitted prefix.
+    prefill_s_per_token, prefill_s_per_token_sq: (re-)prefill of a routed or re-admitted
+    prefix of ``L`` tokens takes ``a*L + b*L**2`` seconds: the linear layers cost the same
+    per token, causal attention over the prefix grows with its square (FlashAttention is
+    compute-bound in prefill). ``b = 0`` is a flat per-token cost.
     pull_s: one Pull (bytes / bandwidth + latency), blocking the instance.
     noise: sigma of a lognormal multiplicative factor drawn per chunk (0: exact model).
     """
@@ -39,6 +42,16 @@ class EngineCosts:
     prefill_s_per_token: float = 6.0e-5
     pull_s: float = 3.0
     noise: float = 0.0
+    prefill_s_per_token_sq: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill_s_per_token", "prefill_s_per_token_sq", "pull_s", "noise"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"EngineCosts.{name} must be >= 0 (got {getattr(self, name)})")
+
+    def prefill_seconds(self, length: int) -> float:
+        """Time to (re-)prefill a prefix of ``length`` tokens."""
+        return (self.prefill_s_per_token + self.prefill_s_per_token_sq * length) * length
 
 
 class SimTrajectory:
@@ -246,7 +259,7 @@ class SimInstance:
             if self.running and self.kv + c.k5 * (t.length + n1) > c.kv_budget:
                 return
             self.waiting.pop(0)
-            self._debt += self.costs.prefill_s_per_token * t.length
+            self._debt += self.costs.prefill_seconds(t.length)
             t.base, t.start = t.length, self.steps
             self.running[t.traj_id] = t
             self._sum_base += t.base - t.start

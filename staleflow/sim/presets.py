@@ -33,9 +33,29 @@ _TRAIN_FLOPS_PER_GPU = 148e12 * 0.25
 # Pull: ~61 GB of bf16 weights over PCIe DMA from the co-located PS replica (App. A.1) at
 # ~25 GB/s, plus ~0.5 s of fixed latency. Push goes over RDMA and is overlapped anyway.
 _PULL_S = 61.0 / 25.0 + 0.5
-# Prefill: 2 x 3.3B FLOPs per prompt token; ~15% of an H20's 148 TFLOP/s when re-prefilling
-# long prefixes of many trajectories -> ~6e-5 s per token.
-_PREFILL_S_PER_TOKEN = 6.0e-5
+# Prefill of a prefix of L tokens: the linear layers cost 2 x 3.3B active parameters FLOPs per
+# token, causal attention 2 x 48 layers x 4096 (32 query heads x 128) FLOPs per token pair,
+# i.e. 6.6e9*L + 393,216*L**2 FLOPs, at a fraction PREFILL_MFU of an H20's 148 dense bf16
+# TFLOP/s. PREFILL_MFU is the one number we calibrate: with 0.47 the simulated StaleFlow at
+# the §6.5 setting (40K responses, eta = 3) spends ~7.9% of its rollout time in (re-)prefill,
+# the share Table 3 measures (36.4 s of 460 s per step). (The preset used a flat 6e-5 s per
+# token before, which its own comment derived from "15% of an H20" by an arithmetic slip:
+# that MFU gives 3e-4; 6e-5 gave 2-3% prefill against Table 3's 7.9%.)
+_H20_BF16_FLOPS = 148e12
+_PREFILL_FLOPS_PER_TOKEN = 2 * 3.3e9
+_ATTENTION_FLOPS_PER_TOKEN_PAIR = 2 * 48 * 32 * 128
+PREFILL_MFU = 0.47
+
+
+def qwen3_prefill(mfu: float = PREFILL_MFU) -> dict[str, float]:
+    """``EngineCosts`` prefill fields for Qwen3-30B-A3B on one H20 at prefill MFU ``mfu``."""
+    if not 0.0 < mfu <= 1.0:
+        raise ValueError(f"mfu={mfu}: use a fraction in (0, 1]")
+    flops = mfu * _H20_BF16_FLOPS
+    return {
+        "prefill_s_per_token": _PREFILL_FLOPS_PER_TOKEN / flops,
+        "prefill_s_per_token_sq": _ATTENTION_FLOPS_PER_TOKEN_PAIR / flops,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +77,7 @@ def paper_6_5(
     layout: Layout = Layout(),
     seed: int = 0,
     noise: float = 0.05,
+    prefill_mfu: float = PREFILL_MFU,
 ) -> ClusterConfig:
     """Qwen3-30B-A3B on 128 H20 GPUs, batch 128 x group 16 (§6.1, §6.5)."""
     return ClusterConfig(
@@ -66,7 +87,7 @@ def paper_6_5(
         group_size=16,
         steps=steps,
         coordinator=CoordinatorConfig(cost_model=CostModelConfig("qwen3-30b-a3b-h20")),
-        engine=EngineCosts(prefill_s_per_token=_PREFILL_S_PER_TOKEN, pull_s=_PULL_S, noise=noise),
+        engine=EngineCosts(pull_s=_PULL_S, noise=noise, **qwen3_prefill(prefill_mfu)),
         trainer=TrainerCosts(
             seconds_per_token=_TRAIN_FLOPS_PER_TOKEN / (_TRAIN_FLOPS_PER_GPU * layout.train_gpus),
             step_overhead_s=10.0,

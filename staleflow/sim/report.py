@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -23,6 +23,8 @@ from staleflow.sim.cluster import ClusterConfig
 from staleflow.sim.presets import PRESETS
 
 Row = dict[str, Any]
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def parser(script: str, description: str | None, *, steps: int) -> argparse.ArgumentParser:
@@ -39,8 +41,98 @@ def parser(script: str, description: str | None, *, steps: int) -> argparse.Argu
     return p
 
 
-def preset(name: str, *, eta: int, steps: int, seed: int = 0) -> ClusterConfig:
-    return PRESETS[name](eta=eta, steps=steps, seed=seed)
+def add_seed_options(p: argparse.ArgumentParser) -> None:
+    """``--seeds`` and ``--jobs`` for the scripts that aggregate over seeds."""
+    p.add_argument(
+        "--seeds",
+        default="1",
+        help="a count N (seeds --seed .. --seed+N-1) or a comma-separated list of seeds "
+        "(e.g. 0,3,7; a single seed needs the comma: 3,); with more than one seed the "
+        "tables report mean +- std and min..max over seeds",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="runs in parallel processes (results do not depend on it)",
+    )
+
+
+def seed_list(spec: str, first: int = 0) -> list[int]:
+    """``--seeds``: ``"3"`` is three seeds from ``first``; ``"0,5,9"`` (or ``"4,"``) lists them."""
+    spec = spec.strip()
+    try:
+        if "," in spec:
+            seeds = [int(x) for x in spec.split(",") if x.strip()]
+        else:
+            count = int(spec)
+            if count < 1:
+                raise ValueError
+            seeds = list(range(first, first + count))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--seeds {spec!r}: give a count >= 1 or a comma-separated list of integers"
+        ) from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"--seeds {spec!r}: seeds must be distinct, at least one")
+    return seeds
+
+
+def stats(values: Sequence[float]) -> dict[str, float]:
+    """mean, std (sample, ddof = 1; 0 for one value), min and max of ``values``."""
+    if not values:
+        raise ValueError("no values")
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return {"mean": mean, "std": var**0.5, "min": min(values), "max": max(values)}
+
+
+def spread(values: Sequence[float], fmt: str = "{:,.0f}") -> str:
+    """``mean +- std [min..max]`` for a table cell (just the value for one)."""
+    s = stats(values)
+    if len(values) == 1:
+        return fmt.format(s["mean"])
+    return (
+        f"{fmt.format(s['mean'])} \u00b1 {fmt.format(s['std'])} "
+        f"[{fmt.format(s['min'])}..{fmt.format(s['max'])}]"
+    )
+
+
+def run_each(
+    jobs: int,
+    fn: Callable[[T], R],
+    tasks: Sequence[T],
+    advance: Callable[[str], None],
+    label: Callable[[T], str],
+) -> Iterator[tuple[T, R]]:
+    """``(task, fn(task))`` for every task, in order, computed on ``jobs`` processes
+    (``fn`` must then be picklable: a module-level function). Every run is deterministic
+    for its seed, so the results do not depend on ``jobs``; a caller can print each
+    result as it arrives."""
+    if jobs <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            advance(label(task))
+            yield task, fn(task)
+        return
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(fn, task) for task in tasks]
+        for task, future in zip(tasks, futures, strict=True):
+            advance(label(task))
+            yield task, future.result()
+
+
+def preset(
+    name: str, *, eta: int, steps: int, seed: int = 0, max_response: int | None = None
+) -> ClusterConfig:
+    """A named preset; ``max_response`` overrides the response cap (``paper-6.5`` only)."""
+    if max_response is None:
+        return PRESETS[name](eta=eta, steps=steps, seed=seed)
+    if name != "paper-6.5":
+        raise ValueError(f"--max-response applies to the paper-6.5 preset, not {name!r}")
+    return PRESETS[name](eta=eta, steps=steps, seed=seed, max_response=max_response)
 
 
 def results_dir(out: Path | None, script: str) -> Path:
@@ -76,7 +168,12 @@ def _cell(value: Any) -> Any:
 def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None:
     table = Table(title=title)
     for c in columns:
-        table.add_column(c, justify="left" if c in ("system", "name", "dimension") else "right")
+        table.add_column(
+            c,
+            justify="left"
+            if c in ("system", "name", "dimension", "variant", "statistic")
+            else "right",
+        )
     for row in rows:
         table.add_row(*(_show(row.get(c, "")) for c in columns))
     Console(width=160).print(table)

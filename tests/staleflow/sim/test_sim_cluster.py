@@ -3,9 +3,12 @@ keeps the staleness bound, conserves trajectories and is deterministic for a see
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from staleflow.sim import SimCluster, TrainerCosts, paper_6_5, system, tiny
+from staleflow.sim.presets import Layout
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -94,3 +97,20 @@ def test_a_run_without_progress_stops_and_says_so() -> None:
     )
     summary = SimCluster(config).run()
     assert summary.stalled and summary.steps == 0
+
+
+def test_vanilla_routing_with_throughput_sync_does_not_stall() -> None:
+    """R0S1M0 at eta = 3 used to stop at step 4: least-loaded routing put every group that
+    only version 1 admits on the one instance Algorithm 4 had Pulled to version 1 (about
+    a thousand queued trajectories), and with no migration and nothing in the TS for it,
+    no Pull ever returned that queue to the TS. ``ThroughputSync`` now releases such a
+    queue (coordinator/sync.py). A scaled-down §6.5 cluster (8 instances, batch 16) shows
+    it in about a second; with the release disabled (phi_wait huge) it stalls."""
+    config = system("R0S1M0", paper_6_5(eta=3, steps=5, seed=0, layout=Layout(8, 8)))
+    config = config.with_(batch_size=16, stall_timeout_s=2000.0)
+    cluster = SimCluster(config)
+    summary = cluster.run()
+    assert not summary.stalled and summary.steps == 5
+    assert max(summary.staleness) <= 3 and cluster.check() == []
+    off = config.with_(coordinator=replace(config.coordinator, phi_wait=10**6))
+    assert SimCluster(off).run().stalled

@@ -101,3 +101,14 @@ def test_steps_within_matches_brute_force(first: float, growth: float, budget: f
         k += 1
     # exact up to float rounding at the boundary; at least one step always runs
     assert abs(_steps_within(budget, first, growth) - max(1, k)) <= 1
+
+
+def test_prefill_grows_with_the_square_of_the_prefix() -> None:
+    costs = EngineCosts(prefill_s_per_token=1e-4, prefill_s_per_token_sq=1e-8)
+    assert costs.prefill_seconds(1_000) == pytest.approx(1e-4 * 1_000 + 1e-8 * 1_000**2)
+    inst = SimInstance(0, COST, costs, np.random.default_rng(0))
+    inst.submit([_traj(inst, 1, 300, 5)], 0.0)
+    inst.advance(1e9, lambda *_: None)
+    assert inst.times.prefill == pytest.approx(costs.prefill_seconds(300))
+    with pytest.raises(ValueError, match="prefill_s_per_token_sq"):
+        EngineCosts(prefill_s_per_token_sq=-1.0)
