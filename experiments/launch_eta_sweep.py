@@ -62,7 +62,9 @@ def run_one(args: argparse.Namespace, eta: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # per-file bars would interleave with the output
     args = parse_args(argv)
     if any(e < 0 for e in args.etas):
         print("--etas must be >= 0", file=sys.stderr)
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{sh.get('prefill', 0.0):.1%}",
             f"{sh.get('decode', 0.0):.1%}",
         )
-    Console().print(table)
+    Console(width=max(Console().width, 120)).print(table)
     by_eta: dict[int, list[float]] = {}
     for r in runs:
         by_eta.setdefault(r["eta"], []).append(r["tokens_per_s"])

@@ -50,7 +50,7 @@ class RunConfig:
     on one CPU machine with embedded backends. Each component receives its own section."""
 
     eta: int = field(default=3, metadata=_help("staleness bound: 0 is synchronous on-policy RL"))
-    steps: int = field(default=20, metadata=_help("training steps"))
+    steps: int = field(default=200, metadata=_help("training steps"))
     seed: int = field(default=0, metadata=_help("seed of sampling, data order and init"))
     run_dir: str = field(
         default="runs", metadata=_help("parent folder; each run gets a timestamped subfolder")

@@ -266,6 +266,10 @@ class TrainerConfig:
     micro_batch_size: int = field(
         default=32, metadata=_help("trajectories per forward/backward pass")
     )
+    updates_per_step: int = field(
+        default=1,
+        metadata=_help("optimizer updates per training step (PPO mini-batches of the batch)"),
+    )
     num_threads: int = field(default=1, metadata=_help("CPU threads of the embedded trainer"))
 
     def __post_init__(self) -> None:
@@ -300,6 +304,7 @@ class TrainerConfig:
         )
         require_choice("trainer.advantage", self.advantage, ADVANTAGES)
         require_at_least("trainer.micro_batch_size", self.micro_batch_size, 1, "trajectory")
+        require_at_least("trainer.updates_per_step", self.updates_per_step, 1, "update")
         require_at_least("trainer.num_threads", self.num_threads, 1, "thread")
 
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -54,6 +55,9 @@ class InstanceTimes:
     decode_tokens: int
     load_s: float  # loading pulled weights into the engine
     finished: int
+    # Seconds the engine was held by each command (Table 3), not counting the wait for
+    # the decode step in progress: only this time is lost to generation.
+    command_s: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -94,6 +98,7 @@ class RolloutInstance:
         self._meta: dict[int, _Meta] = {}
         self._completed: list[int] = []  # since the last Pull
         self._busy_s = self._idle_s = self._load_s = 0.0
+        self._command_s: dict[str, float] = defaultdict(float)
         self._finished = 0
         self._failure: BaseException | None = None
         self._stop = False
@@ -137,6 +142,7 @@ class RolloutInstance:
             for r in routed
         ]
         with self._lock:
+            started = self._clock()
             self.check()
             dup = [r.traj_id for r in routed if r.traj_id in self._meta]
             if dup:
@@ -145,28 +151,33 @@ class RolloutInstance:
             for r in routed:
                 self._meta[r.traj_id] = _Meta(r.group_id, r.v_traj, r.sample_id, r.answer, r.prompt)
             self._work.notify_all()
+            self._command_s["route"] += self._clock() - started
 
     def interrupt(self, traj_ids: Iterable[int]) -> dict[int, PartialTrajectory]:
         """Stop trajectories and return their partial responses (absent: already finished)."""
         with self._lock:
+            started = self._clock()
             outs = self._engine.interrupt(list(traj_ids))
             for tid in outs:
                 self._meta.pop(tid, None)
+            self._command_s["interrupt"] += self._clock() - started
         return {
             tid: PartialTrajectory(tid, o.tokens, o.logprobs, o.versions) for tid, o in outs.items()
         }
 
     def abort(self, traj_ids: Iterable[int]) -> list[int]:
         with self._lock:
+            started = self._clock()
             dropped = self._engine.abort(list(traj_ids))
             for tid in dropped:
                 self._meta.pop(tid, None)
+            self._command_s["abort"] += self._clock() - started
         return dropped
 
     def load_weights(self, weights: Mapping[str, object], version: int) -> None:
         """Load pulled weights; the completed list restarts (the coordinator's Pull)."""
-        started = self._clock()
         with self._lock:
+            started = self._clock()
             if self._meta:
                 # The coordinator interrupts an instance before it Pulls; whatever is still
                 # here keeps generating with the new weights (versions are per token), which
@@ -179,7 +190,9 @@ class RolloutInstance:
                 )
             self._engine.load_weights(weights, version)
             self._completed.clear()
-            self._load_s += self._clock() - started
+            elapsed = self._clock() - started
+            self._load_s += elapsed
+            self._command_s["pull"] += elapsed
 
     # -- views -------------------------------------------------------------------------
 
@@ -207,12 +220,19 @@ class RolloutInstance:
                 decode_tokens=t.decode_tokens,
                 load_s=self._load_s,
                 finished=self._finished,
+                command_s=dict(self._command_s),
             )
 
     @property
     def version(self) -> int:
         with self._lock:
             return self._engine.state().version
+
+    def add_command_time(self, kind: str, seconds: float) -> None:
+        """Time a command kept this instance busy outside the engine (e.g. fetching the
+        routed trajectories from the TS, or pulling weights from the PS)."""
+        with self._lock:
+            self._command_s[kind] += seconds
 
     def held(self) -> set[int]:
         """Trajectories running or waiting here."""

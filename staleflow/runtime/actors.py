@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -149,7 +150,9 @@ class RolloutActor:
         self._ray = _ray()
         self._rewards = list(reward_handles)
         self._next_reward = inst  # spread instances over the pool
+        # reward calls in flight: appended by the generation thread, checked by snapshot()
         self._in_flight: list[Any] = []
+        self._in_flight_lock = threading.Lock()
         engine = build_engine(spec, seed=spec.seed + inst)
         weights = TransportPullSource(
             connect(ps_endpoint, spec.transport), Layout.from_dict(spec.layout)
@@ -167,15 +170,19 @@ class RolloutActor:
     def _dispatch(self, finished: list[Finished]) -> None:
         target = self._rewards[self._next_reward % len(self._rewards)]
         self._next_reward += 1
-        self._in_flight.append(target.process.remote(finished))
+        ref = target.process.remote(finished)
+        with self._in_flight_lock:
+            self._in_flight.append(ref)
 
     def _check_rewards(self) -> None:
         """Surface a failed reward call here (a lost completion would stall training)."""
-        if not self._in_flight:
+        with self._in_flight_lock:
+            refs, self._in_flight = self._in_flight, []
+        if not refs:
             return
-        done, self._in_flight = self._ray.wait(
-            self._in_flight, num_returns=len(self._in_flight), timeout=0
-        )
+        done, pending = self._ray.wait(refs, num_returns=len(refs), timeout=0)
+        with self._in_flight_lock:
+            self._in_flight[:0] = pending
         self._ray.get(done)
 
     def snapshot(self) -> InstanceSnapshot:
@@ -202,10 +209,10 @@ class RolloutActor:
 
     def drain(self) -> int:
         """Wait for the reward calls in flight; returns how many there were."""
-        n = len(self._in_flight)
-        self._ray.get(self._in_flight)
-        self._in_flight = []
-        return n
+        with self._in_flight_lock:
+            refs, self._in_flight = self._in_flight, []
+        self._ray.get(refs)
+        return len(refs)
 
     def stop(self) -> None:
         self._host.stop()

@@ -5,6 +5,7 @@ and pulls weights from the PS itself, so payloads never pass through the control
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
@@ -67,7 +68,9 @@ class InstanceHost:
 
     def route(self, traj_ids: Sequence[int], v_traj: Mapping[int, int]) -> tuple[int, ...]:
         self.instance.check()
+        started = time.perf_counter()
         routed = self._ts.route(list(traj_ids), dict(v_traj), self.inst, skip_unavailable=True)
+        self.instance.add_command_time("route", time.perf_counter() - started)
         try:
             self.instance.submit(routed)
         except BaseException:
@@ -81,14 +84,18 @@ class InstanceHost:
     def interrupt(self, traj_ids: Sequence[int]) -> tuple[int, ...]:
         partials = self.instance.interrupt(traj_ids)
         if partials:
+            started = time.perf_counter()
             self._ts.interrupt_return(list(partials.values()))
+            self.instance.add_command_time("interrupt", time.perf_counter() - started)
         return tuple(partials)
 
     def abort(self, traj_ids: Sequence[int]) -> tuple[int, ...]:
         return tuple(self.instance.abort(traj_ids))
 
     def pull(self, at_least: int) -> int:
+        started = time.perf_counter()
         version, weights = self._weights.fetch(at_least)
+        self.instance.add_command_time("pull", time.perf_counter() - started)
         self.instance.load_weights(weights, version)
         return version
 

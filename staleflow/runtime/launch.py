@@ -32,6 +32,8 @@ from staleflow.runtime.components import (
 
 logger = logging.getLogger(__name__)
 
+ACTOR_NAMESPACE = "staleflow"  # staleflow.dashboard.ray_source finds runs here
+
 
 class LaunchError(RuntimeError):
     """The run could not start or stopped early; the message says which part and why."""
@@ -178,7 +180,7 @@ class Run:
         tcp_host = ray.util.get_node_ip_address() if multi_node else ""
         ps = (
             remote["ps"]
-            .options(num_cpus=0)
+            .options(num_cpus=0, **self._named("ps"))
             .remote(
                 spec.layout,
                 cfg.parameter_server.num_slots,
@@ -200,6 +202,7 @@ class Run:
                 batch_redundancy=cfg.batch_redundancy,
             ),
             PromptSampler(dataset, seed=cfg.seed),
+            **self._named("ts"),
         )
         self.actors["ts"] = ts.handle
         coordinator = cfg.coordinator
@@ -228,7 +231,7 @@ class Run:
         transport = cfg.parameter_server.transport
         control = (
             remote["control"]
-            .options(num_cpus=0, max_concurrency=16)
+            .options(num_cpus=0, max_concurrency=16, **self._named("control"))
             .remote(control_cfg, ts.handle, endpoint, transport)
         )
         self.actors["control"] = control
@@ -238,14 +241,16 @@ class Run:
             tokenizer=spec.tokenizer,
         )
         rewards = [
-            remote["reward"].options(num_cpus=0).remote(reward_spec, ts.handle, control)
-            for _ in range(cfg.reward.workers)
+            remote["reward"]
+            .options(num_cpus=0, **self._named(f"reward/{w}"))
+            .remote(reward_spec, ts.handle, control)
+            for w in range(cfg.reward.workers)
         ]
         self.actors["rewards"] = rewards
         rollout_spec = self._rollout_spec(spec, dataset)
         instances = {
             i: remote["rollout"]
-            .options(num_cpus=0)
+            .options(num_cpus=0, **self._named(f"instance/{i}"))
             .remote(i, rollout_spec, endpoint, ts.handle, rewards)
             for i in range(cfg.rollout.instances)
         }
@@ -254,7 +259,7 @@ class Run:
         ray.get(control.attach.remote(instances))
         trainer = (
             remote["trainer"]
-            .options(num_cpus=0)
+            .options(num_cpus=0, **self._named("trainer"))
             .remote(
                 TrainerSpec(
                     model=spec,
@@ -270,6 +275,11 @@ class Run:
             )
         )
         self.actors["trainer"] = trainer
+
+    def _named(self, role: str) -> dict[str, str]:
+        """Ray actor name ``<run folder name>/<role>`` in the namespace ``staleflow``, so
+        that ``staleflow dashboard --address`` and ``staleflow status`` can find the run."""
+        return {"name": f"{self.run_dir.name}/{role}", "namespace": ACTOR_NAMESPACE}
 
     def _rollout_spec(self, spec: ModelSpec, dataset: Any) -> RolloutSpec:
         r = self.cfg.rollout
@@ -299,6 +309,7 @@ class Run:
             "is_cap": t.is_cap,
             "advantage": t.advantage,
             "micro_batch_size": t.micro_batch_size,
+            "updates_per_step": t.updates_per_step,
             "seed": self.cfg.seed,
         }
 
@@ -400,6 +411,20 @@ def _cause(exc: BaseException) -> str:
     return " / ".join(tail) if tail else repr(exc)
 
 
+def reward_mean(records: list[dict[str, float]]) -> float | None:
+    """Mean reward of every trajectory rewarded during these steps (each step's mean
+    weighted by how many it rewarded: rewards arrive in bursts, not one batch a step)."""
+    n = sum(r.get("rollout/rewarded", 0.0) for r in records if "rollout/reward_mean" in r)
+    if not n:
+        return None
+    total = sum(
+        r["rollout/reward_mean"] * r["rollout/rewarded"]
+        for r in records
+        if "rollout/reward_mean" in r
+    )
+    return total / n
+
+
 def summarise(
     records: list[dict[str, float]], reports: list[Any], facts: dict[str, Any]
 ) -> dict[str, Any]:
@@ -407,8 +432,7 @@ def summarise(
     if not records:
         return {"steps": 0, **facts}
     last = records[-1]
-    rewards = [r["rollout/reward_mean"] for r in records if "rollout/reward_mean" in r]
-    k = max(1, len(rewards) // 4)
+    k = max(1, len(records) // 4)
     staleness: dict[int, int] = {}
     tokens: dict[int, int] = {}
     for rep in reports:
@@ -420,8 +444,8 @@ def summarise(
         "steps": len(records),
         "elapsed_s": last["time/elapsed_s"],
         "tokens_per_s": last["throughput/tokens_per_s"],
-        "reward_start": sum(rewards[:k]) / k if rewards else None,
-        "reward_end": sum(rewards[-k:]) / k if rewards else None,
+        "reward_start": reward_mean(records[:k]),
+        "reward_end": reward_mean(records[-k:]),
         "staleness_hist": dict(sorted(staleness.items())),
         "staleness_max": max(staleness) if staleness else 0,
         "token_staleness_hist": dict(sorted(tokens.items())),
@@ -436,6 +460,25 @@ def summarise(
         **facts,
     }
     return out
+
+
+def _start_dashboard(cfg: Any, run: Run, phase: Callable[[str], None]) -> Any:
+    """With ``dashboard=true``: serve the dashboard from this driver (a uvicorn thread);
+    a dashboard that cannot start is reported and the run goes on without it."""
+    if not cfg.dashboard:
+        return None
+    try:
+        from staleflow.dashboard.launch_hook import start_dashboard
+    except ImportError as exc:
+        phase(f"dashboard off: it needs pip install 'staleflow[dashboard]' ({exc})")
+        return None
+    try:
+        server = start_dashboard(cfg, run)
+    except OSError as exc:
+        phase(f"dashboard off: {exc}")
+        return None
+    phase(f"dashboard at {server.url}")
+    return server
 
 
 def launch(
@@ -458,6 +501,7 @@ def launch(
     dataset = build_dataset(cfg, tokenizer)
     facts["prepare_s"] = time.monotonic() - started
     run = Run(cfg, run_dir)
+    dashboard: Any = None
     records: list[dict[str, float]] = []
     metrics_file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
 
@@ -473,12 +517,15 @@ def launch(
             f"starting actors: {cfg.rollout.instances} rollout, {cfg.reward.workers} reward, trainer, TS, PS, control"
         )
         run.start(model, tokenizer, dataset)
+        dashboard = _start_dashboard(cfg, run, phase)
         phase(f"training {cfg.steps} steps with eta={cfg.eta}")
         reports = run.train(cfg.steps, record, on_tick)
         run.save_checkpoint(run_dir / "checkpoint")
         facts["audit"] = run.audit()
     finally:
         metrics_file.close()
+        if dashboard is not None:
+            dashboard.stop()  # before the actors it polls go away
         run.shutdown()
     summary = summarise(records, reports, facts)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")

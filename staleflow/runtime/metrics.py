@@ -115,17 +115,30 @@ def _time_shares(
     elapsed: float,
     instances: int,
 ) -> dict[str, float]:
-    """Shares of all rollout instance-seconds so far (Table 3)."""
+    """Shares of all rollout instance-seconds so far (Table 3).
+
+    Pull / Route / Interrupt count the time each command kept an instance from
+    generating (fetching and loading weights; fetching routed trajectories from the TS
+    and queueing them; stopping trajectories and returning them to the TS), as the
+    instances measure it. The control plane's view of the same commands, which adds the
+    RPC and the wait for the decode step in progress, is ``coordinator/latency_s/*``.
+    """
     total = max(elapsed * max(instances, 1), 1e-9)
+    held: dict[str, float] = {}
+    for t in times.values():
+        for kind, s in t.command_s.items():
+            held[kind] = held.get(kind, 0.0) + s
     seconds = {
-        "pull": commands.get("pull", 0.0),
-        "route": commands.get("route", 0.0),
-        "interrupt": commands.get("interrupt", 0.0),
+        "pull": held.get("pull", 0.0),
+        "route": held.get("route", 0.0),
+        "interrupt": held.get("interrupt", 0.0) + held.get("abort", 0.0),
         "prefill": sum(t.prefill_s for t in times.values()),
         "decode": sum(t.decode_s for t in times.values()),
     }
     out = {f"rollout/time_share/{k}": v / total for k, v in seconds.items()}
     out["rollout/time_share/commands"] = (
-        sum(seconds[k] for k in ("pull", "route", "interrupt")) / total
-    )
+        seconds["pull"] + seconds["route"] + seconds["interrupt"]
+    ) / total
+    for kind, s in commands.items():
+        out[f"coordinator/latency_s/{kind}"] = s
     return out

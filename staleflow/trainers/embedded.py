@@ -18,7 +18,8 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +71,11 @@ class EmbeddedTrainerConfig:
     micro_batch_tokens: padded tokens per forward/backward pass (bounds memory; a
         sequence longer than this gets a micro-batch of its own).
     micro_batch_size: optionally, at most this many sequences per micro-batch.
+    updates_per_step: optimizer updates per training step (PPO mini-batches, verl's
+        ``ppo_mini_batch_size``): the batch is cut into this many mini-batches, each one
+        AdamW update. With more than one, the proximal policy of the decoupled correction
+        is the weights before the first update (one extra forward pass), so the PPO clip
+        bounds how far the later updates move from it.
     seed: seeds the torch RNG around each step (from ``seed`` and the version), so a
         model with stochastic layers trains reproducibly without touching global state.
     num_threads: torch intra-op threads during a step; None leaves torch's setting.
@@ -88,6 +94,7 @@ class EmbeddedTrainerConfig:
     adv_eps: float = 1e-6
     micro_batch_tokens: int = 8192
     micro_batch_size: int | None = None
+    updates_per_step: int = 1
     seed: int = 0
     num_threads: int | None = None
 
@@ -116,6 +123,11 @@ class EmbeddedTrainerConfig:
             raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens}; use at least 1")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size={self.micro_batch_size}; use at least 1")
+        if self.updates_per_step < 1:
+            raise ValueError(
+                f"updates_per_step={self.updates_per_step}; use at least 1 (1 = one update "
+                "per batch)"
+            )
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads}; use at least 1, or None")
 
@@ -127,6 +139,7 @@ class _Sequence:
     prompt_len: int
     behav: np.ndarray  # float32 logprobs of the response tokens
     advantage: float
+    prox: np.ndarray | None = None  # proximal-policy logprobs, when computed apart
 
 
 def _validate(batch: TrainingBatch, vocab_size: int) -> None:
@@ -195,6 +208,7 @@ def _pad(chunk: list[_Sequence], pad_id: int) -> dict[str, torch.Tensor]:
     mask = np.zeros((len(chunk), width - 1), dtype=bool)
     behav = np.zeros((len(chunk), width - 1), dtype=np.float32)
     adv = np.zeros((len(chunk), width - 1), dtype=np.float32)
+    prox = np.zeros((len(chunk), width - 1), dtype=np.float32)
     for i, s in enumerate(chunk):
         ids[i, : len(s.ids)] = s.ids
         # the logits at position t predict token t + 1
@@ -202,14 +216,19 @@ def _pad(chunk: list[_Sequence], pad_id: int) -> dict[str, torch.Tensor]:
         mask[i, span] = True
         behav[i, span] = s.behav
         adv[i, span] = s.advantage
+        if s.prox is not None:
+            prox[i, span] = s.prox
     ids_t = torch.from_numpy(ids)
-    return {
+    out = {
         "ids": ids_t,
         "targets": ids_t[:, 1:],
         "mask": torch.from_numpy(mask),
         "behav": torch.from_numpy(behav),
         "adv": torch.from_numpy(adv),
     }
+    if chunk[0].prox is not None:
+        out["prox"] = torch.from_numpy(prox)
+    return out
 
 
 class EmbeddedTrainer:
@@ -323,30 +342,23 @@ class EmbeddedTrainer:
             was_training = self.model.training
             # dropout off: the loss must see the policy's own logprobs, as in verl/AReaL
             self.model.eval()
-            self.optimizer.zero_grad(set_to_none=True)
             threads = torch.get_num_threads()
+            norms: list[float] = []
             try:
                 if c.num_threads is not None:
                     torch.set_num_threads(c.num_threads)
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(c.seed * 1_000_003 + self._version)
-                    for chunk in _micro_batches(
-                        sequences, c.micro_batch_tokens, c.micro_batch_size
-                    ):
-                        self._accumulate(_pad(chunk, self.pad_id), total, sums)
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, c.max_grad_norm))
-                finite = math.isfinite(grad_norm)
-                if finite:
-                    self.optimizer.step()
-                else:
-                    logger.warning(
-                        "step %d: gradient norm %s; skipping the update", self._version, grad_norm
-                    )
-                self.optimizer.zero_grad(set_to_none=True)
+                    if c.updates_per_step > 1:
+                        sequences = self._with_prox(sequences)
+                    for part in _mini_batches(sequences, c.updates_per_step):
+                        norms.append(self._update(part, sums))
             finally:
                 torch.set_num_threads(threads)
                 self.model.train(was_training)
             self._version += 1
+            finite = all(math.isfinite(g) for g in norms)
+            grad_norm = float(np.mean(norms)) if finite else float("nan")
             n = max(total, 1.0)
             stats.update(
                 {
@@ -359,12 +371,45 @@ class EmbeddedTrainer:
                     "train/entropy": sums["entropy"] / n,
                     "train/kl_behav": sums["kl"] / n,
                     "train/tokens": total,
-                    "train/skipped": 0.0 if finite else 1.0,
+                    "train/skipped": float(sum(not math.isfinite(g) for g in norms)),
+                    "train/updates": float(len(norms)),
                     "train/lr": float(self.optimizer.param_groups[0]["lr"]),
                     "train/step_time_s": time.perf_counter() - start,
                 }
             )
             return stats
+
+    def _update(self, sequences: list[_Sequence], sums: dict[str, float]) -> float:
+        """One AdamW update on ``sequences``; returns the gradient norm before clipping."""
+        c = self.config
+        total = float(sum(len(s.ids) - s.prompt_len for s in sequences))
+        self.optimizer.zero_grad(set_to_none=True)
+        for chunk in _micro_batches(sequences, c.micro_batch_tokens, c.micro_batch_size):
+            self._accumulate(_pad(chunk, self.pad_id), total, sums)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self._params, c.max_grad_norm))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            logger.warning(
+                "step %d: gradient norm %s; skipping the update", self._version, grad_norm
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _with_prox(self, sequences: list[_Sequence]) -> list[_Sequence]:
+        """Attach the current weights' logprobs (the proximal policy) to each sequence."""
+        c = self.config
+        prox: dict[int, np.ndarray] = {}
+        with torch.no_grad():
+            for chunk in _micro_batches(sequences, c.micro_batch_tokens, c.micro_batch_size):
+                mb = _pad(chunk, self.pad_id)
+                logits = self.model(input_ids=mb["ids"], use_cache=False).logits[:, :-1]
+                lp = torch.log_softmax(logits.float(), dim=-1)
+                lp = lp.gather(-1, mb["targets"].unsqueeze(-1)).squeeze(-1)
+                for i, s in enumerate(chunk):
+                    span = slice(s.prompt_len - 1, len(s.ids) - 1)
+                    prox[s.traj_id] = lp[i, span].numpy().copy()
+        return [replace(s, prox=prox[s.traj_id]) for s in sequences]
 
     def _accumulate(
         self, mb: dict[str, torch.Tensor], total: float, sums: dict[str, float]
@@ -383,7 +428,7 @@ class EmbeddedTrainer:
             adv,
             torch.ones_like(logprobs),
             off_policy=c.off_policy,  # type: ignore[arg-type]
-            prox_logprobs=logprobs.detach(),
+            prox_logprobs=mb["prox"][mask] if "prox" in mb else logprobs.detach(),
             eps_low=c.eps_low,
             eps_high=c.eps_high,
             is_cap=c.is_cap,
@@ -473,3 +518,11 @@ def config_from_dict(values: dict[str, Any]) -> EmbeddedTrainerConfig:
     if unknown:
         raise ValueError(f"unknown trainer settings {unknown}; known: {sorted(known)}")
     return EmbeddedTrainerConfig(**values)
+
+
+def _mini_batches(sequences: list[_Sequence], parts: int) -> list[list[_Sequence]]:
+    """``parts`` contiguous slices of the batch (groups stay mostly together; their
+    advantages were computed over the whole group already)."""
+    parts = max(1, min(parts, len(sequences)))
+    bounds = np.linspace(0, len(sequences), parts + 1).round().astype(int)
+    return [sequences[a:b] for a, b in pairwise(bounds.tolist()) if b > a]

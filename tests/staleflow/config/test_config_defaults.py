@@ -21,7 +21,7 @@ from trajectory_server.types import TrajectoryServerConfig
 
 def test_defaults_are_the_documented_embedded_run():
     cfg = RunConfig()
-    assert (cfg.eta, cfg.steps, cfg.seed, cfg.batch_size, cfg.group_size) == (3, 20, 0, 8, 8)
+    assert (cfg.eta, cfg.steps, cfg.seed, cfg.batch_size, cfg.group_size) == (3, 200, 0, 8, 8)
     assert (cfg.run_dir, cfg.name, cfg.address) == ("runs", "", "")
     assert cfg.model.preset == "tiny" and cfg.model.checkpoint == "" and cfg.model.warmup
     assert cfg.data.task == "arithmetic" and cfg.data.path == ""

@@ -84,6 +84,25 @@ def test_rewarded_response_becomes_more_likely(off_policy):
     assert trainer.version == 4
 
 
+@pytest.mark.parametrize("off_policy", ["decoupled", "tis"])
+def test_several_updates_per_step_clip_against_the_weights_before_the_step(off_policy):
+    """With mini-batches the proximal policy is the weights before the first update, so
+    later updates see ratios away from 1 (and the clip can bite); learning still works."""
+    model, tokenizer, trainer = _setup(off_policy=off_policy, updates_per_step=3)
+    before = _response_logprobs(model, tokenizer, PROMPT, GOOD).sum()
+    metrics = [trainer.train_step(_batch(model, tokenizer, version=v)) for v in range(3)]
+    after = _response_logprobs(model, tokenizer, PROMPT, GOOD).sum()
+    assert after > before + 0.5
+    assert all(m["train/updates"] == 3.0 for m in metrics)
+    assert any(abs(m["train/ratio_mean"] - 1.0) > 1e-4 for m in metrics)
+    assert trainer.version == 3
+
+
+def test_updates_per_step_must_be_positive():
+    with pytest.raises(ValueError, match="updates_per_step=0"):
+        EmbeddedTrainerConfig(updates_per_step=0)
+
+
 def test_metrics():
     model, tokenizer, trainer = _setup()
     metrics = trainer.train_step(_batch(model, tokenizer))
