@@ -108,6 +108,15 @@ def cmd_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quiet_transformers() -> None:
+    """transformers' per-file progress bars would interleave with the step lines."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        return
+    hf_logging.disable_progress_bar()
+
+
 def cmd_launch(args: argparse.Namespace) -> int:
     import logging
 
@@ -123,12 +132,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
+    if args.dashboard:
+        overrides.append("dashboard=true")
     try:
         cfg = load_config(args.config, overrides)
     except (ValueError, OSError) as exc:
         print(f"staleflow launch: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _quiet_transformers()
     console = Console()
     live = Live(console=console, refresh_per_second=4, transient=True) if args.live else None
 
@@ -157,6 +169,139 @@ def cmd_launch(args: argparse.Namespace) -> int:
     result.summary["run_dir"] = str(result.run_dir)
     console.print(summary_table(result.summary, cfg.eta))
     return 0
+
+
+def cmd_dashboard(args: argparse.Namespace) -> int:
+    import logging
+
+    try:
+        from staleflow.dashboard.app import create_app
+        from staleflow.dashboard.server import DashboardServer, bind
+    except ImportError as exc:
+        print(
+            f"staleflow dashboard needs fastapi and uvicorn: pip install 'staleflow[dashboard]' "
+            f"({exc})",
+            file=sys.stderr,
+        )
+        return 2
+    from staleflow.dashboard.sources import SourceError, open_source
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        logging.getLogger("staleflow.dashboard").warning(
+            "serving on %s: anyone who can reach this port can read the run", args.host
+        )
+    try:
+        sock = bind(args.host, args.port)
+    except OSError as exc:
+        print(f"staleflow dashboard: {exc}", file=sys.stderr)
+        return 2
+    try:
+        source = open_source(
+            args.folder,
+            address=args.address,
+            run=args.run,
+            run_dir=args.run_dir,
+            sim=args.sim,
+            sim_options={
+                "system": args.system,
+                "eta": args.eta,
+                "steps": args.steps,
+                "seed": args.seed,
+                "speed": args.speed,
+            },
+        )
+    except SourceError as exc:
+        sock.close()
+        print(f"staleflow dashboard: {exc}", file=sys.stderr)
+        return 2
+    server = DashboardServer(create_app(source, token=args.token), sock)
+    print(f"staleflow dashboard at {server.url} (API docs at {server.url}docs; Ctrl-C stops)")
+    sys.stdout.flush()
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        source.close()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from staleflow.dashboard.sources import SourceError, open_source
+    from staleflow.dashboard.status import status_view
+
+    try:
+        source = open_source(
+            args.folder, address=args.address, run=args.run, run_dir=args.run_dir, poll=False
+        )
+    except SourceError as exc:
+        print(f"staleflow status: {exc}", file=sys.stderr)
+        return 2
+    try:
+        summary = getattr(source, "summary", None)
+        Console().print(status_view(source, summary))
+    finally:
+        source.close()
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from staleflow.dashboard.profiling import overrides, profile_embedded, write_profile
+
+    console = Console()
+    try:
+        running = _ints(args.running, "--running")
+        lengths = _ints(args.lengths, "--lengths")
+    except ValueError as exc:
+        print(f"staleflow profile: {exc}", file=sys.stderr)
+        return 2
+    console.print(
+        f"[dim]profiling the embedded engine on the built-in {args.preset} model: "
+        f"running {running} x prompt lengths {lengths}, {args.steps} timed steps each[/]"
+    )
+    try:
+        result = profile_embedded(
+            args.preset,
+            max_running=args.max_running,
+            kv_budget=args.kv_budget,
+            running=running,
+            lengths=lengths,
+            steps=args.steps,
+            seed=args.seed,
+            num_threads=args.threads,
+            on_sample=lambda s: console.print(
+                f"  n={s.running:>3}  kv={s.kv_cache:>8.0f} tokens  {s.step_latency * 1e3:8.3f} ms/step"
+            ),
+        )
+    except (ValueError, KeyError) as exc:
+        print(f"staleflow profile: {exc}", file=sys.stderr)
+        return 2
+    path = write_profile(result, args.output)
+    fit = result.fit
+    m = fit.model
+    console.print(
+        f"k1={m.k1:.3g} s/token  k2={m.k2:.3g} s  k3={m.k3:.3g} s/trajectory  k4={m.k4:.3g} s  "
+        f"(mean relative error {fit.mean_relative_error:.1%}, knee at {fit.knee:.1f} running; "
+        f"{result.seconds:.0f} s)"
+    )
+    console.print(f"saved to {path}; use it with: staleflow launch --config {path}")
+    console.print("or as overrides: " + " ".join(overrides(result)))
+    return 0
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag}={text!r}: give comma-separated integers, e.g. 1,2,4,8") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag}={text!r}: give positive integers, e.g. 1,2,4,8")
+    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -205,8 +350,80 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="draw buffers and instances while running",
     )
+    launch.add_argument(
+        "--dashboard",
+        action="store_true",
+        help="serve the web dashboard while running (same as dashboard=true; port: "
+        "dashboard_port=...)",
+    )
     launch.set_defaults(func=cmd_launch)
+    _add_dashboard(sub)
+    _add_status(sub)
+    _add_profile(sub)
     return parser
+
+
+def _add_source_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("folder", nargs="?", help="a run folder (as printed by staleflow launch)")
+    p.add_argument("--address", help="a Ray cluster running staleflow launch (e.g. auto)")
+    p.add_argument("--run", help="which run on that cluster (its run folder's name)")
+    p.add_argument("--run-dir", help="the run's folder, for its config (default: runs/<run>)")
+
+
+def _add_dashboard(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "dashboard",
+        help="serve the web dashboard of a run folder, a live run or a simulated run",
+        description="Serve the REST API and live web page of one run: a run folder "
+        "(finished or being written), a running staleflow launch on a Ray cluster "
+        "(--address), or a simulated run (--sim PRESET). See docs/dashboard.md.",
+    )
+    _add_source_args(p)
+    p.add_argument("--sim", choices=["paper-6.5", "tiny"], help="simulate this preset live")
+    p.add_argument("--system", default="staleflow", help="with --sim: staleflow, vanilla, ...")
+    p.add_argument("--eta", type=int, help="with --sim: staleness bound (preset default)")
+    p.add_argument("--steps", type=int, default=1000, help="with --sim: training steps")
+    p.add_argument("--seed", type=int, default=0, help="with --sim: seed")
+    p.add_argument(
+        "--speed", type=float, default=10.0, help="with --sim: virtual seconds per wall second"
+    )
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on")
+    p.add_argument("--port", type=int, default=8265, help="port (0: any free one)")
+    p.add_argument(
+        "--token", help="enable actions (e.g. pausing a simulation) for requests with this token"
+    )
+    p.set_defaults(func=cmd_dashboard)
+
+
+def _add_status(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "status",
+        help="print a summary of a run folder or a live run",
+        description="Print one summary of a run: its progress, last step, buffers and "
+        "instances (live runs) and summary.json (finished runs).",
+    )
+    _add_source_args(p)
+    p.set_defaults(func=cmd_status)
+
+
+def _add_profile(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "profile",
+        help="fit the cost model of the embedded rollout engine on this machine",
+        description="Time decode steps of the embedded engine on the built-in model at "
+        "several batch and KV sizes, fit the cost model (k1..k4, Appendix B) and save it "
+        "as a config snippet for staleflow launch --config.",
+    )
+    p.add_argument("--preset", default="tiny", help="built-in model size (tiny, micro, ...)")
+    p.add_argument("--output", "-o", default="cost_model.yaml", help="where to save the fit")
+    p.add_argument("--max-running", type=int, default=64, help="engine batch slots")
+    p.add_argument("--kv-budget", type=int, default=16384, help="engine KV budget (tokens)")
+    p.add_argument("--running", default="1,2,4,8,16,32,64", help="running counts to time")
+    p.add_argument("--lengths", default="16,64,160,320", help="prompt lengths to time")
+    p.add_argument("--steps", type=int, default=4, help="timed decode steps per point")
+    p.add_argument("--threads", type=int, default=1, help="torch threads")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_profile)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,3 +52,113 @@ def test_cli_sim_prints_a_summary_and_writes_json(capsys, tmp_path):
 def test_cli_sim_unknown_system_is_a_clear_error(capsys):
     assert main(["sim", "--system", "nonsense", "--steps", "1"]) == 2
     assert "unknown system" in capsys.readouterr().err
+
+
+# -- the operator's commands: dashboard, status, profile -------------------------------
+
+
+def _run_folder(tmp_path):
+    import json
+
+    from staleflow.config import RunConfig, save_config
+
+    run = tmp_path / "20250101-000000-eta1"
+    run.mkdir()
+    save_config(RunConfig(eta=1), run / "config.yaml")
+    rec = {
+        "step": 1.0,
+        "version": 0.0,
+        "time/elapsed_s": 3.0,
+        "throughput/tokens_per_s": 42.0,
+        "trainer/idle_ratio": 0.5,
+        "rollout/reward_mean": 0.75,
+        "staleness/hist/0": 8.0,
+        "rollout/idle_ratio/0": 0.25,
+        "rollout/version/0": 0.0,
+    }
+    (run / "metrics.jsonl").write_text(json.dumps(rec) + "\n")
+    (run / "summary.json").write_text(json.dumps({"steps": 1, "tokens_per_s": 42.0}))
+    return run
+
+
+def test_operator_commands_have_help(capsys):
+    import pytest
+
+    for command, words in (
+        ("dashboard", ("--address", "--sim", "--token", "--port")),
+        ("status", ("--address", "--run")),
+        ("profile", ("--output", "--running", "--lengths")),
+        ("launch", ("--dashboard",)),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            main([command, "--help"])
+        assert exit_info.value.code == 0
+        out = capsys.readouterr().out
+        for word in words:
+            assert word in out, (command, word)
+
+
+def test_importing_the_cli_does_not_import_the_web_stack():
+    code = "import sys, staleflow, staleflow.cli; print('fastapi' in sys.modules or 'uvicorn' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_cli_status_of_a_run_folder(capsys, tmp_path):
+    assert main(["status", str(_run_folder(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert "20250101-000000-eta1" in out and "finished" in out
+    assert "42.0 tokens/s" in out and "0:8" in out and "summary.json" in out
+
+
+def test_cli_status_and_dashboard_need_one_run(capsys, tmp_path):
+    assert main(["status"]) == 2
+    assert "name one run" in capsys.readouterr().err
+    assert main(["status", str(tmp_path / "nope")]) == 2
+    assert "not a folder" in capsys.readouterr().err
+    assert main(["dashboard", str(tmp_path), "--sim", "tiny", "--port", "0"]) == 2
+    assert "name one run" in capsys.readouterr().err
+
+
+def test_cli_dashboard_serves_a_simulated_run_until_interrupted():
+    import json
+    import signal
+    import urllib.request
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "staleflow.cli", "dashboard", "--sim", "tiny", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert "staleflow dashboard at http://127.0.0.1:" in line, proc.stderr.read()
+        url = line.split()[3]
+        with urllib.request.urlopen(url + "api/run", timeout=10) as r:
+            run = json.load(r)
+        assert run["kind"] == "sim" and run["eta"] == 1 and run["instances"] == 4
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cli_profile_fits_and_saves_a_config_launch_reads(capsys, tmp_path):
+    from staleflow.config import load_config
+
+    out = tmp_path / "cost.yaml"
+    argv = ["profile", "--preset", "micro", "--max-running", "8", "--kv-budget", "1024"]
+    argv += ["--running", "1,2,4,8", "--lengths", "8,32", "--steps", "2", "-o", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "saved to" in printed and "coordinator.cost_model.k1=" in printed
+    cfg = load_config(out)
+    model = cfg.coordinator.cost_model.build()
+    assert model.kv_budget == 1024 and model.k2 + model.k4 > 0
+    assert cfg.rollout.kv_budget_tokens == 1024 and cfg.rollout.max_running == 8
+    assert cfg.coordinator.period_s == 0.2  # the rest keeps launch's defaults
+    assert main(["profile", "--running", "1,x"]) == 2
+    assert "comma-separated integers" in capsys.readouterr().err

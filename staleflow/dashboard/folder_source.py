@@ -1,0 +1,284 @@
+"""A run folder (``config.yaml``, ``metrics.jsonl``, ``summary.json``) as a dashboard
+source, finished or still being written by ``staleflow launch``.
+
+A folder holds one record per training step and nothing between steps, so what the page
+draws from it is coarser than from a live run: instance load is the busy share of each
+step (from the cumulative ``rollout/idle_ratio/<inst>``), and Pulls and Pushes are dated
+by the step whose record first shows the new version. Buffers, trajectory counts and
+instance snapshots exist only while the run is alive: attach with ``--address`` for them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from staleflow.dashboard.interface import (
+    ActionNotSupported,
+    InstanceDetail,
+    LiveView,
+    LoadSample,
+    Page,
+    PSView,
+    RunEvent,
+    RunInfo,
+)
+from staleflow.dashboard.runconfig import read_run_config
+from staleflow.dashboard.timeline import SeqLog
+
+logger = logging.getLogger(__name__)
+
+_FOLDER_NOTE = (
+    "a run folder holds per-step records only: buffers, trajectory-server counts and "
+    "instance snapshots are shown while the run is alive (staleflow dashboard --address)"
+)
+_PS_NOTE = (
+    "a run folder records only the PS's latest version per step; versions held, readers, "
+    "push/pull sizes are known only while the run is alive"
+)
+
+
+class FolderError(ValueError):
+    """The path is not a run folder; the message says what is missing."""
+
+
+class FolderSource:
+    def __init__(self, path: str | Path, *, refresh_s: float = 0.5) -> None:
+        self.path = Path(path).expanduser()
+        if not self.path.is_dir():
+            raise FolderError(f"{self.path} is not a folder: pass a run folder such as runs/<run>")
+        if not (self.path / "metrics.jsonl").exists() and not (self.path / "config.yaml").exists():
+            raise FolderError(
+                f"{self.path} has neither metrics.jsonl nor config.yaml: pass the folder "
+                "that staleflow launch printed ('run folder ...')"
+            )
+        self.refresh_s = refresh_s
+        self._lock = threading.Lock()
+        self._records: SeqLog[Mapping[str, float]] = SeqLog(maxlen=1_000_000)
+        self._load: SeqLog[LoadSample] = SeqLog(maxlen=1_000_000)
+        self._events: SeqLog[RunEvent] = SeqLog(maxlen=1_000_000)
+        self._offset = 0
+        self._checked = float("-inf")
+        self._bad_lines = 0
+        self._prev: Mapping[str, float] | None = None
+        self._last_pull: dict[int, float] = {}
+        self._last_push: float | None = None
+        self._summary: dict[str, Any] | None = None
+        self._config, self._cost_model, self._config_note = read_run_config(self.path)
+        self._refresh()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def _refresh(self) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._checked < self.refresh_s:
+                return
+            self._checked = now
+            self._read_metrics()
+            if self._summary is None:
+                self._summary = _read_json(self.path / "summary.json")
+
+    def _read_metrics(self) -> None:
+        path = self.path / "metrics.jsonl"
+        try:
+            with path.open("rb") as f:
+                f.seek(self._offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        # The writer may be mid-line: keep an unfinished last line for the next read.
+        end = chunk.rfind(b"\n") + 1
+        self._offset += end
+        for line in chunk[:end].splitlines():
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+                if not isinstance(rec, dict):
+                    raise ValueError("not an object")
+                rec = {str(k): float(v) for k, v in rec.items()}
+            except (ValueError, TypeError):
+                self._bad_lines += 1
+                continue
+            self._add(rec)
+
+    def _add(self, rec: dict[str, float]) -> None:
+        t = rec.get("time/elapsed_s", 0.0)
+        prev = self._prev
+        t0 = prev.get("time/elapsed_s", 0.0) if prev else 0.0
+        for inst in _instances(rec):
+            version = rec.get(f"rollout/version/{inst}")
+            before = prev.get(f"rollout/version/{inst}") if prev else None
+            if version is not None and before is not None and version != before:
+                self._events.append(RunEvent(t, "pull", int(version), inst))
+                self._last_pull[inst] = t
+            self._load.append(
+                LoadSample(
+                    time=t,
+                    inst=inst,
+                    version=None if version is None else int(version),
+                    running=None,
+                    waiting=None,
+                    kv_tokens=None,
+                    tokens_per_s=None,
+                    busy_ratio=_step_busy(rec, prev, inst, t, t0),
+                )
+            )
+        ps, ps_before = rec.get("ps/version"), prev.get("ps/version") if prev else None
+        if ps is not None and ps_before is not None and ps != ps_before:
+            self._events.append(RunEvent(t, "push", int(ps)))
+            self._last_push = t
+        self._events.append(RunEvent(t, "step", int(rec.get("version", 0)) + 1))
+        self._records.append(rec)
+        self._prev = rec
+
+    # -- RunSource ----------------------------------------------------------------------
+
+    def info(self) -> RunInfo:
+        self._refresh()
+        cfg = self._config
+        notes = [_FOLDER_NOTE]
+        if self._config_note:
+            notes.append(self._config_note)
+        if self._bad_lines:
+            notes.append(f"{self._bad_lines} unreadable lines in metrics.jsonl were skipped")
+        rollout = _section(cfg, "rollout")
+        return RunInfo(
+            kind="folder",
+            name=self.path.name,
+            clock="wall",
+            eta=_int(cfg.get("eta")),
+            batch_size=_int(cfg.get("batch_size")),
+            group_size=_int(cfg.get("group_size")),
+            instances=_int(rollout.get("instances")) or len(self._instance_ids()) or None,
+            cost_model=self._cost_model,
+            config=cfg,
+            notes=tuple(notes),
+        )
+
+    def _instance_ids(self) -> list[int]:
+        last = self._records.last()
+        return _instances(last) if last else []
+
+    def live(self) -> LiveView:
+        self._refresh()
+        last = self._records.last() or {}
+        ids = self._instance_ids()
+        info_n = _int(_section(self._config, "rollout").get("instances"))
+        if not ids and info_n:
+            ids = list(range(info_n))
+        return LiveView(
+            buffers=None,
+            instances=tuple(
+                InstanceDetail(
+                    inst=i,
+                    version=_int(last.get(f"rollout/version/{i}")),
+                    snapshot=None,
+                    measured_tokens_per_s=None,
+                    idle_ratio=last.get(f"rollout/idle_ratio/{i}"),
+                    pending_commands=None,
+                    last_cycle_commands=None,
+                )
+                for i in ids
+            ),
+            ts=None,
+            ps_version=_int(last.get("ps/version")),
+            steps=len(self._records),
+            elapsed_s=last.get("time/elapsed_s", 0.0),
+            finished=self._summary is not None,
+            cycles=_int(last.get("coordinator/cycles")),
+            discarded=_int(last.get("coordinator/discarded")),
+            notes=(_FOLDER_NOTE,),
+        )
+
+    def records(self, since: int, limit: int) -> Page[Mapping[str, float]]:
+        self._refresh()
+        return self._records.page(since, limit)
+
+    def load(self, since: int, limit: int) -> Page[LoadSample]:
+        self._refresh()
+        return self._load.page(since, limit)
+
+    def events(self, since: int, limit: int) -> Page[RunEvent]:
+        self._refresh()
+        return self._events.page(since, limit)
+
+    def ps(self) -> PSView:
+        last = self._records.last() or {}
+        return PSView(
+            latest=_int(last.get("ps/version")),
+            held=None,
+            num_slots=_int(_section(self._config, "parameter_server").get("num_slots")),
+            readers=None,
+            pushing=None,
+            last_push_s=self._last_push,
+            last_pull_s=dict(self._last_pull),
+            version_bytes=None,
+            notes=(_PS_NOTE,),
+        )
+
+    @property
+    def summary(self) -> dict[str, Any] | None:
+        self._refresh()
+        return self._summary
+
+    def act(self, action: str) -> str:
+        raise ActionNotSupported("a run folder is read-only: there is nothing to act on")
+
+    def close(self) -> None:
+        pass
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _instances(rec: Mapping[str, float]) -> list[int]:
+    prefix = "rollout/idle_ratio/"
+    out = []
+    for key in rec:
+        if key.startswith(prefix) and key[len(prefix) :].isdigit():
+            out.append(int(key[len(prefix) :]))
+    return sorted(out)
+
+
+def _step_busy(
+    rec: Mapping[str, float], prev: Mapping[str, float] | None, inst: int, t: float, t0: float
+) -> float | None:
+    """Busy share of one step: ``rollout/idle_ratio/<inst>`` is cumulative over the run
+    (idle seconds / lifetime), so the step's idle seconds are the difference of
+    ``ratio x elapsed``; clamped, since an instance lives slightly longer than the run's
+    clock."""
+    ratio = rec.get(f"rollout/idle_ratio/{inst}")
+    if ratio is None:
+        return None
+    before = prev.get(f"rollout/idle_ratio/{inst}", 0.0) if prev else 0.0
+    span = t - t0
+    if span <= 0:
+        return 1.0 - ratio
+    idle = (ratio * t - before * t0) / span
+    return min(max(1.0 - idle, 0.0), 1.0)
+
+
+def _section(cfg: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = cfg.get(name)
+    return value if isinstance(value, dict) else {}
+
+
+def _int(value: Any) -> int | None:
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None

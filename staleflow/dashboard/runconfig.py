@@ -1,0 +1,44 @@
+"""What the dashboard reads from a run's configuration: the cost model the coordinator
+plans with (for per-instance throughput estimates) and the saved ``config.yaml``."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from coordinator.cost_model import CostModel
+
+logger = logging.getLogger(__name__)
+
+
+def cost_model_of(cfg: Any) -> CostModel:
+    """The cost model of a :class:`~staleflow.config.RunConfig`, with the engines' KV
+    budget when the config leaves it open (as ``staleflow launch`` does)."""
+    cost = cfg.coordinator.cost_model
+    if cost.kv_budget is None:
+        cost = replace(cost, kv_budget=float(cfg.rollout.kv_budget_tokens))
+    return cost.build()
+
+
+def read_run_config(folder: Path) -> tuple[dict[str, Any], CostModel | None, str]:
+    """(raw ``config.yaml``, its cost model or None, a note when either is unknown)."""
+    file = folder / "config.yaml"
+    try:
+        raw = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+    except FileNotFoundError:
+        return {}, None, "config.yaml is missing: run settings and cost model unknown"
+    except (OSError, yaml.YAMLError) as exc:
+        return {}, None, f"config.yaml is unreadable ({exc}); run settings unknown"
+    if not isinstance(raw, dict):
+        return {}, None, "config.yaml is not a mapping; run settings unknown"
+    try:
+        from staleflow.config import config_from_dict
+
+        return raw, cost_model_of(config_from_dict(raw)), ""
+    except Exception as exc:  # an older or newer config: still show the rest
+        logger.debug("config.yaml of %s does not load", folder, exc_info=True)
+        return raw, None, f"cost model unknown: config.yaml does not load ({exc})"

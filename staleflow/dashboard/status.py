@@ -1,0 +1,129 @@
+"""``staleflow status``: a terminal summary of a run, from the same sources the dashboard
+reads (a run folder, or a live job found on a Ray cluster). Rich renderables only;
+printing is the CLI's business."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+
+from staleflow.dashboard.interface import RunSource
+
+_COLOUR = {"waiting": "yellow", "ready": "green", "stuck": "red"}
+
+
+def status_view(source: RunSource, summary: Mapping[str, Any] | None = None) -> Group:
+    info, live, ps = source.info(), source.live(), source.ps()
+    total = source.records(0, 1).total
+    last_page = source.records(max(total - 1, 0), 1).items
+    last = last_page[0] if last_page else None
+    unit = "virtual s" if info.clock == "virtual" else "s"
+    state = "finished" if live.finished else "running"
+    head = Table(title=f"{info.name} ({info.kind}, {state})", show_header=False)
+    head.add_column("")
+    head.add_column("", justify="right")
+    rows = [
+        ("eta", _v(info.eta)),
+        ("batch x group", f"{_v(info.batch_size)} x {_v(info.group_size)}"),
+        ("training steps", str(live.steps)),
+        ("time", f"{live.elapsed_s:,.1f} {unit}"),
+        ("trainer version", _v(live.buffers.version if live.buffers is not None else None)),
+        ("PS version", _v(ps.latest if ps.latest is not None else live.ps_version)),
+    ]
+    if last is not None:
+        rows += [
+            ("throughput", f"{last.get('throughput/tokens_per_s', 0.0):,.1f} tokens/s"),
+            ("mean reward (last step)", _num(last.get("rollout/reward_mean"), ".3f")),
+            ("trainer idle (last step)", _num(last.get("trainer/idle_ratio"), ".0%")),
+            ("rollout idle", _num(last.get("rollout/idle_ratio"), ".0%")),
+            (
+                "staleness (last step)",
+                " ".join(
+                    f"{k.rsplit('/', 1)[1]}:{int(v)}"
+                    for k, v in sorted(last.items())
+                    if k.startswith("staleness/hist/")
+                )
+                or "-",
+            ),
+        ]
+    if live.ts is not None:
+        ts = live.ts
+        rows.append(
+            ("TS queued / routed / completed", f"{ts.queued} / {ts.routed} / {ts.completed}")
+        )
+    for name, value in rows:
+        head.add_row(name, value)
+    parts: list[Any] = [head]
+    if live.buffers is not None:
+        parts.append(_buffers(live.buffers))
+    if any(d.snapshot is not None or d.version is not None for d in live.instances):
+        parts.append(_instances(live))
+    if summary:
+        parts.append(_summary(summary))
+    notes = [*info.notes, *live.notes]
+    if notes:
+        parts.append("\n".join(f"[dim]note: {n}[/]" for n in dict.fromkeys(notes)))
+    return Group(*parts)
+
+
+def _buffers(view: Any) -> Table:
+    table = Table(title=f"staleness buffers (trainer at v{view.version}, eta={view.eta})")
+    table.add_column("V_buf", justify="right")
+    table.add_column("state")
+    table.add_column("slots (O occupied, r reserved, . free)")
+    for b in view.buffers:
+        slots = "".join("O" if e.kind == "occupied" else "r" for e in b.entries)
+        slots += "." * max(b.capacity - len(b.entries), 0)
+        state = b.state.value
+        table.add_row(str(b.version), f"[{_COLOUR.get(state, 'white')}]{state}[/]", slots)
+    return table
+
+
+def _instances(live: Any) -> Table:
+    table = Table(title="rollout instances")
+    for name in ("inst", "version", "running", "waiting", "kv tokens", "measured tok/s", "idle"):
+        table.add_column(name, justify="right")
+    for d in live.instances:
+        s = d.snapshot
+        table.add_row(
+            str(d.inst),
+            _v(d.version),
+            _v(len(s.run_trajs) if s is not None else None),
+            _v(len(s.wait_trajs) if s is not None else None),
+            _v(s.kv_cache if s is not None else None),
+            _num(d.measured_tokens_per_s, ",.0f"),
+            _num(d.idle_ratio, ".0%"),
+        )
+    return table
+
+
+def _summary(summary: Mapping[str, Any]) -> Table:
+    table = Table(title="summary.json")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in (
+        "steps",
+        "elapsed_s",
+        "tokens_per_s",
+        "reward_start",
+        "reward_end",
+        "staleness_hist",
+        "trainer_idle_ratio",
+        "rollout_idle_ratio",
+    ):
+        if key in summary:
+            value = summary[key]
+            text = f"{value:,.3f}" if isinstance(value, float) else str(value)
+            table.add_row(key, text)
+    return table
+
+
+def _v(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _num(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
