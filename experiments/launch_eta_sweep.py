@@ -40,7 +40,14 @@ def run_one(args: argparse.Namespace, eta: int) -> dict[str, Any]:
     from staleflow.config import load_config
     from staleflow.runtime.launch import launch
 
-    overrides = [*args.overrides, f"eta={eta}", f"steps={args.steps}", f"run_dir={args.out}"]
+    # no dashboard: its poller would add RPCs to the runs being compared
+    overrides = [
+        "dashboard=false",
+        *args.overrides,
+        f"eta={eta}",
+        f"steps={args.steps}",
+        f"run_dir={args.out}",
+    ]
     cfg = load_config(args.config, overrides)
     print(f"-- eta={eta}: {args.steps} steps", file=sys.stderr, flush=True)
     result = launch(cfg)

@@ -132,8 +132,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"{key}={value}")
-    if args.dashboard:
-        overrides.append("dashboard=true")
+    if args.dashboard is not None:
+        overrides.append(f"dashboard={'true' if args.dashboard else 'false'}")
     try:
         cfg = load_config(args.config, overrides)
     except (ValueError, OSError) as exc:
@@ -176,7 +176,7 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
 
     try:
         from staleflow.dashboard.app import create_app
-        from staleflow.dashboard.server import DashboardServer, bind
+        from staleflow.dashboard.server import DEFAULT_PORT, DashboardServer, bind, bind_preferred
     except ImportError as exc:
         print(
             f"staleflow dashboard needs fastapi and uvicorn: pip install 'staleflow[dashboard]' "
@@ -192,7 +192,11 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
             "serving on %s: anyone who can reach this port can read the run", args.host
         )
     try:
-        sock = bind(args.host, args.port)
+        sock = (
+            bind_preferred(args.host, DEFAULT_PORT)
+            if args.port is None
+            else bind(args.host, args.port)
+        )
     except OSError as exc:
         print(f"staleflow dashboard: {exc}", file=sys.stderr)
         return 2
@@ -352,9 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.add_argument(
         "--dashboard",
-        action="store_true",
-        help="serve the web dashboard while running (same as dashboard=true; port: "
-        "dashboard_port=...)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve the web dashboard while running (on by default; --no-dashboard is "
+        "dashboard=false; port: dashboard_port=...)",
     )
     launch.set_defaults(func=cmd_launch)
     _add_dashboard(sub)
@@ -388,7 +393,12 @@ def _add_dashboard(sub: argparse._SubParsersAction) -> None:
         "--speed", type=float, default=10.0, help="with --sim: virtual seconds per wall second"
     )
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on")
-    p.add_argument("--port", type=int, default=8265, help="port (0: any free one)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help="port (0: any free one; default 8266, or a free one if that is taken)",
+    )
     p.add_argument(
         "--token", help="enable actions (e.g. pausing a simulation) for requests with this token"
     )

@@ -72,8 +72,20 @@ class RunConfig:
     checkpoint_every: int = field(
         default=0, metadata=_help("save a checkpoint every N steps; 0 = only at the end")
     )
-    dashboard: bool = field(default=False, metadata=_help("serve the REST dashboard"))
-    dashboard_port: int = field(default=8265, metadata=_help("port of the dashboard"))
+    dashboard: bool = field(
+        default=True,
+        metadata=_help(
+            "serve the REST dashboard from the driver while training (needs the 'dashboard' "
+            "extra; false turns it off)"
+        ),
+    )
+    dashboard_port: int = field(
+        default=8266,
+        metadata=_help(
+            "port of the dashboard on 127.0.0.1; if taken, a free one is used and printed "
+            "(8265 is Ray's own dashboard)"
+        ),
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -102,7 +114,7 @@ class RunConfig:
             1 <= self.dashboard_port <= 65535,
             "dashboard_port",
             self.dashboard_port,
-            "is not a TCP port: use 1 to 65535, e.g. 8265",
+            "is not a TCP port: use 1 to 65535, e.g. 8266",
         )
         require(
             bool(_NAME.fullmatch(self.name)),

@@ -1,5 +1,6 @@
-"""What ``staleflow launch`` calls with ``dashboard=true``: the dashboard of the run being
-launched, served from the driver on ``127.0.0.1:<dashboard_port>``."""
+"""What ``staleflow launch`` calls with ``dashboard=true`` (the default): the dashboard of
+the run being launched, served from the driver on ``127.0.0.1:<dashboard_port>``, or on a
+free port when that one is taken."""
 
 from __future__ import annotations
 
@@ -27,10 +28,10 @@ class ServedDashboard:
 
 
 def start_dashboard(cfg: Any, run: Any, host: str = "127.0.0.1") -> ServedDashboard:
-    """Raises ``OSError`` (naming the fix) when the port is taken."""
+    """Raises ``OSError`` (naming the fix) when no port can be bound at all."""
     source = RaySource.from_run(run, cfg).start()
     try:
-        server = serve_in_thread(create_app(source), host, cfg.dashboard_port)
+        server = serve_in_thread(create_app(source), host, cfg.dashboard_port, fallback=True)
     except BaseException:
         source.close()
         raise

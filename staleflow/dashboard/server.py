@@ -57,7 +57,10 @@ class DashboardServer:
         self._sock.close()
 
 
-def bind(host: str = "127.0.0.1", port: int = 8265) -> socket.socket:
+DEFAULT_PORT = 8266  # 8265 is Ray's own dashboard on a cluster's head node
+
+
+def bind(host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> socket.socket:
     """A listening socket on ``host:port`` (port 0: any free port)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -75,5 +78,19 @@ def bind(host: str = "127.0.0.1", port: int = 8265) -> socket.socket:
     return sock
 
 
-def serve_in_thread(app: Any, host: str = "127.0.0.1", port: int = 8265) -> DashboardServer:
-    return DashboardServer(app, bind(host, port)).start()
+def bind_preferred(host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> socket.socket:
+    """``port`` when it is free, else any free port (two runs on one machine each get a
+    dashboard); the caller prints the URL it got."""
+    try:
+        return bind(host, port)
+    except OSError as exc:
+        logger.info("%s; using a free port instead", exc)
+        return bind(host, 0)
+
+
+def serve_in_thread(
+    app: Any, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, fallback: bool = False
+) -> DashboardServer:
+    """Serve ``app`` from a daemon thread; ``fallback``: a free port if ``port`` is taken."""
+    sock = bind_preferred(host, port) if fallback else bind(host, port)
+    return DashboardServer(app, sock).start()

@@ -143,7 +143,9 @@ def build_trainer(spec: TrainerSpec, weights: Mapping[str, np.ndarray]) -> Any:
     model = build_architecture(spec.model)
     load_policy_state(model, weights)
     config = EmbeddedTrainerConfig(**spec.options)
-    return EmbeddedTrainer(model, config, pad_id=spec.model.pad_token_id)
+    # the tokenizer goes into every checkpoint, so that model.checkpoint=<it> can resume
+    tokenizer = tokenizer_from_spec(spec.model.tokenizer)
+    return EmbeddedTrainer(model, config, pad_id=spec.model.pad_token_id, tokenizer=tokenizer)
 
 
 @dataclass(frozen=True, slots=True)

@@ -88,7 +88,7 @@ def test_operator_commands_have_help(capsys):
         ("dashboard", ("--address", "--sim", "--token", "--port")),
         ("status", ("--address", "--run")),
         ("profile", ("--output", "--running", "--lengths")),
-        ("launch", ("--dashboard",)),
+        ("launch", ("--dashboard", "--no-dashboard")),
     ):
         with pytest.raises(SystemExit) as exit_info:
             main([command, "--help"])

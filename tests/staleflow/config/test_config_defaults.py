@@ -23,6 +23,7 @@ def test_defaults_are_the_documented_embedded_run():
     cfg = RunConfig()
     assert (cfg.eta, cfg.steps, cfg.seed, cfg.batch_size, cfg.group_size) == (3, 200, 0, 8, 8)
     assert (cfg.run_dir, cfg.name, cfg.address) == ("runs", "", "")
+    assert (cfg.dashboard, cfg.dashboard_port) == (True, 8266)  # 8265 is Ray's dashboard
     assert cfg.model.preset == "tiny" and cfg.model.checkpoint == "" and cfg.model.warmup
     assert cfg.data.task == "arithmetic" and cfg.data.path == ""
     assert cfg.rollout.backend == "embedded" and cfg.rollout.instances == 2

@@ -34,3 +34,23 @@ def test_a_taken_port_names_the_fix():
             bind("127.0.0.1", taken.getsockname()[1])
     finally:
         taken.close()
+
+
+def test_a_taken_preferred_port_falls_back_to_a_free_one():
+    from staleflow.dashboard.server import bind_preferred
+
+    taken = bind("127.0.0.1", 0)
+    port = taken.getsockname()[1]
+    try:
+        server = serve_in_thread(create_app(FakeSource()), "127.0.0.1", port, fallback=True)
+        try:
+            assert server.port != port
+            with urllib.request.urlopen(server.url + "api/run", timeout=10) as r:
+                assert json.load(r)["name"] == "fake-run"
+        finally:
+            server.stop()
+        free = bind_preferred("127.0.0.1", port)
+        assert free.getsockname()[1] not in (0, port)
+        free.close()
+    finally:
+        taken.close()

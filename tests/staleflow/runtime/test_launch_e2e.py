@@ -34,6 +34,7 @@ def _launch(tmp_path, eta: int, *extra: str):
             "group_size=4",
             "rollout.max_response_tokens=8",
             "coordinator.period_s=0.05",
+            "dashboard=false",  # tests/staleflow/dashboard/test_launch_dashboard.py has it on
             *extra,
         ],
     )
@@ -62,7 +63,12 @@ def _check_run(result, eta: int) -> None:
     assert versions[-1] >= 1 and versions[-1] >= versions[0]
     assert (result.run_dir / "metrics.jsonl").is_file()
     assert (result.run_dir / "config.yaml").is_file()
-    assert (result.run_dir / "checkpoint").is_dir()
+    # the checkpoint is a complete policy: model.checkpoint=<it> resumes from it
+    from staleflow.models.checkpoint import load_pretrained
+
+    model, tokenizer = load_pretrained(result.run_dir / "checkpoint")
+    assert tokenizer.decode(tokenizer.encode("12+7=")) == "12+7="
+    assert sum(p.numel() for p in model.parameters()) > 0
 
 
 def test_launch_eta1_bounded_and_conserving(tmp_path):
