@@ -11,6 +11,25 @@ a seed) and then summarised over seeds.
 Writes sweep.{csv,json} (one row per run), sweep_stats.{csv,json} (per system and eta),
 gains.{csv,json} (StaleFlow over each baseline per eta) and a Figure-13-style
 eta_sweep.png into --out (default results/sim_eta_sweep/).
+
+Real runs: ``--runs DIR [DIR ...]`` tabulates finished run folders written by
+``staleflow launch`` (or experiments/launch_eta_sweep.py) by eta instead of simulating;
+the simulation options are then ignored::
+
+    python experiments/launch_eta_sweep.py --etas 0 1 3 --steps 30    # results/launch/*
+    python experiments/sim_eta_sweep.py --runs results/launch/*
+
+One row per run in sweep.{csv,json}: ``name`` is the coordinator's strategies under the
+simulator's names (``staleflow``, ``vanilla``, ``R1S0M1``...), ``run`` the folder, then
+eta, steps, tokens/s (the last record's ``throughput/tokens_per_s``), steady tokens/s
+(after the first eta + 1 steps, as in the simulator; n/a for a run too short), the
+staleness histogram (trajectories) and its maximum, the reward at the start and the end,
+idle ratios and the Table 3 time shares (``time_share_{pull,route,interrupt,prefill,
+decode,commands}``). sweep_stats has mean +- std [min..max] over the runs of a (name, eta)
+(repeats, e.g. ``launch_eta_sweep.py --repeats``), and gains.{csv,json} the throughput of
+every eta > 0 over the eta = 0 runs of the same name (``baseline`` "eta=0"): ``gain`` is
+the ratio of the mean throughputs, ``gain_min``/``gain_max`` the extreme ratios of any
+two runs. Runs without summary.json (unfinished or stopped) are included and flagged.
 """
 
 from __future__ import annotations
@@ -22,12 +41,16 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from staleflow.runtime.runfolder import RunFolder, reward_mean
 from staleflow.sim import PRESETS, SYSTEMS, SimCluster, system
 from staleflow.sim.presets import Layout
 from staleflow.sim.report import (
+    add_runs_option,
     add_seed_options,
+    print_table,
     progress,
     pyplot,
+    read_runs,
     results_dir,
     run_each,
     save_figure,
@@ -87,7 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--out", type=Path, default=None, help=f"results folder (default results/{SCRIPT}/)"
     )
+    add_runs_option(p, "the sweep table, statistics, gains over eta=0 and the figure")
     args = p.parse_args(argv)
+    if args.runs:
+        runs = read_runs(p, args.runs)
+        if missing := [r.name for r in runs if r.eta is None]:
+            p.error(f"config.yaml of {', '.join(missing)} has no integer eta")
+        return from_runs(runs, results_dir(args.out, SCRIPT), args.json)
     try:
         seeds = seed_list(args.seeds, args.seed)
     except argparse.ArgumentTypeError as e:
@@ -168,6 +197,165 @@ def main(argv: list[str] | None = None) -> int:
         paths.append(_plot(summary, table, etas, out))
     print("wrote " + ", ".join(str(x) for x in paths))
     return 0
+
+
+# -- real runs ---------------------------------------------------------------------------
+
+SHARES = ("pull", "route", "interrupt", "prefill", "decode", "commands")
+
+
+def from_runs(runs: list[RunFolder], out: Path, json_path: Path | None) -> int:
+    """The sweep of real run folders: table, statistics, gains over eta=0, figure."""
+    rows = sorted((run_row(r) for r in runs), key=lambda r: (r["name"], r["eta"], r["run"]))
+    print_table(
+        "Figure 13 from run folders: throughput by eta",
+        rows,
+        [
+            *("name", "run", "eta", "steps", "tokens_per_s", "steady_tokens_per_s"),
+            *("staleness_max", "trainer_idle_ratio", "rollout_idle_ratio"),
+        ],
+    )
+    print_table(
+        "Table 3 from run folders: shares of all rollout instance-seconds",
+        rows,
+        ["run", "eta", *(f"time_share_{k}" for k in SHARES)],
+    )
+    for r in rows:
+        if not r["finished"]:
+            print(f"note: {r['run']} has no summary.json (unfinished or stopped early)")
+    summary = run_stats(rows)
+    table = run_gains(rows)
+    for row in summary:
+        if len(row["runs"]) > 1:
+            print(
+                f"{row['name']:<10} eta={row['eta']:<3} over {len(row['runs'])} runs: tok/s "
+                f"{row['tokens_per_s_text']:<36} steady {row['steady_tokens_per_s_text']}"
+            )
+    for g in table:
+        print(
+            f"{g['name']} eta={g['eta']} over eta=0: {g['gain_text']}x "
+            f"(steady: {g['steady_gain_text']}x)"
+        )
+    if json_path:
+        json_path.write_text(json.dumps(rows, indent=2) + "\n")
+        print(f"wrote {json_path}")
+    paths = write_rows(out, "sweep", rows)
+    paths += write_rows(out, "sweep_stats", summary) + write_rows(out, "gains", table)
+    paths.append(_plot_runs(summary, table, out))
+    print("wrote " + ", ".join(str(x) for x in paths))
+    return 0
+
+
+def run_row(run: RunFolder) -> dict[str, Any]:
+    """One real run as a sweep row (see the module docstring)."""
+    k = max(1, run.steps // 4)
+    records = run.records
+    hist = run.staleness_total()
+    shares = run.time_shares()
+    row: dict[str, Any] = {
+        "name": run.system,
+        "run": run.name,
+        "eta": run.eta,
+        "seed": run.seed,
+        "steps": run.steps,
+        "finished": run.finished,
+        "seconds": run.elapsed_s,
+        "tokens_per_s": run.tokens_per_s,
+        "steady_tokens_per_s": run.steady_tokens_per_s(),
+        "staleness": {str(s): n for s, n in hist.items()},
+        "staleness_max": max(hist, default=0),
+        "reward_start": reward_mean(records[:k]),
+        "reward_end": reward_mean(records[-k:]),
+        "trainer_idle_ratio": sum(r.get("trainer/wait_s", 0.0) for r in records)
+        / max(run.elapsed_s, 1e-9),
+        "rollout_idle_ratio": records[-1].get("rollout/idle_ratio"),
+    }
+    row.update({f"time_share_{k}": shares.get(k) for k in SHARES})
+    row["path"] = str(run.path)
+    return row
+
+
+def run_stats(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (name, eta): throughput and steady throughput over the runs (repeats)."""
+    out = []
+    for name, eta in dict.fromkeys((r["name"], r["eta"]) for r in rows):
+        mine = [r for r in rows if r["name"] == name and r["eta"] == eta]
+        row: dict[str, Any] = {"name": name, "eta": eta, "runs": [r["run"] for r in mine]}
+        for field in ("tokens_per_s", "steady_tokens_per_s"):
+            values = [float(r[field]) for r in mine if r[field] is not None]
+            if values:
+                row.update({f"{field}_{k}": v for k, v in stats(values).items()})
+                row[f"{field}_text"] = spread(values, "{:,.1f}")
+            else:
+                row.update({f"{field}_{k}": None for k in ("mean", "std", "min", "max")})
+                row[f"{field}_text"] = "n/a"
+        row["unfinished"] = sum(not r["finished"] for r in mine)
+        out.append(row)
+    return out
+
+
+def run_gains(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every eta > 0 over the eta = 0 runs of the same name: the ratio of the mean
+    throughputs, and the lowest and highest ratio of any two runs."""
+    out = []
+    for name, eta in dict.fromkeys((r["name"], r["eta"]) for r in rows if r["eta"] > 0):
+        base = [r for r in rows if r["name"] == name and r["eta"] == 0]
+        mine = [r for r in rows if r["name"] == name and r["eta"] == eta]
+        ratio = _ratio([r["tokens_per_s"] for r in mine], [r["tokens_per_s"] for r in base])
+        if ratio is None:
+            continue
+        row: dict[str, Any] = {
+            "name": name,
+            "eta": eta,
+            "baseline": "eta=0",
+            "runs": [r["run"] for r in mine],
+            "baseline_runs": [r["run"] for r in base],
+            **ratio,
+        }
+        steady = _ratio(
+            [r["steady_tokens_per_s"] for r in mine], [r["steady_tokens_per_s"] for r in base]
+        )
+        row["steady_gain"] = steady["gain"] if steady else None
+        row["steady_gain_text"] = steady["gain_text"] if steady else "n/a"
+        out.append(row)
+    return out
+
+
+def _ratio(mine: list[float | None], base: list[float | None]) -> dict[str, Any] | None:
+    ours = [float(v) for v in mine if v is not None]
+    theirs = [float(v) for v in base if v]
+    if not ours or not theirs:
+        return None
+    gain = (sum(ours) / len(ours)) / (sum(theirs) / len(theirs))
+    low, high = min(ours) / max(theirs), max(ours) / min(theirs)
+    text = f"{gain:.3f}" if low == high else f"{gain:.3f} [{low:.3f}..{high:.3f}]"
+    return {"gain": gain, "gain_min": low, "gain_max": high, "gain_text": text}
+
+
+def _plot_runs(summary: list[dict[str, Any]], table: list[dict[str, Any]], out: Path) -> Path:
+    plt = pyplot()
+    etas = sorted({r["eta"] for r in summary})
+    names = list(dict.fromkeys(r["name"] for r in summary))
+    gain = {(g["name"], g["eta"]): g["gain"] for g in table}
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(etas)), 4))
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
+        mine = {r["eta"]: r for r in summary if r["name"] == name}
+        shown = [e for e in etas if e in mine]
+        xs = [etas.index(e) + (k - (len(names) - 1) / 2) * width for e in shown]
+        ys = [mine[e]["tokens_per_s_mean"] for e in shown]
+        errs = [mine[e]["tokens_per_s_std"] for e in shown]
+        bars = ax.bar(xs, ys, width, yerr=errs if any(errs) else None, label=name)
+        labels = [f"({gain[name, e]:.2f}x)" if (name, e) in gain else "" for e in shown]
+        ax.bar_label(bars, labels=labels, fontsize=7, padding=2)
+    ax.set_xticks(range(len(etas)), [f"eta={e}" for e in etas])
+    ax.set_ylabel("tokens/s (mean over runs, std as error bar)")
+    ax.set_title("Throughput vs staleness bound, real runs\n(x): gain over eta=0", fontsize=10)
+    ax.legend(fontsize="small")
+    return save_figure(fig, out, "eta_sweep")
+
+
+# -- statistics of simulated runs --------------------------------------------------------
 
 
 def sweep_stats(results: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -7,7 +7,24 @@ version pulled.
 
     python experiments/sim_instance_load.py --preset paper-6.5 --eta 3 --steps 8 --sample-s 5
 
-Writes instance_load.{csv,json}, syncs.{csv,json} and instance_load.png into --out.
+Writes instance_load.{csv,json}, syncs.{csv,json} and instance_load.png into --out
+(default results/sim_instance_load/).
+
+Real runs: ``--runs DIR [DIR ...]`` draws the figure from run folders written by
+``staleflow launch`` instead of simulating (one column per run; the simulation options
+are then ignored)::
+
+    staleflow launch --eta 3 --steps 20
+    python experiments/sim_instance_load.py --runs runs/20250101-120000-eta3
+
+What differs: a run folder has one record per training step, so the load is per step,
+not per coordinator cycle. ``instance_load`` rows are ``run, system, step, time, inst,
+version, busy_ratio`` (the share of the step the instance had something to generate,
+from the cumulative ``rollout/idle_ratio/<i>``; there are no running / waiting / KV
+counts), and ``syncs`` rows (``run, system, step, time, inst, version``) date a Pull by
+the end of the step whose record first shows the new ``rollout/version/<i>``. The table
+reports ``pulls``, ``mean_busy``, ``min_busy`` and ``mean_imbalance`` (the mean over
+steps of (max - min) / mean busy share across instances).
 """
 
 from __future__ import annotations
@@ -18,13 +35,16 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from staleflow.runtime.runfolder import RunFolder
 from staleflow.sim import SimCluster, system
 from staleflow.sim.report import (
+    add_runs_option,
     parser,
     preset,
     print_table,
     progress,
     pyplot,
+    read_runs,
     results_dir,
     save_figure,
     write_rows,
@@ -43,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--plot-instances", type=int, default=4, help="instances drawn per system")
     p.add_argument("--metric", choices=("running", "tokens_per_s"), default="running")
+    add_runs_option(p, "Figure 17 (busy share per step, Pulls)")
     args = p.parse_args(argv)
+    if args.runs:
+        runs = read_runs(p, args.runs)
+        return from_runs(runs, args.plot_instances, results_dir(args.out, SCRIPT))
     out = results_dir(args.out, SCRIPT)
     names = [s for s in args.systems.split(",") if s]
 
@@ -72,6 +96,60 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def from_runs(runs: list[RunFolder], shown: int, out: Path) -> int:
+    """Figure 17 of real runs: every instance's busy share per step and its Pulls."""
+    loads: list[dict[str, Any]] = []
+    syncs: list[dict[str, Any]] = []
+    table: list[dict[str, Any]] = []
+    for run in runs:
+        steps = run.instance_steps()
+        head = {"run": run.name, "system": run.system}
+        for s in steps:
+            row = {**head, "step": s.step, "time": s.time, "inst": s.inst, "version": s.version}
+            loads.append({**row, "busy_ratio": s.busy_ratio})
+            if s.pulled:
+                syncs.append(row)
+        table.append(
+            {
+                **head,
+                "eta": run.eta,
+                "steps": run.steps,
+                "tokens_per_s": run.tokens_per_s,
+                **_busy_balance(steps),
+            }
+        )
+    print_table(
+        "Figure 17 from run folders: per-instance busy share per training step",
+        table,
+        [
+            *("run", "system", "eta", "steps", "tokens_per_s"),
+            *("pulls", "mean_busy", "min_busy", "mean_imbalance"),
+        ],
+    )
+    paths = write_rows(out, "instance_load", loads) + write_rows(out, "syncs", syncs)
+    names = [r.name for r in runs]
+    paths.append(_plot(loads, syncs, names, shown, "busy_ratio", out, key="run"))
+    print("wrote " + ", ".join(str(x) for x in paths))
+    return 0
+
+
+def _busy_balance(steps: list[Any]) -> dict[str, Any]:
+    """Pull count, mean and lowest busy share, and the mean over steps of
+    (max - min) / mean busy share across instances (0: perfectly balanced)."""
+    by_step: dict[int, list[float]] = defaultdict(list)
+    for s in steps:
+        if s.busy_ratio is not None:
+            by_step[s.step].append(s.busy_ratio)
+    busy = [b for v in by_step.values() for b in v]
+    spreads = [(max(v) - min(v)) / statistics.fmean(v) for v in by_step.values() if sum(v)]
+    return {
+        "pulls": sum(s.pulled for s in steps),
+        "mean_busy": statistics.fmean(busy) if busy else None,
+        "min_busy": min(busy) if busy else None,
+        "mean_imbalance": statistics.fmean(spreads) if spreads else 0.0,
+    }
+
+
 def _balance(timeline: Timeline) -> dict[str, Any]:
     """Pull count, mean running trajectories per instance, and the mean over sampling
     instants of (max - min) / mean running across instances (0: perfectly balanced)."""
@@ -96,7 +174,10 @@ def _plot(
     shown: int,
     metric: str,
     out: Path,
+    *,
+    key: str = "system",
 ) -> Path:
+    """One column per system (or run, ``key``), one row per instance; Pulls as lines."""
     plt = pyplot()
     instances = sorted({r["inst"] for r in loads})[:shown] or [0]
     fig, axes = plt.subplots(
@@ -110,10 +191,19 @@ def _plot(
     for col, name in enumerate(names):
         for row, inst in enumerate(instances):
             ax = axes[row][col]
-            pts = [r for r in loads if r["system"] == name and r["inst"] == inst]
-            ax.plot([r["time"] for r in pts], [r[metric] for r in pts], lw=0.9)
+            pts = [
+                r for r in loads if r[key] == name and r["inst"] == inst and r[metric] is not None
+            ]
+            xs, ys = [r["time"] for r in pts], [r[metric] for r in pts]
+            style = "default"
+            if key == "run" and pts:
+                # A run folder's busy share covers the step ending at its time; the
+                # first step starts when training does (time 0).
+                xs, ys, style = [0.0, *xs], [ys[0], *ys], "steps-pre"
+                ax.set_ylim(0.0, 1.05)
+            ax.plot(xs, ys, lw=0.9, drawstyle=style)
             for e in syncs:
-                if e["system"] == name and e["inst"] == inst:
+                if e[key] == name and e["inst"] == inst:
                     ax.axvline(e["time"], color="tab:green", lw=0.8)
                     ax.annotate(
                         f"V{e['version']}",

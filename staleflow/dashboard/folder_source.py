@@ -4,13 +4,14 @@ source, finished or still being written by ``staleflow launch``.
 A folder holds one record per training step and nothing between steps, so what the page
 draws from it is coarser than from a live run: instance load is the busy share of each
 step (from the cumulative ``rollout/idle_ratio/<inst>``), and Pulls and Pushes are dated
-by the step whose record first shows the new version. Buffers, trajectory counts and
-instance snapshots exist only while the run is alive: attach with ``--address`` for them.
+by the step whose record first shows the new version (``staleflow.runtime.runfolder``,
+which the experiment scripts read finished run folders with too). Buffers, trajectory
+counts and instance snapshots exist only while the run is alive: attach with
+``--address`` for them.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -30,6 +31,13 @@ from staleflow.dashboard.interface import (
 )
 from staleflow.dashboard.runconfig import read_run_config
 from staleflow.dashboard.timeline import SeqLog
+from staleflow.runtime.runfolder import (
+    instance_steps,
+    optional_int,
+    parse_record,
+    read_summary,
+    record_instances,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +90,7 @@ class FolderSource:
             self._checked = now
             self._read_metrics()
             if self._summary is None:
-                self._summary = _read_json(self.path / "summary.json")
+                self._summary = read_summary(self.path)
 
     def _read_metrics(self) -> None:
         path = self.path / "metrics.jsonl"
@@ -99,11 +107,8 @@ class FolderSource:
             if not line.strip():
                 continue
             try:
-                rec = json.loads(line)
-                if not isinstance(rec, dict):
-                    raise ValueError("not an object")
-                rec = {str(k): float(v) for k, v in rec.items()}
-            except (ValueError, TypeError):
+                rec = parse_record(line)
+            except ValueError:
                 self._bad_lines += 1
                 continue
             self._add(rec)
@@ -111,23 +116,20 @@ class FolderSource:
     def _add(self, rec: dict[str, float]) -> None:
         t = rec.get("time/elapsed_s", 0.0)
         prev = self._prev
-        t0 = prev.get("time/elapsed_s", 0.0) if prev else 0.0
-        for inst in _instances(rec):
-            version = rec.get(f"rollout/version/{inst}")
-            before = prev.get(f"rollout/version/{inst}") if prev else None
-            if version is not None and before is not None and version != before:
-                self._events.append(RunEvent(t, "pull", int(version), inst))
-                self._last_pull[inst] = t
+        for row in instance_steps(rec, prev):
+            if row.pulled and row.version is not None:
+                self._events.append(RunEvent(t, "pull", row.version, row.inst))
+                self._last_pull[row.inst] = t
             self._load.append(
                 LoadSample(
                     time=t,
-                    inst=inst,
-                    version=None if version is None else int(version),
+                    inst=row.inst,
+                    version=row.version,
                     running=None,
                     waiting=None,
                     kv_tokens=None,
                     tokens_per_s=None,
-                    busy_ratio=_step_busy(rec, prev, inst, t, t0),
+                    busy_ratio=row.busy_ratio,
                 )
             )
         ps, ps_before = rec.get("ps/version"), prev.get("ps/version") if prev else None
@@ -153,10 +155,10 @@ class FolderSource:
             kind="folder",
             name=self.path.name,
             clock="wall",
-            eta=_int(cfg.get("eta")),
-            batch_size=_int(cfg.get("batch_size")),
-            group_size=_int(cfg.get("group_size")),
-            instances=_int(rollout.get("instances")) or len(self._instance_ids()) or None,
+            eta=optional_int(cfg.get("eta")),
+            batch_size=optional_int(cfg.get("batch_size")),
+            group_size=optional_int(cfg.get("group_size")),
+            instances=optional_int(rollout.get("instances")) or len(self._instance_ids()) or None,
             cost_model=self._cost_model,
             config=cfg,
             notes=tuple(notes),
@@ -164,13 +166,13 @@ class FolderSource:
 
     def _instance_ids(self) -> list[int]:
         last = self._records.last()
-        return _instances(last) if last else []
+        return record_instances(last) if last else []
 
     def live(self) -> LiveView:
         self._refresh()
         last = self._records.last() or {}
         ids = self._instance_ids()
-        info_n = _int(_section(self._config, "rollout").get("instances"))
+        info_n = optional_int(_section(self._config, "rollout").get("instances"))
         if not ids and info_n:
             ids = list(range(info_n))
         return LiveView(
@@ -178,7 +180,7 @@ class FolderSource:
             instances=tuple(
                 InstanceDetail(
                     inst=i,
-                    version=_int(last.get(f"rollout/version/{i}")),
+                    version=optional_int(last.get(f"rollout/version/{i}")),
                     snapshot=None,
                     measured_tokens_per_s=None,
                     idle_ratio=last.get(f"rollout/idle_ratio/{i}"),
@@ -188,12 +190,12 @@ class FolderSource:
                 for i in ids
             ),
             ts=None,
-            ps_version=_int(last.get("ps/version")),
+            ps_version=optional_int(last.get("ps/version")),
             steps=len(self._records),
             elapsed_s=last.get("time/elapsed_s", 0.0),
             finished=self._summary is not None,
-            cycles=_int(last.get("coordinator/cycles")),
-            discarded=_int(last.get("coordinator/discarded")),
+            cycles=optional_int(last.get("coordinator/cycles")),
+            discarded=optional_int(last.get("coordinator/discarded")),
             notes=(_FOLDER_NOTE,),
         )
 
@@ -212,9 +214,9 @@ class FolderSource:
     def ps(self) -> PSView:
         last = self._records.last() or {}
         return PSView(
-            latest=_int(last.get("ps/version")),
+            latest=optional_int(last.get("ps/version")),
             held=None,
-            num_slots=_int(_section(self._config, "parameter_server").get("num_slots")),
+            num_slots=optional_int(_section(self._config, "parameter_server").get("num_slots")),
             readers=None,
             pushing=None,
             last_push_s=self._last_push,
@@ -235,50 +237,6 @@ class FolderSource:
         pass
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def _instances(rec: Mapping[str, float]) -> list[int]:
-    prefix = "rollout/idle_ratio/"
-    out = []
-    for key in rec:
-        if key.startswith(prefix) and key[len(prefix) :].isdigit():
-            out.append(int(key[len(prefix) :]))
-    return sorted(out)
-
-
-def _step_busy(
-    rec: Mapping[str, float], prev: Mapping[str, float] | None, inst: int, t: float, t0: float
-) -> float | None:
-    """Busy share of one step: ``rollout/idle_ratio/<inst>`` is cumulative over the run
-    (idle seconds / lifetime), so the step's idle seconds are the difference of
-    ``ratio x elapsed``; clamped, since an instance lives slightly longer than the run's
-    clock."""
-    ratio = rec.get(f"rollout/idle_ratio/{inst}")
-    if ratio is None:
-        return None
-    before = prev.get(f"rollout/idle_ratio/{inst}", 0.0) if prev else 0.0
-    span = t - t0
-    if span <= 0:
-        return 1.0 - ratio
-    idle = (ratio * t - before * t0) / span
-    return min(max(1.0 - idle, 0.0), 1.0)
-
-
 def _section(cfg: Mapping[str, Any], name: str) -> Mapping[str, Any]:
     value = cfg.get(name)
     return value if isinstance(value, dict) else {}
-
-
-def _int(value: Any) -> int | None:
-    if isinstance(value, bool) or value is None:
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        return None

@@ -8,9 +8,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from coordinator.cost_model import CostModel
+from staleflow.runtime.runfolder import read_config
 
 logger = logging.getLogger(__name__)
 
@@ -26,15 +25,9 @@ def cost_model_of(cfg: Any) -> CostModel:
 
 def read_run_config(folder: Path) -> tuple[dict[str, Any], CostModel | None, str]:
     """(raw ``config.yaml``, its cost model or None, a note when either is unknown)."""
-    file = folder / "config.yaml"
-    try:
-        raw = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
-    except FileNotFoundError:
-        return {}, None, "config.yaml is missing: run settings and cost model unknown"
-    except (OSError, yaml.YAMLError) as exc:
-        return {}, None, f"config.yaml is unreadable ({exc}); run settings unknown"
-    if not isinstance(raw, dict):
-        return {}, None, "config.yaml is not a mapping; run settings unknown"
+    raw, problem = read_config(folder)
+    if raw is None:
+        return {}, None, f"{problem}: run settings and cost model unknown"
     try:
         from staleflow.config import config_from_dict
 

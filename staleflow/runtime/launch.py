@@ -29,6 +29,7 @@ from staleflow.runtime.components import (
     TrainerSpec,
     model_spec,
 )
+from staleflow.runtime.runfolder import reward_mean  # also imported from here
 
 logger = logging.getLogger(__name__)
 
@@ -409,20 +410,6 @@ def _cause(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     tail = [line for line in text if line.strip()][-3:]
     return " / ".join(tail) if tail else repr(exc)
-
-
-def reward_mean(records: list[dict[str, float]]) -> float | None:
-    """Mean reward of every trajectory rewarded during these steps (each step's mean
-    weighted by how many it rewarded: rewards arrive in bursts, not one batch a step)."""
-    n = sum(r.get("rollout/rewarded", 0.0) for r in records if "rollout/reward_mean" in r)
-    if not n:
-        return None
-    total = sum(
-        r["rollout/reward_mean"] * r["rollout/rewarded"]
-        for r in records
-        if "rollout/reward_mean" in r
-    )
-    return total / n
 
 
 def summarise(

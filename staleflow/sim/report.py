@@ -2,7 +2,8 @@
 
 A results folder, rows written as CSV and JSON, a summary table on stdout and a progress
 bar on stderr (rich), figures through matplotlib's Agg backend. matplotlib is imported
-only when a figure is drawn: the simulator itself must not need it.
+only when a figure is drawn: the simulator itself must not need it. ``--runs`` reads real
+run folders (``staleflow launch``) through :mod:`staleflow.runtime.runfolder`.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -19,6 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from staleflow.runtime.runfolder import RunFolder, RunFolderError, read_run_folder
 from staleflow.sim.cluster import ClusterConfig
 from staleflow.sim.presets import PRESETS
 
@@ -56,6 +60,48 @@ def add_seed_options(p: argparse.ArgumentParser) -> None:
         default=1,
         help="runs in parallel processes (results do not depend on it)",
     )
+
+
+def add_runs_option(p: argparse.ArgumentParser, what: str) -> None:
+    """``--runs DIR [DIR ...]``: real run folders instead of a simulation."""
+    p.add_argument(
+        "--runs",
+        nargs="+",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help=f"real run folders written by `staleflow launch` (runs/<time>-<name>): {what} "
+        "from their config.yaml and metrics.jsonl instead of a simulation; the simulation "
+        "options are then ignored",
+    )
+
+
+def read_runs(p: argparse.ArgumentParser, paths: Sequence[Path]) -> list[RunFolder]:
+    """Every folder of ``--runs``, read with a progress bar; a folder that is not a run
+    folder, a malformed metrics line or a run without steps ends the script with the
+    reason (exit status 2, as for a bad option). A folder named twice is read once; two
+    folders of the same name are told apart by their parent folder's name."""
+    unique = list({Path(p).expanduser().resolve(): Path(p) for p in paths}.values())
+    runs = []
+    error = ""
+    with progress(len(unique), "reading runs") as advance:
+        for path in unique:
+            advance(str(path))
+            try:
+                runs.append(read_run_folder(path))
+            except RunFolderError as exc:
+                error = str(exc)
+            except OSError as exc:
+                error = f"cannot read {path}: {exc}"
+            if error:
+                break
+    if error:
+        p.error(error)  # after the bar, so that the message is the last line
+    names = Counter(r.name for r in runs)
+    return [
+        replace(r, name=f"{r.path.resolve().parent.name}/{r.name}") if names[r.name] > 1 else r
+        for r in runs
+    ]
 
 
 def seed_list(spec: str, first: int = 0) -> list[int]:
@@ -171,7 +217,7 @@ def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None
         table.add_column(
             c,
             justify="left"
-            if c in ("system", "name", "dimension", "variant", "statistic")
+            if c in ("system", "name", "run", "dimension", "variant", "statistic")
             else "right",
         )
     for row in rows:
@@ -180,6 +226,8 @@ def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None
 
 
 def _show(value: Any) -> str:
+    if value is None:
+        return "n/a"
     if isinstance(value, float):
         return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3f}"
     return str(value)
