@@ -72,6 +72,13 @@ class RunConfig:
     checkpoint_every: int = field(
         default=0, metadata=_help("save a checkpoint every N steps; 0 = only at the end")
     )
+    eval_problems: int = field(
+        default=512,
+        metadata=_help(
+            "held-out problems of the built-in task scored before and after training, at "
+            "rollout.temperature (the run's improvement); 0 = off"
+        ),
+    )
     dashboard: bool = field(
         default=True,
         metadata=_help(
@@ -110,6 +117,7 @@ class RunConfig:
                 "is out of range: use a ratio in [0, 16), e.g. 0.0625",
             )
         require_at_least("checkpoint_every", self.checkpoint_every, 0, "steps (0 = at the end)")
+        require_at_least("eval_problems", self.eval_problems, 0, "problems (0 = off)")
         require(
             1 <= self.dashboard_port <= 65535,
             "dashboard_port",

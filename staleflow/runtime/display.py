@@ -73,6 +73,11 @@ def summary_table(summary: dict[str, Any], eta: int) -> Table:
             f"{fmt(summary.get('reward_start'), '.3f')} → {fmt(summary.get('reward_end'), '.3f')}",
         ),
         (
+            f"held-out reward ({summary.get('eval_problems', 0)} problems), start → end",
+            f"{fmt(summary.get('eval_reward_start'), '.3f')} → "
+            f"{fmt(summary.get('eval_reward_end'), '.3f')}",
+        ),
+        (
             "staleness (V_buf - V_traj: trajectories)",
             " ".join(f"{k}:{v}" for k, v in summary.get("staleness_hist", {}).items()),
         ),

@@ -29,6 +29,7 @@ from staleflow.runtime.components import (
     TrainerSpec,
     model_spec,
 )
+from staleflow.runtime.evaluation import held_out_reward
 from staleflow.runtime.runfolder import reward_mean  # also imported from here
 
 logger = logging.getLogger(__name__)
@@ -486,6 +487,10 @@ def launch(
     phase("preparing the policy (the first run warms the built-in model up; later runs reuse it)")
     model, tokenizer, facts = prepare_policy(cfg)
     dataset = build_dataset(cfg, tokenizer)
+    if cfg.eval_problems and cfg.data.task == "arithmetic":
+        phase(f"scoring the initial policy on {cfg.eval_problems} held-out problems")
+        facts["eval_problems"] = cfg.eval_problems
+        facts["eval_reward_start"] = held_out_reward(cfg, model, tokenizer)
     facts["prepare_s"] = time.monotonic() - started
     run = Run(cfg, run_dir)
     dashboard: Any = None
@@ -514,6 +519,11 @@ def launch(
         if dashboard is not None:
             dashboard.stop()  # before the actors it polls go away
         run.shutdown()
+    if "eval_reward_start" in facts:
+        from staleflow.models.checkpoint import load_pretrained
+
+        final, _ = load_pretrained(run_dir / "checkpoint")
+        facts["eval_reward_end"] = held_out_reward(cfg, final, tokenizer)
     summary = summarise(records, reports, facts)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     consumed = [

@@ -35,6 +35,7 @@ def _launch(tmp_path, eta: int, *extra: str):
             "rollout.max_response_tokens=8",
             "coordinator.period_s=0.05",
             "dashboard=false",  # tests/staleflow/dashboard/test_launch_dashboard.py has it on
+            "eval_problems=32",
             *extra,
         ],
     )
@@ -69,6 +70,11 @@ def _check_run(result, eta: int) -> None:
     model, tokenizer = load_pretrained(result.run_dir / "checkpoint")
     assert tokenizer.decode(tokenizer.encode("12+7=")) == "12+7="
     assert sum(p.numel() for p in model.parameters()) > 0
+    # held-out rewards of the initial weights and of the final checkpoint
+    summary = result.summary
+    assert summary["eval_problems"] == 32
+    assert 0.0 <= summary["eval_reward_start"] <= 1.0
+    assert 0.0 <= summary["eval_reward_end"] <= 1.0
 
 
 def test_launch_eta1_bounded_and_conserving(tmp_path):

@@ -140,8 +140,10 @@ def test_every_consumed_trajectory_is_within_eta_and_nothing_is_lost(eta):
     held = set().union(*(h.held() for h in w.hosts.values()))
     for tid in held:
         assert w.ts.state_of(tid).value == "routed"
-    # instances saw the PS advance
-    assert max(max(e.loads) for e in w.engines.values()) >= 4
+    # instances saw the PS advance: the last buffer (version 5) admits only trajectories
+    # of version >= 5 - eta, so some instance loaded at least that (more is timing: the
+    # throughput sync Pulls only when routing needs it)
+    assert max(max(e.loads) for e in w.engines.values()) >= 5 - eta
     records = w.control.records()
     assert len(records) == 6
     assert all(rec["staleness/max"] <= eta for rec in records)
