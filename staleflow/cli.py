@@ -436,8 +436,22 @@ def _add_profile(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_profile)
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Like ``parse_args``, except that ``key=value`` overrides of ``launch`` may also come
+    after an option (``launch --eta 3 --no-dashboard seed=1``), which argparse alone
+    refuses once an option has interrupted a positional list."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        stray = [a for a in extra if a.startswith("-") or "=" not in a]
+        if stray or not hasattr(args, "overrides"):
+            parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if (getattr(args, "eta", 0) or 0) < 0:
         print("staleflow: --eta must be >= 0 (0 = synchronous on-policy RL)", file=sys.stderr)
         return 2

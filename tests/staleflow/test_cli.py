@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from staleflow.cli import main
 from staleflow.demo import run_demo
 
@@ -82,8 +84,6 @@ def _run_folder(tmp_path):
 
 
 def test_operator_commands_have_help(capsys):
-    import pytest
-
     for command, words in (
         ("dashboard", ("--address", "--sim", "--token", "--port")),
         ("status", ("--address", "--run")),
@@ -162,3 +162,21 @@ def test_cli_profile_fits_and_saves_a_config_launch_reads(capsys, tmp_path):
     assert cfg.coordinator.period_s == 0.2  # the rest keeps launch's defaults
     assert main(["profile", "--running", "1,x"]) == 2
     assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_launch_overrides_may_follow_options():
+    from staleflow.cli import parse_args
+
+    args = parse_args(["launch", "seed=1", "--eta", "3", "--no-dashboard", "run_dir=/tmp/x"])
+    assert args.overrides == ["seed=1", "run_dir=/tmp/x"]
+    assert args.eta == 3 and args.dashboard is False
+
+
+def test_unknown_arguments_are_still_refused(capsys):
+    from staleflow.cli import parse_args
+
+    for argv in (["launch", "--eta", "3", "--bogus"], ["sim", "steps=3"]):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(argv)
+        assert exit_info.value.code == 2
+        assert "unrecognized arguments" in capsys.readouterr().err
