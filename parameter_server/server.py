@@ -158,7 +158,12 @@ class PSServer:
             case wire.GetInfo():
                 info = store.info()
                 return wire.Info(
-                    info.latest, list(info.held), info.num_slots, list(info.readers), info.pushing
+                    info.latest,
+                    list(info.held),
+                    info.num_slots,
+                    list(info.readers),
+                    info.pushing,
+                    info.version_bytes,
                 )
             case wire.AcquireRead(version=version):
                 lease = store.acquire_read(version)

@@ -54,6 +54,7 @@ class StoreInfo:
     num_slots: int
     readers: tuple[int, ...]
     pushing: bool
+    version_bytes: int = 0  # one version of the weights: what every Push and whole Pull moves
 
 
 class _Slot:
@@ -192,6 +193,7 @@ class VersionedStore:
                 num_slots=len(self._slots),
                 readers=tuple(s.lock.readers for s in self._slots),
                 pushing=self._pushing,
+                version_bytes=self.layout.nbytes,
             )
 
     def _held(self) -> tuple[int, ...]:

@@ -59,6 +59,7 @@ class Info(Message):
     num_slots: int
     readers: list[int]
     pushing: bool
+    version_bytes: int = 0
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,7 @@ class ControlClient:
             num_slots=reply.num_slots,
             readers=tuple(reply.readers),
             pushing=reply.pushing,
+            version_bytes=reply.version_bytes,
         )
 
     def acquire_read(self, version: int | None) -> wire.Leased:

@@ -37,9 +37,9 @@ from staleflow.runtime.launch import ACTOR_NAMESPACE
 logger = logging.getLogger(__name__)
 
 _PS_NOTE = (
-    "the PS reports the versions it holds, its readers and whether a Push is running; "
-    "push/pull sizes are not reported, and push/pull times are when the dashboard saw "
-    "the new version (within the poll period)"
+    "the PS reports the versions it holds, its readers, whether a Push is running and the "
+    "size of one version (what every Push and every whole Pull moves); push/pull times are "
+    "when the dashboard saw the new version (within the poll period)"
 )
 
 
@@ -373,7 +373,7 @@ class RaySource:
             pushing=info.pushing if info is not None else None,
             last_push_s=self._recorder.last_push,
             last_pull_s=dict(self._recorder.last_pull),
-            version_bytes=None,
+            version_bytes=info.version_bytes if info is not None else None,
             notes=tuple(notes),
         )
 

@@ -50,7 +50,9 @@ def test_push_and_pull_across_processes(worker: PSWorker, make_weights: WeightsF
         assert t.pull(dest) == version
         for key, view in t.layout.views(dest).items():
             np.testing.assert_array_equal(view, weights[key])
-        assert version in t.info().held
+        info = t.info()
+        assert version in info.held
+        assert info.version_bytes == t.layout.nbytes  # what one Push or whole Pull moves
 
 
 def test_every_transport_satisfies_the_contract(worker: PSWorker, layout: Layout) -> None:
