@@ -18,6 +18,7 @@ Dependencies:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -70,6 +71,11 @@ class InProcessExecutor:
         self._returning: dict[TrajId, int] = {}  # traj -> pending Interrupt op
         self._pulling: dict[int, int] = {}  # inst -> pending Pull op
         self._reports: list[CommandDone] = []
+        # commands issued so far, by instance and kind ("pull", "route", ...), for an
+        # operator's view; republished as a fresh copy after each issue() so that another
+        # thread can read ``issued`` while commands keep coming
+        self._issued: dict[int, Counter[str]] = {}
+        self.issued: dict[int, dict[str, int]] = {}
         self._blocked: set[Lane] = set()
         # How one round of mutually independent operations runs: in turn by default; a
         # real deployment passes a thread pool's map so Pulls and Routes overlap.
@@ -80,6 +86,7 @@ class InProcessExecutor:
 
     def issue(self, commands: Sequence[Command]) -> None:
         for command in commands:
+            self._issued.setdefault(command.inst, Counter())[type(command).__name__.lower()] += 1
             progress = _Progress()
             match command:
                 case Interrupt(inst=inst, trajs=trajs):
@@ -98,6 +105,8 @@ class InProcessExecutor:
                     take = self._add(("ts", inst), command, self._take(command, progress), deps)
                     deps = {take} | ({self._pulling[inst]} if inst in self._pulling else set())
                     self._add(("engine", inst), command, self._deliver(command, progress), deps)
+        if commands:
+            self.issued = {inst: dict(kinds) for inst, kinds in self._issued.items()}
 
     def poll(self) -> list[CommandDone]:
         out, self._reports = self._reports, []
@@ -109,6 +118,14 @@ class InProcessExecutor:
     def pending(self) -> int:
         """Operations not yet completed."""
         return len(self._ops)
+
+    def pending_by_instance(self) -> dict[int, int]:
+        """Commands not yet completed, by the instance they act on. Safe to call from
+        another thread while :meth:`tick` runs (it reads one list object)."""
+        by_inst: dict[int, set[int]] = {}
+        for op in self._ops:
+            by_inst.setdefault(op.command.inst, set()).add(id(op.command))
+        return {inst: len(cmds) for inst, cmds in by_inst.items()}
 
     def block(self, lane: Lane) -> None:
         """Hold every operation on ``lane`` (e.g. ``("pull", 3)``) until :meth:`unblock`."""

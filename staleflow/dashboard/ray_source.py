@@ -332,8 +332,9 @@ class RaySource:
                     snapshot=snap,
                     measured_tokens_per_s=self._recorder.rates.get(i),
                     idle_ratio=t.idle_s / busy if t is not None and busy > 0 else None,
-                    pending_commands=None,
+                    pending_commands=live.pending.get(i, 0),
                     last_cycle_commands=None,
+                    commands_total=dict(live.commands.get(i, {})),
                 )
             )
         if live.last_discard:
@@ -348,6 +349,7 @@ class RaySource:
             finished=st.finished,
             cycles=live.cycles,
             discarded=live.discarded,
+            pending_commands=sum(live.pending.values()),
             notes=tuple(notes),
         )
 

@@ -201,6 +201,7 @@ class SimSource:
             total = t.decode + t.prefill + t.pull + t.idle
             details.append((i, snap, t.idle / total if total > 0 else None))
         notes = [self._failure] if self._failure else []
+        pending = c.executor.pending_by_instance()
         if c.stalled:
             notes.append("the simulation stalled: no training step for stall_timeout_s")
         return LiveView(
@@ -212,7 +213,7 @@ class SimSource:
                     snapshot=snap,
                     measured_tokens_per_s=self._recorder.rates.get(i),
                     idle_ratio=idle,
-                    pending_commands=None,
+                    pending_commands=pending.get(i, 0),
                     last_cycle_commands=dict(self._cycle_commands.get(i, {})),
                     commands_total=dict(self._commands.get(i, {})),
                 )

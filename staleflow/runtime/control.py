@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from coordinator import Coordinator, CoordinatorConfig, InProcessExecutor, Snapshot
@@ -75,6 +75,8 @@ class LiveState:
     cycles: int = 0
     discarded: int = 0
     last_discard: str = ""  # why the last snapshot failed Eq. 1
+    pending: Mapping[int, int] = field(default_factory=dict)  # commands in flight, by instance
+    commands: Mapping[int, Mapping[str, int]] = field(default_factory=dict)  # issued, by kind
 
 
 class ControlPlane:
@@ -169,6 +171,8 @@ class ControlPlane:
             cycles=self.coordinator.stats.cycles,
             discarded=self.coordinator.stats.discarded,
             last_discard=self._last_discard,
+            pending=self.executor.pending_by_instance(),
+            commands=self.executor.issued,
         )
 
     def check(self) -> None:

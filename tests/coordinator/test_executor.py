@@ -121,3 +121,21 @@ def test_trajectories_a_plane_could_not_start_are_reported_missed() -> None:
     ex.run_until_idle()
     [done] = ex.poll()
     assert done.missed == (31,)
+
+
+def test_pending_and_issued_commands_by_instance() -> None:
+    world, ex = setup({0: 1, 1: 1})
+    [t] = group(5, 1, first_traj=50, v_traj=1)
+    world.place(0, [t])
+    ex.block(("engine", 0))
+    ex.issue([Interrupt(0, (50,)), Route(1, (50,))])
+    # the Route is two operations (take from the TS, deliver) but one command
+    assert ex.pending_by_instance() == {0: 1, 1: 1}
+    assert ex.issued == {0: {"interrupt": 1}, 1: {"route": 1}}
+    ex.tick()
+    assert ex.pending_by_instance() == {0: 1, 1: 1}  # the Route waits for the Interrupt
+    ex.unblock(("engine", 0))
+    ex.run_until_idle()
+    assert ex.pending_by_instance() == {}
+    ex.issue([Interrupt(0, ())])
+    assert ex.issued == {0: {"interrupt": 2}, 1: {"route": 1}}

@@ -41,6 +41,8 @@ class _Run:
             elapsed_s=self.elapsed,
             cycles=7,
             last_discard="",
+            pending={1: 2},
+            commands={0: {"pull": 1, "route": 3}},
         )
 
     def times(self) -> InstanceTimes:
@@ -68,6 +70,9 @@ def test_polls_state_records_markers_and_rates():
     assert [d.version for d in live.instances] == [1, 0]
     assert live.instances[0].measured_tokens_per_s == 200.0
     assert live.instances[0].idle_ratio == pytest.approx(0.25)
+    assert [d.pending_commands for d in live.instances] == [0, 2] and live.pending_commands == 2
+    assert live.instances[0].commands_total == {"pull": 1, "route": 3}
+    assert live.instances[1].commands_total == {}
     assert src.records(0, 10).total == 2
     kinds = [(e.kind, e.inst) for e in src.events(0, 10).items]
     assert ("pull", 0) in kinds and ("push", None) in kinds and ("step", None) in kinds
