@@ -46,16 +46,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# The defaults, measured on 2 CPU cores: 500 steps of 128 level-2 problems take ~85 s with
-# 2 torch threads on idle cores (0.17 s a step) and ~225 s with 1 thread on cores shared
-# with other jobs; sampled accuracy at temperature 1.0 ends at 27-42% (greedy 40-53%).
-# Learning is abrupt around these step counts (300 steps: <10%; 800 steps: ~80%), so a
-# change of steps, lr or threads moves accuracy a lot.
+# Measured on 2 CPU cores: 500 steps of 128 level-2 problems take ~85 s with 2 torch
+# threads on idle cores (0.17 s a step) and ~225 s with 1 thread on cores shared with
+# other jobs. Learning is abrupt and its timing depends on the seed: after a fixed 500
+# steps, sampled accuracy at T=1 is 27% for seed 0 and 7% for seed 1; with the 1200-step
+# schedule, validation accuracy crosses 25% at ~575 steps for seed 0 and ~700 for seed 1.
+# So staleflow launch stops at a target accuracy (model.warmup_target) instead of a count.
 DEFAULT_PRESET = "tiny"
 DEFAULT_LEVEL = 2
 DEFAULT_STEPS = 500
 DEFAULT_BATCH_SIZE = 128
 DEFAULT_LR = 2e-3
+CHECK_EVERY = 25  # steps between validation checks of a warm-up with a target accuracy
+VALIDATION_PROBLEMS = 256
 META_FILE = "warmup.json"
 _CACHE_FORMAT = 1  # bump when the warm-up procedure changes what it produces
 
@@ -147,6 +150,8 @@ def warmup(
     num_threads: int | None = None,
     log_every: int = 50,
     on_step: Callable[[int, float], None] | None = None,
+    stop: Callable[[int], bool] | None = None,
+    check_every: int = 25,
 ) -> WarmupStats:
     """Supervised next-token training of ``model`` in place on prompt -> solution.
 
@@ -155,6 +160,8 @@ def warmup(
     tokens (prompts are context only). AdamW, linear warm-up then cosine decay, gradient
     clipping. Deterministic for a seed on a given machine and thread count.
     ``on_step(step, loss)`` is called after each step (progress, evaluation).
+    ``stop(step)``, asked every ``check_every`` steps, ends the run early when it returns
+    True (the schedule stays the one of ``steps``); ``WarmupStats.steps`` says how many ran.
     """
     if steps < 1 or batch_size < 1:
         raise ValueError(f"steps={steps}, batch_size={batch_size}; both must be at least 1")
@@ -198,11 +205,14 @@ def warmup(
                     losses[-1],
                     time.perf_counter() - start,
                 )
+            if stop is not None and (step + 1) % check_every == 0 and stop(step + 1):
+                break
     model.train(was_training)
-    tail = losses[-max(1, steps // 10) :]
+    done = len(losses)
+    tail = losses[-max(1, done // 10) :]
     return WarmupStats(
-        steps=steps,
-        examples=steps * batch_size,
+        steps=done,
+        examples=done * batch_size,
         target_tokens=tokens,
         seconds=time.perf_counter() - start,
         first_loss=losses[0],
@@ -293,6 +303,11 @@ def evaluate_accuracy(
     return right / max(1, n)
 
 
+def _validation_task(task_config: ArithmeticConfig) -> ArithmeticTask:
+    """Problems the warm-up stops on: apart from the held-out ones it reports."""
+    return ArithmeticTask(replace(task_config, seed=task_config.seed + 2_000_003))
+
+
 def _eval_task(task_config: ArithmeticConfig) -> ArithmeticTask:
     """Held-out problems: a problem sequence neither the warm-up nor an RL dataset of the
     same config starts with (the problem space may still overlap for easy levels)."""
@@ -336,6 +351,7 @@ def ensure_warm_checkpoint(
     cache_dir: str | Path | None = None,
     num_threads: int | None = None,
     eval_problems: int = 256,
+    target_accuracy: float | None = None,
 ) -> Path:
     """The directory of a warmed checkpoint (model, tokenizer, ``warmup.json``), built on
     the first call and reused after.
@@ -347,11 +363,23 @@ def ensure_warm_checkpoint(
     starting accuracy; 0 skips that. ``num_threads``: torch threads while warming (None:
     torch's setting); on cores busy with other processes 1 thread is far faster than
     an oversubscribed 2 (measured 10x).
+
+    ``target_accuracy``: stop as soon as the sampled (T=1) accuracy on
+    ``VALIDATION_PROBLEMS`` validation problems (a stream apart from the held-out one)
+    reaches it, checked every ``CHECK_EVERY`` steps; ``steps`` is then the most it may
+    take. Learning here is abrupt and its timing depends on the seed (seed 0 is at 27% after
+    500 steps, seed 1 at 7%), so a fixed step count leaves some seeds nothing for RL to
+    work with; a target gives every seed a comparable start.
     """
     p = get_preset(preset) if isinstance(preset, str) else preset
     name = preset if isinstance(preset, str) else "custom"
     task_config = task_config or default_task_config()
+    if target_accuracy is not None and not 0.0 < target_accuracy <= 1.0:
+        raise ValueError(f"target_accuracy={target_accuracy}; use a share in (0, 1], or None")
     key = cache_key(p, task_config, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
+    if target_accuracy is not None:
+        key["target_accuracy"] = target_accuracy
+        key["check"] = [CHECK_EVERY, VALIDATION_PROBLEMS]
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     final = root / f"{name}-{digest}"
@@ -364,6 +392,16 @@ def ensure_warm_checkpoint(
     )
     model, tokenizer = build_arithmetic_model(p, seed=seed)
     task = ArithmeticTask(task_config)
+    checks: list[tuple[int, float]] = []
+
+    def reached(step: int) -> bool:
+        accuracy = evaluate_accuracy(
+            model, tokenizer, _validation_task(task_config), VALIDATION_PROBLEMS, 1.0, seed=seed
+        )
+        checks.append((step, accuracy))
+        logger.info("warm-up step %d: validation accuracy at T=1 %.1f%%", step, 100 * accuracy)
+        return target_accuracy is not None and accuracy >= target_accuracy
+
     stats = warmup(
         model,
         tokenizer,
@@ -371,10 +409,21 @@ def ensure_warm_checkpoint(
         steps=steps,
         batch_size=batch_size,
         lr=lr,
+        stop=reached if target_accuracy is not None else None,
+        check_every=CHECK_EVERY,
         seed=seed,
         num_threads=num_threads,
     )
     meta: dict[str, Any] = {"key": key, "preset_name": name, "stats": asdict(stats)}
+    if target_accuracy is not None:
+        meta["validation"] = checks
+        if not checks or checks[-1][1] < target_accuracy:
+            logger.warning(
+                "the warm-up ended after %d steps below its target accuracy %.0f%%; raise "
+                "model.warmup_steps if RL finds too few right answers",
+                stats.steps,
+                100 * target_accuracy,
+            )
     if eval_problems > 0:
         with _torch_threads(num_threads):
             accuracy = evaluate_accuracy(
@@ -417,6 +466,7 @@ def ensure_warm_model(
     cache_dir: str | Path | None = None,
     num_threads: int | None = None,
     eval_problems: int = 256,
+    target_accuracy: float | None = None,
 ) -> tuple[PreTrainedModel, Tokenizer]:
     """A warmed policy and its tokenizer for the built-in task, from the cache when there
     (see :func:`ensure_warm_checkpoint`)."""
@@ -430,6 +480,7 @@ def ensure_warm_model(
         cache_dir=cache_dir,
         num_threads=num_threads,
         eval_problems=eval_problems,
+        target_accuracy=target_accuracy,
     )
     return load_pretrained(path)
 

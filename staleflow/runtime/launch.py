@@ -90,11 +90,20 @@ def prepare_policy(cfg: Any) -> tuple[Any, Any, dict[str, Any]]:
         task,
         steps=cfg.model.warmup_steps,
         seed=cfg.seed,
+        target_accuracy=cfg.model.warmup_target or None,
         cache_dir=cfg.model.cache_dir or None,
     )
     model, tokenizer = load_pretrained(path)
     meta = read_warmup_meta(path)
-    return model, tokenizer, {"source": str(path), "warmup_accuracy": meta.get("accuracy_t1")}
+    return (
+        model,
+        tokenizer,
+        {
+            "source": str(path),
+            "warmup_accuracy": meta.get("accuracy_t1"),
+            "warmup_steps": meta.get("stats", {}).get("steps"),
+        },
+    )
 
 
 def build_dataset(cfg: Any, tokenizer: Any) -> Any:

@@ -21,7 +21,7 @@ from trajectory_server.types import TrajectoryServerConfig
 
 def test_defaults_are_the_documented_embedded_run():
     cfg = RunConfig()
-    assert (cfg.eta, cfg.steps, cfg.seed, cfg.batch_size, cfg.group_size) == (3, 200, 0, 8, 8)
+    assert (cfg.eta, cfg.steps, cfg.seed, cfg.batch_size, cfg.group_size) == (3, 200, 0, 32, 8)
     assert (cfg.run_dir, cfg.name, cfg.address) == ("runs", "", "")
     assert (cfg.dashboard, cfg.dashboard_port) == (True, 8266)  # 8265 is Ray's dashboard
     assert cfg.model.preset == "tiny" and cfg.model.checkpoint == "" and cfg.model.warmup
@@ -67,7 +67,7 @@ def test_describe_lists_keys_defaults_and_help():
     text = format_config_help()
     assert len(text.splitlines()) == len(keys)
     (lr_line,) = [line for line in text.splitlines() if line.startswith("trainer.lr ")]
-    assert "3.0e-05" in lr_line and "learning rate" in lr_line
+    assert "5.0e-05" in lr_line and "learning rate" in lr_line
     assert "coordinator.cost_model.kv_budget" in text
 
 

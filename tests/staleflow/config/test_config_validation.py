@@ -33,6 +33,8 @@ from staleflow.config import (
         (["run_dir="], "run_dir='' is empty"),
         (["model.preset=huge"], "model.preset='huge' is unknown: use one of"),
         (["model.warmup_steps=-1"], "model.warmup_steps=-1"),
+        (["model.warmup_target=1.5"], "model.warmup_target=1.5 is not a share"),
+        (["eval_problems=-1"], "eval_problems=-1 is too small"),
         (["data.task=csv"], "data.task='csv' is unknown: use one of arithmetic | gsm8k"),
         (["data.difficulty=9"], "data.difficulty=9 is out of range"),
         (["data.max_prompt_tokens=0"], "data.max_prompt_tokens=0"),

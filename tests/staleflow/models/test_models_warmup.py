@@ -128,6 +128,41 @@ def test_ensure_warm_checkpoint_loads_the_same_weights_it_trained(tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_warmup_stops_when_asked_and_reports_the_steps_it_ran():
+    model, tokenizer = build_arithmetic_model("micro")
+    asked: list[int] = []
+
+    def stop(step: int) -> bool:
+        asked.append(step)
+        return step >= 4
+
+    stats = warmup(
+        model, tokenizer, ArithmeticTask(LEVEL1), steps=10, batch_size=4, stop=stop, check_every=2
+    )
+    assert asked == [2, 4]
+    assert (stats.steps, stats.examples) == (4, 16)
+
+
+def test_a_target_accuracy_stops_the_warm_up_and_keys_the_cache(tmp_path, monkeypatch):
+    # validation accuracy rises 0.1 per check (every CHECK_EVERY steps): 0.1, 0.2, 0.3, ...
+    calls = iter(range(1, 100))
+    monkeypatch.setattr(
+        warmup_module, "evaluate_accuracy", lambda *a, **k: round(0.1 * next(calls), 3)
+    )
+    every = warmup_module.CHECK_EVERY
+    kwargs = dict(steps=10 * every, batch_size=2, lr=1e-2, cache_dir=tmp_path, eval_problems=0)
+    path = ensure_warm_checkpoint("micro", LEVEL1, target_accuracy=0.3, **kwargs)
+    meta = json.loads((path / META_FILE).read_text())
+    assert meta["stats"]["steps"] == 3 * every  # stopped at the first check >= 0.3
+    assert meta["validation"] == [[every, 0.1], [2 * every, 0.2], [3 * every, 0.3]]
+    assert meta["key"]["target_accuracy"] == 0.3
+    # without a target (or with another) it is another cache entry
+    other = ensure_warm_checkpoint("micro", LEVEL1, target_accuracy=0.5, **kwargs)
+    assert other != path
+    with pytest.raises(ValueError, match=r"target_accuracy=1\.5"):
+        ensure_warm_checkpoint("micro", LEVEL1, target_accuracy=1.5, **kwargs)
+
+
 def test_cache_dir_follows_staleflow_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("STALEFLOW_CACHE", str(tmp_path))
     assert default_cache_dir() == tmp_path / "warmup"
@@ -137,20 +172,31 @@ def test_cache_dir_follows_staleflow_cache(monkeypatch, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # minutes of CPU, more on a shared machine
-def test_default_warmup_leaves_room_for_rl(tmp_path, request):
-    """The default preset and task: a couple of minutes on 2 cores, and a policy that
-    succeeds sometimes but not always (the starting point of RL)."""
+@pytest.mark.parametrize("seed", [0, 1])
+def test_default_warmup_leaves_room_for_rl(tmp_path, request, seed):
+    """The warm-up staleflow launch runs by default (model.warmup_steps and
+    model.warmup_target): a few minutes on 2 cores, and a policy that succeeds sometimes
+    but not always (the starting point of RL), whatever the seed."""
     if "slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("minutes of CPU: run with -m slow")
+    from staleflow.config.sections import ModelConfig
+
+    defaults = ModelConfig()
     start = time.perf_counter()
     # one thread: on a shared machine a second one mostly waits (10x slower measured)
     model, tokenizer = ensure_warm_model(
-        DEFAULT_PRESET, cache_dir=tmp_path, eval_problems=0, num_threads=1
+        DEFAULT_PRESET,
+        steps=defaults.warmup_steps,
+        target_accuracy=defaults.warmup_target,
+        seed=seed,
+        cache_dir=tmp_path,
+        eval_problems=0,
+        num_threads=1,
     )
     seconds = time.perf_counter() - start
     held_out = ArithmeticTask(default_task_config(seed=99))
     accuracy = evaluate_accuracy(model, tokenizer, held_out, n=512, temperature=1.0)
     greedy = evaluate_accuracy(model, tokenizer, held_out, n=512, temperature=0.0)
-    print(f"warm-up {seconds:.0f}s, accuracy T=1 {accuracy:.3f}, greedy {greedy:.3f}")
-    assert 0.10 <= accuracy <= 0.70
+    print(f"seed {seed}: warm-up {seconds:.0f}s, accuracy T=1 {accuracy:.3f}, greedy {greedy:.3f}")
+    assert 0.15 <= accuracy <= 0.60
     assert greedy >= accuracy - 0.05
