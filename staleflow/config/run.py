@@ -146,17 +146,21 @@ class RunConfig:
                 "(or .parquet)",
             )
             require(
-                bool(data.tokenizer or model.checkpoint),
-                "data.tokenizer",
-                data.tokenizer,
-                f"is required for data.task={data.task} without model.checkpoint: the "
-                "built-in model's tokenizer only knows arithmetic; set model.checkpoint or "
-                "data.tokenizer",
+                bool(model.checkpoint),
+                "model.checkpoint",
+                model.checkpoint,
+                f"is required for data.task={data.task}: the built-in model only knows "
+                "arithmetic; set model.checkpoint=/path/to/a/local/hf/checkpoint",
             )
         elif data.path:
             raise ConfigError(
                 f"data.path={data.path!r} is set but data.task=arithmetic does not read files: "
                 "set data.task to jsonl, parquet, gsm8k or dapo, or drop data.path"
+            )
+        if data.tokenizer and not model.checkpoint:
+            raise ConfigError(
+                f"data.tokenizer={data.tokenizer!r} replaces the tokenizer of model.checkpoint, "
+                "which is not set: set model.checkpoint too, or drop data.tokenizer"
             )
         for key, backend, gpu in (
             ("rollout.backend", rollout.backend, "sglang"),

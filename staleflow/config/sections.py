@@ -21,6 +21,7 @@ FILE_TASKS = DATA_TASKS[1:]
 ROLLOUT_BACKENDS = ("embedded", "sglang")
 TRAINER_BACKENDS = ("embedded", "megatron")
 OFF_POLICY_MODES = ("decoupled", "tis", "none")
+CAP_MODES = ("auto", "truncate", "mask")
 ADVANTAGES = ("grpo", "dapo")
 # parameter_server.transport.TRANSPORT_NAMES, not imported: configuration stays
 # importable without the transports' modules
@@ -143,8 +144,8 @@ class DataConfig:
     tokenizer: str = field(
         default="",
         metadata=_help(
-            "local tokenizer (HF directory or CharTokenizer .json) of a file task; '' = the "
-            "checkpoint's"
+            "local tokenizer (HF directory or CharTokenizer .json) replacing model.checkpoint's "
+            "own; '' = the checkpoint's"
         ),
     )
     max_prompt_tokens: int = field(
@@ -279,6 +280,13 @@ class TrainerConfig:
     is_cap: float = field(
         default=5.0, metadata=_help("cap on the importance weights of the off-policy correction")
     )
+    is_cap_mode: str = field(
+        default="auto",
+        metadata=_help(
+            "a weight above is_cap: truncate (to the cap) | mask (drop the token) | auto "
+            "(mask for decoupled, as AReaL; truncate for tis)"
+        ),
+    )
     advantage: str = field(
         default="grpo", metadata=_help("grpo | dapo (group-relative advantages)")
     )
@@ -290,9 +298,22 @@ class TrainerConfig:
         metadata=_help("optimizer updates per training step (PPO mini-batches of the batch)"),
     )
     num_threads: int = field(default=1, metadata=_help("CPU threads of the embedded trainer"))
+    stall_timeout_s: float = field(
+        default=900.0,
+        metadata=_help(
+            "stop the run with an error when the trainer waits longer than this for its "
+            "next batch (a wedged rollout); 0 waits forever"
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_types(self, self.KEY)
+        require(
+            math.isfinite(self.stall_timeout_s) and self.stall_timeout_s >= 0,
+            "trainer.stall_timeout_s",
+            self.stall_timeout_s,
+            "must be >= 0 seconds (0 waits forever), e.g. 900",
+        )
         require_choice("trainer.backend", self.backend, TRAINER_BACKENDS)
         require_positive("trainer.lr", self.lr, "1e-4")
         require(
@@ -321,6 +342,7 @@ class TrainerConfig:
             self.is_cap,
             "must be >= 1 (a cap below 1 would shrink even on-policy tokens), e.g. 5.0",
         )
+        require_choice("trainer.is_cap_mode", self.is_cap_mode, CAP_MODES)
         require_choice("trainer.advantage", self.advantage, ADVANTAGES)
         require_at_least("trainer.micro_batch_size", self.micro_batch_size, 1, "trajectory")
         require_at_least("trainer.updates_per_step", self.updates_per_step, 1, "update")

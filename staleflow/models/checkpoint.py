@@ -78,14 +78,27 @@ def _load_tokenizer(p: Path) -> Tokenizer:
     )
 
 
+def _other_tokenizer(path: str | Path) -> Tokenizer:
+    from staleflow.data.tokenizer import load_tokenizer
+
+    try:
+        return load_tokenizer(path)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load the tokenizer {path}: {exc}") from None
+
+
 def load_pretrained(
     path: str | Path,
     *,
     attn_implementation: str = "sdpa",
     dtype: torch.dtype = torch.float32,
     trust_remote_code: bool = False,
+    tokenizer_path: str | Path | None = None,
 ) -> tuple[PreTrainedModel, Tokenizer]:
     """A causal LM and its tokenizer from a local checkpoint directory (never downloads).
+
+    ``tokenizer_path`` (a Hugging Face tokenizer directory or a CharTokenizer ``.json``)
+    replaces the checkpoint's own tokenizer, e.g. for a checkpoint saved without one.
 
     Raises :class:`ModelError` naming the problem when the directory is missing, is not
     a Hugging Face checkpoint, holds a model that is not a causal LM, or has no tokenizer,
@@ -108,7 +121,7 @@ def load_pretrained(
             f"{p}: model_type={raw['model_type']!r} is not a causal language model; "
             "transformers has no causal-LM class for it"
         )
-    tokenizer = _load_tokenizer(p)
+    tokenizer = _load_tokenizer(p) if tokenizer_path is None else _other_tokenizer(tokenizer_path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             p,

@@ -149,7 +149,10 @@ class ControlPlane:
                 if deadline is not None and time.monotonic() >= deadline:
                     if future.cancel():
                         raise TimeoutError(
-                            f"buffer {version} was not Ready within {timeout_s} s"
+                            f"buffer {version} was not Ready within {timeout_s:g} s: rollout "
+                            "made no batch in that time (see the dashboard's buffers for the "
+                            "Stuck one); if rollouts are just slow, raise "
+                            "trainer.stall_timeout_s (0 waits forever)"
                         ) from None
                     return future.result()  # being consumed as we gave up: take it
 

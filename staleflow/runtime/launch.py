@@ -52,6 +52,20 @@ class RunResult:
 # -- preparation (driver process) ---------------------------------------------------------
 
 
+def check_backends(cfg: Any) -> None:
+    """Refuse backends that ``launch`` cannot build yet, rather than quietly running the
+    embedded ones in their place (the config accepts them for the cluster path)."""
+    for key, value in (
+        ("rollout.backend", cfg.rollout.backend),
+        ("trainer.backend", cfg.trainer.backend),
+    ):
+        if value != "embedded":
+            raise LaunchError(
+                f"{key}={value} is not implemented in staleflow launch yet: only the embedded "
+                f"CPU backends run; use {key}=embedded"
+            )
+
+
 def make_run_dir(cfg: Any) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     name = cfg.name or f"eta{cfg.eta}"
@@ -70,7 +84,9 @@ def prepare_policy(cfg: Any) -> tuple[Any, Any, dict[str, Any]]:
     from staleflow.models.checkpoint import load_pretrained
 
     if cfg.model.checkpoint:
-        model, tokenizer = load_pretrained(cfg.model.checkpoint)
+        model, tokenizer = load_pretrained(
+            cfg.model.checkpoint, tokenizer_path=cfg.data.tokenizer or None
+        )
         return model, tokenizer, {"source": str(cfg.model.checkpoint)}
     if cfg.data.task != "arithmetic":
         raise LaunchError(
@@ -166,6 +182,7 @@ class Run:
         from trajectory_server.actor import spawn_trajectory_server
 
         cfg = self.cfg
+        check_backends(cfg)
         self._ray = ray
         if not ray.is_initialized():
             kwargs: dict[str, Any] = {"log_to_driver": True, "include_dashboard": False}
@@ -277,6 +294,7 @@ class Run:
                     transport=transport,
                     options=self._trainer_options(),
                     num_threads=cfg.trainer.num_threads,
+                    consume_timeout_s=cfg.trainer.stall_timeout_s or None,
                     checkpoint_dir=str(self.run_dir / "checkpoints"),
                     checkpoint_every=cfg.checkpoint_every,
                 ),
@@ -318,6 +336,7 @@ class Run:
             "eps_high": t.eps_high,
             "off_policy": t.off_policy,
             "is_cap": t.is_cap,
+            "is_cap_mode": t.is_cap_mode,
             "advantage": t.advantage,
             "micro_batch_size": t.micro_batch_size,
             "updates_per_step": t.updates_per_step,
@@ -487,15 +506,24 @@ def launch(
 ) -> RunResult:
     """Run ``cfg`` to the end; see the module docstring."""
     from staleflow.config import save_config
+    from staleflow.data.layouts import DatasetError
+    from staleflow.models.errors import ModelError
 
+    check_backends(cfg)
     phase = on_phase or (lambda text: logger.info("%s", text))
     run_dir = make_run_dir(cfg)
     save_config(cfg, run_dir / "config.yaml")
     phase(f"run folder {run_dir}")
     started = time.monotonic()
     phase("preparing the policy (the first run warms the built-in model up; later runs reuse it)")
-    model, tokenizer, facts = prepare_policy(cfg)
-    dataset = build_dataset(cfg, tokenizer)
+    try:
+        model, tokenizer, facts = prepare_policy(cfg)
+    except ModelError as exc:  # a checkpoint that cannot be loaded: say so, no traceback
+        raise LaunchError(f"cannot load the policy: {exc}") from exc
+    try:
+        dataset = build_dataset(cfg, tokenizer)
+    except DatasetError as exc:
+        raise LaunchError(f"cannot read the prompts: {exc}") from exc
     if cfg.eval_problems and cfg.data.task == "arithmetic":
         phase(f"scoring the initial policy on {cfg.eval_problems} held-out problems")
         facts["eval_problems"] = cfg.eval_problems

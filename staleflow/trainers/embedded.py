@@ -29,6 +29,7 @@ import torch
 from parameter_server.torch_compat import to_numpy
 from staleflow.models.state import load_policy_state, policy_state
 from staleflow.trainers.losses import (
+    CAP_MODES,
     OFF_POLICY_MODES,
     approx_kl,
     group_advantages,
@@ -42,7 +43,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 ADVANTAGES = ("grpo", "dapo")
-CAP_MODES = ("truncate", "mask")
 _STATE_FILE = "trainer_state.json"
 _OPTIMIZER_FILE = "optimizer.pt"
 # engines compute logprobs in float32 or bfloat16; a hair above zero is rounding
@@ -66,7 +66,8 @@ class EmbeddedTrainerConfig:
     eps_low, eps_high: PPO clip range ``[1 - eps_low, 1 + eps_high]`` (DAPO clip-higher).
     off_policy: "decoupled" | "tis" | "none" (see :func:`staleflow.trainers.losses.policy_loss`).
     is_cap: cap of the behaviour importance weight ``π_prox / π_behav``; None: no cap.
-    is_cap_mode: "truncate" (``min(w, cap)``) or "mask" (drop tokens above the cap).
+    is_cap_mode: "truncate" (``min(w, cap)``), "mask" (drop tokens above the cap) or
+        "auto": mask for "decoupled" (as AReaL), truncate for "tis" (as Yao et al.).
     advantage: "grpo" (``(r - mean) / (std + eps)``) or "dapo" (``r - mean``).
     micro_batch_tokens: padded tokens per forward/backward pass (bounds memory; a
         sequence longer than this gets a micro-batch of its own).
@@ -89,7 +90,7 @@ class EmbeddedTrainerConfig:
     eps_high: float = 0.28
     off_policy: str = "decoupled"
     is_cap: float | None = 2.0
-    is_cap_mode: str = "truncate"
+    is_cap_mode: str = "auto"
     advantage: str = "grpo"
     adv_eps: float = 1e-6
     micro_batch_tokens: int = 8192
@@ -274,8 +275,15 @@ class EmbeddedTrainer:
         rewards: list[float] = []
         group_index: list[int] = []
         trajs = []
+        errors = 0
         for g, group in enumerate(batch.groups):
             for t in group.trajectories:
+                if t.info.get("reward_error"):
+                    # A reward function that raised says nothing about the response:
+                    # training it as reward 0 would punish it like a wrong answer, and
+                    # counting it in its group's mean would shift its siblings' advantages.
+                    errors += 1
+                    continue
                 rewards.append(float(t.reward))
                 group_index.append(g)
                 trajs.append((group, t))
@@ -302,18 +310,21 @@ class EmbeddedTrainer:
             )
             lengths.append(len(tokens))
             staleness.append(self._version - np.asarray(t.versions, dtype=np.float64))
-        stale = np.concatenate(staleness)
-        flat_groups = sum(
-            1 for group in batch.groups if len({float(t.reward) for t in group.trajectories}) <= 1
-        )
+        stale = np.concatenate(staleness) if staleness else np.zeros(1)
+        by_group: dict[int, set[float]] = {}
+        for g, r in zip(group_index, rewards, strict=True):
+            by_group.setdefault(g, set()).add(r)
+        flat_groups = len(batch.groups) - sum(1 for v in by_group.values() if len(v) > 1)
+        nan = float("nan")
         stats = {
-            "train/reward_mean": float(np.mean(rewards)),
-            "train/reward_std": float(np.std(rewards)),
-            "train/advantage_abs_mean": float(np.mean(np.abs(advantages))),
+            "train/reward_mean": float(np.mean(rewards)) if rewards else nan,
+            "train/reward_std": float(np.std(rewards)) if rewards else nan,
+            "train/advantage_abs_mean": float(np.mean(np.abs(advantages))) if rewards else 0.0,
             "train/flat_group_frac": flat_groups / len(batch.groups),
-            "train/response_len_mean": float(np.mean(lengths)),
-            "train/response_len_max": float(np.max(lengths)),
+            "train/response_len_mean": float(np.mean(lengths)) if lengths else 0.0,
+            "train/response_len_max": float(np.max(lengths)) if lengths else 0.0,
             "train/trajectories": float(len(sequences)),
+            "train/reward_errors": float(errors),
             "train/groups": float(len(batch.groups)),
             "train/token_staleness_mean": float(stale.mean()),
             "train/token_staleness_max": float(stale.max()),
@@ -357,7 +368,8 @@ class EmbeddedTrainer:
                 torch.set_num_threads(threads)
                 self.model.train(was_training)
             self._version += 1
-            finite = all(math.isfinite(g) for g in norms)
+            # no update at all (every reward failed): a NaN norm, 0 updates, same weights
+            finite = bool(norms) and all(math.isfinite(g) for g in norms)
             grad_norm = float(np.mean(norms)) if finite else float("nan")
             n = max(total, 1.0)
             stats.update(
@@ -432,7 +444,7 @@ class EmbeddedTrainer:
             eps_low=c.eps_low,
             eps_high=c.eps_high,
             is_cap=c.is_cap,
-            is_cap_mode=c.is_cap_mode,  # type: ignore[arg-type]
+            is_cap_mode=c.is_cap_mode,
             total_tokens=total,
         )
         out.loss.backward()

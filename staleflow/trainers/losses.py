@@ -23,6 +23,20 @@ import torch
 OffPolicy = Literal["decoupled", "tis", "none"]
 OFF_POLICY_MODES: tuple[str, ...] = ("decoupled", "tis", "none")
 CapMode = Literal["truncate", "mask"]
+CAP_MODES: tuple[str, ...] = ("auto", "truncate", "mask")
+# What each correction does with a weight above the cap, as its authors do it: AReaL's
+# decoupled PPO drops such tokens (``behav_imp_weight_cap`` masks them), TIS truncates
+# the weight to the cap (Yao et al. 2025, eq. 3).
+DEFAULT_CAP_MODE: dict[str, CapMode] = {"decoupled": "mask", "tis": "truncate"}
+
+
+def resolve_cap_mode(off_policy: str, cap_mode: str) -> CapMode:
+    """``cap_mode`` with ``"auto"`` resolved to the default of ``off_policy``."""
+    if cap_mode not in CAP_MODES:
+        raise ValueError(f"is_cap_mode={cap_mode!r}; use one of {CAP_MODES}")
+    if cap_mode == "auto":
+        return DEFAULT_CAP_MODE.get(off_policy, "truncate")
+    return cap_mode  # type: ignore[return-value]
 
 
 def group_advantages(
@@ -166,7 +180,7 @@ def policy_loss(
     eps_low: float = 0.2,
     eps_high: float = 0.28,
     is_cap: float | None = None,
-    is_cap_mode: CapMode = "truncate",
+    is_cap_mode: str = "auto",
     total_tokens: float | None = None,
 ) -> PolicyLoss:
     """The policy-gradient loss with an off-policy correction, aggregated per token.
@@ -187,9 +201,10 @@ def policy_loss(
         loss_t = -min(π_old / π_behav, C) · min(r_t A, clip(r_t, ...) A),  r_t = π_θ / π_old
 
     with ``π_old`` the trainer's recomputed logprobs (``prox_logprobs`` here) and
-    ``C = is_cap`` (truncation; 2 in the paper). It is the same formula as
-    ``"decoupled"``; the two differ only in motivation (engine/trainer mismatch versus
-    staleness) and in the default cap mode.
+    ``C = is_cap`` (truncation; 2 in the paper). It is the formula of ``"decoupled"``
+    with the other treatment of large weights: TIS truncates them to ``C`` and keeps
+    every token, decoupled PPO drops the tokens above the cap (``is_cap_mode="auto"``
+    picks each one's own; :data:`DEFAULT_CAP_MODE`).
 
     ``"none"``: plain PPO with the behaviour logprobs as ``π_old`` (``r = π_θ / π_behav``,
     ``w = 1``): stale tokens are clipped, not reweighted.
@@ -207,7 +222,8 @@ def policy_loss(
         if prox_logprobs is None:
             raise ValueError(f"off_policy={off_policy!r} needs prox_logprobs")
         old = prox_logprobs.detach()
-        weights, capped = behaviour_weights(old, behav_logprobs, cap=is_cap, cap_mode=is_cap_mode)
+        mode = resolve_cap_mode(off_policy, is_cap_mode)
+        weights, capped = behaviour_weights(old, behav_logprobs, cap=is_cap, cap_mode=mode)
     token_losses, clipped = ppo_clip_loss(
         logprobs, old, advantages, eps_low=eps_low, eps_high=eps_high
     )

@@ -54,6 +54,8 @@ from staleflow.config import (
         (["trainer.eps_low=1"], "trainer.eps_low=1.0 is out of range"),
         (["trainer.off_policy=ppo"], "trainer.off_policy='ppo' is unknown: use one of decoupled"),
         (["trainer.is_cap=0.5"], "trainer.is_cap=0.5 must be >= 1"),
+        (["trainer.is_cap_mode=clip"], "trainer.is_cap_mode"),
+        (["trainer.stall_timeout_s=-1"], "trainer.stall_timeout_s=-1.0 must be >= 0"),
         (["trainer.advantage=rloo"], "trainer.advantage='rloo' is unknown"),
         (["trainer.micro_batch_size=0"], "trainer.micro_batch_size=0 is too small"),
         (["parameter_server.transport=rdma"], "parameter_server.transport='rdma' is unknown"),
@@ -64,7 +66,8 @@ from staleflow.config import (
         (["coordinator.cost_model.k5=0"], "coordinator.cost_model: cost model k5 must be > 0"),
         # across sections
         (["data.task=gsm8k"], "data.path='' is required for data.task=gsm8k"),
-        (["data.task=dapo", "data.path=d.parquet"], "data.tokenizer='' is required"),
+        (["data.task=dapo", "data.path=d.parquet"], "model.checkpoint='' is required"),
+        (["data.tokenizer=tok.json"], "data.tokenizer='tok.json' replaces the tokenizer"),
         (["data.task=jsonl", "data.path=d.parquet"], "data.path='d.parquet' does not end in"),
         (["data.path=train.jsonl"], "data.task=arithmetic does not read files"),
         (["rollout.backend=sglang"], "rollout.backend='sglang' needs a Hugging Face checkpoint"),
@@ -95,7 +98,10 @@ def test_valid_file_task_and_cluster_backends():
         ],
     )
     assert cfg.resolved().reward.kind == "math_verify"
-    tok = load_config(None, ["data.task=gsm8k", "data.path=g.jsonl", "data.tokenizer=tok.json"])
+    tok = load_config(
+        None,
+        ["data.task=gsm8k", "data.path=g.jsonl", "model.checkpoint=/m", "data.tokenizer=tok.json"],
+    )
     assert tok.data.tokenizer == "tok.json"
 
 

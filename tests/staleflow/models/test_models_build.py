@@ -139,6 +139,18 @@ def test_load_pretrained_errors_name_the_problem(tmp_path):
         load_pretrained(tmp_path / "no_tokenizer")
 
 
+def test_a_checkpoint_without_a_tokenizer_loads_with_one_given_apart(tmp_path):
+    model, tokenizer = build_arithmetic_model("micro", seed=3)
+    model.save_pretrained(tmp_path / "weights_only")
+    tokenizer.save(tmp_path / "tok.json")
+    _, loaded_tokenizer = load_pretrained(
+        tmp_path / "weights_only", tokenizer_path=tmp_path / "tok.json"
+    )
+    assert loaded_tokenizer.alphabet == tokenizer.alphabet
+    with pytest.raises(ModelError, match="cannot load the tokenizer"):
+        load_pretrained(tmp_path / "weights_only", tokenizer_path=tmp_path / "absent.json")
+
+
 def test_load_pretrained_rejects_a_model_without_a_causal_lm_head(tmp_path):
     from transformers import ViTConfig, ViTModel
 

@@ -168,3 +168,13 @@ def test_a_dead_instance_stops_the_run_with_its_error():
     w.engines[0].step = broken_step  # type: ignore[method-assign]
     with pytest.raises(Exception, match="engine exploded"):
         run(w, steps=3)
+
+
+def test_a_wedged_rollout_stops_the_trainer_with_the_fix_instead_of_a_hang():
+    w = wire(1)
+    w.control.start()  # no instance host runs: buffer 0 never becomes Ready
+    try:
+        with pytest.raises(TimeoutError, match=r"buffer 0 was not Ready.*stall_timeout_s"):
+            w.control.consume(0, timeout_s=0.3)
+    finally:
+        w.control.stop()

@@ -121,10 +121,19 @@ def test_metrics():
 
 def test_stale_behaviour_policy_is_capped_or_clipped():
     # behaviour logprobs one nat below the trainer's: weight e > cap 2
-    model, tokenizer, trainer = _setup(is_cap=2.0)
+    model, tokenizer, trainer = _setup(is_cap=2.0, off_policy="tis")  # truncates to the cap
     metrics = trainer.train_step(_batch(model, tokenizer, shift=1.0))
     assert metrics["train/importance_weight_mean"] == pytest.approx(2.0, rel=1e-5)
     assert metrics["train/is_capped_frac"] == 1.0
+    assert metrics["train/clip_frac"] == 0.0
+    assert metrics["train/kl_behav"] == pytest.approx(math.e - 2.0, rel=1e-4)
+    # decoupled PPO drops the tokens above the cap (AReaL): no weight left, no update
+    model, tokenizer, trainer = _setup(is_cap=2.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics = trainer.train_step(_batch(model, tokenizer, shift=1.0))
+    assert metrics["train/importance_weight_mean"] == 0.0
+    assert metrics["train/is_capped_frac"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     assert metrics["train/clip_frac"] == 0.0
     assert metrics["train/kl_behav"] == pytest.approx(math.e - 2.0, rel=1e-4)
     # without a correction, PPO's ratio against the behaviour policy is e: clipped where A > 0
@@ -274,3 +283,45 @@ def test_trainers_package_imports_without_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _with_errors(batch: TrainingBatch, failed: set[int]) -> TrainingBatch:
+    """``batch`` with the reward function having raised on trajectories ``failed``."""
+    groups = []
+    for g in batch.groups:
+        trajs = tuple(
+            dataclasses.replace(t, info={"reward_error": "ZeroDivisionError"})
+            if t.traj_id in failed
+            else t
+            for t in g.trajectories
+        )
+        groups.append(dataclasses.replace(g, trajectories=trajs))
+    return TrainingBatch(tuple(groups))
+
+
+def test_a_failed_reward_is_not_trained_as_a_wrong_answer():
+    # The good answer (id 10) and one wrong answer (id 11) were graded; the reward
+    # function raised on the other two (ids 12, 13). Training must equal training on the
+    # two graded ones alone: the failed ones neither get a negative advantage nor move
+    # their siblings' group mean.
+    model_a, tokenizer, errored = _setup(seed=3)
+    model_b, _, graded_only = _setup(seed=3)
+    batch = _batch(model_a, tokenizer)
+    stats = errored.train_step(_with_errors(batch, {12, 13}))
+    g = batch.groups[0]
+    kept = TrainingBatch((dataclasses.replace(g, trajectories=g.trajectories[:2]),))
+    graded_only.train_step(kept)
+    for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert stats["train/reward_errors"] == 2.0
+    assert stats["train/trajectories"] == 2.0
+
+
+def test_a_batch_whose_rewards_all_failed_advances_the_version_without_an_update():
+    model, tokenizer, trainer = _setup()
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = trainer.train_step(_with_errors(_batch(model, tokenizer), {10, 11, 12, 13}))
+    assert trainer.version == 1  # the buffer was consumed: the version moves on
+    assert stats["train/updates"] == 0.0
+    assert stats["train/reward_errors"] == 4.0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

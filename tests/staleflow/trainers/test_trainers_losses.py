@@ -93,7 +93,14 @@ def test_decoupled_and_tis_weight_the_policy_gradient(mode):
     adv = _t(1.0, -2.0, 0.5)
     mask = _t(1, 1, 0)
     out = policy_loss(
-        logprobs, behav, adv, mask, off_policy=mode, prox_logprobs=logprobs.detach(), is_cap=1.5
+        logprobs,
+        behav,
+        adv,
+        mask,
+        off_policy=mode,
+        prox_logprobs=logprobs.detach(),
+        is_cap=1.5,
+        is_cap_mode="truncate",
     )
     out.loss.backward()
     # prox == current: ratio 1, no clipping; weights min(prox / behav, 1.5) = [1.5, 0.5]
@@ -125,3 +132,22 @@ def test_policy_loss_argument_errors():
         policy_loss(x, x, x, x + 1, off_policy="decoupled")
     with pytest.raises(ValueError, match="off_policy"):
         policy_loss(x, x, x, x + 1, off_policy="ppo")  # type: ignore[arg-type]
+
+
+def test_decoupled_masks_and_tis_truncates_weights_above_the_cap_by_default():
+    logprobs = _t(0.5, 0.2).log().requires_grad_(True)
+    behav = _t(0.25, 0.4).log()  # weights prox / behav = 2 and 0.5
+    adv, mask = _t(1.0, -2.0), _t(1, 1)
+    common = dict(prox_logprobs=logprobs.detach(), is_cap=1.5)
+    decoupled = policy_loss(logprobs, behav, adv, mask, off_policy="decoupled", **common)
+    tis = policy_loss(logprobs, behav, adv, mask, off_policy="tis", **common)
+    assert decoupled.weights.tolist() == pytest.approx([0.0, 0.5], rel=1e-5)  # AReaL: dropped
+    assert tis.weights.tolist() == pytest.approx([1.5, 0.5], rel=1e-5)  # Yao et al.: truncated
+    assert decoupled.loss.item() != pytest.approx(tis.loss.item())
+    # an explicit mode overrides the default of either
+    forced = policy_loss(
+        logprobs, behav, adv, mask, off_policy="decoupled", is_cap_mode="truncate", **common
+    )
+    assert forced.weights.tolist() == pytest.approx([1.5, 0.5], rel=1e-5)
+    with pytest.raises(ValueError, match="is_cap_mode"):
+        policy_loss(logprobs, behav, adv, mask, off_policy="tis", is_cap_mode="clip", **common)

@@ -1,0 +1,54 @@
+"""What ``staleflow launch`` refuses before any actor starts: backends it cannot build yet,
+a checkpoint or a prompt file it cannot read. Each is a ``LaunchError`` (the CLI prints its
+message, no traceback), never a run with other components than the config named. No Ray."""
+
+from __future__ import annotations
+
+import pytest
+
+from staleflow.config import load_config
+from staleflow.runtime.launch import LaunchError, launch
+
+
+@pytest.mark.parametrize(
+    "override", ["rollout.backend=sglang", "trainer.backend=megatron"], ids=["sglang", "megatron"]
+)
+def test_a_backend_launch_cannot_build_is_refused_by_name(tmp_path, override):
+    cfg = load_config(None, [override, "model.checkpoint=/models/m", f"run_dir={tmp_path}"])
+    key = override.split("=")[0]
+    with pytest.raises(LaunchError, match=rf"{key}=\w+ is not implemented .* use {key}=embedded"):
+        launch(cfg)
+    assert not any(tmp_path.iterdir()), "refused before the run folder is made"
+
+
+def test_a_checkpoint_that_cannot_be_loaded_is_a_launch_error(tmp_path):
+    cfg = load_config(None, [f"model.checkpoint={tmp_path / 'absent'}", f"run_dir={tmp_path}"])
+    with pytest.raises(LaunchError, match=r"cannot load the policy: .*no such checkpoint"):
+        launch(cfg)
+
+
+def test_a_prompt_file_that_cannot_be_read_is_a_launch_error(tmp_path):
+    from staleflow.models import build_arithmetic_model, save_pretrained
+
+    model, tokenizer = build_arithmetic_model("micro")
+    save_pretrained(model, tokenizer, tmp_path / "ckpt")
+    cfg = load_config(
+        None,
+        [
+            "data.task=jsonl",
+            f"data.path={tmp_path / 'absent.jsonl'}",
+            f"model.checkpoint={tmp_path / 'ckpt'}",
+            f"run_dir={tmp_path / 'runs'}",
+        ],
+    )
+    with pytest.raises(LaunchError, match=r"cannot read the prompts: .*absent\.jsonl"):
+        launch(cfg)
+
+
+def test_the_cli_prints_the_refusal(tmp_path, capsys):
+    from staleflow.cli import main
+
+    argv = ["launch", "rollout.backend=sglang", "model.checkpoint=/models/m", "--no-live"]
+    assert main([*argv, f"run_dir={tmp_path}", "--no-dashboard"]) == 1
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert "staleflow launch failed: rollout.backend=sglang is not implemented" in out
