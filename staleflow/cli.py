@@ -179,8 +179,8 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         from staleflow.dashboard.server import DEFAULT_PORT, DashboardServer, bind, bind_preferred
     except ImportError as exc:
         print(
-            f"staleflow dashboard needs fastapi and uvicorn: pip install 'staleflow[dashboard]' "
-            f"({exc})",
+            "staleflow dashboard needs fastapi, fastapi-offline and uvicorn: "
+            f"pip install 'staleflow[dashboard]' ({exc})",
             file=sys.stderr,
         )
         return 2
@@ -253,6 +253,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from rich.console import Console
 
     from staleflow.dashboard.profiling import overrides, profile_embedded, write_profile
@@ -261,6 +263,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     try:
         running = _ints(args.running, "--running")
         lengths = _ints(args.lengths, "--lengths")
+        if Path(args.output).is_dir():
+            raise ValueError(
+                f"--output={args.output!r} is a folder: give a file, e.g. cost_model.yaml"
+            )
     except ValueError as exc:
         print(f"staleflow profile: {exc}", file=sys.stderr)
         return 2
@@ -285,7 +291,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
     except (ValueError, KeyError) as exc:
         print(f"staleflow profile: {exc}", file=sys.stderr)
         return 2
-    path = write_profile(result, args.output)
+    try:
+        path = write_profile(result, args.output)
+    except OSError as exc:
+        print(f"staleflow profile: cannot save the fit to {args.output}: {exc}", file=sys.stderr)
+        print("the fit, as overrides: " + " ".join(overrides(result)), file=sys.stderr)
+        return 1
     fit = result.fit
     m = fit.model
     console.print(
@@ -323,8 +334,22 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--live", action="store_true", help="redraw the buffers while running")
     demo.set_defaults(func=cmd_demo)
-    sim = sub.add_parser("sim", help="run one simulated job and print its summary")
-    sim.add_argument("--preset", choices=["paper-6.5", "tiny"], default="tiny")
+    sim = sub.add_parser(
+        "sim",
+        help="run one simulated job and print its summary",
+        description="Simulate one training job on a virtual clock: the real staleness "
+        "manager, trajectory server and coordinator drive simulated rollout instances and "
+        "a simulated trainer (pure Python, no Ray, torch or GPU). Prints throughput, idle "
+        "ratios and the staleness distribution. Presets: tiny (4 instances, seconds of "
+        "virtual time per step) and paper-6.5 (Qwen3-30B-A3B on 128 H20 GPUs, paper "
+        "section 6.5). See docs/simulator.md; to watch one live: staleflow dashboard --sim.",
+    )
+    sim.add_argument(
+        "--preset",
+        choices=["paper-6.5", "tiny"],
+        default="tiny",
+        help="simulated cluster and workload (default: tiny)",
+    )
     sim.add_argument(
         "--system",
         default="staleflow",
@@ -332,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.add_argument("--eta", type=int, default=3, help="staleness bound (0 = synchronous)")
     sim.add_argument("--steps", type=int, default=8, help="training steps to simulate")
-    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--seed", type=int, default=0, help="seed of the simulated workload")
     sim.add_argument("--json", help="also write the summary to this JSON file")
     sim.set_defaults(func=cmd_sim)
     launch = sub.add_parser(
@@ -341,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run real, staleness-bounded asynchronous RL. With no arguments: the "
         "built-in arithmetic task, a small Qwen2 model (warmed up once and cached), 2 rollout "
         "instances, local Ray. Any setting can be given as key=value (e.g. rollout.instances=4 "
-        "coordinator.routing=vanilla); see docs/configuration.md for every key.",
+        "coordinator.routing=vanilla); docs/launch.md says how to list every key.",
     )
     launch.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     launch.add_argument("--config", help="a YAML config file (overrides apply on top)")

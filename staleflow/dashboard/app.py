@@ -6,6 +6,12 @@ Requests never fail with a 500 because of what a client sent: parameters are val
 and an unexpected error inside a handler becomes a 500 JSON answer while the server goes
 on. The only endpoint that changes anything (``POST /api/actions/{action}``, e.g.
 pausing a simulation) needs the token the app was created with; without one it is off.
+
+The OpenAPI pages ``/docs`` (Swagger UI) and ``/redoc`` load their JavaScript, CSS and
+icon from the ``fastapi-offline`` package (served under ``/static-offline-docs/``), not
+from a CDN, and ReDoc's Google fonts are off: they work without internet access. Their
+Content-Security-Policy keeps the browser on this server: ReDoc's bundle would otherwise
+fetch its "API docs by Redocly" logo from Redocly's CDN.
 """
 
 from __future__ import annotations
@@ -14,11 +20,12 @@ import hmac
 import logging
 from collections.abc import Mapping
 from importlib import resources
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import FastAPI, Header, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from staleflow.dashboard import prometheus, schemas
@@ -39,6 +46,16 @@ _ERRORS = {
     422: {"model": schemas.ErrorOut},
 }
 
+DOCS_PATHS = ("/docs", "/redoc")
+# Scripts, styles, images, fonts and requests of the docs pages come from this server
+# only; inline code and eval stay allowed (Swagger UI's inline start-up script, ReDoc's
+# styled-components and schema compiler), blob: for ReDoc's search worker.
+DOCS_CSP = (
+    "default-src 'self'; script-src 'self' 'unsafe-inline' 'unsafe-eval' blob:; "
+    "style-src 'self' 'unsafe-inline'; img-src 'self' data:; font-src 'self' data:; "
+    "worker-src 'self' blob:; connect-src 'self'; object-src 'none'; base-uri 'self'"
+)
+
 Since = Annotated[int, Query(ge=0, description="first item to return (a previous `next`)")]
 Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT, description=f"at most this many (1..{MAX_LIMIT})")]
 
@@ -46,7 +63,7 @@ Limit = Annotated[int, Query(ge=1, le=MAX_LIMIT, description=f"at most this many
 def create_app(source: RunSource, *, token: str | None = None) -> FastAPI:
     """The dashboard over ``source``. ``token``: enables the actions of
     ``source.info().actions``, each request carrying ``Authorization: Bearer <token>``."""
-    app = FastAPI(
+    app = FastAPIOffline(
         title="StaleFlow dashboard",
         description="Live view of a StaleFlow run: staleness buffers, rollout instances, "
         "trajectory server, parameter server and per-step metrics.",
@@ -54,6 +71,7 @@ def create_app(source: RunSource, *, token: str | None = None) -> FastAPI:
         responses=_ERRORS,
     )
     _install_error_handlers(app)
+    app.add_middleware(_SameOriginDocs)
 
     # -- the page ----------------------------------------------------------------------
 
@@ -211,9 +229,7 @@ def create_app(source: RunSource, *, token: str | None = None) -> FastAPI:
             raise HTTPException(
                 403, "actions are off: start the dashboard with --token to enable them"
             )
-        given = (authorization or "").removeprefix("Bearer ").strip()
-        if not given or not hmac.compare_digest(given.encode(), token.encode()):
-            raise HTTPException(401, "missing or wrong token: send 'Authorization: Bearer <token>'")
+        _check_token(authorization, token)
         actions = source.info().actions
         if action not in actions:
             raise HTTPException(
@@ -227,6 +243,59 @@ def create_app(source: RunSource, *, token: str | None = None) -> FastAPI:
         return schemas.ActionOut(action=action, result=result)
 
     return app
+
+
+class _SameOriginDocs:
+    """Adds :data:`DOCS_CSP` to the responses of :data:`DOCS_PATHS` (plain ASGI, so the
+    other endpoints pay one comparison)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        root = scope.get("root_path", "")
+        if path not in DOCS_PATHS and path.removeprefix(root) not in DOCS_PATHS:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_csp(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                headers = [
+                    *message.get("headers", []),
+                    (b"content-security-policy", DOCS_CSP.encode()),
+                ]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_csp)
+
+
+def _check_token(authorization: str | None, token: str) -> None:
+    """401 unless ``authorization`` is ``Bearer <token>`` (the scheme's case aside, RFC
+    7235): a bare token or another scheme is refused. Compared as bytes in constant time;
+    a header value arrives decoded as latin-1, so encoding it back gives the bytes the
+    client sent, which for a non-ASCII token are its UTF-8."""
+    challenge = {"WWW-Authenticate": "Bearer"}
+    if not authorization:
+        raise HTTPException(
+            401, "missing token: send 'Authorization: Bearer <token>'", headers=challenge
+        )
+    scheme, _, given = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise HTTPException(
+            401,
+            "malformed Authorization header: send 'Authorization: Bearer <token>'",
+            headers=challenge,
+        )
+    try:
+        sent = given.encode("latin-1")
+    except UnicodeEncodeError:  # not from the wire (headers are latin-1): take it as text
+        sent = given.encode("utf-8")
+    if not hmac.compare_digest(sent, token.encode("utf-8")):
+        raise HTTPException(
+            401, "wrong token: send 'Authorization: Bearer <token>'", headers=challenge
+        )
 
 
 def _last_record(source: RunSource) -> Mapping[str, float] | None:
@@ -253,7 +322,11 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(status_code=exc.status_code, content={"detail": str(exc.detail)})
+        return JSONResponse(
+            status_code=exc.status_code,
+            content={"detail": str(exc.detail)},
+            headers=getattr(exc, "headers", None),
+        )
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:

@@ -13,6 +13,7 @@ counts and instance snapshots exist only while the run is alive: attach with
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -107,7 +108,7 @@ class FolderSource:
             if not line.strip():
                 continue
             try:
-                rec = parse_record(line)
+                rec = _usable(parse_record(line))
             except ValueError:
                 self._bad_lines += 1
                 continue
@@ -235,6 +236,21 @@ class FolderSource:
 
     def close(self) -> None:
         pass
+
+
+_WHOLE_KEYS = ("step", "version", "ps/version", "coordinator/cycles", "coordinator/discarded")
+_WHOLE_PREFIXES = ("rollout/version/", "staleness/hist/")
+
+
+def _usable(rec: dict[str, float]) -> dict[str, float]:
+    """``rec``, or ``ValueError`` when a step, version, count or time in it is NaN or
+    infinite (a damaged line): those become ints and axes, where they would fail every
+    request rather than one chart point."""
+    for key, value in rec.items():
+        whole = key in _WHOLE_KEYS or key.startswith(_WHOLE_PREFIXES)
+        if (whole or key == "time/elapsed_s") and not math.isfinite(value):
+            raise ValueError(f"{key!r} is {value}")
+    return rec
 
 
 def _section(cfg: Mapping[str, Any], name: str) -> Mapping[str, Any]:

@@ -62,6 +62,10 @@ DEFAULT_PORT = 8266  # 8265 is Ray's own dashboard on a cluster's head node
 
 def bind(host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> socket.socket:
     """A listening socket on ``host:port`` (port 0: any free port)."""
+    if not 0 <= port <= 65535:  # socket.bind would raise OverflowError, not OSError
+        raise OSError(
+            f"the dashboard cannot listen on port {port}: use 1..65535, or 0 for any free port"
+        )
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

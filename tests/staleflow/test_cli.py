@@ -89,6 +89,7 @@ def test_operator_commands_have_help(capsys):
         ("status", ("--address", "--run")),
         ("profile", ("--output", "--running", "--lengths")),
         ("launch", ("--dashboard", "--no-dashboard")),
+        ("sim", ("Simulate", "--preset", "paper-6.5", "--system", "--eta")),
     ):
         with pytest.raises(SystemExit) as exit_info:
             main([command, "--help"])
@@ -180,3 +181,15 @@ def test_unknown_arguments_are_still_refused(capsys):
             parse_args(argv)
         assert exit_info.value.code == 2
         assert "unrecognized arguments" in capsys.readouterr().err
+
+
+def test_cli_dashboard_port_out_of_range_is_a_clear_error(capsys):
+    pytest.importorskip("uvicorn")
+    assert main(["dashboard", "--sim", "tiny", "--port", "70000"]) == 2
+    assert "1..65535" in capsys.readouterr().err
+
+
+def test_cli_profile_refuses_a_folder_as_output_before_profiling(capsys, tmp_path):
+    assert main(["profile", "-o", str(tmp_path)]) == 2
+    err = capsys.readouterr()
+    assert "is a folder" in err.err and "n=" not in err.out  # nothing was timed

@@ -295,6 +295,7 @@ function lineChart(canvas, series, opts) {
   const { ctx, width, height } = canvasContext(canvas);
   const points = series.flatMap((s) => s.points);
   canvas.dataset.points = String(points.length);
+  canvas.dataset.seriesPoints = series.map((s) => s.points.length).join(","); // per series, in order
   if (!points.length) return empty(ctx, width, height, opts.empty || "no data yet");
   const box = { x: 48, y: 8, w: width - 60, h: height - 34 };
   const xMax = niceMax(points.reduce((m, p) => Math.max(m, p[0]), 0));
@@ -386,6 +387,7 @@ function drawLoad(canvas, run) {
   canvas.setAttribute("height", String(Math.max(120, strip * insts.length + 34)));
   const { ctx, width, height } = canvasContext(canvas);
   canvas.dataset.instances = String(insts.length);
+  canvas.dataset.pullMarks = "0";
   if (!samples.length) return empty(ctx, width, height, "no load sample yet");
   const busy = samples[0].running === null; // a run folder: busy share per step only
   const value = (s) => (busy ? s.busy_ratio || 0 : (s.running || 0) + (s.waiting || 0));
@@ -406,6 +408,7 @@ function drawLoad(canvas, run) {
     ctx.stroke();
   }
   ctx.setLineDash([]);
+  let marks = 0; // Pull marks drawn: pulls of a charted instance since the first sample
   insts.forEach((inst, row) => {
     const top = box.y + row * strip;
     const Y = (v) => top + strip - 2 - ((strip - 6) * Math.min(v, yMax)) / yMax;
@@ -432,6 +435,7 @@ function drawLoad(canvas, run) {
     ctx.lineWidth = 2;
     for (const e of pulls) {
       if (e.inst !== inst || e.time < t0) continue;
+      marks += 1;
       ctx.beginPath();
       ctx.moveTo(X(e.time), top + 1);
       ctx.lineTo(X(e.time), top + strip - 1);
@@ -439,6 +443,7 @@ function drawLoad(canvas, run) {
     }
     ctx.lineWidth = 1;
   });
+  canvas.dataset.pullMarks = String(marks);
   ctx.fillStyle = "#777";
   ctx.textAlign = "center";
   const unit = run.clock === "virtual" ? "virtual s" : "s";

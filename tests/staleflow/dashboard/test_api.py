@@ -157,6 +157,52 @@ def test_actions_need_the_token(client, source):
     assert unknown.status_code == 400 and "poke" in unknown.json()["detail"]
 
 
+@pytest.mark.parametrize(
+    "authorization",
+    [
+        "s3cret",  # the bare token, without the scheme
+        "Basic s3cret",
+        "Token s3cret",
+        "Bearer",
+        "Bearer ",
+        "Bearers3cret",
+        "Bearer  s3cret",  # the token is everything after the one space
+        "Bearer s3cret2",
+        "Bearer s3cre",
+        "s3cret Bearer",
+    ],
+)
+def test_actions_need_exactly_bearer_and_the_token(client, source, authorization):
+    r = client.post("/api/actions/poke", headers={"Authorization": authorization})
+    assert r.status_code == 401, authorization
+    assert "Authorization: Bearer <token>" in r.json()["detail"]
+    assert r.headers["www-authenticate"] == "Bearer"
+    assert source.acted == []
+
+
+def test_the_bearer_scheme_is_case_insensitive_the_token_is_not(client, source):
+    ok = client.post("/api/actions/poke", headers={"Authorization": "bearer s3cret"})
+    assert ok.status_code == 200 and source.acted == ["poke"]
+    wrong = client.post("/api/actions/poke", headers={"Authorization": "Bearer S3CRET"})
+    assert wrong.status_code == 401 and "wrong token" in wrong.json()["detail"]
+    missing = client.post("/api/actions/poke")
+    assert missing.status_code == 401 and "missing token" in missing.json()["detail"]
+    assert source.acted == ["poke"]
+
+
+def test_a_non_ascii_token_is_compared_as_utf8_bytes(source):
+    token = "clé-токен-🔑"
+    client = TestClient(create_app(source, token=token))
+    ok = client.post(
+        "/api/actions/poke", headers={"Authorization": ("Bearer " + token).encode("utf-8")}
+    )
+    assert ok.status_code == 200 and ok.json()["result"] == "did poke"
+    for wrong in ("Bearer cle-токен-🔑", "Bearer clé-токен", token):
+        r = client.post("/api/actions/poke", headers={"Authorization": wrong.encode("utf-8")})
+        assert r.status_code == 401 and "Bearer <token>" in r.json()["detail"], wrong
+    assert source.acted == ["poke"]
+
+
 def test_actions_are_off_without_a_token(source):
     client = TestClient(create_app(source))
     r = client.post("/api/actions/poke", headers={"Authorization": "Bearer anything"})

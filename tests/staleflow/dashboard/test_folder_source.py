@@ -97,3 +97,29 @@ def test_the_api_over_a_folder(tmp_path):
     assert "staleflow_steps 3" in client.get("/metrics").text
     r = client.post("/api/actions/pause")
     assert r.status_code == 403
+
+
+def test_a_step_or_version_that_is_not_finite_skips_the_line_not_the_server(tmp_path):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from staleflow.dashboard.app import create_app
+
+    run = _folder(tmp_path, steps=1)
+    damaged = [
+        {**record(2), "rollout/version/1": float("nan")},
+        {**record(2), "ps/version": float("inf")},
+        {**record(2), "staleness/hist/0": float("nan")},
+        {**record(2), "step": float("nan")},
+    ]
+    with (run / "metrics.jsonl").open("a") as f:
+        for rec in damaged:
+            f.write(json.dumps(rec) + "\n")  # json writes NaN and Infinity as such
+        f.write(json.dumps({**record(2), "rollout/reward_mean": float("nan")}) + "\n")
+    src = FolderSource(run)
+    assert src.records(0, 10).total == 2  # a NaN reward is a value, kept (null in JSON)
+    assert any("4 unreadable lines" in n for n in src.info().notes)
+    client = TestClient(create_app(src), raise_server_exceptions=False)
+    for path in ("/api/overview", "/api/metrics", "/api/staleness", "/api/load", "/metrics"):
+        assert client.get(path).status_code == 200, path
+    assert client.get("/api/metrics").json()["records"][1]["rollout/reward_mean"] is None

@@ -54,3 +54,9 @@ def test_a_taken_preferred_port_falls_back_to_a_free_one():
         free.close()
     finally:
         taken.close()
+
+
+@pytest.mark.parametrize("port", [-1, 65536, 70000])
+def test_a_port_out_of_range_is_an_oserror_naming_the_range(port):
+    with pytest.raises(OSError, match=r"1\.\.65535"):
+        bind("127.0.0.1", port)
