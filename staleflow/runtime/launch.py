@@ -66,6 +66,18 @@ def check_backends(cfg: Any) -> None:
             )
 
 
+def ray_init_kwargs(cfg: Any) -> dict[str, Any]:
+    """``ray.init`` arguments: join ``cfg.address`` (``auto``, ``host:port``, ``ray://``)
+    when set, else start a local Ray."""
+    kwargs: dict[str, Any] = {"log_to_driver": True, "include_dashboard": False}
+    if cfg.address:
+        kwargs["address"] = cfg.address
+    else:
+        # Actors mostly wait on each other; CPU slots only gate scheduling.
+        kwargs["num_cpus"] = max(os.cpu_count() or 1, 4)
+    return kwargs
+
+
 def make_run_dir(cfg: Any) -> Path:
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     name = cfg.name or f"eta{cfg.eta}"
@@ -185,13 +197,7 @@ class Run:
         check_backends(cfg)
         self._ray = ray
         if not ray.is_initialized():
-            kwargs: dict[str, Any] = {"log_to_driver": True, "include_dashboard": False}
-            if cfg.address:
-                kwargs["address"] = cfg.address
-            else:
-                # Actors mostly wait on each other; CPU slots only gate scheduling.
-                kwargs["num_cpus"] = max(os.cpu_count() or 1, 4)
-            ray.init(**kwargs)
+            ray.init(**ray_init_kwargs(cfg))
             self._started_ray = True
         spec = model_spec(model, tokenizer)
         remote = {

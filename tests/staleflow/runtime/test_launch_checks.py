@@ -52,3 +52,15 @@ def test_the_cli_prints_the_refusal(tmp_path, capsys):
     assert main([*argv, f"run_dir={tmp_path}", "--no-dashboard"]) == 1
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
     assert "staleflow launch failed: rollout.backend=sglang is not implemented" in out
+
+
+def test_an_address_joins_that_cluster_and_none_starts_a_local_ray():
+    from staleflow.cli import parse_args
+    from staleflow.runtime.launch import ray_init_kwargs
+
+    args = parse_args(["launch", "--address", "ray://head:10001"])
+    assert args.address == "ray://head:10001"
+    joined = ray_init_kwargs(load_config(None, [f"address={args.address}"]))
+    assert joined["address"] == "ray://head:10001" and "num_cpus" not in joined
+    local = ray_init_kwargs(load_config(None, []))
+    assert "address" not in local and local["num_cpus"] >= 1

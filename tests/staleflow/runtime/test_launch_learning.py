@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.ray]
+# the first run also warms the model up (minutes): the suite's 300 s timeout is too short
+pytestmark = [pytest.mark.slow, pytest.mark.ray, pytest.mark.timeout(1800)]
 
 
 def test_default_run_raises_the_mean_reward(tmp_path):

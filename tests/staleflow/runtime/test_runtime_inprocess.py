@@ -178,3 +178,52 @@ def test_a_wedged_rollout_stops_the_trainer_with_the_fix_instead_of_a_hang():
             w.control.consume(0, timeout_s=0.3)
     finally:
         w.control.stop()
+
+
+def test_the_push_of_version_v_overlaps_the_training_of_the_next_step():
+    """The loop waits for the Push of ``v + 1`` only after training step ``v + 1``: the
+    copy to the PS runs while the next step trains, one Push in flight at a time."""
+    events: list[str] = []
+
+    class Handle:
+        def __init__(self, version: int) -> None:
+            self.version = version
+
+        def wait(self, timeout: float | None = None) -> int:
+            events.append(f"wait {self.version}")
+            return self.version
+
+    class RecordingPusher:
+        def __init__(self, ps: MemoryPS) -> None:
+            self.ps = ps
+
+        def push_async(self, version, weights):
+            events.append(f"push {version}")
+            self.ps.push(weights, version)  # instances must see the new versions
+            return Handle(version)
+
+    class RecordingTrainer(CountingTrainer):
+        def train_step(self, batch):
+            events.append(f"train {self.version}")
+            return super().train_step(batch)
+
+    w = wire(1)
+    w.loop = TrainingLoop(
+        RecordingTrainer(),
+        control=w.control,
+        ts=w.ts,
+        pusher=RecordingPusher(w.ps),
+        consume_timeout_s=30,
+    )
+    run(w, steps=3)
+    assert events == [
+        "train 0",
+        "push 1",
+        "train 1",
+        "wait 1",
+        "push 2",
+        "train 2",
+        "wait 2",
+        "push 3",
+        "wait 3",  # finish(): the PS holds the final version before the run ends
+    ]
