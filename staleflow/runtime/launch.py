@@ -551,7 +551,12 @@ def launch(
         phase(
             f"starting actors: {cfg.rollout.instances} rollout, {cfg.reward.workers} reward, trainer, TS, PS, control"
         )
-        run.start(model, tokenizer, dataset)
+        try:
+            run.start(model, tokenizer, dataset)
+        except LaunchError:
+            raise
+        except Exception as exc:  # an actor that failed to start: name it, no Ray traceback
+            raise LaunchError(f"the actors could not start: {_cause(exc)}") from exc
         dashboard = _start_dashboard(cfg, run, phase)
         phase(f"training {cfg.steps} steps with eta={cfg.eta}")
         reports = run.train(cfg.steps, record, on_tick)

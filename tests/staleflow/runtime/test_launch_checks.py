@@ -64,3 +64,19 @@ def test_an_address_joins_that_cluster_and_none_starts_a_local_ray():
     assert joined["address"] == "ray://head:10001" and "num_cpus" not in joined
     local = ray_init_kwargs(load_config(None, []))
     assert "address" not in local and local["num_cpus"] >= 1
+
+
+def test_an_actor_that_fails_to_start_is_a_launch_error(tmp_path, monkeypatch):
+    from staleflow.runtime import launch as launching
+
+    def failing_start(self, model, tokenizer, dataset):
+        raise RuntimeError("ray.exceptions.ActorDiedError: ...\nPSWorker: no shared memory left")
+
+    monkeypatch.setattr(launching.Run, "start", failing_start)
+    monkeypatch.setattr(launching.Run, "shutdown", lambda self: None)
+    cfg = load_config(
+        None,
+        [f"run_dir={tmp_path}", "model.preset=micro", "model.warmup=false", "eval_problems=0"],
+    )
+    with pytest.raises(LaunchError, match=r"actors could not start: .*no shared memory left"):
+        launching.launch(cfg)
