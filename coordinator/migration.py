@@ -15,7 +15,12 @@ class ThroughputMigration:
     """Algorithm 5.
 
     Case 1: an instance with more than ``phi_wait`` queued trajectories gives back the
-    excess, taken from the tail of its queue (the ones that would wait longest).
+    excess, taken from the tail of its queue (the ones that would wait longest), when
+    another instance could start them: one with an empty queue and KV cache to spare, at
+    a version that admits them. Where every instance queues, giving the excess back only
+    makes routing queue it again somewhere (the least-loaded router puts it straight back:
+    thousands of Interrupts and Routes a cycle in the simulator at a 40K cap, none of
+    them moving work forward).
 
     Case 2: ``phi_throughput`` bounds the *ratio* of cost-model throughputs (Eq. 2)
     ``T_max / T_min``, as in Algorithm 5 line 14. When exceeded, every trajectory on the
@@ -47,10 +52,19 @@ class ThroughputMigration:
     def select(self, fleet: Fleet) -> list[Migration]:
         out: list[Migration] = []
         excess_of: dict[int, int] = {}
-        for pos in np.flatnonzero(fleet.n_wait > self.phi_wait).tolist():
+        over = np.flatnonzero(fleet.n_wait > self.phi_wait).tolist()
+        if over:
+            room = (fleet.n_wait == 0) & (fleet.kv < self.cost.kv_budget)
+        for pos in over:
             excess = int(fleet.n_wait[pos]) - self.phi_wait
+            tail = fleet.wait[pos][-excess:]
+            need = min((t.v_traj for t in tail if t.v_traj is not None), default=0)
+            hosts = room & (fleet.version >= need)
+            hosts[pos] = False
+            if not hosts.any():
+                continue
             excess_of[pos] = excess
-            out.append((pos, fleet.wait[pos][-excess:]))
+            out.append((pos, tail))
         if len(fleet) >= 2:
             imbalance = self._imbalance(fleet, excess_of)
             if imbalance is not None:

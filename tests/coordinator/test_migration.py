@@ -89,3 +89,18 @@ def test_trajectories_moved_without_progress_since_are_not_moved_again() -> None
     grown = tuple(replace(t, length=t.length + 50) for t in fast.run_trajs)
     back = replace(back, run_trajs=grown)
     assert len(migration.select(Fleet(snapshot(instance(0, 2), back)))[0][1]) == 4
+
+
+def test_a_queue_stays_where_it_is_when_no_instance_could_start_it() -> None:
+    # Both instances queue: giving instance 0's excess back would only queue it again
+    # (a least-loaded router puts it straight back), so case 1 leaves it.
+    fleet = Fleet(
+        snapshot(instance(0, 2, [1_000] * 5, wait=9), instance(1, 2, [1_000] * 5, wait=1))
+    )
+    assert chosen(fleet) == []
+    # an idle instance, but too old for the queued trajectories (V_traj 3): same
+    busy = instance(0, 3, [1_000] * 5, wait=9)
+    assert chosen(Fleet(snapshot(busy, instance(1, 2)))) == []
+    # at a version that admits them, the idle instance takes the excess
+    moves = chosen(Fleet(snapshot(busy, instance(1, 3))))
+    assert moves[0] == (0, [t.traj_id for t in busy.wait_trajs[-6:]])
