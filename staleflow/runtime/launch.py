@@ -518,7 +518,7 @@ def launch(
     check_backends(cfg)
     phase = on_phase or (lambda text: logger.info("%s", text))
     run_dir = make_run_dir(cfg)
-    save_config(cfg, run_dir / "config.yaml")
+    save_config(cfg.resolved(), run_dir / "config.yaml")  # auto choices made explicit
     phase(f"run folder {run_dir}")
     started = time.monotonic()
     phase("preparing the policy (the first run warms the built-in model up; later runs reuse it)")

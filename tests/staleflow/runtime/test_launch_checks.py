@@ -80,3 +80,7 @@ def test_an_actor_that_fails_to_start_is_a_launch_error(tmp_path, monkeypatch):
     )
     with pytest.raises(LaunchError, match=r"actors could not start: .*no shared memory left"):
         launching.launch(cfg)
+    # the run folder's config is the resolved one: rerunnable, no "auto" left to guess
+    [saved] = tmp_path.glob("*/config.yaml")
+    assert cfg.reward.kind == "auto"
+    assert load_config(saved, []).reward.kind == "arithmetic"
