@@ -132,7 +132,10 @@ class RaySource:
         run's config, hence its cost model."""
         import ray
 
+        from staleflow.runtime.ray_address import check_reachable
+
         if not ray.is_initialized():
+            check_reachable(address)
             ray.init(
                 address=address,
                 namespace=ACTOR_NAMESPACE,

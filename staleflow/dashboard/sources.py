@@ -56,8 +56,9 @@ def open_source(
         source = RaySource.attach(str(address), run=run, run_dir=run_dir)
     except AttachError as exc:
         raise SourceError(str(exc)) from exc
-    except ConnectionError as exc:
-        raise SourceError(f"cannot reach a Ray cluster at {address}: {exc}") from exc
+    except (ConnectionError, ValueError) as exc:  # ValueError: an address with a bad port
+        message = str(exc) if str(address) in str(exc) else f"at {address}: {exc}"
+        raise SourceError(f"cannot reach a Ray cluster {message}") from exc
     if poll:
         return source.start()
     source.poll_once()

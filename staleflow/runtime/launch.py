@@ -189,6 +189,7 @@ class Run:
         from staleflow.rewards import resolve_reward_kind
         from staleflow.runtime import actors
         from staleflow.runtime.control import ControlConfig
+        from staleflow.runtime.ray_address import check_reachable
         from staleness import StalenessConfig
         from trajectory_server import TrajectoryServerConfig
         from trajectory_server.actor import spawn_trajectory_server
@@ -197,6 +198,11 @@ class Run:
         check_backends(cfg)
         self._ray = ray
         if not ray.is_initialized():
+            if cfg.address:
+                try:
+                    check_reachable(cfg.address)
+                except (ConnectionError, ValueError) as exc:
+                    raise LaunchError(str(exc)) from None
             ray.init(**ray_init_kwargs(cfg))
             self._started_ray = True
         spec = model_spec(model, tokenizer)
