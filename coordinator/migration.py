@@ -33,10 +33,12 @@ class ThroughputMigration:
       the same trajectories back where they came from.
     - An instance holding a single trajectory is never emptied: moving one trajectory
       cannot balance anything.
-    - A trajectory moved by case 2 is not moved again by case 2 until it has generated
+    - A trajectory moved by either case is not moved again until it has generated
       tokens since: near the end of a step some instance is idle, the ratio is infinite
       every cycle, and long trajectories whose re-prefill outlasts the cycle period would
-      otherwise bounce between instances without ever decoding (found by the simulator).
+      otherwise bounce between instances without ever decoding; and a queue given back by
+      case 1 and queued again elsewhere by a least-loaded router would be given back again
+      every cycle (both found by the simulator).
     """
 
     def __init__(self, cost: CostModel, phi_wait: int, phi_throughput: float) -> None:
@@ -57,14 +59,14 @@ class ThroughputMigration:
             room = (fleet.n_wait == 0) & (fleet.kv < self.cost.kv_budget)
         for pos in over:
             excess = int(fleet.n_wait[pos]) - self.phi_wait
-            tail = fleet.wait[pos][-excess:]
+            tail = self._unmoved(fleet.wait[pos][-excess:])
             need = min((t.v_traj for t in tail if t.v_traj is not None), default=0)
             hosts = room & (fleet.version >= need)
             hosts[pos] = False
-            if not hosts.any():
-                continue
-            excess_of[pos] = excess
-            out.append((pos, tail))
+            if tail and hosts.any():
+                excess_of[pos] = excess
+                self._mark(tail)
+                out.append((pos, tail))
         if len(fleet) >= 2:
             imbalance = self._imbalance(fleet, excess_of)
             if imbalance is not None:
@@ -77,9 +79,7 @@ class ThroughputMigration:
         if tput[top] <= 0.0:
             return None
         wait = fleet.wait[top]
-        trajs = fleet.run[top] + wait[: len(wait) - excess_of.get(top, 0)]
-        moved_at = self._moved_at
-        trajs = tuple(t for t in trajs if moved_at.get(t.traj_id, -1) < t.length)
+        trajs = self._unmoved(fleet.run[top] + wait[: len(wait) - excess_of.get(top, 0)])
         if len(trajs) < 2:
             return None
         need = max((t.v_traj for t in trajs if t.v_traj is not None), default=0)
@@ -90,11 +90,19 @@ class ThroughputMigration:
         low = float(tput[hosts].min())
         if low > 0.0 and tput[top] / low <= self.phi_throughput:
             return None
-        if len(moved_at) > 1 << 16:  # forget trajectories long gone
-            moved_at.clear()
-        for t in trajs:
-            moved_at[t.traj_id] = t.length
+        self._mark(trajs)
         return top, trajs
+
+    def _unmoved(self, trajs: tuple[TrajectoryView, ...]) -> tuple[TrajectoryView, ...]:
+        """Those not moved by this strategy since they last generated a token."""
+        moved_at = self._moved_at
+        return tuple(t for t in trajs if moved_at.get(t.traj_id, -1) < t.length)
+
+    def _mark(self, trajs: tuple[TrajectoryView, ...]) -> None:
+        if len(self._moved_at) > 1 << 16:  # forget trajectories long gone
+            self._moved_at.clear()
+        for t in trajs:
+            self._moved_at[t.traj_id] = t.length
 
 
 class NoMigration:

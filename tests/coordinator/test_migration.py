@@ -104,3 +104,20 @@ def test_a_queue_stays_where_it_is_when_no_instance_could_start_it() -> None:
     # at a version that admits them, the idle instance takes the excess
     moves = chosen(Fleet(snapshot(busy, instance(1, 3))))
     assert moves[0] == (0, [t.traj_id for t in busy.wait_trajs[-6:]])
+
+
+def test_a_queue_given_back_is_not_given_back_again_before_it_runs() -> None:
+    migration = ThroughputMigration(COST, phi_wait=3, phi_throughput=1e9)  # case 1 only
+    busy = instance(0, 2, [1_000] * 5, wait=5)
+    fleet = Fleet(snapshot(busy, instance(1, 2, [1_000] * 5)))
+    [(_, first)] = migration.select(fleet)
+    # a least-loaded router queued the same two right back: they have not run since
+    assert migration.select(Fleet(snapshot(busy, instance(1, 2, [1_000] * 5)))) == []
+    # once they have generated tokens, they may move again
+    grown = replace(
+        busy,
+        wait_trajs=busy.wait_trajs[:-2]
+        + tuple(replace(t, length=t.length + 1) for t in busy.wait_trajs[-2:]),
+    )
+    [(_, again)] = migration.select(Fleet(snapshot(grown, instance(1, 2, [1_000] * 5))))
+    assert [t.traj_id for t in again] == [t.traj_id for t in first]
