@@ -54,10 +54,8 @@ class ThroughputMigration:
     def select(self, fleet: Fleet) -> list[Migration]:
         out: list[Migration] = []
         excess_of: dict[int, int] = {}
-        over = np.flatnonzero(fleet.n_wait > self.phi_wait).tolist()
-        if over:
-            room = (fleet.n_wait == 0) & (fleet.kv < self.cost.kv_budget)
-        for pos in over:
+        room = (fleet.n_wait == 0) & (fleet.kv < self.cost.kv_budget)  # could start more
+        for pos in np.flatnonzero(fleet.n_wait > self.phi_wait).tolist():
             excess = int(fleet.n_wait[pos]) - self.phi_wait
             tail = self._unmoved(fleet.wait[pos][-excess:])
             need = min((t.v_traj for t in tail if t.v_traj is not None), default=0)
