@@ -326,7 +326,9 @@ class ControlPlane:
             command_seconds=dict(self.planes.seconds),
             coordinator=self.coordinator.stats,
             ps_version=self._latest_version,
-            instance_versions={s.inst: s.inst_version for s in self._last_snapshot},
+            # asked now, not read from the last cycle's snapshot: a whole step can fit in
+            # one coordinator period, and the record would then miss the newest Pull
+            instance_versions={s.inst: s.inst_version for s in self._gather()},
         )
 
     # -- what the coordinator reads ----------------------------------------------------
