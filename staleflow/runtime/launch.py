@@ -194,8 +194,7 @@ class Run:
         from trajectory_server import TrajectoryServerConfig
         from trajectory_server.actor import spawn_trajectory_server
 
-        cfg = self.cfg
-        check_backends(cfg)
+        cfg = self.cfg  # launch() has refused backends it cannot build (check_backends)
         self._ray = ray
         if not ray.is_initialized():
             if cfg.address:
