@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from coordinator import CoordinatorConfig
+from staleflow.rollout.instance import Finished
 from staleflow.runtime.control import ControlConfig, ControlPlane
 from staleflow.runtime.instance_host import InstanceHost
 from staleflow.runtime.reward_stage import RewardStage
@@ -27,6 +29,7 @@ from tests.staleflow.runtime.fakes import (
     parity_scorer,
 )
 from trajectory_server import TrajectoryServer, TrajectoryServerConfig
+from trajectory_server.errors import TrajectoryGone
 
 
 @dataclass(frozen=True)
@@ -56,8 +59,29 @@ class Wired:
     ps: MemoryPS
 
 
-def wire(eta: int, *, instances: int = 2, batch: int = 2, group: int = 2) -> Wired:
-    ts = Serialized(TrajectoryServer(TrajectoryServerConfig(eta, batch, group), _Prompts()))
+def wire(
+    eta: int,
+    *,
+    instances: int = 2,
+    batch: int = 2,
+    group: int = 2,
+    batch_redundancy: float = 0.0,
+    group_redundancy: float = 0.0,
+    hold: Callable[[int], bool] | None = None,
+    max_running: int = 3,
+) -> Wired:
+    ts = Serialized(
+        TrajectoryServer(
+            TrajectoryServerConfig(
+                eta,
+                batch,
+                group,
+                group_redundancy=group_redundancy,
+                batch_redundancy=batch_redundancy,
+            ),
+            _Prompts(),
+        )
+    )
     ps = MemoryPS()
     control_box: list[ControlPlane] = []
     stage = RewardStage(
@@ -72,7 +96,10 @@ def wire(eta: int, *, instances: int = 2, batch: int = 2, group: int = 2) -> Wir
         with lock:
             stage.process(finished)
 
-    engines = {i: ScriptedEngine(target=3 + i, max_running=3) for i in range(instances)}
+    engines = {
+        i: ScriptedEngine(target=3 + i, max_running=max_running, hold=hold)
+        for i in range(instances)
+    }
     hosts = {
         i: InstanceHost(i, engines[i], ts=ts, weights=ps, max_response=16, on_finished=on_finished)
         for i in range(instances)
@@ -80,7 +107,13 @@ def wire(eta: int, *, instances: int = 2, batch: int = 2, group: int = 2) -> Wir
     pool = ThreadPoolExecutor(4)
     control = ControlPlane(
         ControlConfig(
-            StalenessConfig(eta=eta, batch_size=batch, group_size=group),
+            StalenessConfig(
+                eta=eta,
+                batch_size=batch,
+                group_size=group,
+                batch_redundancy=batch_redundancy,
+                group_redundancy=group_redundancy,
+            ),
             CoordinatorConfig(period_s=0.005),
             idle_wait_s=0.002,
         ),
@@ -95,6 +128,23 @@ def wire(eta: int, *, instances: int = 2, batch: int = 2, group: int = 2) -> Wir
         trainer, control=control, ts=ts, pusher=SyncPusher(ps), consume_timeout_s=30
     )
     return Wired(control, ts, hosts, engines, loop, trainer, ps)
+
+
+def _assert_conserved(w: Wired) -> None:
+    """Every trajectory the TS created is in exactly one place: consumed, aborted, queued,
+    routed (on an instance or in the reward path) or completed; nothing the TS forgot is
+    still on an instance."""
+    stats = w.ts.stats()
+    assert stats.created_trajectories == (
+        stats.consumed_trajectories
+        + stats.aborted_trajectories
+        + stats.queued
+        + stats.routed
+        + stats.completed
+    )
+    for h in w.hosts.values():
+        for tid in h.held():
+            assert w.ts.state_of(tid).value == "routed", tid
 
 
 def run(w: Wired, steps: int) -> list:
@@ -127,19 +177,7 @@ def test_every_consumed_trajectory_is_within_eta_and_nothing_is_lost(eta):
                     assert (t.versions == r.version).all()
         assert max(r.staleness) <= eta
     assert max(seen.values()) == 1  # nothing consumed twice
-    # conservation: every live trajectory the TS holds as routed is on an instance or was
-    # handed to the reward path; nothing the TS forgot is still on an instance
-    stats = w.ts.stats()
-    assert stats.created_trajectories == (
-        stats.consumed_trajectories
-        + stats.aborted_trajectories
-        + stats.queued
-        + stats.routed
-        + stats.completed
-    )
-    held = set().union(*(h.held() for h in w.hosts.values()))
-    for tid in held:
-        assert w.ts.state_of(tid).value == "routed"
+    _assert_conserved(w)
     # instances saw the PS advance: the last buffer (version 5) admits only trajectories
     # of version >= 5 - eta, so some instance loaded at least that (more is timing: the
     # throughput sync Pulls only when routing needs it)
@@ -227,3 +265,52 @@ def test_the_push_of_version_v_overlaps_the_training_of_the_next_step():
         "push 3",
         "wait 3",  # finish(): the PS holds the final version before the run ends
     ]
+
+
+# -- redundant rollout (§4.3, App. C) ------------------------------------------------------
+
+
+def _routed_host(w: Wired, ids: list[int]) -> InstanceHost:
+    """Instance 0 with trajectories ``ids`` routed onto it (its thread not started)."""
+    host = w.hosts[0]
+    host.pull(0)
+    assert host.route(ids, dict.fromkeys(ids, 0)) == tuple(ids)
+    return host
+
+
+def test_an_interrupt_of_a_trajectory_redundancy_dropped_is_not_fatal():
+    """Redundancy aborted trajectory 1 in the TS while it still ran on its instance; a
+    Pull's Interrupt then stops it there: its partial is dropped, the others go back."""
+    w = wire(1, group_redundancy=0.5)
+    host = _routed_host(w, [0, 1, 2])
+    w.ts.abort([1])
+    assert set(host.interrupt([0, 1, 2])) == {0, 1, 2}  # all three left the instance
+    assert host.held() == set()
+    assert [t.traj_id for t in w.ts.routing_view()][:2] == [0, 2]
+    with pytest.raises(TrajectoryGone):
+        w.ts.state_of(1)
+
+
+def test_a_late_reward_of_a_trajectory_redundancy_dropped_is_not_fatal():
+    """Trajectory 1 finished while redundancy aborted it: the reward stage stores and
+    reports the others and drops it (it used to raise TrajectoryGone and stop the run)."""
+    w = wire(1, group_redundancy=0.5)
+    _routed_host(w, [0, 1, 2])
+    reported: list[int] = []
+    stage = RewardStage(
+        parity_scorer,
+        lambda tokens: "a" * len(tokens),
+        w.ts,
+        lambda records: reported.extend(r.traj_id for r in records),
+    )
+    w.ts.abort([1])
+    tokens = np.array([7, 2], np.int32)
+    finished = [
+        Finished(t, 0, 0, 1, "x", np.arange(3, dtype=np.int32), tokens,
+                 np.zeros(2, np.float32), np.zeros(2, np.int32), "stop", 0)
+        for t in (0, 1, 2)
+    ]  # fmt: skip
+    stage.process(finished)
+    assert reported == [0, 2]
+    assert stage.late == 1
+    assert w.ts.group_status(0).completed == 2
