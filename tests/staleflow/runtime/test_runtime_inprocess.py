@@ -5,6 +5,7 @@ and reward function (``fakes.py``). No Ray."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -268,6 +269,68 @@ def test_the_push_of_version_v_overlaps_the_training_of_the_next_step():
 
 
 # -- redundant rollout (§4.3, App. C) ------------------------------------------------------
+
+
+def _flush_aborts(w: Wired, deadline_s: float = 30.0) -> None:
+    """With rollout stopped, drive the control loop until a cycle validated its snapshot:
+    the Aborts of everything dropped so far have then been carried out."""
+    stats = w.control.coordinator.stats
+    valid = stats.cycles - stats.discarded
+    give_up = time.monotonic() + deadline_s
+    while stats.cycles - stats.discarded <= valid:
+        assert time.monotonic() < give_up, "no valid snapshot: the instances keep changing"
+        w.control.run_once()
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_redundancy_keeps_the_bound_aborts_the_surplus_and_loses_nothing(eta):
+    """Group redundancy: 3 members per group of 2, and the third member of every group is
+    the long tail: held until redundancy drops it (then it finishes at the engine's next
+    step, and its reward arrives late). Only aborting it as surplus lets its group
+    through. Batch redundancy: 3 entries per buffer of 2, and every fourth group is held
+    entirely: only dropping it lets the buffers fill. Members of group ``g`` are
+    trajectories 3g..3g+2."""
+
+    def tail(traj_id: int) -> bool:
+        return traj_id % 3 == 2 or traj_id // 3 % 4 == 3
+
+    w = wire(eta, batch_redundancy=0.5, group_redundancy=0.5, max_running=8)
+
+    def held(traj_id: int) -> bool:
+        if not tail(traj_id):
+            return False
+        try:
+            w.ts.state_of(traj_id)
+        except TrajectoryGone:
+            return False  # dropped: finish now (unless the Abort gets here first)
+        return True
+
+    for engine in w.engines.values():
+        engine.hold = held
+    reports = run(w, steps=6)
+    w.control.check()
+    assert [r.version for r in reports] == list(range(6))
+    consumed: Counter[int] = Counter()
+    for r, batch in zip(reports, w.trainer.batches, strict=True):
+        assert len(batch.groups) == 2 and all(len(g.trajectories) == 2 for g in batch.groups)
+        assert max(r.staleness) <= eta
+        for g in batch.groups:
+            for t in g.trajectories:
+                consumed[t.traj_id] += 1
+                assert r.version - t.v_traj <= eta
+                assert not tail(t.traj_id)
+    assert max(consumed.values()) == 1  # nothing consumed twice
+    # the surplus was aborted: one member of every consumed group, and the held groups
+    stats = w.ts.stats()
+    assert stats.aborted_trajectories >= 6 * 2
+    assert w.control.manager.aborted_groups >= 1
+    aborts = sum(kinds.get("abort", 0) for kinds in w.control.executor.issued.values())
+    assert aborts > 0, "no surplus was ever aborted on an instance"
+    # nothing lost: every trajectory is in exactly one place, and once the last drops
+    # reached the instances, nothing the TS forgot is still on one
+    _flush_aborts(w)
+    _assert_conserved(w)
+    assert w.ts.stats().consumed_trajectories == sum(consumed.values())
 
 
 def _routed_host(w: Wired, ids: list[int]) -> InstanceHost:
