@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 _EMPTY = Outcome()
 _READY = Outcome(ready=True)
-_REMEMBER_ABORTED = 1 << 16  # aborted ids kept to recognise late completions
+_REMEMBER_CLOSED = 1 << 16  # aborted and consumed ids kept to recognise late messages
 
 
 class _Group:
@@ -94,7 +94,9 @@ class StalenessManager:
         # Reserved group ids per version and occupied ones per buffer (rings, arrival order).
         self._reserved: list[dict[GroupId, None]] = [{} for _ in range(self._n)]
         self._pinned: list[dict[GroupId, None]] = [{} for _ in range(self._n)]
-        self._aborted: dict[GroupId, None] = {}
+        # Groups that left for good (aborted or consumed): a late message about one is
+        # discarded, and a Reserve for one refused, instead of tracking it anew.
+        self._closed: dict[GroupId, None] = {}
         self.consumed_batches = 0
         self.aborted_groups = 0
         self.history: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=4096)
@@ -146,7 +148,7 @@ class StalenessManager:
     def _sketch_lookup(self, group_id: GroupId) -> int | None:
         group = self._groups.get(group_id)
         if group is None:
-            return CLOSED if group_id in self._aborted else None
+            return CLOSED if group_id in self._closed else None
         if group.buffer is not None or len(group.members) >= self.group_capacity:
             return CLOSED
         return group.version
@@ -180,8 +182,10 @@ class StalenessManager:
                         f"group {group_id} already has {self.group_capacity} trajectories "
                         "reserved (group_size x (1 + group_redundancy))"
                     )
-            elif group_id in self._aborted:
-                raise StalenessViolation(f"group {group_id} was aborted; drop trajectory {traj_id}")
+            elif group_id in self._closed:
+                raise StalenessViolation(
+                    f"group {group_id} was aborted or consumed; drop trajectory {traj_id}"
+                )
             if not self._verify(v_traj, group_id):
                 raise StalenessViolation(self._explain_rejection(v_traj))
             if group is None:
@@ -214,9 +218,9 @@ class StalenessManager:
         with self._cond:
             group = self._groups.get(group_id)
             if group is None:
-                if group_id in self._aborted:
+                if group_id in self._closed:
                     return Outcome(discarded=True, abort_trajectories=(traj_id,))
-                raise UnknownGroup(f"group {group_id} is not tracked (never reserved or consumed)")
+                raise UnknownGroup(f"group {group_id} is not tracked (never reserved here)")
             if traj_id not in group.members:
                 raise NotReserved(
                     f"trajectory {traj_id} of group {group_id} completed without a Reserve"
@@ -292,9 +296,9 @@ class StalenessManager:
         with self._cond:
             group = self._groups.get(group_id)
             if group is None:
-                if group_id in self._aborted:
+                if group_id in self._closed:
                     return Outcome(discarded=True)
-                raise UnknownGroup(f"group {group_id} is not tracked (never reserved or consumed)")
+                raise UnknownGroup(f"group {group_id} is not tracked (never reserved here)")
             # An occupied group's surplus members were already reported at Occupy.
             members = tuple(group.completed if group.buffer is not None else group.members)
             self._untrack(group_id, group)
@@ -313,9 +317,9 @@ class StalenessManager:
         with self._cond:
             group = self._groups.get(group_id)
             if group is None:
-                if group_id in self._aborted:
+                if group_id in self._closed:
                     return Outcome(discarded=True)
-                raise UnknownGroup(f"group {group_id} is not tracked (never reserved or consumed)")
+                raise UnknownGroup(f"group {group_id} is not tracked (never reserved here)")
             if (
                 traj_id not in group.members
                 or traj_id in group.completed
@@ -364,6 +368,7 @@ class StalenessManager:
                 group = self._groups[gid]
                 self._unpin(gid, group)
                 del self._groups[gid]
+                self._close(gid)
                 picked.append(ConsumedGroup(gid, group.version, tuple(group.completed)))
             aborted = self._abort_expired(buffer_version)
             counts.advance()
@@ -437,10 +442,13 @@ class StalenessManager:
 
     def _forget(self, gid: GroupId) -> None:
         del self._groups[gid]
-        self._aborted[gid] = None
-        if len(self._aborted) > _REMEMBER_ABORTED:
-            del self._aborted[next(iter(self._aborted))]
+        self._close(gid)
         self.aborted_groups += 1
+
+    def _close(self, gid: GroupId) -> None:
+        self._closed[gid] = None
+        if len(self._closed) > _REMEMBER_CLOSED:
+            del self._closed[next(iter(self._closed))]
 
     def _repacked(self) -> list[int]:
         layout = self._counts.repack()

@@ -5,6 +5,7 @@ Ray (imported lazily) and ``trajectory_server.wire`` packs its array-heavy messa
 """
 
 from trajectory_server.errors import (
+    GroupGone,
     InvalidConfig,
     InvalidPayload,
     InvalidTransition,
@@ -35,6 +36,7 @@ from trajectory_server.types import (
 __all__ = [
     "AbortedTrajectory",
     "Completion",
+    "GroupGone",
     "GroupStatus",
     "InvalidConfig",
     "InvalidPayload",

@@ -33,6 +33,11 @@ class UnknownGroup(TrajectoryServerError, KeyError):
         return str(self.args[0]) if self.args else "unknown group"
 
 
+class GroupGone(UnknownGroup):
+    """The group existed but was consumed by the trainer or aborted: like
+    :class:`TrajectoryGone`, a late message about it may be caught and dropped."""
+
+
 class InvalidTransition(TrajectoryServerError):
     """The trajectory is not in the state the call requires."""
 

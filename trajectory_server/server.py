@@ -21,6 +21,7 @@ import numpy as np
 
 from trajectory_server import validate
 from trajectory_server.errors import (
+    GroupGone,
     InvalidPayload,
     InvalidTransition,
     TrajectoryGone,
@@ -451,9 +452,9 @@ class TrajectoryServer:
     def _group(self, group_id: int) -> _Group:
         group = self._groups.get(group_id)
         if group is None:
-            gone = isinstance(group_id, int | np.integer) and 0 <= group_id < self._next_group
-            why = "was already consumed or aborted" if gone else "was never created by this server"
-            raise UnknownGroup(f"group {group_id!r} {why}")
+            if isinstance(group_id, int | np.integer) and 0 <= group_id < self._next_group:
+                raise GroupGone(f"group {group_id} was already consumed or aborted")
+            raise UnknownGroup(f"group {group_id!r} was never created by this server")
         return group
 
     def _member(self, group: _Group, traj_id: int) -> _Traj:

@@ -1,6 +1,9 @@
 """An :class:`~staleflow.runtime.interface.InstanceHandle` over a local rollout instance:
 the instance fetches routed trajectories from the TS, returns interrupted ones to it,
-and pulls weights from the PS itself, so payloads never pass through the control plane."""
+and pulls weights from the PS itself, so payloads never pass through the control plane.
+
+A partial whose trajectory redundancy (§4.3) aborted in the TS meanwhile is a late
+message: dropped, while the trajectory still counts as stopped here."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from coordinator.types import InstanceSnapshot
+from staleflow.control.late import return_live
 from staleflow.engines.base import RolloutEngine
 from staleflow.rollout.instance import Finished, InstanceTimes, RolloutInstance
 from staleflow.runtime.weights import PullSource
@@ -75,8 +79,9 @@ class InstanceHost:
             self.instance.submit(routed)
         except BaseException:
             # Never strand trajectories the TS believes are here.
-            self._ts.interrupt_return(
-                [PartialTrajectory(r.traj_id, r.tokens, r.logprobs, r.versions) for r in routed]
+            return_live(
+                self._ts,
+                [PartialTrajectory(r.traj_id, r.tokens, r.logprobs, r.versions) for r in routed],
             )
             raise
         return tuple(r.traj_id for r in routed)
@@ -85,8 +90,9 @@ class InstanceHost:
         partials = self.instance.interrupt(traj_ids)
         if partials:
             started = time.perf_counter()
-            self._ts.interrupt_return(list(partials.values()))
+            return_live(self._ts, list(partials.values()))
             self.instance.add_command_time("interrupt", time.perf_counter() - started)
+        # every trajectory stopped here, also one the TS had dropped: it left this instance
         return tuple(partials)
 
     def abort(self, traj_ids: Sequence[int]) -> tuple[int, ...]:

@@ -4,7 +4,8 @@ control plane, with a micro model (no warm-up) for a few steps.
 What must hold whatever the policy learns: every consumed trajectory is within eta of
 the buffer it trained (exactly on-policy at eta = 0); nothing is lost or consumed twice
 between TS, instances, reward workers and trainer; instances load newer weights as the
-PS advances.
+PS advances; with redundant rollout on, the surplus is dropped and the late messages
+about it (rewards, partials) are dropped too, not fatal.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _check_run(result, eta: int) -> None:
         assert max(step["staleness"]) <= eta, step
         assert min(step["staleness"]) >= 0
         ids.update(step["traj_ids"])
-        assert len(step["traj_ids"]) == 2 * 4  # batch x group, no redundancy
+        assert len(step["traj_ids"]) == 2 * 4  # batch x group, with redundancy too
     assert ids and max(ids.values()) == 1, "a trajectory was consumed twice"
     audit = result.summary["audit"]
     assert audit["routed"] == 0 and audit["on_instances"] == 0, audit
@@ -92,6 +93,15 @@ def test_launch_eta0_is_exactly_on_policy(tmp_path):
         # every token of every consumed trajectory came from the version being trained
         assert set(step["staleness"]) == {0} and set(step["token_staleness"]) == {0}
     assert result.summary["on_policy_tokens"] is True
+
+
+def test_launch_with_batch_and_group_redundancy_drops_the_surplus(tmp_path):
+    """§4.3 / App. C: 3 entries per buffer of 2 groups, 5 members per group of 4. This used
+    to stop with ``TrajectoryGone`` as soon as a dropped trajectory's reward came in."""
+    result = _launch(tmp_path, 2, "group_redundancy=0.25", "batch_redundancy=0.5")
+    _check_run(result, 2)
+    # every consumed group ran 5 members and trained on 4: the fifth was dropped
+    assert result.summary["audit"]["aborted"] >= STEPS * 2
 
 
 def test_a_dead_rollout_actor_stops_the_run_with_a_clear_error(tmp_path):
