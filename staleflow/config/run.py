@@ -22,6 +22,7 @@ from staleflow.config.sections import (
 )
 from staleflow.config.walk import check_types
 from staleflow.rewards.registry import resolve_reward_kind
+from staleness.bounds import REDUNDANCY_HINT, redundancy_ok
 
 if TYPE_CHECKING:
     from trajectory_server.types import TrajectoryServerConfig
@@ -112,12 +113,7 @@ class RunConfig:
         require_at_least("group_size", self.group_size, 1, "trajectory per group")
         for key in ("group_redundancy", "batch_redundancy"):
             value = getattr(self, key)
-            require(
-                0.0 <= value < 16.0,
-                key,
-                value,
-                "is out of range: use a ratio in [0, 16), e.g. 0.0625",
-            )
+            require(redundancy_ok(value), key, value, f"is out of range: {REDUNDANCY_HINT}")
         require_at_least("checkpoint_every", self.checkpoint_every, 0, "steps (0 = at the end)")
         require_at_least("eval_problems", self.eval_problems, 0, "problems (0 = off)")
         require(
