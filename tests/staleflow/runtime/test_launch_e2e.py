@@ -9,9 +9,9 @@ PS advances.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
+
+from tests.staleflow.runtime.launch_checks import MICRO_RUN, check_run
 
 pytestmark = pytest.mark.ray
 
@@ -28,12 +28,7 @@ def _launch(tmp_path, eta: int, *extra: str):
             f"eta={eta}",
             f"steps={STEPS}",
             f"run_dir={tmp_path}",
-            "model.preset=micro",
-            "model.warmup=false",
-            "batch_size=2",
-            "group_size=4",
-            "rollout.max_response_tokens=8",
-            "coordinator.period_s=0.05",
+            *MICRO_RUN,
             "dashboard=false",  # tests/staleflow/dashboard/test_launch_dashboard.py has it on
             "eval_problems=32",
             *extra,
@@ -42,37 +37,7 @@ def _launch(tmp_path, eta: int, *extra: str):
     return launch(cfg)
 
 
-def _check_run(result, eta: int) -> None:
-    assert len(result.records) == STEPS
-    ids: Counter[int] = Counter()
-    for step in result.consumed:
-        assert max(step["staleness"]) <= eta, step
-        assert min(step["staleness"]) >= 0
-        ids.update(step["traj_ids"])
-        assert len(step["traj_ids"]) == 2 * 4  # batch x group, no redundancy
-    assert ids and max(ids.values()) == 1, "a trajectory was consumed twice"
-    audit = result.summary["audit"]
-    assert audit["routed"] == 0 and audit["on_instances"] == 0, audit
-    assert audit["consumed"] == sum(ids.values())
-    assert audit["created"] == (
-        audit["consumed"] + audit["aborted"] + audit["queued"] + audit["completed"]
-    ), audit
-    # instances moved to newer weights as the PS advanced
-    versions = [
-        max(v for k, v in rec.items() if k.startswith("rollout/version/")) for rec in result.records
-    ]
-    assert versions == sorted(versions), versions  # an instance never loads older weights
-    # the last batch (version STEPS - 1) admits nothing older than STEPS - 1 - eta, so some
-    # instance must have loaded at least that version from the PS before the step's record
-    assert versions[-1] >= max(1, STEPS - 1 - eta), versions
-    assert (result.run_dir / "metrics.jsonl").is_file()
-    assert (result.run_dir / "config.yaml").is_file()
-    # the checkpoint is a complete policy: model.checkpoint=<it> resumes from it
-    from staleflow.models.checkpoint import load_pretrained
-
-    model, tokenizer = load_pretrained(result.run_dir / "checkpoint")
-    assert tokenizer.decode(tokenizer.encode("12+7=")) == "12+7="
-    assert sum(p.numel() for p in model.parameters()) > 0
+def _check_eval(result) -> None:
     # held-out rewards of the initial weights and of the final checkpoint
     summary = result.summary
     assert summary["eval_problems"] == 32
@@ -82,12 +47,14 @@ def _check_run(result, eta: int) -> None:
 
 def test_launch_eta1_bounded_and_conserving(tmp_path):
     result = _launch(tmp_path, 1)
-    _check_run(result, 1)
+    check_run(result, 1, STEPS, 2 * 4)
+    _check_eval(result)
 
 
 def test_launch_eta0_is_exactly_on_policy(tmp_path):
     result = _launch(tmp_path, 0)
-    _check_run(result, 0)
+    check_run(result, 0, STEPS, 2 * 4)
+    _check_eval(result)
     for step in result.consumed:
         # every token of every consumed trajectory came from the version being trained
         assert set(step["staleness"]) == {0} and set(step["token_staleness"]) == {0}
