@@ -119,3 +119,61 @@ def test_the_run_folder_holds_the_resolved_config(tmp_path):
     assert cfg.reward.kind == "auto"
     assert load_config(out.path / "config.yaml", []).reward.kind == "arithmetic"
     assert (out.path / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_with_ones_own_checkpoint_launch_says_it_loads_it_and_warms_nothing_up(tmp_path):
+    from staleflow.models import build_arithmetic_model, save_pretrained
+    from staleflow.runtime.launch import prepare_policy
+
+    model, tokenizer = build_arithmetic_model("micro")
+    save_pretrained(model, tokenizer, tmp_path / "ckpt")
+    cfg = load_config(None, [f"model.checkpoint={tmp_path / 'ckpt'}"])
+    said: list[str] = []
+    _, _, facts = prepare_policy(cfg, said.append)
+    assert said == [f"loading the policy from {tmp_path / 'ckpt'}"]
+    assert facts == {"source": str(tmp_path / "ckpt")}
+    said.clear()
+    prepare_policy(load_config(None, ["model.preset=micro", "model.warmup=false"]), said.append)
+    assert said == ["building the built-in micro model, untrained (model.warmup=false)"]
+
+
+def test_the_summary_shows_the_held_out_row_only_when_problems_were_scored():
+    from rich.console import Console
+
+    from staleflow.runtime.display import summary_table
+
+    def rendered(summary: dict) -> str:
+        console = Console(width=200, record=True)
+        console.print(summary_table(summary, eta=3))
+        return console.export_text()
+
+    base = {"steps": 2, "elapsed_s": 1.0, "tokens_per_s": 5.0, "staleness_hist": {0: 8}}
+    assert "held-out" not in rendered(base)  # a dataset task, or eval_problems=0
+    scored = rendered(
+        {**base, "eval_problems": 64, "eval_reward_start": 0.2, "eval_reward_end": 0.3}
+    )
+    assert "held-out reward (64 problems), start → end" in scored and "0.200 → 0.300" in scored
+
+
+def test_paths_the_run_reads_are_checked_before_anything_starts(tmp_path):
+    from staleflow.runtime.launch import preflight
+
+    with pytest.raises(
+        LaunchError,
+        match=r"cannot load the policy: .*/gone: no such checkpoint directory \(set by model.checkpoint\)",
+    ):
+        preflight(load_config(None, [f"model.checkpoint={tmp_path / 'gone'}"]))
+    (tmp_path / "ckpt").mkdir()
+    cfg = load_config(
+        None,
+        [
+            f"model.checkpoint={tmp_path / 'ckpt'}",
+            "data.task=jsonl",
+            f"data.path={tmp_path / 'none.jsonl'}",
+        ],
+    )
+    with pytest.raises(
+        LaunchError,
+        match=r"cannot read the prompts: .*none\.jsonl: no such file \(set by data.path\)",
+    ):
+        preflight(cfg)
