@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from staleflow.runtime.errors import PlacementError
-from staleflow.runtime.placement import Bundle, Gang, PlacementPlan
+from staleflow.runtime.placement import NODE_RESOURCE_SHARE, Bundle, Gang, PlacementPlan
 
 _EPS = 1e-9
 
@@ -126,7 +126,13 @@ def _sum(*parts: Mapping[str, float]) -> dict[str, float]:
 
 
 def _fmt(resources: Mapping[str, float], zeros: bool = False) -> str:
-    return ", ".join(f"{k} {v:g}" for k, v in sorted(resources.items()) if zeros or v > 0)
+    """CPU and GPU counts and the like; a node group's marker resource (asked for in a
+    token share) is named by the group's description instead."""
+    return ", ".join(
+        f"{k} {v:g}"
+        for k, v in sorted(resources.items())
+        if (zeros or v > 0) and (k in ("CPU", "GPU") or v != NODE_RESOURCE_SHARE)
+    )
 
 
 class _Fitter:
@@ -196,7 +202,8 @@ class _Fitter:
             if node is None:
                 for node_id in chosen:  # give back what this gang took
                     _take(self.free[node_id], {k: -v for k, v in need.items()})
-                self._shortfall(gang, need, f" for each of its {len(gang.roles)} members")
+                each = f" for each of its {len(gang.roles)} members" if len(gang.roles) > 1 else ""
+                self._shortfall(gang, need, each)
                 return None
             _take(self.free[node.node_id], need)
             chosen.append(node.node_id)
@@ -226,7 +233,9 @@ def fit(plan: PlacementPlan, nodes: Iterable[Node]) -> Placement:
     if fitter.missing:
         free = _sum(*(n.free for n in fitter.nodes))
         asked = plan.totals(rollout_nodes=max(1, len(fitter.replicas)))
-        short = {k: v for k, v in asked.items() if v > free.get(k, 0.0) + _EPS}
+        bundles = [g.bundle for g in plan.gangs] + [plan.ps_replica]
+        markers = {b.group.resource for b in bundles}  # each named with its gang above
+        short = {k: v for k, v in asked.items() if v > free.get(k, 0.0) + _EPS and k not in markers}
         if short:
             fitter.missing.append(
                 f"in all the plan asks {_fmt(short)}, the cluster has "
