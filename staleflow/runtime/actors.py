@@ -3,7 +3,8 @@
 ============================  ===========================================================
 actor                         component
 ============================  ===========================================================
-``ParameterServerActor``      a PS worker process (``parameter_server.worker``)
+``ParameterServerActor`` x R  a PS worker process (``parameter_server.worker``), one
+                              per node that runs a rollout instance
 trajectory server             ``trajectory_server.actor`` (already a service + client)
 ``RolloutActor`` x N          :class:`~staleflow.runtime.instance_host.InstanceHost`
 ``RewardActor`` x W           :class:`~staleflow.runtime.reward_stage.RewardStage`
@@ -130,7 +131,7 @@ class ControlClient:
         self._ray.get(self.handle.trained.remote(report))
 
 
-# -- actor bodies (made remote by spawn()) ------------------------------------------------
+# -- actor bodies (made remote by the pool builders, staleflow.runtime.pools) --------------
 
 
 class ParameterServerActor:

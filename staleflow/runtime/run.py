@@ -186,8 +186,9 @@ class Run:
         hand them to the control actor, where the dashboard and status read them."""
         from staleflow.runtime.pools.parameter_server import describe_weights
 
-        assert self.ps is not None and self.trainer is not None and self.placement is not None
-        ray = self.cluster.ray  # type: ignore[union-attr]
+        assert self.ps is not None and self.trainer is not None and self.control is not None
+        assert self.cluster is not None and self.placement is not None
+        ray = self.cluster.ray
         pulls = dict(
             zip(
                 [f"instance/{i}" for i in self.instances],
@@ -201,7 +202,7 @@ class Run:
         for line in lines:
             self._phase(line)
         self.placement_info = {**self.placement.as_dict(), "weights": weights}
-        ray.get(self.control.control.set_placement.remote(self.placement_info))  # type: ignore[union-attr]
+        ray.get(self.control.control.set_placement.remote(self.placement_info))
 
     # -- watch -------------------------------------------------------------------------
 
