@@ -125,7 +125,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     from staleflow.config import load_config
     from staleflow.runtime.display import live_panel, step_line, summary_table
-    from staleflow.runtime.launch import LaunchError, launch
+    from staleflow.runtime.launch import LaunchError, check_placement, launch
 
     overrides = list(args.overrides)
     for flag, key in (("eta", "eta"), ("steps", "steps"), ("address", "address")):
@@ -142,6 +142,18 @@ def cmd_launch(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     _quiet_transformers()
     console = Console()
+
+    def on_phase(text: str) -> None:
+        console.print(f"[dim]{text}[/]", highlight=False)
+
+    if args.check:
+        try:
+            check_placement(cfg, on_phase)
+        except LaunchError as exc:
+            console.print(f"[red]staleflow launch --check:[/] {exc}", highlight=False)
+            return 1
+        console.print("the cluster holds this placement", highlight=False)
+        return 0
     live = Live(console=console, refresh_per_second=4, transient=True) if args.live else None
 
     def on_record(rec: dict[str, float]) -> None:
@@ -158,10 +170,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
             cfg,
             on_record=on_record,
             on_tick=on_tick if live is not None else None,
-            on_phase=lambda text: console.print(f"[dim]{text}[/]"),
+            on_phase=on_phase,
         )
     except LaunchError as exc:
-        console.print(f"[red]staleflow launch failed:[/] {exc}")
+        console.print(f"[red]staleflow launch failed:[/] {exc}", highlight=False)
         return 1
     finally:
         if live is not None:
@@ -372,7 +384,17 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--config", help="a YAML config file (overrides apply on top)")
     launch.add_argument("--eta", type=int, help="staleness bound (0 = synchronous on-policy)")
     launch.add_argument("--steps", type=int, help="training steps")
-    launch.add_argument("--address", help="join this Ray cluster instead of a local one")
+    launch.add_argument(
+        "--address",
+        help="run on this Ray cluster: auto (the one this node belongs to) or host:port "
+        "(default: start a local Ray); see docs/cluster.md",
+    )
+    launch.add_argument(
+        "--check",
+        action="store_true",
+        help="print the placement plan and where it would go on the cluster, then stop "
+        "(exit 1 naming what is missing when the cluster cannot hold it)",
+    )
     launch.add_argument(
         "--live",
         action=argparse.BooleanOptionalAction,

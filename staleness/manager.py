@@ -22,6 +22,7 @@ from collections import deque
 from collections.abc import Callable
 
 from staleness import checkpoint
+from staleness.bounds import REDUNDANCY_HINT, redundancy_ok
 from staleness.errors import (
     DuplicateTrajectory,
     InvalidConfig,
@@ -71,8 +72,8 @@ def validate_config(config: StalenessConfig) -> None:
         raise InvalidConfig(f"group_size must be an integer >= 1, got {config.group_size!r}")
     for name in ("batch_redundancy", "group_redundancy"):
         value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 10:
-            raise InvalidConfig(f"{name} must be a fraction in [0, 10], e.g. 0.0625; got {value!r}")
+        if not redundancy_ok(value):
+            raise InvalidConfig(f"{name}={value!r} is out of range: {REDUNDANCY_HINT}")
 
 
 class StalenessManager:

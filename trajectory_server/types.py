@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from staleness.bounds import REDUNDANCY_HINT, redundancy_ok
 from trajectory_server.errors import InvalidConfig
 
 TrajId = int
@@ -62,8 +63,8 @@ class TrajectoryServerConfig:
             raise InvalidConfig(f"group_size={self.group_size}; it must be at least 1")
         for name in ("group_redundancy", "batch_redundancy"):
             value = getattr(self, name)
-            if not 0.0 <= value < 16.0:
-                raise InvalidConfig(f"{name}={value}; use a ratio in [0, 16), e.g. 1/16")
+            if not redundancy_ok(value):
+                raise InvalidConfig(f"{name}={value!r} is out of range: {REDUNDANCY_HINT}")
         if self.capacity_groups is not None and self.capacity_groups < 1:
             raise InvalidConfig(
                 f"capacity_groups={self.capacity_groups}; it must be at least 1, "

@@ -26,6 +26,7 @@ ADVANTAGES = ("grpo", "dapo")
 # parameter_server.transport.TRANSPORT_NAMES, not imported: configuration stays
 # importable without the transports' modules
 TRANSPORTS = ("auto", "shm", "nixl", "socket")
+PUSH_TRANSPORTS = ("auto", "nixl", "socket")  # to another node: no shared memory there
 
 
 def _help(text: str) -> dict[str, str]:
@@ -183,6 +184,13 @@ class RolloutConfig:
         default="embedded", metadata=_help("embedded (CPU, in process) | sglang (GPU)")
     )
     instances: int = field(default=2, metadata=_help("rollout instances"))
+    tensor_parallel: int = field(
+        default=1,
+        metadata=_help(
+            "TP ranks of one instance, all on one node (each asks resources.rollout's "
+            "cpus and gpus)"
+        ),
+    )
     temperature: float = field(default=1.0, metadata=_help("sampling temperature (> 0)"))
     top_p: float = field(default=1.0, metadata=_help("nucleus sampling mass, in (0, 1]"))
     max_response_tokens: int = field(
@@ -205,6 +213,7 @@ class RolloutConfig:
         check_types(self, self.KEY)
         require_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS)
         require_at_least("rollout.instances", self.instances, 1, "rollout instance")
+        require_at_least("rollout.tensor_parallel", self.tensor_parallel, 1, "rank")
         require_positive("rollout.temperature", self.temperature, "1.0 (RL needs sampling)")
         require(0.0 < self.top_p <= 1.0, "rollout.top_p", self.top_p, "is out of range: use (0, 1]")
         require_at_least("rollout.max_response_tokens", self.max_response_tokens, 1, "token")
@@ -358,7 +367,15 @@ class PSConfig:
     transport: str = field(
         default="auto",
         metadata=_help(
-            "auto (shared memory on one host, else NIXL, else socket) | shm | nixl | socket"
+            "how an instance Pulls from the PS replica on its own node (and the trainer "
+            "Pushes to one on its node): auto (shared memory) | shm | nixl | socket"
+        ),
+    )
+    push_transport: str = field(
+        default="auto",
+        metadata=_help(
+            "how the trainer Pushes to a PS replica on another node: auto (NIXL when it "
+            "starts there, else socket) | nixl | socket (TCP)"
         ),
     )
     num_slots: int = field(
@@ -369,6 +386,7 @@ class PSConfig:
     def __post_init__(self) -> None:
         check_types(self, self.KEY)
         require_choice("parameter_server.transport", self.transport, TRANSPORTS)
+        require_choice("parameter_server.push_transport", self.push_transport, PUSH_TRANSPORTS)
         require_at_least(
             "parameter_server.num_slots",
             self.num_slots,

@@ -44,6 +44,9 @@ class RunInfo:
     config: Mapping[str, Any] = field(default_factory=dict)  # resolved run config, if known
     actions: tuple[str, ...] = ()  # what :meth:`RunSource.act` accepts
     notes: tuple[str, ...] = ()
+    # live runs: nodes, where each actor runs, PS replicas, Pull routes and the Push plan
+    # (staleflow.runtime.fitting.Placement.as_dict plus "weights")
+    placement: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

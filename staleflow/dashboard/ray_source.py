@@ -32,7 +32,7 @@ from staleflow.dashboard.interface import (
     RunInfo,
 )
 from staleflow.dashboard.timeline import InstanceObservation, Recorder, SeqLog
-from staleflow.runtime.launch import ACTOR_NAMESPACE
+from staleflow.runtime.cluster import ACTOR_NAMESPACE, actor_name
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +45,6 @@ _PS_NOTE = (
 
 class AttachError(RuntimeError):
     """No run could be attached; the message says how to name one."""
-
-
-def actor_name(run: str, role: str) -> str:
-    """The Ray name of one actor of run ``run`` (the run folder's name)."""
-    return f"{run}/{role}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +77,7 @@ class RaySource:
         poll_s: float = 1.0,
         timeout_s: float = 10.0,
         notes: tuple[str, ...] = (),
+        placement: Mapping[str, Any] | None = None,
         ray: Any = None,  # the ray module; tests pass a fake
     ) -> None:
         if ray is None:
@@ -96,6 +92,7 @@ class RaySource:
         self.poll_s = poll_s
         self.timeout_s = timeout_s
         self._notes = notes
+        self._placement = dict(placement or {})
         self._recorder = Recorder()
         self._records: SeqLog[Mapping[str, float]] = SeqLog(maxlen=1_000_000)
         self._state = _State()
@@ -120,6 +117,7 @@ class RaySource:
             config=config_to_dict(cfg),
             cost_model=cost_model_of(cfg),
             transport=cfg.parameter_server.transport,
+            placement=getattr(run, "placement_info", None),
             **kwargs,
         )
 
@@ -177,7 +175,13 @@ class RaySource:
             for n in names
             if n.startswith(prefix) and n[len(prefix) :].isdigit()
         }
-        handles = RayHandles(get("control"), get("ts"), get("ps"), dict(sorted(instances.items())))
+        # the first PS replica (a run has one per rollout node: ps/0, ps/1, ...)
+        ps = get("ps/0") or get("ps")
+        handles = RayHandles(get("control"), get("ts"), ps, dict(sorted(instances.items())))
+        try:
+            placement = ray.get(handles.control.placement.remote(), timeout=10)
+        except Exception:  # a run of an older staleflow, or one that is ending
+            placement = {}
         folder = Path(run_dir) if run_dir else Path("runs") / run
         config: dict[str, Any] = {}
         cost = None
@@ -200,6 +204,7 @@ class RaySource:
             cost_model=cost,
             transport=transport,
             notes=notes,
+            placement=placement,
             **kwargs,
         )
 
@@ -309,6 +314,7 @@ class RaySource:
             cost_model=self._cost,
             config=cfg,
             notes=self._notes,
+            placement=self._placement,
         )
 
     def _snapshot(self) -> _State:

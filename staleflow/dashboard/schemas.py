@@ -69,6 +69,11 @@ class RunOut(BaseModel):
     pending_commands: int | None
     actions: list[str] = Field(description="POST /api/actions/{action} (needs the token)")
     notes: list[str]
+    placement: dict[str, Any] = Field(
+        default_factory=dict,
+        description="live runs: the nodes, the node of every actor, the PS replicas, each "
+        "instance's Pull route and the Push plan with its transports",
+    )
 
 
 class EntryOut(BaseModel):
@@ -254,6 +259,7 @@ def run_out(info: RunInfo, live: LiveView) -> RunOut:
         pending_commands=live.pending_commands,
         actions=list(info.actions),
         notes=[*info.notes, *live.notes],
+        placement=dict(info.placement),
     )
 
 

@@ -76,7 +76,9 @@ def summary_table(summary: dict[str, Any], eta: int) -> Table:
             f"held-out reward ({summary.get('eval_problems', 0)} problems), start → end",
             f"{fmt(summary.get('eval_reward_start'), '.3f')} → "
             f"{fmt(summary.get('eval_reward_end'), '.3f')}",
-        ),
+        )
+        if summary.get("eval_problems")  # scored only for the built-in task
+        else None,
         (
             "staleness (V_buf - V_traj: trajectories)",
             " ".join(f"{k}:{v}" for k, v in summary.get("staleness_hist", {}).items()),
@@ -93,6 +95,7 @@ def summary_table(summary: dict[str, Any], eta: int) -> Table:
         ),
         ("run folder", str(summary.get("run_dir", ""))),
     ]
-    for name, value in rows:
-        table.add_row(name, value)
+    for row in rows:
+        if row is not None:
+            table.add_row(*row)
     return table

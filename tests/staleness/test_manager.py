@@ -39,7 +39,10 @@ W, R_, S = BufferState.WAITING, BufferState.READY, BufferState.STUCK
         ({"eta": -1}, "eta must be an integer >= 0"),
         ({"batch_size": 0}, "batch_size must be an integer >= 1"),
         ({"group_size": 0}, "group_size must be an integer >= 1"),
-        ({"batch_redundancy": -0.5}, "batch_redundancy must be a fraction"),
+        (
+            {"batch_redundancy": -0.5},
+            r"batch_redundancy=-0.5 is out of range: use a ratio in \[0, 16\)",
+        ),
         ({"eta": 1.5}, "eta must be an integer"),
     ],
 )

@@ -94,11 +94,11 @@ def test_a_dead_control_actor_ends_polling_and_keeps_the_last_state():
 
 
 def test_actor_names_match_the_launcher():
-    from staleflow.runtime.launch import ACTOR_NAMESPACE, Run
+    from staleflow.runtime.cluster import ACTOR_NAMESPACE
+    from staleflow.runtime.pools import PoolContext
 
-    run = Run.__new__(Run)
-    run.run_dir = __import__("pathlib").Path("/tmp/20250101-000000-eta3")
-    assert run._named("control") == {
+    ctx = PoolContext(None, "20250101-000000-eta3", None, None, "", False, print)  # type: ignore[arg-type]
+    assert ctx.naming("control") == {
         "name": actor_name("20250101-000000-eta3", "control"),
         "namespace": ACTOR_NAMESPACE,
     }

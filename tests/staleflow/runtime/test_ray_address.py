@@ -67,3 +67,19 @@ def test_cli_status_and_launch_fail_fast_on_an_unreachable_address(capsys, tmp_p
     cfg = load_config(None, [f"address={address}", f"run_dir={tmp_path}"])
     with pytest.raises(LaunchError, match="no Ray cluster answers"):
         Run(cfg, tmp_path).start(None, None, None)
+
+
+def test_launch_refuses_an_unreachable_address_before_preparing_the_policy(tmp_path, monkeypatch):
+    pytest.importorskip("ray")
+    from staleflow.config import load_config
+    from staleflow.runtime import launch as launching
+
+    def never(*args, **kwargs):
+        raise AssertionError("the policy was prepared (a warm-up) for a cluster nobody runs")
+
+    monkeypatch.setattr(launching, "prepare_policy", never)
+    address = f"127.0.0.1:{_closed_port()}"
+    cfg = load_config(None, [f"address={address}", f"run_dir={tmp_path}"])
+    with pytest.raises(launching.LaunchError, match=f"no Ray cluster answers at {address}"):
+        launching.launch(cfg)
+    assert not any(tmp_path.iterdir())
