@@ -5,9 +5,11 @@ Ray (imported lazily) and ``trajectory_server.wire`` packs its array-heavy messa
 """
 
 from trajectory_server.errors import (
+    CorruptState,
     InvalidConfig,
     InvalidPayload,
     InvalidTransition,
+    NotHolder,
     TrajectoryGone,
     TrajectoryServerError,
     UnknownGroup,
@@ -15,13 +17,15 @@ from trajectory_server.errors import (
     VersionConflict,
     WireError,
 )
-from trajectory_server.interface import PromptSource, SampleLike
+from trajectory_server.interface import PromptSource, ResumableSource, SampleLike
 from trajectory_server.server import TrajectoryServer
 from trajectory_server.types import (
     AbortedTrajectory,
     Completion,
+    FinishedTrajectory,
     GroupStatus,
     PartialTrajectory,
+    RewardTask,
     RoutableTrajectory,
     RoutedTrajectory,
     TrainingBatch,
@@ -30,17 +34,23 @@ from trajectory_server.types import (
     TrajectoryServerConfig,
     TrajState,
     TSStats,
+    WorkerId,
 )
 
 __all__ = [
     "AbortedTrajectory",
     "Completion",
+    "CorruptState",
+    "FinishedTrajectory",
     "GroupStatus",
     "InvalidConfig",
     "InvalidPayload",
     "InvalidTransition",
+    "NotHolder",
     "PartialTrajectory",
     "PromptSource",
+    "ResumableSource",
+    "RewardTask",
     "RoutableTrajectory",
     "RoutedTrajectory",
     "SampleLike",
@@ -57,4 +67,5 @@ __all__ = [
     "UnknownTrajectory",
     "VersionConflict",
     "WireError",
+    "WorkerId",
 ]
