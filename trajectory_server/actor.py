@@ -27,6 +27,7 @@ from trajectory_server.types import (
     GroupStatus,
     InfoValue,
     InstanceId,
+    LiveTrajectory,
     PartialTrajectory,
     RewardTask,
     RoutableTrajectory,
@@ -89,6 +90,9 @@ class TrajectoryServerService:
 
     def routed_to(self, instance_id: InstanceId) -> tuple[int, ...]:
         return self._ts.routed_to(instance_id)
+
+    def ledger(self) -> tuple[LiveTrajectory, ...]:
+        return self._ts.ledger()
 
     def export_state(self) -> bytes:
         return wire.pack_plain(self._ts.export_state())
@@ -236,6 +240,9 @@ class TrajectoryServerClient:
 
     def routed_to(self, instance_id: InstanceId) -> tuple[int, ...]:
         return self._call("routed_to", instance_id)
+
+    def ledger(self) -> tuple[LiveTrajectory, ...]:
+        return self._call("ledger")
 
     def export_state(self) -> dict[str, Any]:
         """The server's state (arrays travel packed as raw bytes, not pickled)."""

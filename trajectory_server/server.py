@@ -52,6 +52,7 @@ from trajectory_server.types import (
     GroupStatus,
     InfoValue,
     InstanceId,
+    LiveTrajectory,
     PartialTrajectory,
     RewardTask,
     RoutableTrajectory,
@@ -117,6 +118,13 @@ class TrajectoryServer:
     def group_status(self, group_id: int) -> GroupStatus:
         group = self._s.group(group_id)
         return GroupStatus(group_id, group.completed, len(group.members))
+
+    def ledger(self) -> tuple[LiveTrajectory, ...]:
+        """Every live trajectory with its state, ``V_traj`` and holder, by id (no payloads)."""
+        return tuple(
+            LiveTrajectory(t.traj_id, t.group.group_id, t.state, t.v_traj, t.holder, len(t.tokens))
+            for _, t in sorted(self._s.trajs.items())
+        )
 
     def routed_to(self, instance_id: InstanceId) -> tuple[int, ...]:
         """Ids of the trajectories ROUTED to ``instance_id`` (for audits and recovery)."""

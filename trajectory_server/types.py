@@ -100,6 +100,17 @@ class RoutableTrajectory(NamedTuple):
     prompt_len: int
 
 
+class LiveTrajectory(NamedTuple):
+    """Where one live trajectory is (``TrajectoryServer.ledger``), for audits and restores."""
+
+    traj_id: int
+    group_id: int
+    state: TrajState
+    v_traj: int | None
+    holder: int | str | None  # its instance (ROUTED) or reward worker (REWARDING)
+    tokens: int  # response tokens the TS holds
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class RoutedTrajectory:
     """What a rollout instance receives for one routed trajectory.

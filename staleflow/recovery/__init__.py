@@ -11,6 +11,7 @@ from staleflow.recovery.checkpoint import (
     find_checkpoint,
     list_checkpoints,
     read_checkpoint,
+    read_manifest,
     write_checkpoint,
 )
 from staleflow.recovery.errors import (
@@ -32,5 +33,6 @@ __all__ = [
     "find_checkpoint",
     "list_checkpoints",
     "read_checkpoint",
+    "read_manifest",
     "write_checkpoint",
 ]

@@ -32,6 +32,7 @@ import shutil
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +149,7 @@ def write_checkpoint(
             "steps": state.steps,
             "version": state.version,
             "protocol": state.staleness["config"],
+            "written_at": datetime.now(UTC).isoformat(timespec="seconds"),
             "files": {rel: _describe(tmp / rel) for rel in _files(tmp)},
         }
         _write_file(tmp / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
@@ -275,7 +277,7 @@ def read_checkpoint(path: str | Path, *, protocol: StalenessConfig | None = None
     ``ProtocolMismatch``; writes nothing.
     """
     folder = find_checkpoint(path)
-    manifest = _read_manifest(folder)
+    manifest = read_manifest(folder)
     saved_protocol = manifest["protocol"]
     if protocol is not None:
         Checkpoint(0, 0, 0, {}, {}, path=folder, protocol=saved_protocol).check_protocol(protocol)
@@ -314,7 +316,10 @@ def read_checkpoint(path: str | Path, *, protocol: StalenessConfig | None = None
         raise CorruptCheckpoint(f"{folder / _RUN}: missing or bad field: {exc}") from None
 
 
-def _read_manifest(folder: Path) -> dict[str, Any]:
+def read_manifest(folder: str | Path) -> dict[str, Any]:
+    """The manifest of a checkpoint folder (steps, version, protocol, written_at, files),
+    checked for shape and format only: cheap enough for ``staleflow status``."""
+    folder = Path(folder)
     file = folder / MANIFEST
     if not file.is_file():
         raise CorruptCheckpoint(

@@ -68,29 +68,26 @@ def reconcile(manager: StalenessManager, ts: TrajectoryServer) -> Reconciliation
     everything else corresponds (see the module docstring)."""
     state = manager.export_state()
     groups = {g["id"]: g for g in state["groups"]}
-    exported = ts.export_state()["trajectories"]
-    rows = zip(
-        exported["id"].tolist(),
-        exported["group"].tolist(),
-        exported["state"],
-        exported["v_traj"].tolist(),
-        strict=True,
-    )
     replay: list[tuple[int, int]] = []
     in_ts: set[int] = set()
-    for tid, gid, raw_state, v in rows:
-        in_ts.add(tid)
-        if v < 0:
+    for t in ts.ledger():
+        in_ts.add(t.traj_id)
+        if t.v_traj is None:
             continue  # an initial trajectory: never reserved
-        group = groups.get(gid)
+        group = groups.get(t.group_id)
         members = dict(map(tuple, group["members"])) if group else {}
-        if members.get(tid) != v:
-            _disagree(f"trajectory {tid} (group {gid}, V_traj={v}) has no such reservation")
-        done = tid in group["completed"]  # type: ignore[index]
-        if raw_state == TrajState.COMPLETED.value and not done:
-            replay.append((gid, tid))
-        elif done and raw_state != TrajState.COMPLETED.value:
-            _disagree(f"trajectory {tid} is completed in the manager but {raw_state} in the TS")
+        if members.get(t.traj_id) != t.v_traj:
+            _disagree(
+                f"trajectory {t.traj_id} (group {t.group_id}, V_traj={t.v_traj}) has no such "
+                "reservation"
+            )
+        done = t.traj_id in group["completed"]  # type: ignore[index]
+        if t.state is TrajState.COMPLETED and not done:
+            replay.append((t.group_id, t.traj_id))
+        elif done and t.state is not TrajState.COMPLETED:
+            _disagree(
+                f"trajectory {t.traj_id} is completed in the manager but {t.state.value} in the TS"
+            )
     for gid, group in groups.items():
         if group["buffer"] is None:  # occupied groups keep their surplus members on record
             lost = sorted(t for t, _ in group["members"] if t not in in_ts)

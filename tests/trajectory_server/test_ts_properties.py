@@ -348,6 +348,17 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
         for instance in INSTANCES:
             held = [t for t in self.ids_in(R) if self.live[t].holder == instance]
             assert sorted(self.ts.routed_to(instance)) == held
+        ledger = self.ts.ledger()
+        assert [e.traj_id for e in ledger] == sorted(self.live)
+        for e in ledger:
+            m = self.live[e.traj_id]
+            assert (e.group_id, e.state, e.v_traj, e.tokens) == (
+                m.group,
+                m.state,
+                m.v,
+                len(m.tokens),
+            )
+            assert e.holder == m.holder
 
     @invariant()
     def view_is_the_mlq(self) -> None:

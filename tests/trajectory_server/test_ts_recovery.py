@@ -96,6 +96,8 @@ def test_a_lost_reward_worker_costs_only_the_scoring(ts, response):
     finished = [FinishedTrajectory(t, *response(3 + t, 1), "stop") for t in (0, 1)]
     ts.hand_to_reward(finished, "w1", instance_id="a")
     assert ts.state_of(0) is TrajState.REWARDING and ts.stats().rewarding == 2
+    entry = ts.ledger()[0]  # identifiable in the TS: its state, worker and response
+    assert (entry.state, entry.holder, entry.v_traj, entry.tokens) == ("rewarding", "w1", 1, 3)
     assert ts.instance_lost("a") == (2,)  # the instance no longer has the finished ones
     tasks = ts.reassign_rewards("w1", "w2")  # w1 died: score them on w2
     assert [t.traj_id for t in tasks] == [0, 1]

@@ -23,6 +23,7 @@ from staleflow.recovery import (
     find_checkpoint,
     list_checkpoints,
     read_checkpoint,
+    read_manifest,
     write_checkpoint,
 )
 from staleflow.recovery import checkpoint as ckpt_module
@@ -78,6 +79,7 @@ def test_round_trip_keeps_every_field(tmp_path):
         "trainer/state.json",
     }
     assert manifest["protocol"]["eta"] == 2 and manifest["format"] == 1
+    assert read_manifest(folder) == manifest and manifest["written_at"]  # what status shows
 
 
 def test_a_cut_that_is_not_consistent_is_not_written(tmp_path):
@@ -256,3 +258,24 @@ def test_another_format_and_a_folder_that_is_not_a_run_are_refused(tmp_path):
         with pytest.raises(NotACheckpoint, match="--resume takes a run folder"):
             read_checkpoint(path)
     assert not (tmp_path / "notes" / "checkpoints").exists()
+
+
+def test_the_embedded_trainer_writes_its_own_part(tmp_path):
+    """The real trainer saves into the checkpoint being written, and loads from it."""
+    pytest.importorskip("torch")
+    from staleflow.models import build_arithmetic_model
+    from staleflow.trainers.embedded import EmbeddedTrainer, EmbeddedTrainerConfig
+
+    def trainer(seed: int) -> EmbeddedTrainer:
+        model, tokenizer = build_arithmetic_model("micro", seed=seed)
+        return EmbeddedTrainer(model, EmbeddedTrainerConfig(), pad_id=tokenizer.pad_id)
+
+    saved = trainer(0)
+    write_checkpoint(tmp_path, busy_run().state(), trainer=saved.save_checkpoint)
+    ck = read_checkpoint(tmp_path)
+    assert ck.trainer_dir is not None and (ck.trainer_dir / "optimizer.pt").is_file()
+    other = trainer(7)
+    other.load_checkpoint(ck.trainer_dir)
+    want, got = saved.export_weights(), other.export_weights()
+    assert all(np.array_equal(want[k], got[k]) for k in want)
+    assert not list((tmp_path / "checkpoints").glob(".*"))  # no temporary folders left
