@@ -97,10 +97,14 @@ class Checkpoint(RunState):
 
     def check_protocol(self, config: StalenessConfig) -> None:
         """Refuse a run whose protocol settings differ (``ProtocolMismatch`` names the key)."""
-        given = config_dict(config)
-        for key in PROTOCOL_KEYS:
-            if self.protocol.get(key) != given[key]:
-                raise ProtocolMismatch(key, self.protocol.get(key), given[key])
+        check_protocol(self.protocol, config)
+
+
+def check_protocol(saved: Mapping[str, Any], config: StalenessConfig) -> None:
+    given = config_dict(config)
+    for key in PROTOCOL_KEYS:
+        if saved.get(key) != given[key]:
+            raise ProtocolMismatch(key, saved.get(key), given[key])
 
 
 # -- writing ----------------------------------------------------------------------------
@@ -280,7 +284,7 @@ def read_checkpoint(path: str | Path, *, protocol: StalenessConfig | None = None
     manifest = read_manifest(folder)
     saved_protocol = manifest["protocol"]
     if protocol is not None:
-        Checkpoint(0, 0, 0, {}, {}, path=folder, protocol=saved_protocol).check_protocol(protocol)
+        check_protocol(saved_protocol, protocol)
     expected = manifest["files"]
     present = set(_files(folder)) - {MANIFEST}
     missing, extra = sorted(set(expected) - present), sorted(present - set(expected))
