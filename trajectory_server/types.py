@@ -21,6 +21,7 @@ from trajectory_server.errors import InvalidConfig
 TrajId = int
 GroupId = int
 InstanceId = int | str
+WorkerId = int | str  # a reward worker
 InfoValue = int | float | str
 
 
@@ -29,6 +30,7 @@ class TrajState(enum.StrEnum):
 
     QUEUED = "queued"  # in the TS and routable: initial, or an interrupted partial
     ROUTED = "routed"  # handed to a rollout instance (generating, or being rewarded)
+    REWARDING = "rewarding"  # finished; its whole response is in the TS; a worker scores it
     COMPLETED = "completed"  # finished and rewarded; waits for its group to be consumed
 
 
@@ -99,6 +101,17 @@ class RoutableTrajectory(NamedTuple):
     prompt_len: int
 
 
+class LiveTrajectory(NamedTuple):
+    """Where one live trajectory is (``TrajectoryServer.ledger``), for audits and restores."""
+
+    traj_id: int
+    group_id: int
+    state: TrajState
+    v_traj: int | None
+    holder: int | str | None  # its instance (ROUTED) or reward worker (REWARDING)
+    tokens: int  # response tokens the TS holds
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class RoutedTrajectory:
     """What a rollout instance receives for one routed trajectory.
@@ -144,6 +157,34 @@ class Completion:
     reward: float
     finish_reason: str  # e.g. "stop" or "length", as the engine reported it
     info: Mapping[str, InfoValue] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class FinishedTrajectory:
+    """A trajectory that finished generating, handed to a reward worker: its whole
+    response, stored in the TS so that another worker can score it if this one is lost."""
+
+    traj_id: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RewardTask:
+    """Everything a reward worker needs to score one REWARDING trajectory again."""
+
+    traj_id: int
+    group_id: int
+    v_traj: int
+    sample_id: int
+    answer: str
+    prompt: np.ndarray
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +267,7 @@ class TSStats:
     consumed_groups: int
     aborted_groups: int
     dataset_exhausted: bool
+    rewarding: int = 0  # finished, with (or waiting for) a reward worker
 
     def metrics(self) -> dict[str, float]:
         """Flat metric keys, e.g. ``ts/queued``."""
@@ -237,6 +279,7 @@ class TSStats:
                 "queued",
                 "routed",
                 "completed",
+                "rewarding",
                 "initial",
                 "created_trajectories",
                 "consumed_trajectories",
