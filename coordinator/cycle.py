@@ -127,6 +127,16 @@ class Coordinator:
         """When the next cycle may run (on the caller's clock)."""
         return self._next_due
 
+    def add_instance(self, inst: InstanceId, version: int) -> None:
+        """An instance joins (elastic rollout, or a restarted one under a new id): the next
+        snapshot must include it, empty and at ``version`` (what it Pulled on start)."""
+        self.speculative.add_instance(inst, version)
+
+    def remove_instance(self, inst: InstanceId) -> None:
+        """An instance left (lost, or removed): later snapshots leave it out. What it held
+        is the caller's to give back to the TS."""
+        self.speculative.remove_instance(inst)
+
     def request_abort(self, trajs: Iterable[TrajId] = (), groups: Iterable[GroupId] = ()) -> None:
         """Drop these trajectories / whole groups at the next valid snapshot."""
         self._aborts.add(trajs, groups)

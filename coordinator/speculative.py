@@ -56,6 +56,18 @@ class SpeculativeState:
             raise ValueError(f"instance {inst} is already tracked")
         self._p[inst] = _Expected(version, 0, 0)
 
+    def remove_instance(self, inst: InstanceId) -> None:
+        """Stop tracking an instance that left (lost, or removed from the fleet). Commands
+        still in flight to it are forgotten: their completions settle nothing."""
+        if self._p.pop(inst, None) is None:
+            raise ValueError(f"instance {inst} is not tracked")
+        self._in_flight = {k: v for k, v in self._in_flight.items() if v[0].inst != inst}
+
+    @property
+    def instances(self) -> tuple[InstanceId, ...]:
+        """The tracked instances, in the order they joined."""
+        return tuple(self._p)
+
     def expected(self, inst: InstanceId) -> tuple[int, int]:
         """``(inst_version, accum_traj_num)`` expected for ``inst``."""
         e = self._p[inst]

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from staleness import checkpoint
+from staleness import checkpoint, explain
 from staleness.bounds import REDUNDANCY_HINT, redundancy_ok
 from staleness.errors import (
     DuplicateTrajectory,
@@ -145,6 +145,12 @@ class StalenessManager:
             group = self._groups.get(group_id)
             return None if group is None else group.version
 
+    def is_completed(self, group_id: GroupId, traj_id: TrajId) -> bool:
+        """Has this tracked trajectory's completion been applied? False for untracked."""
+        with self._cond:
+            group = self._groups.get(group_id)
+            return group is not None and traj_id in group.completed
+
     def sketch(self) -> Sketch:
         """A scratch copy of the admission state for one decision cycle (O(eta))."""
         with self._cond:
@@ -191,7 +197,7 @@ class StalenessManager:
                     f"group {group_id} was aborted or consumed; drop trajectory {traj_id}"
                 )
             if not self._verify(v_traj, group_id):
-                raise StalenessViolation(self._explain_rejection(v_traj))
+                raise StalenessViolation(explain.rejection(self._counts, self.eta, v_traj))
             if group is None:
                 group = _Group(v_traj)
                 self._groups[group_id] = group
@@ -202,18 +208,6 @@ class StalenessManager:
                 group.version = v_traj
             group.members[traj_id] = v_traj
             return _READY if self._counts.head_ready() else _EMPTY
-
-    def _explain_rejection(self, v_traj: int) -> str:
-        if self._counts.deadline(v_traj) < 0:
-            return (
-                f"V_traj={v_traj} is older than eta={self.eta} allows at trainer version "
-                f"{self.version}; sync the instance to a newer version first"
-            )
-        return (
-            f"no free entry in buffers {self.version}..{v_traj + self.eta} for "
-            f"V_traj={v_traj} (eta={self.eta}); route to an instance with a newer version "
-            "or wait for the trainer to consume"
-        )
 
     # -- Occupy -----------------------------------------------------------------------
 
@@ -329,14 +323,7 @@ class StalenessManager:
                 if group_id in self._closed:
                     return self._discarded(())
                 raise UnknownGroup(f"group {group_id} is not tracked (never reserved here)")
-            if (
-                traj_id not in group.members
-                or traj_id in group.completed
-                or group.buffer is not None
-            ):
-                raise NotReserved(
-                    f"trajectory {traj_id} of group {group_id} is not a running reserved member"
-                )
+            self._check_running(group_id, group, traj_id)
             if self.group_capacity - group.dropped - 1 < self.group_size or len(group.members) == 1:
                 members = tuple(group.members)
                 self._untrack(group_id, group)
@@ -349,15 +336,31 @@ class StalenessManager:
             else:
                 del group.members[traj_id]
                 group.dropped += 1
-                new_v = min(group.members.values())
-                if new_v != group.version:  # only ever rises, which only relaxes
-                    self._remove_reserved(group_id, group.version)
-                    self._add_reserved(group_id, new_v)
-                    group.version = new_v
+                if self._rereserve(group_id, group):
                     self._apply_layout(self._repacked())
                 outcome = Outcome(abort_trajectories=(traj_id,), ready=self._counts.head_ready())
         self._notify_if_ready(outcome.ready)
         return outcome
+
+    def unreserve(self, group_id: GroupId, traj_id: TrajId) -> None:
+        """Undo the Reserve of an initial trajectory that never reached an instance (its
+        Route died with the instance before the trajectory left the TS), as if it had
+        never been made: the trajectory may be Reserved again. Unlike
+        :meth:`abort_trajectory`, nothing is dropped; a group left without members is
+        forgotten, not closed."""
+        with self._cond:
+            group = self._groups.get(group_id)
+            self._check_running(group_id, group, traj_id)
+            assert group is not None
+            del group.members[traj_id]
+            if not group.members:
+                self._remove_reserved(group_id, group.version)
+                del self._groups[group_id]
+            else:
+                self._rereserve(group_id, group)
+            self._apply_layout(self._repacked())
+            ready = self._counts.head_ready()
+        self._notify_if_ready(ready)
 
     # -- Consume ----------------------------------------------------------------------
 
@@ -370,7 +373,7 @@ class StalenessManager:
         with self._cond:
             counts = self._counts
             if not counts.head_ready():
-                raise NotReady(self._explain_not_ready())
+                raise NotReady(explain.not_ready(self._counts, self.batch_size))
             buffer_version = counts.version
             picked = []
             for gid in list(self._pinned[buffer_version % self._n]):
@@ -413,14 +416,6 @@ class StalenessManager:
             shifted.add_reserved(v, -1)
         return tuple(aborted)
 
-    def _explain_not_ready(self) -> str:
-        r = sum(self._counts.reserved)
-        y = self._counts.pinned_by_buffer()
-        return (
-            f"buffer {self.version} is not Ready: {y[0]} occupied of the {self.batch_size} "
-            f"needed ({r} groups reserved in flight); wait with wait_ready() before consume()"
-        )
-
     # -- bookkeeping ----------------------------------------------------------------------
 
     def _add_reserved(self, gid: GroupId, v: int) -> None:
@@ -430,6 +425,23 @@ class StalenessManager:
     def _remove_reserved(self, gid: GroupId, v: int) -> None:
         del self._reserved[v % self._n][gid]
         self._counts.add_reserved(v, -1)
+
+    def _check_running(self, gid: GroupId, group: _Group | None, traj_id: TrajId) -> None:
+        if group is None or traj_id not in group.members or traj_id in group.completed:
+            raise NotReserved(f"trajectory {traj_id} of group {gid} is not a running member")
+        if group.buffer is not None:
+            raise NotReserved(f"trajectory {traj_id}: group {gid} is already occupied")
+
+    def _rereserve(self, gid: GroupId, group: _Group) -> bool:
+        """After a member left: the group's version is the min of those left (it only
+        ever rises, which only relaxes). True if it moved."""
+        new_v = min(group.members.values())
+        if new_v == group.version:
+            return False
+        self._remove_reserved(gid, group.version)
+        self._add_reserved(gid, new_v)
+        group.version = new_v
+        return True
 
     def _pin(self, gid: GroupId, group: _Group, buffer: int) -> None:
         group.buffer = buffer

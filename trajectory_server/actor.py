@@ -68,7 +68,9 @@ class TrajectoryServerService:
 
     def complete(self, message: bytes) -> bytes:
         batch = wire.unpack(message, wire.CompletionBatch)
-        statuses = self._ts.complete_many(batch.completions, instance_id=batch.instance_id)
+        statuses = self._ts.complete_many(
+            batch.completions, instance_id=batch.instance_id, worker_id=batch.worker_id
+        )
         return wire.pack(wire.GroupStatusBatch(statuses))
 
     def report_progress(self, message: bytes) -> tuple[int, ...]:
@@ -204,9 +206,13 @@ class TrajectoryServerClient:
         return self.complete_many((c,))[0]
 
     def complete_many(
-        self, completions: Iterable[Completion], *, instance_id: InstanceId | None = None
+        self,
+        completions: Iterable[Completion],
+        *,
+        instance_id: InstanceId | None = None,
+        worker_id: WorkerId | None = None,
     ) -> tuple[GroupStatus, ...]:
-        msg = wire.CompletionBatch(tuple(completions), instance_id)
+        msg = wire.CompletionBatch(tuple(completions), instance_id, worker_id)
         reply = self._call("complete", wire.pack(msg))
         return wire.unpack(reply, wire.GroupStatusBatch).statuses
 

@@ -62,6 +62,9 @@ def export_state(
         "counters": {key: getattr(store, key) for key in _COUNTERS},
         "exhausted": store.exhausted,
         "source": source,
+        # holders declared lost stay fenced after a restore (a message sent before the
+        # stop can still be in flight when a cluster is shared)
+        "lost": sorted(store.lost, key=str),
         "groups": {
             "id": np.array([g.group_id for g in groups], dtype=np.int64),
             "sample_id": np.array([g.sample_id for g in groups], dtype=np.int64),
@@ -152,6 +155,12 @@ def _load(
             raise CorruptState(f"trajectory server state: counter '{key}' must be an int >= 0")
         setattr(store, key, value)
     store.exhausted = bool(state["exhausted"])
+    lost = state.get("lost", [])  # absent in states written before it was kept
+    if not isinstance(lost, list) or not all(
+        isinstance(h, int | str) and not isinstance(h, bool) for h in lost
+    ):
+        raise CorruptState("trajectory server state: 'lost' must be a list of holder ids")
+    store.lost = set(lost)
     g = state["groups"]
     gids = _array(g, "id", np.int64, None)
     n_groups = len(gids)

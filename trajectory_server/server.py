@@ -175,6 +175,11 @@ class TrajectoryServer:
         moment old uses it, and learns what it missed from the ids absent from the result.
         """
         _check_holder_id(instance_id, "instance_id")
+        if instance_id in self._s.lost:
+            raise NotHolder(
+                f"instance {instance_id!r} was declared lost: route to its successor (a "
+                "restarted instance has a holder id of its own)"
+            )
         ids = unique(traj_ids, "route")
         per_traj = v_traj if isinstance(v_traj, Mapping) else None
         if per_traj is not None and not set(per_traj) <= set(ids):
@@ -266,9 +271,12 @@ class TrajectoryServer:
     def instance_lost(self, instance_id: InstanceId) -> tuple[int, ...]:
         """Every trajectory ROUTED to a lost instance goes back to the queue (see
         ``requeue``). Returns their ids. Later messages from that instance about them
-        raise ``NotHolder`` when they name it (``instance_id=``)."""
+        raise ``NotHolder`` when they name it (``instance_id=``), and a Route to it is
+        refused (``NotHolder``): give each incarnation of an instance its own id."""
+        _check_holder_id(instance_id, "instance_id")
         ids = self.routed_to(instance_id)
         self.requeue(ids)
+        self._s.lost.add(instance_id)
         if ids:
             logger.info(
                 "instance %r lost: %d trajectories back in the queue", instance_id, len(ids)
@@ -331,15 +339,26 @@ class TrajectoryServer:
         return self.complete_many((c,))[0]
 
     def complete_many(
-        self, completions: Iterable[Completion], *, instance_id: InstanceId | None = None
+        self,
+        completions: Iterable[Completion],
+        *,
+        instance_id: InstanceId | None = None,
+        worker_id: WorkerId | None = None,
     ) -> tuple[GroupStatus, ...]:
         """Store finished, rewarded trajectories: ROUTED ones (with ``instance_id``, each
-        must be ROUTED to it) or REWARDING ones (their response must be the stored one)."""
+        must be ROUTED to it) or REWARDING ones (their response must be the stored one).
+        With ``worker_id``, each must be REWARDING with that worker (``NotHolder``
+        otherwise: it was reassigned, or another worker scored it first)."""
         items = list(completions)
         unique((c.traj_id for c in items), "complete_many")
         plan = []
         for c in items:
             traj = self._s.lookup(c.traj_id)
+            if worker_id is not None and (traj.state is not REWARDING or traj.holder != worker_id):
+                raise NotHolder(
+                    f"{traj.describe()}, not being scored by worker {worker_id!r}: it was "
+                    "reassigned to another worker or already scored; drop this late completion"
+                )
             if traj.state is not REWARDING:
                 traj = self._routed(c.traj_id, "complete", instance_id)
             arrays = self._check_response(traj, c.tokens, c.logprobs, c.versions)

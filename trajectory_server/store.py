@@ -44,6 +44,9 @@ class TrajectoryStore:
         self.consumed_trajs = self.aborted_trajs = 0
         self.consumed_groups = self.aborted_groups = 0
         self.exhausted = False
+        # instances declared lost (``instance_lost``): a Route to one is refused, so a
+        # message it sent before it died cannot strand trajectories on it afterwards
+        self.lost: set[InstanceId] = set()
 
     # -- lookups ------------------------------------------------------------------------
 

@@ -136,6 +136,7 @@ class InterruptReturn:
 class CompletionBatch:
     completions: tuple[Completion, ...]
     instance_id: int | str | None = None
+    worker_id: int | str | None = None  # set: refuse trajectories not scored by it
 
 
 @dataclass(frozen=True, slots=True, eq=False)

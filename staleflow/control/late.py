@@ -4,7 +4,11 @@ In an asynchronous run a message can arrive about a trajectory (or group) that t
 already forgot: redundancy (§4.3) aborts surplus members while they are still being
 rewarded or interrupted, and the trainer's ``take_batch`` drops what is left of a
 consumed group. The TS raises :class:`~trajectory_server.errors.TrajectoryGone` (or
-:class:`~trajectory_server.errors.GroupGone`) for these, and changes nothing: every TS
+:class:`~trajectory_server.errors.GroupGone`) for these. After a recovery, a message can
+also come from an instance that was declared lost, or a reward worker whose work was
+reassigned (``staleflow.recovery``): the TS raises
+:class:`~trajectory_server.errors.NotHolder` when the message names its sender. Either
+way the TS changes nothing: every TS
 call validates its whole input first. Each function below tries the whole batch in one
 call (one round trip in the usual case) and, only when something in it was gone, again
 one item at a time, dropping the gone ones. Every other error, a genuinely wrong message,
@@ -18,21 +22,44 @@ import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol, TypeVar
 
-from trajectory_server.errors import GroupGone, TrajectoryGone
-from trajectory_server.types import AbortedTrajectory, Completion, GroupStatus, PartialTrajectory
+from trajectory_server.errors import GroupGone, NotHolder, TrajectoryGone
+from trajectory_server.types import (
+    AbortedTrajectory,
+    Completion,
+    FinishedTrajectory,
+    GroupStatus,
+    InstanceId,
+    PartialTrajectory,
+    WorkerId,
+)
 
 logger = logging.getLogger(__name__)
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+LATE = (TrajectoryGone, NotHolder)  # what a late message gets from the TS
 
 
 class CompletionSink(Protocol):
-    def complete_many(self, completions: Iterable[Completion]) -> tuple[GroupStatus, ...]: ...
+    def complete_many(
+        self, completions: Iterable[Completion], *, worker_id: WorkerId | None = None
+    ) -> tuple[GroupStatus, ...]: ...
 
 
 class PartialSink(Protocol):
-    def interrupt_return(self, partials: Sequence[PartialTrajectory]) -> None: ...
+    def interrupt_return(
+        self, partials: Sequence[PartialTrajectory], *, instance_id: InstanceId | None = None
+    ) -> None: ...
+
+
+class RewardHandOff(Protocol):
+    def hand_to_reward(
+        self,
+        finished: Iterable[FinishedTrajectory],
+        worker_id: WorkerId,
+        *,
+        instance_id: InstanceId | None = None,
+    ) -> None: ...
 
 
 class Aborter(Protocol):
@@ -53,31 +80,70 @@ def _each_live(
     if len(items) > 1:
         try:
             return list(items), [call(items)]
-        except TrajectoryGone:
-            pass  # at least one is gone: find out which
+        except LATE:
+            pass  # at least one is gone or not the sender's any more: find out which
     done: list[Item] = []
     results: list[Result] = []
     for item in items:
         try:
             results.append(call([item]))
-        except TrajectoryGone as exc:
+        except LATE as exc:
             logger.debug("late %s dropped: %s", what, exc)
             continue
         done.append(item)
     return done, results
 
 
-def complete_live(ts: CompletionSink, completions: Sequence[Completion]) -> list[Completion]:
+def complete_live(
+    ts: CompletionSink, completions: Sequence[Completion], *, worker_id: WorkerId | None = None
+) -> list[Completion]:
     """Store finished trajectories as completed; returns those the TS still held (the
-    rest were aborted or consumed meanwhile and must not be reported as rewarded)."""
-    done, _ = _each_live(completions, ts.complete_many, "completion")
+    rest were aborted or consumed meanwhile, or reassigned from ``worker_id`` to another
+    worker, and must not be reported as rewarded)."""
+
+    def call(items: Sequence[Completion]) -> tuple[GroupStatus, ...]:
+        if worker_id is None:
+            return ts.complete_many(items)
+        return ts.complete_many(items, worker_id=worker_id)
+
+    done, _ = _each_live(completions, call, "completion")
     return done
 
 
-def return_live(ts: PartialSink, partials: Sequence[PartialTrajectory]) -> list[int]:
-    """Hand interrupted trajectories back to the TS; returns the ids it took back."""
-    done, _ = _each_live(partials, ts.interrupt_return, "partial")
+def return_live(
+    ts: PartialSink,
+    partials: Sequence[PartialTrajectory],
+    *,
+    instance_id: InstanceId | None = None,
+) -> list[int]:
+    """Hand interrupted trajectories back to the TS; returns the ids it took back (not
+    those gone meanwhile, nor, with ``instance_id``, those no longer held by it)."""
+
+    def call(items: Sequence[PartialTrajectory]) -> None:
+        if instance_id is None:
+            return ts.interrupt_return(items)
+        return ts.interrupt_return(items, instance_id=instance_id)
+
+    done, _ = _each_live(partials, call, "partial")
     return [p.traj_id for p in done]
+
+
+def hand_live(
+    ts: RewardHandOff,
+    finished: Sequence[FinishedTrajectory],
+    worker_id: WorkerId,
+    *,
+    instance_id: InstanceId | None = None,
+) -> list[int]:
+    """Record finished trajectories in the TS as being scored by ``worker_id``; returns
+    the ids it took (not those gone meanwhile, nor those no longer held by
+    ``instance_id``: the instance was declared lost and they are queued again)."""
+
+    def call(items: Sequence[FinishedTrajectory]) -> None:
+        ts.hand_to_reward(items, worker_id, instance_id=instance_id)
+
+    done, _ = _each_live(finished, call, "hand-off to reward")
+    return [f.traj_id for f in done]
 
 
 def abort_live(ts: Aborter, traj_ids: Sequence[int]) -> list[AbortedTrajectory]:

@@ -35,6 +35,7 @@ from coordinator.types import InstanceId, InstanceSnapshot
 from staleflow.control.decisions import Consumed, Decision, Dropped, Issued, Occupied
 from staleflow.control.late import Aborter, abort_groups_live, abort_live
 from staleness import ConsumedBatch, StalenessConfig, StalenessManager
+from staleness.errors import DuplicateTrajectory, StalenessError
 from staleness.types import GroupId, TrajId
 from trajectory_server.types import AbortedTrajectory, RoutableTrajectory
 
@@ -78,8 +79,18 @@ class ControlLoop:
         clock: Callable[[], float],
         run_round: Callable[[Sequence[Callable[[], None]]], None] | None = None,
         on_decision: Callable[[Decision], None] | None = None,
+        manager: StalenessManager | None = None,
+        versions: Mapping[InstanceId, int] | None = None,
     ) -> None:
-        self.manager = StalenessManager(staleness)
+        # a resumed run hands in the manager it restored (same settings, checked there)
+        self.manager = manager if manager is not None else StalenessManager(staleness)
+        if self.manager.config != staleness:
+            raise ValueError(
+                f"the staleness manager was built with {self.manager.config}, the loop "
+                f"with {staleness}: restore it with the run's own settings"
+            )
+        # a resumed run's instances start at the version they Pulled, not 0
+        start = {inst: (versions or {}).get(inst, 0) for inst in instances}
         self._ts = ts
         self._snapshots = snapshots
         self._ps_version = ps_version
@@ -95,7 +106,7 @@ class ControlLoop:
             parameters=self,
             admission=self.manager,
             executor=self.executor,
-            instances=dict.fromkeys(instances, 0),
+            instances=start,
             clock=clock,
         )
         self.on_decision = on_decision
@@ -106,14 +117,63 @@ class ControlLoop:
 
     # -- what the drivers call ------------------------------------------------------------
 
-    def occupy(self, finished: Iterable[FinishedLike]) -> None:
-        """Trajectories the TS now holds as completed: Occupy their groups (§4.2)."""
+    def occupy(self, finished: Iterable[FinishedLike]) -> list[FinishedLike]:
+        """Trajectories the TS now holds as completed: Occupy their groups (§4.2).
+        Returns those applied now: a completion the manager already has (a report
+        replayed after a lost reward worker, :meth:`replay`) is skipped."""
+        applied: list[FinishedLike] = []
         for f in finished:
-            outcome = self.manager.complete(f.group_id, f.traj_id)
+            try:
+                outcome = self.manager.complete(f.group_id, f.traj_id)
+            except DuplicateTrajectory:
+                logger.debug("completion of trajectory %d already applied", f.traj_id)
+                continue
+            applied.append(f)
             if self.on_decision is not None:
                 self.on_decision(Occupied(self._clock(), f.group_id, f.traj_id, outcome))
             if outcome.abort_trajectories or outcome.abort_groups:
                 self._drop(outcome.abort_trajectories, outcome.abort_groups)
+        return applied
+
+    def replay(self, completed: Iterable[FinishedLike]) -> list[FinishedLike]:
+        """Completions the TS holds whose report may never come (the reward worker died
+        between storing them and reporting them): Occupy those the manager has not
+        applied and that it still tracks. Returns them."""
+        pending = [
+            f
+            for f in completed
+            if self.manager.group_version(f.group_id) is not None
+            and not self.manager.is_completed(f.group_id, f.traj_id)
+        ]
+        return self.occupy(pending)
+
+    # -- the instances (elastic rollout, lost instances) --------------------------------
+
+    def add_instance(self, inst: InstanceId, version: int) -> None:
+        """An instance joins at ``version`` (what it Pulled); the next cycle routes to it."""
+        self.coordinator.add_instance(inst, version)
+
+    def remove_instance(self, inst: InstanceId) -> None:
+        """An instance left; what it held is already back in the TS (``instance_lost``)."""
+        self.coordinator.remove_instance(inst)
+        self.last_snapshot = tuple(s for s in self.last_snapshot if s.inst != inst)
+
+    def group_of(self, traj_id: TrajId) -> GroupId | None:
+        """The group of a trajectory in the last cycle's routing view (None: not in it)."""
+        for t in self._view:
+            if t.traj_id == traj_id:
+                return t.group_id
+        return None
+
+    def release_reserves(self, trajs: Iterable[tuple[GroupId, TrajId]]) -> None:
+        """Reserves made for initial trajectories that never reached an instance (a Route
+        to an instance that died before it fetched them from the TS): undo them, so the
+        trajectories are routed and Reserved again like any initial one."""
+        for gid, tid in trajs:
+            try:
+                self.manager.unreserve(gid, tid)
+            except StalenessError as exc:  # its group settled meanwhile: nothing held
+                logger.debug("reserve of trajectory %d not released: %s", tid, exc)
 
     def consume(self) -> ConsumedBatch | None:
         """Consume the trainer's buffer if it is Ready (None otherwise)."""

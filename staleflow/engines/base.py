@@ -114,3 +114,15 @@ class RolloutEngine(Protocol):
 
     @property
     def has_work(self) -> bool: ...
+
+
+class ReportsProgress(Protocol):
+    """An engine that can say what it generated so far without stopping anything. The
+    instance reports it to the TS every few seconds (``rollout.progress_every_s``), so a
+    lost instance costs only the tokens since the last report (``docs/recovery.md``)."""
+
+    def progress(self) -> dict[int, EngineOutput]:
+        """The whole response so far of every running and waiting request, with
+        ``finish_reason`` None. Only tokens that stay in the response: a later interrupt
+        or finish must start with them."""
+        ...

@@ -174,6 +174,18 @@ class RolloutInstance:
             self._command_s["abort"] += self._clock() - started
         return dropped
 
+    def progress(self) -> dict[int, PartialTrajectory]:
+        """The response so far of every trajectory here, without stopping it; empty for
+        an engine that cannot tell (``staleflow.engines.base.ReportsProgress``)."""
+        read = getattr(self._engine, "progress", None)
+        if read is None:
+            return {}
+        with self._lock:
+            outs = {tid: o for tid, o in read().items() if tid in self._meta}
+        return {
+            tid: PartialTrajectory(tid, o.tokens, o.logprobs, o.versions) for tid, o in outs.items()
+        }
+
     def load_weights(self, weights: Mapping[str, object], version: int) -> None:
         """Load pulled weights; the completed list restarts (the coordinator's Pull)."""
         with self._lock:

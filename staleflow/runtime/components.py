@@ -193,7 +193,10 @@ class _Scored:
 
 
 def build_reward_stage(
-    spec: RewardSpec, ts: CompletionSink, report: Callable[[Sequence[Rewarded]], None]
+    spec: RewardSpec,
+    ts: CompletionSink,
+    report: Callable[[Sequence[Rewarded]], None],
+    worker_id: str | None = None,
 ) -> RewardStage:
     from staleflow.rewards import RewardItem, RewardWorker
     from staleflow.rewards.worker import build_reward_fn
@@ -206,4 +209,4 @@ def build_reward_stage(
         results = worker.score([RewardItem(t, text, answer) for t, text, answer in items])
         return [_Scored(r.reward, r.error) for r in results]
 
-    return RewardStage(score, tokenizer.decode, ts, report)
+    return RewardStage(score, tokenizer.decode, ts, report, worker_id)

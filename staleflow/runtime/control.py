@@ -3,11 +3,12 @@ on wall time.
 
 Everything that decides runs on that thread, so the staleness manager and the coordinator
 never see concurrent calls from this side: other components (reward workers, the
-trainer) only post messages to the inbox, and each iteration (:meth:`ControlPlane.run_once`)
-reads like §5.2 / Figure 9:
+trainer, the supervisor) only post messages to the inbox, and each iteration
+(:meth:`ControlPlane.run_once`) reads like §5.2 / Figure 9:
 
 1. apply what arrived: rewarded trajectories are Occupied, with redundancy's surplus
-   dropped; trajectories the TS dropped are aborted on their instances;
+   dropped; trajectories the TS dropped are aborted on their instances; instances that
+   were lost leave (their trajectories go back to the TS) and new ones join;
 2. hand the trainer its buffer when it is Ready (Consume);
 3. run the coordinator's snapshot-command cycle when it is due, and carry the commands
    out (Pulls and Routes of different instances concurrently, via ``run_round``); then
@@ -15,8 +16,16 @@ reads like §5.2 / Figure 9:
 
 The simulator drives the same loop in the same order on virtual time
 (``staleflow.sim.cluster``). A failure on the loop stops the plane and is re-raised to
-every caller, so a dead instance surfaces as an error in the trainer and the launcher
-rather than a hang.
+every caller, so an unexpected error surfaces in the trainer and the launcher rather
+than a hang; a rollout instance that dies is not a failure but a recovery
+(``staleflow.runtime.fleet_ops``).
+
+Checkpoints (``docs/recovery.md``): after every ``checkpoint_every``-th training step,
+and when the run is asked to stop, the plane takes a *cut* on this thread: the manager's
+state, then the TS's, with nothing in between. Until the launcher has written it
+(:meth:`ControlPlane.release_cut`), no further Consume is served; instances keep
+generating. A stop first interrupts every instance, so that the partial responses are
+whole in the TS, and refuses Consumes from then on (``StopRequested``).
 """
 
 from __future__ import annotations
@@ -29,17 +38,26 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from coordinator import CoordinatorConfig
 from coordinator.types import InstanceSnapshot
-from staleflow.control import ControlLoop, Decision, TrajectoryStore
-from staleflow.runtime.interface import InstanceHandle, Rewarded, StepReport
+from staleflow.control import ControlLoop, Decision
+from staleflow.recovery.events import RecoveryEvent, RecoveryLog
+from staleflow.runtime.fleet_ops import FleetOps, LostInstance, RecoverableStore
+from staleflow.runtime.interface import (
+    InstanceGone,
+    InstanceHandle,
+    Rewarded,
+    StepReport,
+    StopRequested,
+)
+from staleflow.runtime.members import Members
 from staleflow.runtime.metrics import StepMetrics
 from staleflow.runtime.planes import RuntimePlanes
-from staleness import ConsumedBatch, StalenessConfig
-from staleness.types import ManagerView
-from trajectory_server.types import AbortedTrajectory, TSStats
+from staleness import ConsumedBatch, StalenessConfig, StalenessManager
+from staleness.types import ManagerView, TrajId
+from trajectory_server.types import AbortedTrajectory, InstanceId, TSStats
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +66,29 @@ class ControlPlaneError(RuntimeError):
     """The control loop stopped; the message says why."""
 
 
+class CheckpointStore(RecoverableStore, Protocol):
+    def export_state(self) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class ControlConfig:
     staleness: StalenessConfig
     coordinator: CoordinatorConfig
     idle_wait_s: float = 0.05  # longest sleep between loop iterations
+    checkpoint_every: int = 0  # take a cut after every N-th training step (0: never)
+
+
+@dataclass(frozen=True, slots=True)
+class Cut:
+    """The run at a consistent cut, waiting to be written (``staleflow.recovery``)."""
+
+    steps: int
+    version: int
+    ps_version: int
+    staleness: Mapping[str, Any]
+    trajectories: Mapping[str, Any]
+    metrics: tuple[Mapping[str, float], ...]
+    final: bool  # taken because the run is stopping
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,45 +107,69 @@ class LiveState:
     last_discard: str = ""  # why the last snapshot failed Eq. 1
     pending: Mapping[int, int] = field(default_factory=dict)  # commands in flight, by instance
     commands: Mapping[int, Mapping[str, int]] = field(default_factory=dict)  # issued, by kind
+    members: tuple[int, ...] = ()  # the instances in the run now
+    stopping: bool = False
+    recovery: Mapping[str, float] = field(default_factory=dict)  # recovery/* totals
+
+
+Snapshots = Callable[[Sequence[int]], Sequence[InstanceSnapshot | InstanceGone]]
 
 
 class ControlPlane:
+    """See the module docstring. ``gather(instances)`` takes every instance's snapshot
+    at once and gives an :class:`InstanceGone` in place of an instance that could not
+    answer. A resumed run passes the restored ``manager``, the instances' ``versions``
+    and the ``records`` and ``recovery`` totals so far."""
+
     def __init__(
         self,
         config: ControlConfig,
         *,
-        ts: TrajectoryStore,
+        ts: CheckpointStore,
         instances: Mapping[int, InstanceHandle],
         ps_version: Callable[[], int],
-        gather: Callable[[], Sequence[InstanceSnapshot]] | None = None,
+        gather: Snapshots | None = None,
         run_round: Callable[[Sequence[Callable[[], None]]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         on_decision: Callable[[Decision], None] | None = None,
+        holders: Mapping[int, InstanceId] | None = None,
+        versions: Mapping[int, int] | None = None,
+        manager: StalenessManager | None = None,
+        records: Sequence[Mapping[str, float]] = (),
     ) -> None:
         self.config = config
-        self._instances = instances
-        self._gather = gather or (lambda: [h.snapshot() for h in instances.values()])
+        self.members = Members(instances, holders)
+        self._ts = ts
+        self._gather = gather or _each_snapshot(self.members)
         self._clock = clock
-        self.planes = RuntimePlanes(instances)
+        self.planes = RuntimePlanes(self.members, on_gone=self._on_gone)
         self.loop = ControlLoop(
             config.staleness,
             config.coordinator,
             ts=ts,
             planes=self.planes,
-            snapshots=self._gather,
+            snapshots=self._snapshots,
             ps_version=ps_version,
             instances=instances,
+            versions=versions,
             clock=clock,
             run_round=run_round,
             on_decision=on_decision,
+            manager=manager,
         )
         self.manager = self.loop.manager
         self.coordinator = self.loop.coordinator
         self.executor = self.loop.executor
         self.metrics = StepMetrics(list(instances), clock())
+        self.metrics.continue_from(records)
+        self.recovery = RecoveryLog(records[-1] if records else None)
+        self.fleet = FleetOps(self.members, self.loop, self.planes, ts, self.recovery, self._event)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._consume: tuple[int, Future[ConsumedBatch]] | None = None
+        self._training = False  # a Consume was served; its trained report has not come
+        self._cut: Cut | None = None  # taken, not yet released by the launcher
+        self._stopping = False
         self._failure: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -124,6 +184,51 @@ class ControlPlane:
 
     def trained(self, report: StepReport) -> None:
         self._post("trained", report)
+
+    def lost(self, inst: int, reason: str) -> None:
+        """``inst`` died or failed (the supervisor saw it): it leaves the run."""
+        self._post("lost", (inst, reason, ()))
+
+    def join(
+        self,
+        inst: int,
+        handle: InstanceHandle,
+        holder: InstanceId,
+        version: int,
+        kind: str = "instance_added",
+    ) -> Future[None]:
+        """``inst`` joins empty at ``version``; done once the coordinator routes to it."""
+        return self._ask("join", (inst, handle, holder, version, kind))
+
+    def remove(self, inst: int) -> Future[int]:
+        """Take ``inst`` out (interrupted first); the future gives the trajectories it
+        returned to the TS, once it is out and may be stopped."""
+        return self._ask("remove", inst)
+
+    def replay_completions(self) -> Future[int]:
+        """A reward worker died: apply the completions in the TS whose report it lost."""
+        return self._ask("replay", None)
+
+    def note(self, kind: str, subject: str, detail: str = "", **amounts: float) -> None:
+        """Record a recovery the supervisor carried out (a restart, a lost PS ...)."""
+        self.recovery.add(self._event(kind, subject, detail), **amounts)
+
+    def take_lost(self) -> Future[list[LostInstance]]:
+        """The instances the plane gave up on since the last call (for restarts)."""
+        return self._ask("take_lost", None)
+
+    def request_stop(self) -> None:
+        """Stop routing, interrupt every instance, and take the final cut once the step
+        in progress (if any) is reported; Consumes are refused from now on."""
+        self._post("stop", None)
+
+    def pending_cut(self) -> Cut | None:
+        self.check()
+        return self._cut
+
+    def release_cut(self, steps: int) -> None:
+        """The cut of ``steps`` was written: Consumes may go on (unless stopping)."""
+        self._post("release", steps)
 
     def request_consume(self, version: int) -> Future[ConsumedBatch]:
         """Ask for buffer ``version``; the future completes once it was Consumed (or
@@ -141,6 +246,8 @@ class ControlPlane:
                 return future.result(left)
             except TimeoutError:
                 self.check()  # the loop died after we posted: do not wait forever
+                if deadline is not None and self._cut is not None:
+                    deadline += left  # a checkpoint being written is not a stall
                 if deadline is not None and time.monotonic() >= deadline:
                     if future.cancel():
                         raise TimeoutError(
@@ -155,6 +262,9 @@ class ControlPlane:
         """Per-step metric records from index ``since`` on."""
         self.check()
         return self.metrics.records[since:]
+
+    def events(self, since: int = 0) -> list[RecoveryEvent]:
+        return self.recovery.since(since)
 
     def live(self) -> LiveState:
         self.check()
@@ -171,6 +281,9 @@ class ControlPlane:
             last_discard=self.loop.last_discard,
             pending=self.executor.pending_by_instance(),
             commands=self.executor.issued,
+            members=tuple(sorted(self.members)),
+            stopping=self._stopping,
+            recovery=self.recovery.totals(),
         )
 
     def check(self) -> None:
@@ -201,7 +314,7 @@ class ControlPlane:
         except BaseException as exc:  # re-raised to every caller
             logger.exception("control plane failed")
             self._failure = exc
-            # Nobody may wait forever on a plane that stopped: fail every pending Consume.
+            # Nobody may wait forever on a plane that stopped: fail every pending request.
             error = ControlPlaneError(f"control plane failed: {exc!r}")
             waiting = [self._consume[1]] if self._consume is not None else []
             while True:
@@ -211,6 +324,8 @@ class ControlPlane:
                     break
                 if kind == "consume":
                     waiting.append(payload[1])
+                elif isinstance(payload, tuple) and payload and isinstance(payload[-1], Future):
+                    waiting.append(payload[-1])
             for future in waiting:
                 if not future.done():
                     future.set_exception(error)
@@ -220,13 +335,18 @@ class ControlPlane:
         without the thread)."""
         self._drain_inbox()
         self._serve_consume()
-        if self.loop.cycle():
+        if not self._stopping and self.loop.cycle():
             self._serve_consume()
 
     def _post(self, kind: str, payload: Any) -> None:
         self.check()
         self._inbox.put((kind, payload))
         self._wake.set()
+
+    def _ask(self, kind: str, payload: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        self._post(kind, (payload, future))
+        return future
 
     def _drain_inbox(self) -> None:
         while True:
@@ -235,31 +355,62 @@ class ControlPlane:
             except queue.Empty:
                 return
             if kind == "rewarded":
-                self.loop.occupy(payload)
-                for r in payload:
+                for r in self.loop.occupy(payload):
                     self.metrics.on_rewarded(r)
             elif kind == "dropped":
                 self.loop.forget(payload)
             elif kind == "trained":
-                self._record_step(payload)
+                self._trained(payload)
             elif kind == "consume":
-                version, future = payload
-                if self._consume is not None and not self._consume[1].cancelled():
-                    future.set_exception(RuntimeError("a Consume is already waiting"))
-                elif version != self.manager.version:
-                    future.set_exception(
-                        ValueError(
-                            f"the trainer asked for buffer {version} but the staleness manager "
-                            f"is at version {self.manager.version}: trainer and control plane "
-                            "disagree on the version (was the trainer restarted?)"
-                        )
-                    )
-                else:
-                    self._consume = (version, future)
+                self._queue_consume(*payload)
+            elif kind == "lost":
+                self.fleet.lost(*payload)
+            elif kind == "stop":
+                self._begin_stop()
+            elif kind == "release":
+                if self._cut is not None and self._cut.steps == payload and not self._cut.final:
+                    self._cut = None
+            else:
+                self._answer(kind, *payload)
+
+    def _answer(self, kind: str, arg: Any, future: Future[Any]) -> None:
+        try:
+            if kind == "join":
+                result: Any = self.fleet.add(*arg)
+                self.metrics.instances = list(self.members)
+            elif kind == "remove":
+                result = self.fleet.remove(arg)
+                self.metrics.instances = list(self.members)
+            elif kind == "replay":
+                result = self.fleet.replay_completions()
+            elif kind == "take_lost":
+                result = self.fleet.take_lost()
+            else:
+                raise ValueError(f"unknown control message {kind!r}")
+        except Exception as exc:  # the caller's mistake (e.g. an unknown instance)
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+
+    def _queue_consume(self, version: int, future: Future[ConsumedBatch]) -> None:
+        if self._stopping:
+            future.set_exception(StopRequested("the run is stopping: no more training steps"))
+        elif self._consume is not None and not self._consume[1].cancelled():
+            future.set_exception(RuntimeError("a Consume is already waiting"))
+        elif version != self.manager.version:
+            future.set_exception(
+                ValueError(
+                    f"the trainer asked for buffer {version} but the staleness manager "
+                    f"is at version {self.manager.version}: trainer and control plane "
+                    "disagree on the version (was the trainer restarted?)"
+                )
+            )
+        else:
+            self._consume = (version, future)
 
     def _serve_consume(self) -> None:
-        if self._consume is None:
-            return
+        if self._consume is None or self._cut is not None:
+            return  # nothing asked, or a cut is being written: the trainer waits
         if self._consume[1].cancelled():
             self._consume = None  # the trainer gave up waiting
             return
@@ -275,11 +426,88 @@ class ControlPlane:
             future.set_exception(exc)
             raise
         assert batch is not None  # Ready was checked on this thread
+        self._training = True
         future.set_result(batch)
 
+    def _trained(self, report: StepReport) -> None:
+        self._training = False
+        self._record_step(report)
+        steps = len(self.metrics.records)
+        every = self.config.checkpoint_every
+        if self._stopping:
+            self._finish_stop()
+        elif every > 0 and steps % every == 0:
+            self._take_cut(final=False)
+
+    # -- checkpoints and the stop ------------------------------------------------------
+
+    def _begin_stop(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        returned = self.fleet.interrupt_all()
+        self.recovery.add(
+            self._event("stop", "run", f"{returned} trajectories interrupted and kept whole")
+        )
+        if not self._training:
+            self._finish_stop()  # else when the step in progress is reported
+
+    def _finish_stop(self) -> None:
+        self._take_cut(final=True)
+        if self._consume is not None:
+            _, future = self._consume
+            self._consume = None
+            if future.set_running_or_notify_cancel():
+                future.set_exception(StopRequested("the run is stopping: no more training steps"))
+
+    def _take_cut(self, final: bool) -> None:
+        """The manager's state, then the TS's, with nothing in between (this thread)."""
+        staleness = self.manager.export_state()
+        trajectories = self._ts.export_state()
+        version = self.manager.version
+        self._cut = Cut(
+            steps=len(self.metrics.records),
+            version=version,
+            ps_version=min(self.loop.latest_version(), version),
+            staleness=staleness,
+            trajectories=trajectories,
+            metrics=tuple(dict(r) for r in self.metrics.records),
+            final=final,
+        )
+        logger.info("cut taken after step %d (version %d)", self._cut.steps, version)
+
+    # -- instances -----------------------------------------------------------------------
+
+    def _snapshots(self) -> list[InstanceSnapshot]:
+        out = []
+        for s in self._gather(list(self.members)):
+            if isinstance(s, InstanceGone):
+                self._post_lost(s, ())
+            else:
+                out.append(s)
+        return out
+
+    def _on_gone(self, exc: InstanceGone, reserved: Sequence[TrajId]) -> None:
+        self._post_lost(exc, reserved)
+
+    def _post_lost(self, exc: InstanceGone, reserved: Sequence[TrajId]) -> None:
+        """Any thread (a command round's, the snapshot's): handled on the loop thread."""
+        self._inbox.put(("lost", (exc.inst, exc.reason, tuple(reserved))))
+        self._wake.set()
+
+    def _event(self, kind: str, subject: str, detail: str) -> RecoveryEvent:
+        return RecoveryEvent(
+            self._clock() - self.metrics.started, kind, subject, detail, len(self.metrics.records)
+        )
+
     def _record_step(self, report: StepReport) -> None:
-        times = {i: h.times() for i, h in self._instances.items()}
-        self.metrics.on_step(
+        times = {}
+        for i in list(self.members):
+            try:
+                times[i] = self.members[i].times()
+            except InstanceGone as exc:
+                self._post_lost(exc, ())
+        rec = self.metrics.on_step(
             report,
             now=self._clock(),
             instance_times=times,
@@ -288,10 +516,26 @@ class ControlPlane:
             ps_version=self.loop.latest_version(),
             # asked now, not read from the last cycle's snapshot: a whole step can fit in
             # one coordinator period, and the record would then miss the newest Pull
-            instance_versions={s.inst: s.inst_version for s in self._gather()},
+            instance_versions={s.inst: s.inst_version for s in self._snapshots()},
         )
+        rec.update(self.recovery.totals())
 
     # -- diagnostics -------------------------------------------------------------------
 
     def staleness_of_consumed(self) -> Counter[int]:
         return Counter(self.metrics.staleness_total)
+
+
+def _each_snapshot(members: Members) -> Snapshots:
+    """Ask each instance in turn (an in-process run)."""
+
+    def gather(instances: Sequence[int]) -> list[InstanceSnapshot | InstanceGone]:
+        out: list[InstanceSnapshot | InstanceGone] = []
+        for i in instances:
+            try:
+                out.append(members[i].snapshot())
+            except InstanceGone as exc:
+                out.append(exc)
+        return out
+
+    return gather

@@ -3,11 +3,19 @@ the instance fetches routed trajectories from the TS, returns interrupted ones t
 and pulls weights from the PS itself, so payloads never pass through the control plane.
 
 A partial whose trajectory redundancy (§4.3) aborted in the TS meanwhile is a late
-message: dropped, while the trajectory still counts as stopped here."""
+message: dropped, while the trajectory still counts as stopped here.
+
+Recovery (``docs/recovery.md``): every incarnation of an instance has its own ``holder``
+id in the TS and names it in what it sends, so that the messages of one declared lost are
+refused there; a Route the TS refuses for that reason means this incarnation must stop
+(:class:`~staleflow.runtime.interface.InstanceGone`). With ``progress_every_s`` the host
+reports the responses generated so far to the TS on a thread of its own, so that losing
+the instance costs only the tokens generated since the last report."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
@@ -16,7 +24,9 @@ from coordinator.types import InstanceSnapshot
 from staleflow.control.late import return_live
 from staleflow.engines.base import RolloutEngine
 from staleflow.rollout.instance import Finished, InstanceTimes, RolloutInstance
+from staleflow.runtime.interface import InstanceGone
 from staleflow.runtime.weights import PullSource
+from trajectory_server.errors import NotHolder
 from trajectory_server.types import InstanceId, PartialTrajectory, RoutedTrajectory
 
 logger = logging.getLogger(__name__)
@@ -34,7 +44,13 @@ class RoutingServer(Protocol):
         skip_unavailable: bool = False,
     ) -> tuple[RoutedTrajectory, ...]: ...
 
-    def interrupt_return(self, partials: Sequence[PartialTrajectory]) -> None: ...
+    def interrupt_return(
+        self, partials: Sequence[PartialTrajectory], *, instance_id: InstanceId | None = None
+    ) -> None: ...
+
+    def report_progress(
+        self, partials: Sequence[PartialTrajectory], instance_id: InstanceId
+    ) -> tuple[int, ...]: ...
 
 
 class InstanceHost:
@@ -47,33 +63,60 @@ class InstanceHost:
         weights: PullSource,
         max_response: int,
         on_finished: Callable[[list[Finished]], None],
+        holder: InstanceId | None = None,
     ) -> None:
         self.inst = inst
+        self.holder: InstanceId = inst if holder is None else holder
         self._ts = ts
         self._weights = weights
         self.instance = RolloutInstance(
             inst, engine, max_response=max_response, on_finished=on_finished
         )
+        self._reported: dict[int, int] = {}  # trajectory -> tokens the TS has from us
+        self._progress_stop = threading.Event()
+        self._progress_thread: threading.Thread | None = None
+        self.progress_reports = 0
 
-    def start(self, at_least: int = 0) -> int:
-        """Load the first weights and start generating; returns their version."""
+    def start(self, at_least: int = 0, progress_every_s: float = 0.0) -> int:
+        """Load the first weights and start generating; returns their version. With
+        ``progress_every_s`` > 0, report progress to the TS that often."""
         version = self.pull(at_least)
         self.instance.start()
+        if progress_every_s > 0:
+            self._progress_thread = threading.Thread(
+                target=self._report_loop,
+                args=(progress_every_s,),
+                name=f"progress-{self.inst}",
+                daemon=True,
+            )
+            self._progress_thread.start()
         return version
 
     def stop(self) -> None:
+        self._progress_stop.set()
         self.instance.stop()
+
+    def _check(self) -> None:
+        try:
+            self.instance.check()
+        except RuntimeError as exc:
+            raise InstanceGone(self.inst, str(exc)) from exc
 
     # -- InstanceHandle ----------------------------------------------------------------
 
     def snapshot(self) -> InstanceSnapshot:
-        self.instance.check()
+        self._check()
         return self.instance.snapshot()
 
     def route(self, traj_ids: Sequence[int], v_traj: Mapping[int, int]) -> tuple[int, ...]:
-        self.instance.check()
+        self._check()
         started = time.perf_counter()
-        routed = self._ts.route(list(traj_ids), dict(v_traj), self.inst, skip_unavailable=True)
+        try:
+            routed = self._ts.route(
+                list(traj_ids), dict(v_traj), self.holder, skip_unavailable=True
+            )
+        except NotHolder as exc:  # the control plane declared this incarnation lost
+            raise InstanceGone(self.inst, str(exc)) from exc
         self.instance.add_command_time("route", time.perf_counter() - started)
         try:
             self.instance.submit(routed)
@@ -82,6 +125,7 @@ class InstanceHost:
             return_live(
                 self._ts,
                 [PartialTrajectory(r.traj_id, r.tokens, r.logprobs, r.versions) for r in routed],
+                instance_id=self.holder,
             )
             raise
         return tuple(r.traj_id for r in routed)
@@ -90,7 +134,7 @@ class InstanceHost:
         partials = self.instance.interrupt(traj_ids)
         if partials:
             started = time.perf_counter()
-            return_live(self._ts, list(partials.values()))
+            return_live(self._ts, list(partials.values()), instance_id=self.holder)
             self.instance.add_command_time("interrupt", time.perf_counter() - started)
         # every trajectory stopped here, also one the TS had dropped: it left this instance
         return tuple(partials)
@@ -110,3 +154,33 @@ class InstanceHost:
 
     def held(self) -> set[int]:
         return self.instance.held()
+
+    # -- progress ------------------------------------------------------------------------
+
+    def report_progress(self) -> int:
+        """Send the TS the responses that grew since the last report; returns how many
+        it recorded (those it no longer routes here are ignored there)."""
+        grown = [
+            p
+            for tid, p in self.instance.progress().items()
+            if len(p.tokens) > self._reported.get(tid, 0)
+        ]
+        if not grown:
+            return 0
+        recorded = set(self._ts.report_progress(grown, self.holder))
+        held = self.instance.held()
+        self._reported = {
+            tid: n for tid, n in self._reported.items() if tid in held
+        }  # forget the trajectories that left
+        for p in grown:
+            if p.traj_id in recorded:
+                self._reported[p.traj_id] = len(p.tokens)
+        self.progress_reports += 1
+        return len(recorded)
+
+    def _report_loop(self, every_s: float) -> None:
+        while not self._progress_stop.wait(every_s):
+            try:
+                self.report_progress()
+            except Exception as exc:  # a report is an optimisation: never stop generating
+                logger.warning("instance %d: progress report failed: %s", self.inst, exc)

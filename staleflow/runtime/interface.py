@@ -18,6 +18,24 @@ from staleness.types import ConsumedBatch
 from trajectory_server.types import AbortedTrajectory
 
 
+class InstanceGone(RuntimeError):
+    """A rollout instance cannot serve any more: its process died, its engine failed, or
+    it was declared lost. The control plane gives back what it held and the supervisor
+    restarts it (``docs/recovery.md``); ``inst`` names it."""
+
+    def __init__(self, inst: int, reason: str) -> None:
+        self.inst, self.reason = inst, reason
+        super().__init__(f"rollout instance {inst} is gone: {reason}")
+
+    def __reduce__(self) -> tuple[object, ...]:  # crosses Ray as itself
+        return (type(self), (self.inst, self.reason))
+
+
+class StopRequested(RuntimeError):
+    """The run is stopping (Ctrl-C, SIGTERM, or the last step): a Consume asked for now is
+    refused so that the trainer ends its loop and the run can checkpoint."""
+
+
 class InstanceHandle(Protocol):
     """A rollout instance as the control plane drives it.
 

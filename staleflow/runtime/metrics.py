@@ -39,6 +39,19 @@ class StepMetrics:
         self._window = _Window()
         self._last_step_at = started
 
+    def continue_from(self, records: Sequence[Mapping[str, float]]) -> None:
+        """A resumed run (``docs/recovery.md``): step numbers, elapsed time, trained
+        tokens and the staleness totals go on from a checkpoint's ``records``."""
+        if not records:
+            return
+        self.records = [dict(r) for r in records]
+        self.started -= float(records[-1].get("time/elapsed_s", 0.0))
+        self.trained_tokens = int(sum(r.get("train/tokens", 0.0) for r in records))
+        for r in records:
+            for key, n in r.items():
+                if key.startswith("staleness/hist/"):
+                    self.staleness_total[int(key.rsplit("/", 1)[1])] += int(n)
+
     def on_rewarded(self, r: Rewarded) -> None:
         self.rewarded_total += 1
         w = self._window

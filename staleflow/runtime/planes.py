@@ -9,6 +9,12 @@ the instance to the TS directly, so the executor's ``give_back`` only has claims
 release.
 
 Every call is timed per command kind, for the Pull / Route / Interrupt shares of Table 3.
+
+An instance that is gone (:class:`~staleflow.runtime.interface.InstanceGone`: its process
+died, its engine failed, or it left the run) fails no command: the call is reported to
+``on_gone`` and does nothing. A Route to it may or may not have reached the TS before it
+died, so its trajectories are reported too; the control plane sorts them out with the TS
+(``docs/recovery.md``).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TypeVar
 
-from staleflow.runtime.interface import InstanceHandle
+from staleflow.runtime.interface import InstanceGone, InstanceHandle
 from staleness.types import TrajId
 
 T = TypeVar("T")
@@ -46,9 +52,11 @@ class RuntimePlanes:
         self,
         instances: Mapping[int, InstanceHandle],
         clock: Callable[[], float] = time.perf_counter,
+        on_gone: Callable[[InstanceGone, Sequence[TrajId]], None] | None = None,
     ) -> None:
         self.instances = instances
         self._clock = clock
+        self._on_gone = on_gone
         self._lock = threading.Lock()
         self._claimed: set[TrajId] = set()
         self.seconds: dict[str, float] = defaultdict(float)
@@ -77,7 +85,15 @@ class RuntimePlanes:
         self, inst: int, payloads: Mapping[TrajId, object], v_traj: Mapping[TrajId, int]
     ) -> list[TrajId]:
         ids = list(payloads)
-        routed = set(self._timed("route", lambda: self.instances[inst].route(ids, dict(v_traj))))
+        try:
+            routed = set(
+                self._timed("route", lambda: self.instances[inst].route(ids, dict(v_traj)))
+            )
+        except InstanceGone as exc:
+            with self._lock:
+                self._claimed.difference_update(ids)
+            self._gone(exc, list(v_traj))  # the initial ones: their Reserves were made
+            return []  # not missed: the control plane settles them with the TS
         with self._lock:
             self._claimed.difference_update(ids)
         # No longer QUEUED in the TS: a partial that finished before the Interrupt meant to
@@ -89,16 +105,33 @@ class RuntimePlanes:
         return missed
 
     def interrupt(self, inst: int, trajs: Sequence[TrajId]) -> Mapping[TrajId, object]:
-        returned = self._timed("interrupt", lambda: self.instances[inst].interrupt(list(trajs)))
+        try:
+            returned = self._timed("interrupt", lambda: self.instances[inst].interrupt(list(trajs)))
+        except InstanceGone as exc:  # the TS takes them back from the lost instance
+            self._gone(exc, ())
+            return {}
         return dict.fromkeys(returned, RETURNED)
 
     def abort(self, inst: int, trajs: Sequence[TrajId]) -> Collection[TrajId]:
-        return self._timed("abort", lambda: self.instances[inst].abort(list(trajs)))
+        try:
+            return self._timed("abort", lambda: self.instances[inst].abort(list(trajs)))
+        except InstanceGone as exc:
+            self._gone(exc, ())
+            return []
 
     # -- ParameterPlane ----------------------------------------------------------------
 
     def pull(self, inst: int, at_least: int) -> int:
-        return self._timed("pull", lambda: self.instances[inst].pull(at_least))
+        try:
+            return self._timed("pull", lambda: self.instances[inst].pull(at_least))
+        except InstanceGone as exc:  # its successor Pulls when it starts
+            self._gone(exc, ())
+            return at_least
+
+    def _gone(self, exc: InstanceGone, routed: Sequence[TrajId]) -> None:
+        if self._on_gone is None:
+            raise exc
+        self._on_gone(exc, routed)
 
     def _timed(self, kind: str, call: Callable[[], T]) -> T:
         started = self._clock()

@@ -4,7 +4,9 @@ a buffer never turns Ready before the trainer can fetch every trajectory in it.
 
 A trajectory that redundancy (§4.3) aborted while it was being scored is no longer in the
 TS: that completion is a late message, dropped (and not reported), while the rest of the
-batch goes through."""
+batch goes through. So is one that was reassigned to another worker (this one was
+thought lost) or scored twice: a stage with a ``worker_id`` names itself in its
+completions and the TS refuses those (``docs/recovery.md``)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import numpy as np
 from staleflow.control.late import CompletionSink, complete_live
 from staleflow.rollout.instance import Finished
 from staleflow.runtime.interface import Rewarded
-from trajectory_server.types import Completion
+from trajectory_server.types import Completion, WorkerId
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +45,10 @@ class RewardStage:
         decode: Callable[[np.ndarray], str],
         ts: CompletionSink,
         report: Callable[[Sequence[Rewarded]], None],
+        worker_id: WorkerId | None = None,
     ) -> None:
         self._score, self._decode, self._ts, self._report = score, decode, ts, report
+        self.worker_id = worker_id
         self.processed = 0
         self.errors = 0
         self.late = 0  # finished after redundancy had aborted them: dropped
@@ -76,7 +80,7 @@ class RewardStage:
                     f.traj_id, f.tokens, f.logprobs, f.versions, r.reward, f.finish_reason, info
                 )
             )
-        stored = {c.traj_id for c in complete_live(self._ts, completions)}
+        stored = {c.traj_id for c in complete_live(self._ts, completions, worker_id=self.worker_id)}
         self.processed += len(finished)
         self.late += len(finished) - len(stored)
         rewarded = [

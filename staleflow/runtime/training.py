@@ -11,7 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-from staleflow.runtime.interface import ControlHandle, StepReport
+from staleflow.runtime.interface import ControlHandle, StepReport, StopRequested
 from trajectory_server.types import TrainingBatch
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,13 @@ class TrainingLoop:
         self._pending: PushHandleLike | None = None
 
     def run(self, steps: int) -> list[StepReport]:
-        reports = [self.step() for _ in range(steps)]
+        """Up to ``steps`` steps; fewer when the run is stopped (``StopRequested``)."""
+        reports = []
+        try:
+            for _ in range(steps):
+                reports.append(self.step())
+        except StopRequested:
+            logger.info("stopping after %d steps: the run was asked to stop", len(reports))
         self.finish()
         return reports
 

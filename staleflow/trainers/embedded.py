@@ -45,6 +45,7 @@ logger = logging.getLogger(__name__)
 ADVANTAGES = ("grpo", "dapo")
 _STATE_FILE = "trainer_state.json"
 _OPTIMIZER_FILE = "optimizer.pt"
+_RNG_FILE = "rng.pt"  # torch's generators (a step seeds its own from seed and version)
 # engines compute logprobs in float32 or bfloat16; a hair above zero is rounding
 _LOGPROB_SLACK = 1e-3
 
@@ -467,8 +468,8 @@ class EmbeddedTrainer:
 
     def save_checkpoint(self, path: str | Path) -> None:
         """Weights (``model.safetensors`` with the model's ``config.json``), optimizer
-        state, version and config, written to a temporary directory and renamed into
-        place; an existing checkpoint at ``path`` is replaced."""
+        state, torch's RNG states, version and config, written to a temporary directory
+        and renamed into place; an existing checkpoint at ``path`` is replaced."""
         from staleflow.models.checkpoint import save_pretrained
 
         out = Path(path)
@@ -482,6 +483,7 @@ class EmbeddedTrainer:
                 else:
                     self.model.save_pretrained(tmp)
                 torch.save(self.optimizer.state_dict(), tmp / _OPTIMIZER_FILE)
+                torch.save(_rng_state(), tmp / _RNG_FILE)
                 state = {"version": self._version, "config": asdict(self.config)}
                 (tmp / _STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
                 if out.exists():
@@ -493,7 +495,8 @@ class EmbeddedTrainer:
         logger.info("saved trainer checkpoint (version %d) to %s", self._version, out)
 
     def load_checkpoint(self, path: str | Path) -> None:
-        """Restore weights, optimizer state and version written by :meth:`save_checkpoint`."""
+        """Restore weights, optimizer state, RNG states and version written by
+        :meth:`save_checkpoint`."""
         from safetensors.torch import load_file
 
         p = Path(path)
@@ -511,6 +514,8 @@ class EmbeddedTrainer:
         with self._lock:
             load_policy_state(self.model, {k: v for k, v in tensors.items() if k in names})
             self.optimizer.load_state_dict(torch.load(p / _OPTIMIZER_FILE, weights_only=True))
+            if (p / _RNG_FILE).is_file():  # absent in checkpoints written before it was kept
+                _set_rng_state(torch.load(p / _RNG_FILE, weights_only=True))
             self._version = int(state["version"])
         logger.info("loaded trainer checkpoint (version %d) from %s", self._version, p)
 
@@ -520,6 +525,21 @@ class EmbeddedTrainer:
             f"EmbeddedTrainer(version={self._version}, lr={c.lr}, off_policy={c.off_policy!r}, "
             f"advantage={c.advantage!r})"
         )
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            state[f"cuda{i}"] = s
+    return state
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["cpu"])
+    cuda = [state[k] for k in sorted(state) if k.startswith("cuda")]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def config_from_dict(values: dict[str, Any]) -> EmbeddedTrainerConfig:

@@ -134,6 +134,29 @@ def test_step_honours_the_period_and_discards_outdated_snapshots() -> None:
     assert h.coordinator.step() == []  # the injected clock says 0.0: not due
 
 
+def test_instances_join_and_leave_between_cycles() -> None:
+    """Elastic rollout (and a lost instance's restart): the coordinator routes to a
+    newcomer at the next cycle and never again to an instance that left."""
+    h = Harness(config(period_s=1.0), {0: 2}, manager(2, eta=1, batch=4, group=2))
+    h.world.enqueue(group(1, 2, first_traj=10))
+    assert {c.inst for c in h.coordinator.step(0.0)} == {0}
+    h.executor.run_until_idle()
+    h.world.instances[1] = h.world.instances[0].__class__(2, int(COST.kv_budget))
+    h.coordinator.add_instance(1, 2)
+    h.world.enqueue(group(2, 2, first_traj=20) + group(3, 2, first_traj=30))
+    routed = h.coordinator.step(1.0)
+    assert h.coordinator.stats.discarded == 0 and 1 in {c.inst for c in routed}
+    h.executor.run_until_idle()
+    del h.world.instances[0]  # instance 0 is gone: its snapshot no longer comes
+    h.coordinator.remove_instance(0)
+    h.world.enqueue(group(4, 2, first_traj=40))
+    again = h.coordinator.step(2.0)
+    assert h.coordinator.stats.discarded == 0
+    assert again and {c.inst for c in again} == {1}
+    with pytest.raises(ValueError, match="not tracked"):
+        h.coordinator.remove_instance(0)
+
+
 @pytest.mark.parametrize("race", [False, True], ids=["settled", "racing"])
 @pytest.mark.parametrize(("routing", "sync", "migration"), COMBOS)
 def test_closed_loop_conserves_trajectories_and_respects_eta(

@@ -98,3 +98,18 @@ def test_settle_ignores_commands_it_never_issued() -> None:
 def test_instance_listed_twice_does_not_hide_a_missing_one() -> None:
     p = SpeculativeState([0, 1])
     assert not p.validate(snapshot(instance(0, 0), instance(0, 0)))
+
+
+def test_a_removed_instance_leaves_the_snapshot_and_its_commands_settle_nothing() -> None:
+    p = SpeculativeState({0: 1, 1: 1})
+    lost = Route(1, (4, 5))
+    p.apply(lost)
+    p.apply(Route(0, (1,)))
+    p.remove_instance(1)
+    assert p.instances == (0,)
+    assert p.validate(snapshot(instance(0, 1, [10])))  # instance 1 is no longer expected
+    assert not p.validate(snapshot(instance(0, 1, [10]), instance(1, 1, [10, 10])))
+    p.settle(CommandDone(lost, missed=(4, 5)))  # arrives after the loss: ignored
+    assert p.in_flight == 1
+    p.add_instance(2, 4)  # a newcomer is expected empty at the version it Pulled
+    assert p.validate(snapshot(instance(0, 1, [10]), instance(2, 4)))

@@ -252,6 +252,29 @@ def test_abort_trajectory_drops_group_that_cannot_complete():
     assert m.view().reserved_groups == 0
 
 
+def test_unreserve_undoes_a_reserve_that_never_started():
+    """A Route died with its instance before the trajectory left the TS: its Reserve is
+    undone, nothing is dropped, and it can be Reserved again (at another version)."""
+    m = StalenessManager(StalenessConfig(eta=1, batch_size=1, group_size=2), version=1)
+    m.reserve(3, 30, 0)
+    m.reserve(3, 31, 1)
+    before = m.export_state()
+    m.unreserve(3, 30)  # the group survives on its other member, at its version
+    assert m.group_version(3) == 1 and m.view().reserved_groups == 1
+    m.reserve(3, 30, 1)
+    m.unreserve(3, 30)
+    m.unreserve(3, 31)  # the last member: the group is forgotten, not closed
+    assert m.group_version(3) is None and m.view().reserved_groups == 0
+    m.reserve(3, 30, 1)  # so it takes Reserves again
+    m.reserve(3, 31, 1)
+    m.complete(3, 30)
+    with pytest.raises(NotReserved, match="not a running member"):
+        m.unreserve(3, 30)  # finished: not an unstarted Reserve
+    with pytest.raises(NotReserved):
+        m.unreserve(9, 90)
+    assert m.export_state()["aborted"] == before["aborted"] == []  # nothing was dropped
+
+
 # -- eta = 0 is synchronous; long random runs respect the bound ------------------------------
 
 

@@ -21,6 +21,7 @@ from trajectory_server import (
     FinishedTrajectory,
     InvalidPayload,
     InvalidTransition,
+    NotHolder,
     PartialTrajectory,
     TrajectoryGone,
     TrajectoryServer,
@@ -73,7 +74,12 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
         self.consumed: set[int] = set()
         self.aborted: set[int] = set()
         self.known = 0
+        self.incarnation = dict.fromkeys(INSTANCES, 0)  # a lost instance restarts as i.k+1
+        self.lost: list[str] = []
         self.absorb_new()
+
+    def holder(self, instance: int) -> str:
+        return f"{instance}.{self.incarnation[instance]}"
 
     # ------------------------------------------------------------ model help
 
@@ -133,7 +139,7 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
         for tid in chosen:
             v = self.live[tid].v
             versions[tid] = data.draw(st.integers(0, 3)) if v is None else v
-        instance = data.draw(st.sampled_from(INSTANCES))
+        instance = self.holder(data.draw(st.sampled_from(INSTANCES)))
         payloads = self.ts.route(chosen, versions, instance_id=instance)
         assert [p.traj_id for p in payloads] == chosen
         for p in payloads:
@@ -232,7 +238,8 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
     def report_progress(self, data: st.DataObject) -> None:
         """The reporter's own trajectories grow; reports from another instance and about
         trajectories it does not hold are ignored."""
-        reporter = data.draw(st.sampled_from(INSTANCES))
+        holders = [self.holder(i) for i in INSTANCES] + self.lost
+        reporter = data.draw(st.sampled_from(holders))
         chosen = data.draw(st.lists(st.sampled_from(self.ids_in(R)), min_size=1, unique=True))
         partials = [PartialTrajectory(tid, *self.grow(data, tid)) for tid in chosen]
         recorded = self.ts.report_progress(partials, reporter)
@@ -248,11 +255,14 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
                 m = self.live[p.traj_id]
                 m.tokens, m.versions = p.tokens.tolist(), p.versions.tolist()
 
-    @rule(instance=st.sampled_from(INSTANCES))
-    def instance_lost(self, instance: int) -> None:
+    @rule(index=st.sampled_from(INSTANCES))
+    def instance_lost(self, index: int) -> None:
+        instance = self.holder(index)
         held = {t for t in self.ids_in(R) if self.live[t].holder == instance}
         returned = self.ts.instance_lost(instance)
         assert set(returned) == held and len(returned) == len(held)
+        self.lost.append(instance)
+        self.incarnation[index] += 1
         for tid in returned:  # the longest known response, V_traj kept, back of its level
             m = self.live[tid]
             m.state, m.holder = Q, None
@@ -292,6 +302,14 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
             self.live[tid].holder = None
 
     # --------------------------------------------------------- invalid calls
+
+    @precondition(lambda self: self.lost and self.ids_in(Q))
+    @rule(data=st.data())
+    def route_to_lost(self, data: st.DataObject) -> None:
+        tid = data.draw(st.sampled_from(self.ids_in(Q)))
+        lost = data.draw(st.sampled_from(self.lost))
+        v = self.live[tid].v
+        self.expect_unchanged(lambda: self.ts.route([tid], 0 if v is None else v, lost), NotHolder)
 
     @precondition(lambda self: self.ids_in(R, C))
     @rule(data=st.data())
@@ -345,7 +363,7 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
         assert len(self.live) + len(self.consumed) + len(self.aborted) == created
         for tid, m in self.live.items():
             assert self.ts.state_of(tid) is m.state
-        for instance in INSTANCES:
+        for instance in [self.holder(i) for i in INSTANCES] + self.lost:
             held = [t for t in self.ids_in(R) if self.live[t].holder == instance]
             assert sorted(self.ts.routed_to(instance)) == held
         ledger = self.ts.ledger()

@@ -136,3 +136,33 @@ def test_recovery_calls_validate_their_input_and_change_nothing(ts, response):
     ts.abort([0])
     with pytest.raises(TrajectoryGone):
         ts.requeue([0])
+
+
+def test_a_route_to_an_instance_declared_lost_is_refused(ts, response):
+    """A Route the lost instance sent before it died may reach the TS after the loss was
+    handled: it must not strand trajectories on the dead instance."""
+    ts.route([0], 2, "a.0")
+    assert ts.instance_lost("a.0") == (0,)
+    before = state(ts)
+    with pytest.raises(NotHolder, match="declared lost"):
+        ts.route([0, 1], {1: 2}, "a.0", skip_unavailable=True)
+    assert state(ts) == before
+    # its successor has an id of its own and takes work
+    assert [r.traj_id for r in ts.route([0, 1], {1: 2}, "a.1")] == [0, 1]
+
+
+def test_a_completion_names_its_worker_and_a_reassigned_one_is_late(ts, response):
+    ts.route([0, 1], 1, "a")
+    finished = [FinishedTrajectory(t, *response(3, 1), "stop") for t in (0, 1)]
+    ts.hand_to_reward(finished, "w1", instance_id="a")
+    tasks = {t.traj_id: t for t in ts.reassign_rewards("w1", "w2")}
+    t0 = tasks[0]
+    done = Completion(0, t0.tokens, t0.logprobs, t0.versions, 1.0, "stop")
+    before = state(ts)
+    with pytest.raises(NotHolder, match="reassigned"):  # w1 was only slow
+        ts.complete_many([done], worker_id="w1")
+    assert state(ts) == before
+    assert ts.complete_many([done], worker_id="w2")[0].completed == 1
+    with pytest.raises(NotHolder, match="already scored"):  # scored twice: late
+        ts.complete_many([done], worker_id="w2")
+    assert ts.state_of(1) is TrajState.REWARDING

@@ -200,6 +200,11 @@ class EmbeddedEngine:
     def abort(self, traj_ids: Iterable[int]) -> list[int]:
         return [r.traj_id for r in self._remove(traj_ids)]
 
+    def progress(self) -> dict[int, EngineOutput]:
+        """``ReportsProgress``: a preempted request keeps its tokens (it is re-prefilled),
+        so every token reported here stays in the response."""
+        return {tid: r.output(None) for tid, r in self._known.items()}
+
     def _remove(self, traj_ids: Iterable[int]) -> list[_Request]:
         found = []
         for tid in dict.fromkeys(traj_ids):  # dedupe, keep order

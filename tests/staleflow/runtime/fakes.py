@@ -116,6 +116,9 @@ class ScriptedEngine:
     def abort(self, traj_ids: Iterable[int]) -> list[int]:
         return list(self.interrupt(traj_ids))
 
+    def progress(self) -> dict[int, EngineOutput]:
+        return {r.traj_id: self._out(r, None) for r in self._running + self._waiting}
+
     def load_weights(self, weights: Mapping[str, object], version: int) -> None:
         self._version = version
         self.loads.append(version)
