@@ -178,6 +178,10 @@ class ReplicaGroup:
     def names(self) -> tuple[str, ...]:
         return tuple(self._replicas)
 
+    def replica(self, name: str) -> Transport:
+        """The client of one replica (to push to it alone, e.g. to refill a restarted one)."""
+        return self._replicas[name]
+
     def transports(self) -> dict[str, str]:
         """The transport that reaches each replica (after any fallback)."""
         return {name: t.name for name, t in self._replicas.items()}

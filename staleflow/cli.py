@@ -134,11 +134,28 @@ def cmd_launch(args: argparse.Namespace) -> int:
             overrides.append(f"{key}={value}")
     if args.dashboard is not None:
         overrides.append(f"dashboard={'true' if args.dashboard else 'false'}")
-    try:
-        cfg = load_config(args.config, overrides)
-    except (ValueError, OSError) as exc:
-        print(f"staleflow launch: {exc}", file=sys.stderr)
-        return 2
+    resume = None
+    if args.resume is not None:
+        from staleflow.runtime.resume import ResumeError, check_resume
+
+        if args.config:
+            print(
+                "staleflow launch: --resume reads the run's own config.yaml; give changes "
+                "as key=value overrides instead of --config",
+                file=sys.stderr,
+            )
+            return 2
+        try:  # before anything is created: a refused resume changes nothing
+            cfg, resume = check_resume(args.resume, overrides)
+        except ResumeError as exc:
+            print(f"staleflow launch --resume: {exc}", file=sys.stderr)
+            return 2
+    else:
+        try:
+            cfg = load_config(args.config, overrides)
+        except (ValueError, OSError) as exc:
+            print(f"staleflow launch: {exc}", file=sys.stderr)
+            return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     _quiet_transformers()
     console = Console()
@@ -171,6 +188,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
             on_record=on_record,
             on_tick=on_tick if live is not None else None,
             on_phase=on_phase,
+            resume=resume,
+            handle_signals=True,
         )
     except LaunchError as exc:
         console.print(f"[red]staleflow launch failed:[/] {exc}", highlight=False)
@@ -180,6 +199,12 @@ def cmd_launch(args: argparse.Namespace) -> int:
             live.stop()
     result.summary["run_dir"] = str(result.run_dir)
     console.print(summary_table(result.summary, cfg.eta))
+    if result.stopped:
+        console.print(
+            f"stopped after step {len(result.records)} of {cfg.steps}; the checkpoint is "
+            f"{result.checkpoint}. Resume with: staleflow launch --resume {result.run_dir}",
+            highlight=False,
+        )
     return 0
 
 
@@ -390,6 +415,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: start a local Ray); see docs/cluster.md",
     )
     launch.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a run from its newest checkpoint (or from RUN_DIR/checkpoints/step-N): "
+        "its config.yaml with any key=value overrides that keep the protocol (eta, batch, "
+        "group size, redundancy); every partial trajectory goes on from its tokens. Ctrl-C "
+        "or SIGTERM stops a run this way: it checkpoints first (docs/recovery.md)",
+    )
+    launch.add_argument(
         "--check",
         action="store_true",
         help="print the placement plan and where it would go on the cluster, then stop "
@@ -411,6 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.set_defaults(func=cmd_launch)
     _add_dashboard(sub)
     _add_status(sub)
+    _add_scale(sub)
     _add_profile(sub)
     return parser
 
@@ -461,6 +495,37 @@ def _add_status(sub: argparse._SubParsersAction) -> None:
     )
     _add_source_args(p)
     p.set_defaults(func=cmd_status)
+
+
+def _add_scale(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "scale",
+        help="add or remove rollout instances of a running staleflow launch",
+        description="Elastic rollout: ask a running run for a number of rollout instances. "
+        "A new instance Pulls the current weights and is routed to at the next coordinator "
+        "cycle; a removed one is interrupted first, so its partial responses go back to the "
+        "trajectory server whole (docs/recovery.md).",
+    )
+    p.add_argument(
+        "run", help="the run's folder (it reads RUN/live.json), or its name with --address"
+    )
+    p.add_argument("--address", help="the Ray cluster of the run (default: from RUN/live.json)")
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--instances", type=int, help="the number of rollout instances wanted")
+    group.add_argument("--add", type=int, help="this many more")
+    group.add_argument("--remove", type=int, help="this many fewer")
+    p.set_defaults(func=cmd_scale)
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    from staleflow.runtime.elastic import ScaleError, request_scale
+
+    try:
+        print(request_scale(args.run, args.address, args.instances, args.add, args.remove))
+    except ScaleError as exc:
+        print(f"staleflow scale: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _add_profile(sub: argparse._SubParsersAction) -> None:

@@ -17,6 +17,7 @@ from staleflow.config.io import (
     parse_override,
     save_config,
 )
+from staleflow.config.recovery import RecoveryConfig
 from staleflow.config.resources import ResourcesConfig
 from staleflow.config.run import RunConfig, config_warnings
 from staleflow.config.sections import (
@@ -37,6 +38,7 @@ __all__ = [
     "DataConfig",
     "ModelConfig",
     "PSConfig",
+    "RecoveryConfig",
     "ResourcesConfig",
     "RewardConfig",
     "RolloutConfig",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from coordinator.config import ConfigError, CoordinatorConfig, CostModelConfig
+from staleflow.config.recovery import RecoveryConfig
 from staleflow.config.resources import ResourcesConfig
 from staleflow.config.sections import (
     FILE_TASKS,
@@ -79,7 +80,11 @@ class RunConfig:
         metadata=_help("extra groups per staleness buffer, as a share of batch_size"),
     )
     checkpoint_every: int = field(
-        default=0, metadata=_help("save a checkpoint every N steps; 0 = only at the end")
+        default=0,
+        metadata=_help(
+            "save the run's state every N steps (staleflow launch --resume continues from "
+            "it); 0 = only when the run stops or ends"
+        ),
     )
     eval_problems: int = field(
         default=512,
@@ -109,6 +114,7 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parameter_server: PSConfig = field(default_factory=PSConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     coordinator: CoordinatorConfig = field(default_factory=_embedded_coordinator)
 
     def __post_init__(self) -> None:

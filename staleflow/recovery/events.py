@@ -21,6 +21,7 @@ KINDS: Mapping[str, str] = {
     "instance_given_up": "a lost rollout instance ran out of restarts; the run goes on without it",
     "instance_added": "a rollout instance joined the run (elastic rollout)",
     "instance_removed": "a rollout instance left the run (elastic rollout)",
+    "scale_refused": "an instance could not be added: no room on the rollout nodes",
     "reward_worker_lost": "a reward worker died; what it was scoring went to another worker",
     "reward_worker_restarted": "a lost reward worker was started again",
     "completions_replayed": "completions stored in the TS whose report was lost were applied",

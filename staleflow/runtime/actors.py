@@ -10,11 +10,18 @@ trajectory server             ``trajectory_server.actor`` (already a service + c
 ``RewardActor`` x W           :class:`~staleflow.runtime.reward_stage.RewardStage`
 ``TrainerActor``              :class:`~staleflow.runtime.training.TrainingLoop`
 ``ControlActor``              :class:`~staleflow.runtime.control.ControlPlane`
+                              (``staleflow.runtime.control_actor``)
 ============================  ===========================================================
 
 Peers reach each other through the clients below, which give a component the same
 blocking API its in-process peer would. Ray is imported only when an actor is created,
 so importing this module does not import it.
+
+Recovery (``docs/recovery.md``): an instance client turns the death of its actor into
+:class:`~staleflow.runtime.interface.InstanceGone`; every incarnation of an instance has
+its own holder id in the TS and hands finished trajectories to a reward worker through
+the TS (``hand_to_reward``), so a lost instance or reward worker costs only its work in
+flight; PS clients reconnect to a restarted replica (``staleflow.runtime.ps_healing``).
 """
 
 from __future__ import annotations
@@ -23,15 +30,15 @@ import logging
 import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from coordinator.types import InstanceSnapshot
 from parameter_server.transport import connect
 from staleflow.rollout.instance import Finished, InstanceTimes
-from staleflow.runtime.interface import Rewarded, StepReport
+from staleflow.runtime.interface import InstanceGone, Rewarded, StepReport, StopRequested
 from staleness.types import ConsumedBatch
-from trajectory_server.types import AbortedTrajectory
+from trajectory_server.types import AbortedTrajectory, RewardTask
 
 if TYPE_CHECKING:
     from parameter_server.replicas import ReplicaRoute
@@ -43,7 +50,6 @@ if TYPE_CHECKING:
         RolloutSpec,
         TrainerSpec,
     )
-    from staleflow.runtime.control import ControlConfig
 
 logger = logging.getLogger(__name__)
 
@@ -79,18 +85,50 @@ def _torch_threads(n: int) -> None:
     torch.set_num_threads(max(1, n))
 
 
+@dataclass(frozen=True)
+class InstanceRecovery:
+    """What an actor needs to recover by itself: how often it reports progress, and how
+    it finds (and how long it waits for) a restarted PS replica."""
+
+    resolver: Any = None  # staleflow.runtime.ps_healing.ReplicaResolver
+    progress_every_s: float = 0.0
+    ps_patience_s: float = 120.0
+
+
 # -- clients -----------------------------------------------------------------------------
 
 
-class InstanceClient:
-    """``InstanceHandle`` over a ``RolloutActor``."""
+def gone(inst: int, exc: BaseException) -> InstanceGone | None:
+    """``exc`` as an :class:`InstanceGone` when it says the instance cannot serve (its
+    actor died, or it raised InstanceGone itself); None for any other error."""
+    ray = _ray()
+    if isinstance(exc, InstanceGone):
+        return InstanceGone(exc.inst, exc.reason)
+    cause = getattr(exc, "cause", None)
+    if isinstance(exc, ray.exceptions.RayTaskError) and isinstance(cause, InstanceGone):
+        return InstanceGone(cause.inst, cause.reason)
+    if isinstance(exc, ray.exceptions.RayActorError):
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        return InstanceGone(inst, f"its actor died ({lines[0][:200] if lines else 'no reason'})")
+    return None
 
-    def __init__(self, handle: Any) -> None:
+
+class InstanceClient:
+    """``InstanceHandle`` over a ``RolloutActor``; a dead actor is ``InstanceGone``."""
+
+    def __init__(self, handle: Any, inst: int = -1) -> None:
         self._ray = _ray()
         self.handle = handle
+        self.inst = inst
 
     def _get(self, ref: Any) -> Any:
-        return self._ray.get(ref)
+        try:
+            return self._ray.get(ref)
+        except Exception as exc:
+            lost = gone(self.inst, exc)
+            if lost is None:
+                raise
+            raise lost from exc
 
     def snapshot(self) -> InstanceSnapshot:
         return self._get(self.handle.snapshot.remote())
@@ -122,7 +160,12 @@ class ControlClient:
         self._ray.get(self.handle.rewarded.remote(list(records)))
 
     def consume(self, version: int, timeout_s: float | None = None) -> ConsumedBatch:
-        return self._ray.get(self.handle.consume.remote(version, timeout_s))
+        try:
+            return self._ray.get(self.handle.consume.remote(version, timeout_s))
+        except self._ray.exceptions.RayTaskError as exc:
+            if isinstance(getattr(exc, "cause", None), StopRequested):
+                raise StopRequested(str(exc.cause)) from exc
+            raise
 
     def dropped(self, trajectories: Iterable[AbortedTrajectory]) -> None:
         self._ray.get(self.handle.dropped.remote(list(trajectories)))
@@ -157,13 +200,18 @@ class ParameterServerActor:
     def alive(self) -> bool:
         return self._worker.alive
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def stop(self) -> None:
         self._worker.stop()
 
 
 class RolloutActor:
-    """One rollout instance; it Pulls from the PS replica at the end of ``pull`` (the one
-    on its own node) and builds its engine with the backend's hook ``engine_builder``."""
+    """One incarnation of a rollout instance: it Pulls from the PS replica on its own
+    node (``pull``; reconnecting when that replica is restarted), builds its engine with
+    the backend's hook ``engine_builder``, names itself ``holder`` in the TS, and hands
+    what finishes to a reward worker through the TS."""
 
     def __init__(
         self,
@@ -171,51 +219,84 @@ class RolloutActor:
         spec: RolloutSpec,
         pull: ReplicaRoute,
         ts_handle: Any,
-        reward_handles: Sequence[Any],
+        rewards: Mapping[str, Any],
         engine_builder: str,
         placement: EnginePlacement,
+        holder: str = "",
+        recovery: InstanceRecovery | None = None,
+        at_least: int = 0,
     ) -> None:
         from parameter_server import Layout
-        from parameter_server.replicas import connect_replica
         from staleflow.runtime.backends import load_hook
         from staleflow.runtime.instance_host import InstanceHost
-        from staleflow.runtime.weights import TransportPullSource
+        from staleflow.runtime.ps_healing import HealingPull
         from trajectory_server.actor import TrajectoryServerClient
 
         _torch_threads(spec.rollout.num_threads)
         self._ray = _ray()
-        self._rewards = list(reward_handles)
+        rec = recovery or InstanceRecovery()
+        self._holder = holder or str(inst)
+        self._ts = TrajectoryServerClient(ts_handle)
+        self._rewards = dict(rewards)  # worker id -> RewardActor
+        self._rewards_lock = threading.Lock()
         self._next_reward = inst  # spread instances over the pool
         # reward calls in flight: appended by the generation thread, checked by snapshot()
         self._in_flight: list[Any] = []
         self._in_flight_lock = threading.Lock()
+        self.reward_losses = 0
         engine = load_hook(engine_builder)(spec, spec.seed + inst, placement)
-        transport = connect_replica(pull)
-        self._pull = (pull.replica, transport.name)
-        weights = TransportPullSource(transport, Layout.from_dict(spec.layout))
+        weights = HealingPull(pull, Layout.from_dict(spec.layout), rec.resolver, rec.ps_patience_s)
+        self._pull = (pull.replica, weights.name)
         self._host = InstanceHost(
             inst,
             engine,
-            ts=TrajectoryServerClient(ts_handle),
+            ts=self._ts,
             weights=weights,
             max_response=spec.rollout.max_response_tokens,
             on_finished=self._dispatch,
+            holder=self._holder,
         )
-        self._host.start(0)
+        self._host.start(at_least, rec.progress_every_s)
 
     def pull_route(self) -> tuple[str, str]:
         """(the replica this instance Pulls from, the transport it uses)."""
         return self._pull
 
+    def set_rewards(self, rewards: Mapping[str, Any]) -> None:
+        """The reward workers alive now (the supervisor replaced a lost one)."""
+        with self._rewards_lock:
+            self._rewards = dict(rewards)
+
     def _dispatch(self, finished: list[Finished]) -> None:
-        target = self._rewards[self._next_reward % len(self._rewards)]
+        from staleflow.control.late import hand_live
+        from trajectory_server.types import FinishedTrajectory
+
+        with self._rewards_lock:
+            workers = list(self._rewards.items())
+        worker_id, target = workers[self._next_reward % len(workers)]
         self._next_reward += 1
-        ref = target.process.remote(finished)
+        # the TS first: it then knows which worker scores them, should that worker die
+        kept = set(
+            hand_live(
+                self._ts,
+                [
+                    FinishedTrajectory(f.traj_id, f.tokens, f.logprobs, f.versions, f.finish_reason)
+                    for f in finished
+                ],
+                worker_id,
+                instance_id=self._holder,
+            )
+        )
+        sent = [f for f in finished if f.traj_id in kept]
+        if not sent:
+            return
+        ref = target.process.remote(sent)
         with self._in_flight_lock:
             self._in_flight.append(ref)
 
     def _check_rewards(self) -> None:
-        """Surface a failed reward call here (a lost completion would stall training)."""
+        """Surface a failed reward call here (a lost completion would stall training);
+        a reward worker that died is the supervisor's to replace, not a failure."""
         with self._in_flight_lock:
             refs, self._in_flight = self._in_flight, []
         if not refs:
@@ -223,7 +304,11 @@ class RolloutActor:
         done, pending = self._ray.wait(refs, num_returns=len(refs), timeout=0)
         with self._in_flight_lock:
             self._in_flight[:0] = pending
-        self._ray.get(done)
+        for ref in done:
+            try:
+                self._ray.get(ref)
+            except self._ray.exceptions.RayActorError:
+                self.reward_losses += 1  # its trajectories are REWARDING in the TS
 
     def snapshot(self) -> InstanceSnapshot:
         self._check_rewards()
@@ -241,17 +326,28 @@ class RolloutActor:
     def pull(self, at_least: int) -> int:
         return self._host.pull(at_least)
 
+    def version(self) -> int:
+        """The version of the weights loaded (what a joining instance Pulled)."""
+        return self._host.instance.version
+
     def times(self) -> InstanceTimes:
         return self._host.times()
 
     def held(self) -> set[int]:
         return self._host.held()
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def drain(self) -> int:
         """Wait for the reward calls in flight; returns how many there were."""
         with self._in_flight_lock:
             refs, self._in_flight = self._in_flight, []
-        self._ray.get(refs)
+        for ref in refs:
+            try:
+                self._ray.get(ref)
+            except self._ray.exceptions.RayActorError:
+                self.reward_losses += 1
         return len(refs)
 
     def stop(self) -> None:
@@ -259,22 +355,59 @@ class RolloutActor:
 
 
 class RewardActor:
-    def __init__(self, spec: RewardSpec, ts_handle: Any, control_handle: Any) -> None:
+    """A reward worker; ``worker_id`` names this incarnation in the TS, which refuses its
+    completions of trajectories reassigned to another worker."""
+
+    def __init__(
+        self, spec: RewardSpec, ts_handle: Any, control_handle: Any, worker_id: str = ""
+    ) -> None:
         from staleflow.runtime.components import build_reward_stage
         from trajectory_server.actor import TrajectoryServerClient
 
         self._stage = build_reward_stage(
-            spec, TrajectoryServerClient(ts_handle), ControlClient(control_handle).rewarded
+            spec,
+            TrajectoryServerClient(ts_handle),
+            ControlClient(control_handle).rewarded,
+            worker_id or None,
         )
 
     def process(self, finished: list[Finished]) -> int:
         self._stage.process(finished)
         return len(finished)
 
+    def process_tasks(self, tasks: list[RewardTask]) -> int:
+        """Score trajectories handed to a worker that was lost (``reassign_rewards``)."""
+        return self.process(
+            [
+                Finished(
+                    t.traj_id,
+                    t.group_id,
+                    t.v_traj,
+                    t.sample_id,
+                    t.answer,
+                    t.prompt,
+                    t.tokens,
+                    t.logprobs,
+                    t.versions,
+                    t.finish_reason,
+                    -1,  # its instance is unknown (and may be gone)
+                )
+                for t in tasks
+            ]
+        )
+
+    def ping(self) -> int:
+        return os.getpid()
+
+    def pid(self) -> int:
+        return os.getpid()
+
 
 class TrainerActor:
     """The embedded trainer: one rank that Pushes every version to every PS replica (the
-    one on its own node over shared memory, the others over NIXL or TCP)."""
+    one on its own node over shared memory, the others over NIXL or TCP). It runs with
+    two threads: ``run`` holds one, and ``save_checkpoint`` / ``refill_ps`` may come on the
+    other while it waits for a buffer (the trainer's lock keeps them apart from a step)."""
 
     def __init__(
         self,
@@ -283,41 +416,46 @@ class TrainerActor:
         ts_handle: Any,
         control_handle: Any,
         name: str = "trainer/0",
+        recovery: InstanceRecovery | None = None,
+        resume_from: str = "",
     ) -> None:
         import numpy as np
 
         from parameter_server import BackgroundPusher, Layout
-        from parameter_server.replicas import replica_group
         from staleflow.runtime.components import build_embedded_trainer
+        from staleflow.runtime.ps_healing import HealingPush
         from staleflow.runtime.training import TrainingLoop
         from trajectory_server.actor import TrajectoryServerClient
 
         _torch_threads(spec.trainer.num_threads)
-        self._replicas = replica_group(push, receiver=name)
+        rec = recovery or InstanceRecovery()
+        self._replicas = HealingPush(push, name, rec.resolver, rec.ps_patience_s)
         layout = Layout.from_dict(spec.layout)
         buffer = np.empty(layout.nbytes, dtype=np.uint8)
-        self._replicas.pull(buffer, 0)  # the initial weights, from the nearest replica
+        self._replicas.pull(buffer, None)  # the first weights, from the nearest replica
         self.trainer = build_embedded_trainer(spec, layout.views(buffer))
+        if resume_from:  # weights, optimizer, RNG and version of a run checkpoint
+            self.trainer.load_checkpoint(resume_from)
         self._pusher = BackgroundPusher(self._replicas, name="trainer-push")
+        ts: Any = TrajectoryServerClient(ts_handle)
+        if spec.audit_path:
+            from staleflow.runtime.audit import AuditedBatches
+
+            ts = AuditedBatches(ts, spec.audit_path, lambda: self.trainer.version)
         self._loop = TrainingLoop(
             self.trainer,
             control=ControlClient(control_handle),
-            ts=TrajectoryServerClient(ts_handle),
+            ts=ts,
             pusher=self._pusher,
             consume_timeout_s=spec.consume_timeout_s,
-            on_step=self._maybe_checkpoint,
         )
-        self._spec = spec
 
     def push_transports(self) -> dict[str, str]:
         """The transport each replica's Push takes (after any fallback)."""
         return self._replicas.transports()
 
-    def _maybe_checkpoint(self, report: StepReport) -> None:
-        every, folder = self._spec.checkpoint_every, self._spec.checkpoint_dir
-        step = report.version + 1
-        if every > 0 and folder and step % every == 0:
-            self.save_checkpoint(os.path.join(folder, f"step-{step}"))
+    def version(self) -> int:
+        return int(self.trainer.version)
 
     def run(self, steps: int) -> list[StepReport]:
         return self._loop.run(steps)
@@ -326,83 +464,14 @@ class TrainerActor:
         self.trainer.save_checkpoint(path)
         return path
 
+    def refill_ps(self) -> int:
+        """A PS replica was restarted: give it the newest weights (the trainer's own);
+        returns how many replicas took them."""
+        return self._replicas.refill(self.trainer.export_weights(), self.trainer.version)
+
+    def pid(self) -> int:
+        return os.getpid()
+
     def stop(self) -> None:
         self._pusher.close(timeout=30)
         self._replicas.close()
-
-
-class ControlActor:
-    """Runs with several threads: ``consume`` blocks one of them until the buffer is
-    Ready while ``rewarded`` calls keep arriving on the others."""
-
-    def __init__(self, config: ControlConfig, ts_handle: Any) -> None:
-        from trajectory_server.actor import TrajectoryServerClient
-
-        self._config = config
-        self._ts = TrajectoryServerClient(ts_handle)
-        self._plane: Any = None
-        self._versions: Any = None
-        self._placement: dict[str, Any] = {}
-
-    def attach(
-        self, instance_handles: Mapping[int, Any], ps_endpoints: Mapping[str, Endpoint]
-    ) -> None:
-        """Start the loop over the instances; the PS version is the newest that every
-        replica holds (what any instance's Pull gets at least)."""
-        from parameter_server.replicas import ReplicaVersions
-        from staleflow.runtime.control import ControlPlane
-
-        ray = _ray()
-        clients = {i: InstanceClient(h) for i, h in instance_handles.items()}
-        pool = ThreadPoolExecutor(max(4, len(clients)), thread_name_prefix="commands")
-        handles = dict(instance_handles)
-        self._versions = ReplicaVersions(ps_endpoints, client="control")
-
-        def gather() -> list[InstanceSnapshot]:
-            return ray.get([h.snapshot.remote() for h in handles.values()])
-
-        self._plane = ControlPlane(
-            self._config,
-            ts=self._ts,
-            instances=clients,
-            ps_version=lambda: self._versions.latest() or 0,
-            gather=gather,
-            run_round=lambda actions: list(pool.map(lambda a: a(), actions)),
-        )
-        self._plane.start()
-
-    def set_placement(self, placement: dict[str, Any]) -> None:
-        """Where the run's actors are and how weights travel (``staleflow status`` and the
-        dashboard read it from any node)."""
-        self._placement = dict(placement)
-
-    def placement(self) -> dict[str, Any]:
-        return self._placement
-
-    def rewarded(self, records: list[Rewarded]) -> None:
-        self._plane.rewarded(records)
-
-    def consume(self, version: int, timeout_s: float | None) -> ConsumedBatch:
-        return self._plane.consume(version, timeout_s)
-
-    def dropped(self, trajectories: list[AbortedTrajectory]) -> None:
-        self._plane.dropped(trajectories)
-
-    def trained(self, report: StepReport) -> None:
-        self._plane.trained(report)
-
-    def records(self, since: int = 0) -> list[dict[str, float]]:
-        return self._plane.records(since)
-
-    def live(self) -> Any:
-        return self._plane.live()
-
-    def staleness(self) -> dict[int, int]:
-        return dict(self._plane.staleness_of_consumed())
-
-    def stop(self) -> None:
-        if self._plane is not None:
-            self._plane.stop()
-        if self._versions is not None:
-            self._versions.close()
-            self._versions = None

@@ -12,8 +12,10 @@ named by ``rollout.backend`` / ``trainer.backend``:
   called inside the instance's Ray actor (which holds the first bundle of the instance's
   placement group; ``placement`` names the others, for TP workers).
 - :data:`TRAINER_POOLS`: a :class:`TrainerBackend`: ``pool`` is ``"module:function"``
-  with the signature of :func:`staleflow.runtime.pools.trainer.build_embedded_pool`,
-  returning a :class:`staleflow.runtime.pools.trainer.TrainerPool`; ``ranks`` says how
+  with the signature of :func:`staleflow.runtime.pools.trainer.build_embedded_pool`
+  (``ctx, spec, ps, control, recovery``: ``recovery`` says how its ranks find a restarted
+  PS replica), returning a :class:`staleflow.runtime.pools.trainer.TrainerPool`, whose
+  ``save_checkpoint`` writes the trainer's part of a run checkpoint; ``ranks`` says how
   many bundles the trainer gang needs, from the ``trainer`` section alone (no imports).
 
 Importing this module imports no backend. A backend absent here is refused by

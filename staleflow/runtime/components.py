@@ -69,8 +69,8 @@ class TrainerSpec:
     model: ModelSpec
     trainer: TrainerConfig
     seed: int
-    checkpoint_dir: str = ""  # with checkpoint_every > 0: save every N steps under it
-    checkpoint_every: int = 0
+    resume_from: str = ""  # a run checkpoint's trainer/ folder to load first
+    audit_path: str = ""  # with recovery.audit_log: where consumed trajectories are written
 
     @property
     def layout(self) -> dict[str, Any]:

@@ -213,9 +213,10 @@ class ControlPlane:
         """Record a recovery the supervisor carried out (a restart, a lost PS ...)."""
         self.recovery.add(self._event(kind, subject, detail), **amounts)
 
-    def take_lost(self) -> Future[list[LostInstance]]:
+    def take_lost(self) -> list[LostInstance]:
         """The instances the plane gave up on since the last call (for restarts)."""
-        return self._ask("take_lost", None)
+        self.check()
+        return self.fleet.take_lost()
 
     def request_stop(self) -> None:
         """Stop routing, interrupt every instance, and take the final cut once the step
@@ -383,8 +384,6 @@ class ControlPlane:
                 self.metrics.instances = list(self.members)
             elif kind == "replay":
                 result = self.fleet.replay_completions()
-            elif kind == "take_lost":
-                result = self.fleet.take_lost()
             else:
                 raise ValueError(f"unknown control message {kind!r}")
         except Exception as exc:  # the caller's mistake (e.g. an unknown instance)

@@ -16,6 +16,7 @@ and when a reward worker's reports may be lost (``docs/recovery.md``).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -61,9 +62,13 @@ class FleetOps:
         self.members, self._loop, self._planes, self._ts = members, loop, planes, ts
         self._log, self._event = log, event
         self._lost: list[LostInstance] = []
+        self._lost_lock = threading.Lock()
 
     def take_lost(self) -> list[LostInstance]:
-        out, self._lost = self._lost, []
+        """The instances given up on since the last call (any thread: the supervisor asks
+        while this thread may be busy, e.g. waiting for a restarted PS)."""
+        with self._lost_lock:
+            out, self._lost = self._lost, []
         return out
 
     # -- leaving -------------------------------------------------------------------------
@@ -88,7 +93,8 @@ class FleetOps:
                 requeued=len(requeued),
                 tokens_kept=kept,
             )
-            self._lost.append(LostInstance(inst, holder, reason))
+            with self._lost_lock:
+                self._lost.append(LostInstance(inst, holder, reason))
         if reserved:
             self._release(reserved)
 

@@ -9,13 +9,22 @@ records from the control plane into the run folder and the terminal until the tr
 has taken its last step.
 
 Run folder: ``config.yaml`` (resolved), ``metrics.jsonl`` (one record per step),
-``summary.json``, ``checkpoint/``.
+``summary.json``, ``checkpoint/`` (the final policy), ``checkpoints/`` (the run's state,
+every ``checkpoint_every`` steps and when it stops or ends: ``--resume`` continues from
+it, docs/recovery.md), ``live.json`` while it runs.
+
+A run asked to stop (``stop`` set; the CLI sets it on Ctrl-C and SIGTERM) interrupts its
+rollouts so that every partial response is whole in the TS, finishes the training step
+in progress, writes the checkpoint and ends; a resumed run (``resume=``) starts every
+actor from the checkpoint and goes on to its step count.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,9 +41,12 @@ from staleflow.runtime.placement import plan_placement
 from staleflow.runtime.run import Run, cause
 from staleflow.runtime.rundir import RunOutput
 from staleflow.runtime.runfolder import reward_mean  # also imported from here
+from staleflow.runtime.stopping import graceful_stop
 
 if TYPE_CHECKING:
     from staleflow.data import PromptDataset
+    from staleflow.recovery import Checkpoint
+    from staleflow.runtime.resume import ResumePoint
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +74,8 @@ class RunResult:
     records: list[dict[str, float]]
     summary: dict[str, Any]
     consumed: list[dict[str, Any]] = field(default_factory=list)  # per step: ids, versions
+    stopped: bool = False  # asked to stop before its step count: resume it
+    checkpoint: Path | None = None  # the last run checkpoint written
 
 
 def _log_phase(text: str) -> None:
@@ -92,7 +106,9 @@ def place(cfg: RunConfig, phase: Phase = _log_phase) -> tuple[RayCluster, Placem
     Raises :class:`LaunchError` when the address does not answer and
     :class:`PlacementError` naming what is missing when the cluster cannot hold the plan."""
     plan = plan_placement(cfg, trainer_backend(cfg.trainer.backend).ranks(cfg.trainer))
-    cluster = RayCluster.connect(cfg.address, local_cpus(plan.totals().get("CPU", 0.0)))
+    # a local Ray keeps room for two more rollout instances (staleflow scale)
+    spare = 2 * cfg.rollout.tensor_parallel * cfg.resources.rollout.cpus
+    cluster = RayCluster.connect(cfg.address, local_cpus(plan.totals().get("CPU", 0.0) + spare))
     try:
         phase(f"placement plan (resources per member; docs/cluster.md), Ray at {cluster.address}:")
         for line in plan.describe():
@@ -253,18 +269,64 @@ def launch(
     on_record: Callable[[dict[str, float]], None] | None = None,
     on_tick: Callable[[Any], None] | None = None,
     on_phase: Phase | None = None,
+    resume: Checkpoint | None = None,
+    stop: threading.Event | None = None,
+    handle_signals: bool = False,
 ) -> RunResult:
     """Run ``cfg`` to the end; see the module docstring. Every message about what the
-    launch is doing goes through ``on_phase`` (one callback, for progress displays)."""
+    launch is doing goes through ``on_phase`` (one callback, for progress displays).
+
+    ``resume``: a checkpoint :func:`staleflow.runtime.resume.check_resume` verified, with
+    the configuration it returned. ``stop``: set it to stop the run gracefully;
+    ``handle_signals`` sets it on SIGINT and SIGTERM (a second one stops at once)."""
     phase = on_phase or _log_phase
     check_backends(cfg)
     preflight(cfg)
     cfg = cfg.resolved()  # each component gets its section with auto choices made
     cluster, placement = place(cfg, phase)
+    stop = stop or threading.Event()
     try:
-        return _launch_on(cluster, placement, cfg, phase, on_record, on_tick)
+        # after Ray joined: ray.init installs a SIGTERM handler of its own
+        with graceful_stop(stop, phase) if handle_signals else contextlib.nullcontext():
+            return _launch_on(cluster, placement, cfg, phase, on_record, on_tick, resume, stop)
     finally:
         cluster.shutdown()
+
+
+def _prepare(
+    cfg: RunConfig, phase: Phase, resume: Checkpoint | None
+) -> tuple[Any, Any, PromptDataset, dict[str, Any], ResumePoint | None]:
+    """The policy, tokenizer and prompts; a resumed run's from its checkpoint."""
+    from staleflow.data.layouts import DatasetError
+    from staleflow.models.errors import ModelError
+
+    started = time.monotonic()
+    try:
+        if resume is None:
+            model, tokenizer, facts = prepare_policy(cfg, phase)
+        else:
+            from staleflow.models.checkpoint import load_pretrained
+
+            phase(f"resuming from {resume.path} (step {resume.steps}, version {resume.version})")
+            model, tokenizer = load_pretrained(resume.trainer_dir)
+            facts = {"source": str(resume.trainer_dir), "resumed_from": str(resume.path)}
+    except ModelError as exc:  # a checkpoint that cannot be loaded: say so, no traceback
+        raise LaunchError(f"cannot load the policy: {exc}") from exc
+    try:
+        dataset = build_dataset(cfg, tokenizer)
+    except DatasetError as exc:
+        raise LaunchError(f"cannot read the prompts: {exc}") from exc
+    point = None
+    if resume is not None:
+        from staleflow.runtime.resume import restore_state
+
+        point = restore_state(cfg, resume, dataset)
+    elif cfg.eval_problems and cfg.data.task == "arithmetic":
+        phase(f"scoring the initial policy on {cfg.eval_problems} held-out problems")
+        facts["eval_problems"] = cfg.eval_problems
+        facts["eval_reward_start"] = held_out_reward(cfg, model, tokenizer)
+    facts["prepare_s"] = time.monotonic() - started
+    return model, tokenizer, dataset, facts, point
 
 
 def _launch_on(
@@ -274,28 +336,17 @@ def _launch_on(
     phase: Phase,
     on_record: Callable[[dict[str, float]], None] | None,
     on_tick: Callable[[Any], None] | None,
+    resume: Checkpoint | None,
+    stop: threading.Event,
 ) -> RunResult:
-    from staleflow.data.layouts import DatasetError
-    from staleflow.models.errors import ModelError
-
-    started = time.monotonic()
-    try:
-        model, tokenizer, facts = prepare_policy(cfg, phase)
-    except ModelError as exc:  # a checkpoint that cannot be loaded: say so, no traceback
-        raise LaunchError(f"cannot load the policy: {exc}") from exc
-    try:
-        dataset = build_dataset(cfg, tokenizer)
-    except DatasetError as exc:
-        raise LaunchError(f"cannot read the prompts: {exc}") from exc
-    if cfg.eval_problems and cfg.data.task == "arithmetic":
-        phase(f"scoring the initial policy on {cfg.eval_problems} held-out problems")
-        facts["eval_problems"] = cfg.eval_problems
-        facts["eval_reward_start"] = held_out_reward(cfg, model, tokenizer)
-    facts["prepare_s"] = time.monotonic() - started
-    out = RunOutput.create(cfg)
+    model, tokenizer, dataset, facts, point = _prepare(cfg, phase, resume)
+    if resume is None:
+        out = RunOutput.create(cfg)
+    else:  # the steps after the checkpoint are done again
+        out = RunOutput.resume(resume.path.parents[1], cfg, resume.metrics, resume.version)
     phase(f"run folder {out.path}")
     run = Run(cfg, out.path, cluster=cluster, placement=placement, phase=phase)
-    records: list[dict[str, float]] = []
+    records: list[dict[str, float]] = list(resume.metrics) if resume is not None else []
 
     def record(rec: dict[str, float]) -> None:
         records.append(rec)
@@ -311,16 +362,19 @@ def _launch_on(
             f"trainer, TS, {len(placement.pool('parameter_server'))} PS, control"
         )
         try:
-            run.start(model, tokenizer, dataset)
+            run.start(model, tokenizer, dataset, point)
         except LaunchError:
             raise
         except Exception as exc:  # an actor that failed to start: name it, no Ray traceback
             raise LaunchError(f"the actors could not start: {cause(exc)}") from exc
         facts["placement"] = run.placement_info
         dashboard = _start_dashboard(cfg, run, phase)
-        phase(f"training {cfg.steps} steps with eta={cfg.eta}")
-        reports = run.train(cfg.steps, record, on_tick)
-        run.save_checkpoint(out.path / "checkpoint")
+        todo = cfg.steps - run.steps_before
+        phase(f"training {todo} steps with eta={cfg.eta}" + (" (resumed)" if resume else ""))
+        reports = run.train(todo, record, on_tick, stop=stop)
+        stopped = len(reports) < todo
+        if not stopped:
+            run.save_checkpoint(out.path / "checkpoint")
         facts["audit"] = run.audit()
         failed = False
     finally:
@@ -328,11 +382,15 @@ def _launch_on(
             dashboard.stop()  # before the actors it polls go away
         run.shutdown()
         out.close(failed=failed)  # a launch that never trained leaves no folder behind
-    if "eval_reward_start" in facts:
+    if "eval_reward_start" in facts and not stopped:
         from staleflow.models.checkpoint import load_pretrained
 
         final, _ = load_pretrained(out.path / "checkpoint")
         facts["eval_reward_end"] = held_out_reward(cfg, final, tokenizer)
+    last = run.checkpoints[-1] if run.checkpoints else None
+    facts["stopped"] = stopped
+    if last is not None:
+        facts["resume_from"] = str(last)
     summary = summarise(records, reports, facts)
     (out.path / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     consumed = [
@@ -344,7 +402,7 @@ def _launch_on(
         }
         for r in reports
     ]
-    return RunResult(out.path, records, summary, consumed)
+    return RunResult(out.path, records, summary, consumed, stopped, last)
 
 
 def check_placement(cfg: RunConfig, phase: Phase = _log_phase) -> Placement:

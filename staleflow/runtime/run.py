@@ -1,11 +1,17 @@
 """The actors of one run, started pool by pool in the order of Figure 6: the control
 plane (staleness manager and coordinator) with the trajectory server, the parameter
 server, the reward workers, the rollout instances, the trainer. Each pool's builder
-gets its own typed section; :meth:`Run.train` then only watches."""
+gets its own typed section; :meth:`Run.train` then watches: it streams the step records,
+writes the checkpoint cuts the control plane takes, and lets the supervisor
+(``staleflow.runtime.supervisor``) restart what died. A resumed run starts every pool
+from its checkpoint (``staleflow.runtime.resume``)."""
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
+import uuid
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -18,11 +24,16 @@ if TYPE_CHECKING:
     from staleflow.data import PromptDataset
     from staleflow.runtime.cluster import RayCluster, Reservation
     from staleflow.runtime.components import ModelSpec, RolloutSpec, TrainerSpec
-    from staleflow.runtime.control import ControlConfig
+    from staleflow.runtime.control import ControlConfig, Cut
     from staleflow.runtime.fitting import Placement
+    from staleflow.runtime.pools import PoolContext
     from staleflow.runtime.pools.control import ControlPool
     from staleflow.runtime.pools.parameter_server import PSPool
+    from staleflow.runtime.pools.rewards import RewardPool
+    from staleflow.runtime.pools.rollout import RolloutPool
     from staleflow.runtime.pools.trainer import TrainerPool
+    from staleflow.runtime.resume import ResumePoint
+    from staleflow.runtime.supervisor import Supervisor
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +59,7 @@ def control_config(cfg: RunConfig) -> ControlConfig:
     if isinstance(cost, CostModelConfig) and cost.kv_budget is None:
         budget = float(cfg.rollout.kv_budget_tokens)
         coordinator = replace(coordinator, cost_model=replace(cost, kv_budget=budget))
-    return ControlConfig(cfg.staleness_config(), coordinator)
+    return ControlConfig(cfg.staleness_config(), coordinator, checkpoint_every=cfg.checkpoint_every)
 
 
 def rollout_spec(cfg: RunConfig, model: ModelSpec, dataset: PromptDataset) -> RolloutSpec:
@@ -65,15 +76,18 @@ def rollout_spec(cfg: RunConfig, model: ModelSpec, dataset: PromptDataset) -> Ro
     )
 
 
-def trainer_spec(cfg: RunConfig, model: ModelSpec, run_dir: Path) -> TrainerSpec:
+def trainer_spec(
+    cfg: RunConfig, model: ModelSpec, run_dir: Path, resume_from: str = ""
+) -> TrainerSpec:
     from staleflow.runtime.components import TrainerSpec
+    from staleflow.runtime.rundir import AUDIT
 
     return TrainerSpec(
         model=model,
         trainer=cfg.trainer,
         seed=cfg.seed,
-        checkpoint_dir=str(run_dir / "checkpoints"),
-        checkpoint_every=cfg.checkpoint_every,
+        resume_from=resume_from,
+        audit_path=str(run_dir / AUDIT) if cfg.recovery.audit_log else "",
     )
 
 
@@ -103,12 +117,25 @@ class Run:
         self._own_cluster = cluster is None
         self._phase = phase or (lambda text: logger.info("%s", text))
         self.reservation: Reservation | None = None
+        self.ctx: PoolContext | None = None
         self.control: ControlPool | None = None
         self.ps: PSPool | None = None
-        self.rewards: list[Any] = []
-        self.instances: dict[int, Any] = {}
+        self.reward_pool: RewardPool | None = None
+        self.rollout: RolloutPool | None = None
         self.trainer: TrainerPool | None = None
         self.placement_info: dict[str, Any] = {}
+        self.supervisor: Supervisor | None = None
+        self.steps_before = 0  # steps done before this launch (a resumed run's)
+        self.checkpoints: list[Path] = []  # written by this launch
+        self.tag = uuid.uuid4().hex[:6]  # tells this launch's holder ids from earlier ones
+
+    @property
+    def rewards(self) -> list[Any]:
+        return list(self.reward_pool.workers.values()) if self.reward_pool else []
+
+    @property
+    def instances(self) -> dict[int, Any]:
+        return dict(self.rollout.actors) if self.rollout else {}
 
     @property
     def actors(self) -> dict[str, Any]:
@@ -130,11 +157,22 @@ class Run:
 
     # -- start -------------------------------------------------------------------------
 
-    def start(self, model: Any, tokenizer: Any, dataset: PromptDataset) -> None:
+    def start(
+        self,
+        model: Any,
+        tokenizer: Any,
+        dataset: PromptDataset,
+        resume: ResumePoint | None = None,
+    ) -> None:
+        """Start every pool; with ``resume``, from that checkpoint: the TS and the
+        manager as restored, the PS and the trainer at its version (the trainer's
+        weights, optimizer and RNG), the instances Pulling that version first."""
         from parameter_server import Layout
         from parameter_server.torch_compat import state_dict_to_numpy
         from staleflow.data import PromptSampler
         from staleflow.models.state import policy_state
+        from staleflow.runtime.actors import InstanceRecovery
+        from staleflow.runtime.cluster import ACTOR_NAMESPACE
         from staleflow.runtime.components import RewardSpec, model_spec
         from staleflow.runtime.pools import PoolContext
         from staleflow.runtime.pools.control import build_control
@@ -142,6 +180,8 @@ class Run:
         from staleflow.runtime.pools.rewards import build_rewards
         from staleflow.runtime.pools.rollout import build_rollout
         from staleflow.runtime.pools.trainer import build_trainer
+        from staleflow.runtime.ps_healing import ReplicaResolver
+        from staleflow.runtime.supervisor import Supervisor
 
         cfg = self.cfg
         if self.cluster is None or self.placement is None:
@@ -152,7 +192,7 @@ class Run:
         self.reservation = cluster.reserve(
             placement, self.run_dir.name, cfg.resources.placement_timeout_s
         )
-        ctx = PoolContext(
+        ctx = self.ctx = PoolContext(
             ray=cluster.ray,
             run=self.run_dir.name,
             placement=placement,
@@ -161,24 +201,73 @@ class Run:
             multi_node=bool(cfg.address) or len(placement.nodes) > 1,
             phase=self._phase,
         )
-        spec = model_spec(model, tokenizer)
-        sampler = PromptSampler(dataset, seed=cfg.seed)
-        self.control = build_control(
-            ctx, control_config(cfg), cfg.trajectory_server_config(), sampler
+        rec = cfg.recovery
+        recovery = InstanceRecovery(
+            ReplicaResolver(ctx.run, ACTOR_NAMESPACE), rec.progress_every_s, rec.ps_patience_s
         )
+        version = resume.version if resume is not None else 0
+        self.steps_before = resume.steps if resume is not None else 0
+        spec = model_spec(model, tokenizer)
+        self.control = build_control(
+            ctx,
+            control_config(cfg),
+            cfg.trajectory_server_config(),
+            resume.sampler if resume is not None else PromptSampler(dataset, seed=cfg.seed),
+            ts_state=resume.trajectories if resume is not None else None,
+            resolver=recovery.resolver,
+            snapshot_timeout_s=rec.snapshot_timeout_s,
+        )
+        # a resumed run's weights are the trainer checkpoint's, as its own version
         weights = state_dict_to_numpy(policy_state(model))
         self.ps = build_parameter_server(
-            ctx, cfg.parameter_server, Layout.from_dict(spec.layout), weights
+            ctx, cfg.parameter_server, Layout.from_dict(spec.layout), weights, version
         )
-        self.rewards = build_rewards(ctx, RewardSpec(cfg.reward, spec.tokenizer), self.control)
-        self.instances = build_rollout(
-            ctx, rollout_spec(cfg, spec, dataset), self.ps, self.control, self.rewards
+        self.reward_pool = build_rewards(
+            ctx, RewardSpec(cfg.reward, spec.tokenizer), self.control, self.tag
+        )
+        self.rollout = build_rollout(
+            ctx,
+            rollout_spec(cfg, spec, dataset),
+            self.ps,
+            self.control,
+            self.reward_pool.live(),
+            recovery,
+            at_least=version,
+            tag=self.tag,
         )
         ray = cluster.ray
-        ray.get(self.control.control.attach.remote(self.instances, dict(self.ps.endpoints)))
-        self.trainer = build_trainer(
-            ctx, trainer_spec(cfg, spec, self.run_dir), self.ps, self.control
+        actors = self.rollout.actors
+        ray.get(
+            self.control.control.attach.remote(
+                {i: (h, self.rollout.holders[i]) for i, h in actors.items()},
+                dict(self.ps.endpoints),
+                dict(
+                    zip(actors, ray.get([h.version.remote() for h in actors.values()]), strict=True)
+                ),
+                dict(resume.staleness) if resume is not None else None,
+                list(resume.metrics) if resume is not None else [],
+            )
         )
+        resume_from = str(resume.checkpoint.trainer_dir) if resume is not None else ""
+        self.trainer = build_trainer(
+            ctx, trainer_spec(cfg, spec, self.run_dir, resume_from), self.ps, self.control, recovery
+        )
+        if resume is not None:
+            got = self.trainer.version()
+            if got != version:
+                raise LaunchError(
+                    f"the trainer restored version {got} from {resume_from}, but the "
+                    f"checkpoint is at version {version}: the checkpoint is inconsistent; "
+                    "resume from an earlier one"
+                )
+        self.supervisor = Supervisor(self, cfg.recovery)
+        if resume is not None:
+            self.supervisor.redispatch_rewards()  # what was being scored at the stop
+            self.control.control.note.remote(
+                "resumed",
+                "run",
+                f"from {resume.checkpoint.path.name}: step {resume.steps}, version {version}",
+            )
         self._report_weights(Layout.from_dict(spec.layout))
 
     def _report_weights(self, layout: Any) -> None:
@@ -212,18 +301,24 @@ class Run:
         on_record: Callable[[dict[str, float]], None],
         on_tick: Callable[[Any], None] | None = None,
         poll_s: float = 0.5,
+        stop: threading.Event | None = None,
     ) -> list[Any]:
-        """Run ``steps`` training steps; stream records; return the trainer's reports."""
+        """Run ``steps`` training steps (fewer if ``stop`` is set: the run then stops
+        gracefully); stream records; write the checkpoints the control plane cuts,
+        the last one when the run stops or ends; return the trainer's reports."""
         assert self.control is not None and self.trainer is not None and self.cluster is not None
+        assert self.supervisor is not None
         ray = self.cluster.ray
         control = self.control.control
         done_ref = self.trainer.run(steps)
-        seen = 0
+        seen = self.steps_before
+        stopping = False
         while True:
             ready, _ = ray.wait([done_ref], timeout=poll_s)
             try:
                 new = ray.get(control.records.remote(seen))
                 live = ray.get(control.live.remote()) if on_tick is not None else None
+                cut = ray.get(control.pending_cut.remote())
             except Exception as exc:  # named for the user below
                 raise LaunchError(f"the control plane stopped: {cause(exc)}") from exc
             for rec in new:
@@ -231,16 +326,66 @@ class Run:
             seen += len(new)
             if on_tick is not None:
                 on_tick(live)
+            if cut is not None and not cut.final:
+                self._write(cut)
+            if stop is not None and stop.is_set() and not stopping:
+                self._phase("stopping: interrupting the rollouts, then checkpointing")
+                ray.get(control.request_stop.remote())
+                stopping = True
             if ready:
                 break
+            self.supervisor.tick()
         try:
             reports = ray.get(done_ref)
         except Exception as exc:
-            raise LaunchError(f"the trainer stopped: {cause(exc)}") from exc
-        ray.get(control.stop.remote())  # flushes the last step's record
+            raise LaunchError(f"the trainer stopped: {cause(exc)}; {self._resume_hint()}") from exc
+        ray.get(control.request_stop.remote())  # the end of the run is a stop, too
+        self._write(self._final_cut())
         for rec in ray.get(control.records.remote(seen)):
             on_record(rec)
         return reports
+
+    def _final_cut(self, timeout_s: float = 600.0) -> Cut:
+        assert self.control is not None and self.cluster is not None
+        ray, control = self.cluster.ray, self.control.control
+        deadline = time.monotonic() + timeout_s
+        while True:
+            cut = ray.get(control.pending_cut.remote())
+            if cut is not None and cut.final:
+                return cut
+            if time.monotonic() > deadline:
+                raise LaunchError("the control plane took no final checkpoint cut")
+            time.sleep(0.05)
+
+    def _write(self, cut: Cut) -> Path:
+        """Write one cut (the trainer writes its own part) and let training go on."""
+        from staleflow.recovery import RunState, write_checkpoint
+
+        assert self.control is not None and self.trainer is not None
+        trainer = self.trainer
+        state = RunState(
+            cut.steps, cut.version, cut.ps_version, cut.staleness, cut.trajectories, cut.metrics
+        )
+        path = write_checkpoint(
+            self.run_dir,
+            state,
+            trainer=lambda folder: trainer.save_checkpoint(str(folder)),
+            keep=self.cfg.recovery.keep,
+        )
+        self.checkpoints.append(path)
+        control = self.control.control
+        control.note.remote("checkpoint", "run", f"{path.name}: step {cut.steps}")
+        control.release_cut.remote(cut.steps)
+        self._phase(f"checkpoint of step {cut.steps} written to {path}")
+        return path
+
+    def _resume_hint(self) -> str:
+        from staleflow.recovery import list_checkpoints
+
+        found = list_checkpoints(self.run_dir)
+        if not found:
+            return "no checkpoint was written yet (set checkpoint_every to write them)"
+        return f"resume with `staleflow launch --resume {self.run_dir}` (from {found[-1].name})"
 
     def audit(self) -> dict[str, Any]:
         """After training: stop routing, call every trajectory back to the TS and wait for
@@ -250,11 +395,12 @@ class Run:
         assert self.control is not None and self.cluster is not None and self.ps is not None
         ray = self.cluster.ray
         ray.get(self.control.control.stop.remote())
-        for h in self.instances.values():
+        live = self.supervisor.live_instances() if self.supervisor else self.instances
+        for h in live.values():
             held = ray.get(h.held.remote())
             ray.get(h.interrupt.remote(sorted(held)))
-        ray.get([h.drain.remote() for h in self.instances.values()])
-        left = sum(len(ray.get(h.held.remote())) for h in self.instances.values())
+        ray.get([h.drain.remote() for h in live.values()])
+        left = sum(len(ray.get(h.held.remote())) for h in live.values())
         stats = ray.get(self.control.ts.handle.stats.remote())
         replicas = self.ps.actors
         infos = ray.get([h.info.remote() for h in replicas.values()])
@@ -292,6 +438,8 @@ class Run:
             self._teardown(
                 "stop the control plane", lambda: ray.get(control.stop.remote(), timeout=10)
             )
+        if self.supervisor is not None:
+            self.supervisor.close()
         for i, h in self.instances.items():
             self._teardown(f"stop instance/{i}", lambda h=h: ray.get(h.stop.remote(), timeout=10))
         if self.trainer is not None:
@@ -301,7 +449,8 @@ class Run:
                 self._teardown(f"stop {role}", lambda h=h: ray.get(h.stop.remote(), timeout=10))
         for role, handle in _handles(self.actors):
             self._teardown(f"kill {role}", lambda handle=handle: ray.kill(handle))
-        self.control, self.ps, self.rewards, self.instances, self.trainer = None, None, [], {}, None
+        self.control, self.ps, self.reward_pool, self.rollout, self.trainer = (None,) * 5
+        self.supervisor = None
         if self.reservation is not None:
             self.reservation.remove()
             self.reservation = None

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import IO
 
 from staleflow.config import RunConfig, save_config
 from staleflow.runtime.runfolder import CONFIG, METRICS, Record
+
+AUDIT = "audit.jsonl"  # with recovery.audit_log: every consumed trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -23,10 +27,11 @@ class RunOutput:
     """``runs/<time>-<name>/``: ``config.yaml`` (the resolved configuration) and
     ``metrics.jsonl`` (one record per training step), opened by :meth:`create`."""
 
-    def __init__(self, path: Path, made_parent: bool = False) -> None:
+    def __init__(self, path: Path, made_parent: bool = False, resumed: bool = False) -> None:
         self.path = path
         self.records = 0
         self._made_parent = made_parent  # run_dir did not exist before this launch
+        self._resumed = resumed  # an earlier launch made the folder: never remove it
         self._metrics: IO[str] | None = None
 
     @classmethod
@@ -51,6 +56,26 @@ class RunOutput:
         out._metrics = (path / METRICS).open("a", encoding="utf-8")
         return out
 
+    @classmethod
+    def resume(
+        cls, path: Path, cfg: RunConfig, records: Sequence[Record], version: int
+    ) -> RunOutput:
+        """The folder of a run resumed from a checkpoint of ``records`` steps at
+        ``version``: ``metrics.jsonl`` goes back to those records and ``audit.jsonl`` to
+        the batches before ``version`` (the steps after the checkpoint are done again);
+        ``config.yaml`` takes the configuration the run goes on with."""
+        _rewrite(path / METRICS, [json.dumps(r, sort_keys=True) for r in records])
+        audit = path / AUDIT
+        if audit.is_file():
+            with audit.open(encoding="utf-8") as f:
+                kept = [line.rstrip("\n") for line in f if json.loads(line)["version"] < version]
+            _rewrite(audit, kept)
+        save_config(cfg.resolved(), path / CONFIG)
+        out = cls(path, resumed=True)
+        out.records = len(records)
+        out._metrics = (path / METRICS).open("a", encoding="utf-8")
+        return out
+
     @property
     def name(self) -> str:
         return self.path.name
@@ -66,7 +91,7 @@ class RunOutput:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
-        if failed and self.records == 0:
+        if failed and self.records == 0 and not self._resumed:
             self.discard()
 
     def discard(self) -> None:
@@ -78,3 +103,10 @@ class RunOutput:
                 self.path.parent.rmdir()
         except OSError as exc:  # something else was written there: keep it, say so
             logger.warning("left the run folder %s in place: %s", self.path, exc)
+
+
+def _rewrite(path: Path, lines: Sequence[str]) -> None:
+    """Replace ``path`` with ``lines`` atomically (a crash leaves the old file)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    os.replace(tmp, path)

@@ -36,8 +36,9 @@ from coordinator.strategies import MigrationStrategy, RoutingStrategy, SyncStrat
 from coordinator.sync import GreedySync, ThroughputSync
 from coordinator.vanilla_routing import LeastLoadedRouting
 from staleflow.control import ControlLoop, Planes, TrajectoryStore
-from staleflow.runtime.actors import ControlActor, ControlClient, InstanceClient, RolloutActor
+from staleflow.runtime.actors import ControlClient, InstanceClient, RolloutActor
 from staleflow.runtime.control import ControlPlane
+from staleflow.runtime.control_actor import ControlActor
 from staleflow.runtime.instance_host import InstanceHost
 from staleflow.runtime.interface import ControlHandle, InstanceHandle
 from staleflow.runtime.planes import RuntimePlanes

@@ -14,9 +14,10 @@ module                            pool
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from staleflow.runtime.cluster import ACTOR_NAMESPACE, actor_name
 
@@ -25,6 +26,22 @@ if TYPE_CHECKING:
     from staleflow.runtime.fitting import Placement
 
 Phase = Callable[[str], None]
+T = TypeVar("T")
+NAME_WAIT_S = 30.0  # a killed actor's Ray name is free once the GCS has seen it die
+
+
+def respawn(start: Callable[[], T], wait_s: float = NAME_WAIT_S) -> T:
+    """``start()`` an actor under the name of one that just died (a restart): Ray
+    refuses the name (``ValueError``) until it has seen the old one die, so try again
+    for up to ``wait_s``."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return start()
+        except ValueError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from staleflow.runtime.actors import ControlActor, process_env
+from staleflow.runtime.actors import process_env
+from staleflow.runtime.control_actor import ControlActor
 from staleflow.runtime.pools import PoolContext
 
 if TYPE_CHECKING:
@@ -27,12 +28,17 @@ def build_control(
     config: ControlConfig,
     ts_config: TrajectoryServerConfig,
     sampler: PromptSampler,
+    *,
+    ts_state: Any = None,
+    resolver: Any = None,
+    snapshot_timeout_s: float = 60.0,
 ) -> ControlPool:
+    """``ts_state``: a resumed run's trajectories (``sampler`` at the saved position)."""
     from trajectory_server.actor import spawn_trajectory_server
 
-    ts = spawn_trajectory_server(ts_config, sampler, **ctx.options("ts", process_env(1)))
+    ts = spawn_trajectory_server(ts_config, sampler, ts_state, **ctx.options("ts", process_env(1)))
     # several threads: consume() blocks one until its buffer is Ready
     control = ctx.spawn(ControlActor, "control", process_env(1), max_concurrency=16).remote(
-        config, ts.handle
+        config, ts.handle, resolver, snapshot_timeout_s
     )
     return ControlPool(control, ts)

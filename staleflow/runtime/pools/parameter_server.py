@@ -6,11 +6,11 @@ following the Push plan (App. A.2)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from staleflow.runtime.actors import ParameterServerActor, process_env
-from staleflow.runtime.pools import PoolContext
+from staleflow.runtime.pools import PoolContext, respawn
 
 if TYPE_CHECKING:
     from parameter_server.layout import Layout
@@ -23,9 +23,10 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class PSPool:
     config: PSConfig
-    actors: Mapping[str, Any]  # role (ps/<k>) -> ParameterServerActor
-    endpoints: Mapping[str, Endpoint]
+    actors: dict[str, Any]  # role (ps/<k>) -> ParameterServerActor (replaced on restart)
+    endpoints: dict[str, Endpoint]
     nodes: Mapping[str, str]  # role -> node id
+    args: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)  # role -> actor args
 
     def route(self, replica: str, from_node: str) -> ReplicaRoute:
         """How a client on ``from_node`` reaches ``replica``."""
@@ -50,13 +51,14 @@ class PSPool:
 
 
 def build_parameter_server(
-    ctx: PoolContext, config: PSConfig, layout: Layout, weights: Weights
+    ctx: PoolContext, config: PSConfig, layout: Layout, weights: Weights, version: int = 0
 ) -> PSPool:
-    """Start the replicas and publish ``weights`` as version 0 on all of them."""
+    """Start the replicas and publish ``weights`` as ``version`` on all of them (0, or
+    a resumed run's trainer version)."""
     from parameter_server.replicas import ReplicaRoute, replica_group
 
     trainer_nodes = set(ctx.placement.gang("trainer").nodes)
-    actors, nodes = {}, {}
+    actors, nodes, args = {}, {}, {}
     for placed in ctx.placement.pool("parameter_server"):
         (role,) = placed.gang.roles
         node = placed.nodes[0]
@@ -64,14 +66,13 @@ def build_parameter_server(
         nixl = config.transport == "nixl" or (
             config.push_transport != "socket" and bool(trainer_nodes - {node})
         )
-        actors[role] = ctx.spawn(ParameterServerActor, role, process_env(1)).remote(
-            layout.to_dict(), config.num_slots, nixl, ctx.multi_node
-        )
+        args[role] = (layout.to_dict(), config.num_slots, nixl, ctx.multi_node)
+        actors[role] = ctx.spawn(ParameterServerActor, role, process_env(1)).remote(*args[role])
         nodes[role] = node
     endpoints = dict(
         zip(actors, ctx.ray.get([a.endpoint.remote() for a in actors.values()]), strict=True)
     )
-    pool = PSPool(config, actors, endpoints, nodes)
+    pool = PSPool(config, actors, endpoints, nodes, args)
     # the driver's one Push of the initial weights: TCP to another node is enough
     routes = [
         ReplicaRoute(
@@ -83,8 +84,20 @@ def build_parameter_server(
         for r in actors
     ]
     with replica_group(routes, receiver="driver") as group:
-        group.push(weights, 0)
+        group.push(weights, version)
     return pool
+
+
+def respawn_replica(ctx: PoolContext, pool: PSPool, role: str) -> Any:
+    """Start replica ``role`` again after its actor died (same bundle, same Ray name, so
+    clients find it through ``staleflow.runtime.ps_healing.ReplicaResolver``). It comes
+    up empty: the trainer refills it. Returns the new actor once it serves."""
+    actor = respawn(
+        lambda: ctx.spawn(ParameterServerActor, role, process_env(1)).remote(*pool.args[role])
+    )
+    pool.endpoints[role] = ctx.ray.get(actor.endpoint.remote())
+    pool.actors[role] = actor
+    return actor
 
 
 def describe_weights(

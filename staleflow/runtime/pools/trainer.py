@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from staleflow.runtime.actors import TrainerActor, process_env
+from staleflow.runtime.actors import InstanceRecovery, TrainerActor, process_env
 from staleflow.runtime.backends import load_hook, trainer_backend
 from staleflow.runtime.components import TrainerSpec
 from staleflow.runtime.pools import PoolContext
@@ -25,7 +25,19 @@ class TrainerPool(Protocol):
         """Start ``steps`` training steps; an ObjectRef of the list of StepReports."""
         ...
 
-    def save_checkpoint(self, path: str) -> None: ...
+    def save_checkpoint(self, path: str) -> None:
+        """Write the trainer's part of a run checkpoint into ``path`` (which it creates):
+        weights, optimizer, RNG and version; a pool of ranks returns once every rank
+        wrote its shard. Called while ``run`` waits for a buffer (docs/recovery.md)."""
+        ...
+
+    def version(self) -> int:
+        """The trainer's version (after a resume: the checkpoint's)."""
+        ...
+
+    def refill_ps(self) -> None:
+        """Push the newest weights to PS replicas that were restarted empty."""
+        ...
 
     def push_transports(self) -> dict[str, dict[str, str]]:
         """Per rank, the transport each PS replica's Push takes."""
@@ -50,25 +62,46 @@ class EmbeddedTrainerPool:
     def push_transports(self) -> dict[str, dict[str, str]]:
         return {self._role: self._ray.get(self._actor.push_transports.remote())}
 
+    def version(self) -> int:
+        return int(self._ray.get(self._actor.version.remote()))
+
+    def refill_ps(self) -> None:
+        self._ray.get(self._actor.refill_ps.remote())
+
     def stop(self) -> None:
         self._ray.get(self._actor.stop.remote(), timeout=30)
 
 
 def build_embedded_pool(
-    ctx: PoolContext, spec: TrainerSpec, ps: PSPool, control: ControlPool
+    ctx: PoolContext,
+    spec: TrainerSpec,
+    ps: PSPool,
+    control: ControlPool,
+    recovery: InstanceRecovery | None = None,
 ) -> EmbeddedTrainerPool:
     placed = ctx.placement.gang("trainer")
     (role,) = placed.gang.roles
     env = process_env(spec.trainer.num_threads, quiet_downloads=True)
-    actor = ctx.spawn(TrainerActor, role, env).remote(
-        spec, ps.routes(placed.nodes[0]), control.ts.handle, control.control, role
+    # two threads: run() holds one; save_checkpoint / refill_ps come on the other
+    actor = ctx.spawn(TrainerActor, role, env, max_concurrency=2).remote(
+        spec,
+        ps.routes(placed.nodes[0]),
+        control.ts.handle,
+        control.control,
+        role,
+        recovery,
+        spec.resume_from,
     )
     return EmbeddedTrainerPool(ctx.ray, role, actor)
 
 
 def build_trainer(
-    ctx: PoolContext, spec: TrainerSpec, ps: PSPool, control: ControlPool
+    ctx: PoolContext,
+    spec: TrainerSpec,
+    ps: PSPool,
+    control: ControlPool,
+    recovery: InstanceRecovery | None = None,
 ) -> TrainerPool:
     """The pool of ``spec.trainer.backend``, built by its registered hook."""
     build = load_hook(trainer_backend(spec.trainer.backend).pool)
-    return build(ctx, spec, ps, control)
+    return build(ctx, spec, ps, control, recovery)

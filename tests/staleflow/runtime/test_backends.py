@@ -20,10 +20,11 @@ def test_every_engine_hook_takes_spec_seed_and_placement(name):
 
 
 @pytest.mark.parametrize("name", sorted(backends.TRAINER_POOLS))
-def test_every_trainer_pool_hook_takes_its_context_spec_ps_and_control(name):
+def test_every_trainer_pool_hook_takes_its_context_spec_ps_control_and_recovery(name):
     entry = backends.trainer_backend(name)
     hook = backends.load_hook(entry.pool)
-    assert list(inspect.signature(hook).parameters) == ["ctx", "spec", "ps", "control"]
+    params = list(inspect.signature(hook).parameters)
+    assert params == ["ctx", "spec", "ps", "control", "recovery"]
     ranks = entry.ranks(RunConfig().trainer)
     assert isinstance(ranks, int) and ranks >= 1
 

@@ -64,7 +64,7 @@ def test_an_address_joins_that_cluster_and_none_starts_a_local_ray_sized_to_the_
     joined = init_kwargs(load_config(None, [f"address={args.address}"]).address, 4)
     assert joined["address"] == "ray://head:10001" and "num_cpus" not in joined
     local = init_kwargs("", 4)
-    assert "address" not in local and local["num_cpus"] == 4
+    assert local["address"] == "local" and local["num_cpus"] == 4  # never another's cluster
     # a local Ray always holds the plan's CPU asks (they only gate scheduling there)
     plan = plan_placement(load_config(None, ["rollout.instances=40"]))
     assert local_cpus(plan.totals()["CPU"]) >= plan.totals()["CPU"] == 40 + 1 + 1 + 1 + 2
@@ -76,7 +76,7 @@ def test_an_actor_that_fails_to_start_is_a_launch_error_and_leaves_no_run_folder
     from staleflow.runtime import launch as launching
     from staleflow.runtime.run import Run
 
-    def failing_start(self, model, tokenizer, dataset):
+    def failing_start(self, model, tokenizer, dataset, resume=None):
         raise RuntimeError("ray.exceptions.ActorDiedError: ...\nPSWorker: no shared memory left")
 
     monkeypatch.setattr(Run, "start", failing_start)

@@ -10,6 +10,8 @@ about it (rewards, partials) are dropped too, not fatal.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.staleflow.runtime.launch_checks import MICRO_RUN, check_run
@@ -72,30 +74,32 @@ def test_launch_with_batch_and_group_redundancy_drops_the_surplus(tmp_path):
     assert result.summary["audit"]["aborted"] >= STEPS * 2
 
 
-def test_a_dead_rollout_actor_stops_the_run_with_a_clear_error(tmp_path):
+def test_a_dead_rollout_actor_is_restarted_and_the_run_goes_on(tmp_path):
+    """docs/recovery.md: the control plane gives its trajectories back to the TS, the
+    supervisor starts a new incarnation (its own holder id), and the run takes its steps;
+    the loss and the restart are in the step records."""
     import ray
 
     from staleflow.config import load_config
-    from staleflow.runtime.launch import LaunchError, Run, build_dataset, prepare_policy
+    from staleflow.runtime.launch import Run, build_dataset, prepare_policy
 
-    cfg = load_config(
-        None,
-        [
-            "eta=1",
-            f"run_dir={tmp_path}",
-            "model.preset=micro",
-            "model.warmup=false",
-            "batch_size=2",
-            "group_size=4",
-            "rollout.max_response_tokens=8",
-        ],
-    )
+    cfg = load_config(None, ["eta=1", f"run_dir={tmp_path}", *MICRO_RUN])
     model, tokenizer, _ = prepare_policy(cfg)
     run = Run(cfg, tmp_path)
+    records: list[dict[str, float]] = []
     try:
         run.start(model, tokenizer, build_dataset(cfg, tokenizer))
+        first = run.rollout.holders[0]
         ray.kill(run.actors["instances"][0])
-        with pytest.raises(LaunchError, match="stopped"):
-            run.train(50, on_record=lambda rec: None)
+        deadline = time.monotonic() + 180
+        while run.rollout.holders[0] == first or 0 in run.supervisor.pending:
+            assert time.monotonic() < deadline, "instance 0 was not restarted"
+            run.supervisor.tick()  # what train() does between its looks
+            time.sleep(0.1)
+        run.train(4, on_record=records.append)
+        assert run.rollout.holders[0] != first  # a new incarnation took instance 0's slot
     finally:
         run.shutdown()
+    assert len(records) == 4
+    assert records[-1]["recovery/instance_lost"] >= 1
+    assert records[-1]["recovery/instance_restarted"] >= 1

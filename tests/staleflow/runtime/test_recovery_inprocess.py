@@ -268,7 +268,7 @@ def test_a_lost_instance_costs_only_the_tokens_since_its_last_report():
     assert last["recovery/instance_lost"] == 1.0
     assert last["recovery/tokens_kept"] == 5 * len(reported)
     assert last["recovery/requeued"] == held
-    assert w.control.fleet.take_lost()[0].holder == "0.0"  # for the supervisor
+    assert w.control.take_lost()[0].holder == "0.0"  # for the supervisor
 
 
 def test_a_route_that_died_with_its_instance_gives_its_reserves_back():
