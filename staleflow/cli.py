@@ -283,7 +283,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 2
     try:
         summary = getattr(source, "summary", None)
-        Console().print(status_view(source, summary))
+        console = Console()
+        console.print(status_view(source, summary))
+        folder = args.folder or args.run_dir
+        if folder:
+            from staleflow.dashboard.status import resume_view
+
+            console.print(resume_view(folder))
     finally:
         source.close()
     return 0

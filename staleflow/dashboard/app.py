@@ -190,19 +190,22 @@ def create_app(source: RunSource, *, token: str | None = None) -> FastAPI:
     @app.get(
         "/api/events",
         response_model=schemas.EventsOut,
-        summary="Pull, Push and training-step markers",
+        summary="Pull, Push and training-step markers, and recoveries",
     )
     def events(
         since: Since = 0,
         limit: Limit = 5000,
         kind: Annotated[
-            list[str] | None, Query(description="pull, push or step; repeat for several")
+            list[str] | None,
+            Query(description="pull, push, step or recovery; repeat for several"),
         ] = None,
     ) -> schemas.EventsOut:
         kinds = kind or []
-        bad = [k for k in kinds if k not in ("pull", "push", "step")]
+        bad = [k for k in kinds if k not in ("pull", "push", "step", "recovery")]
         if bad:
-            raise HTTPException(422, f"kind={bad[0]!r} is unknown: use pull, push or step")
+            raise HTTPException(
+                422, f"kind={bad[0]!r} is unknown: use pull, push, step or recovery"
+            )
         return schemas.events_out(source.events(since, limit), kinds)
 
     @app.get(

@@ -24,7 +24,7 @@ from trajectory_server.types import TSStats
 
 T = TypeVar("T")
 SourceKind = Literal["live", "folder", "sim"]
-EventKind = Literal["pull", "push", "step"]
+EventKind = Literal["pull", "push", "step", "recovery"]
 
 
 class ActionNotSupported(RuntimeError):
@@ -101,12 +101,16 @@ class LoadSample:
 class RunEvent:
     """A marker on the timelines: an instance Pulled ``version`` (``pull``), the PS got
     ``version`` (``push``), or the trainer finished the step that produced ``version``
-    (``step``). Pull and push times are when the source first saw the new version."""
+    (``step``). Pull and push times are when the source first saw the new version. A
+    ``recovery`` (docs/recovery.md: a lost or restarted actor, an instance added or
+    removed, a checkpoint, a resume) has the steps done by then as ``version`` and says
+    what happened in ``detail``."""
 
     time: float
     kind: EventKind
     version: int
     inst: int | None = None
+    detail: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,6 +8,12 @@ crashed) the source keeps the last state and says so.
 
 Attaching from another process finds the actors by name: ``staleflow launch`` names them
 ``<run folder name>/<role>`` in the Ray namespace :data:`ACTOR_NAMESPACE`.
+
+Rollout instances come and go (a lost one is restarted, ``staleflow scale`` adds and
+removes them, docs/recovery.md): each poll asks the control actor which are in the run,
+and one that does not answer is left out of that poll. The run's recoveries are events
+of kind ``recovery``; with the token, the actions ``add_instance`` and
+``remove_instance`` ask the run for one rollout instance more or less.
 """
 
 from __future__ import annotations
@@ -41,6 +47,9 @@ _PS_NOTE = (
     "size of one version (what every Push and every whole Pull moves); push/pull times are "
     "when the dashboard saw the new version (within the poll period)"
 )
+
+
+ACTIONS = ("add_instance", "remove_instance")  # elastic rollout (docs/recovery.md)
 
 
 class AttachError(RuntimeError):
@@ -99,6 +108,8 @@ class RaySource:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._ps_client: Any = None
+        self._instances: dict[int, Any] = dict(handles.instances)  # the run's, as of the poll
+        self._recovery_seen = 0
         self._thread = threading.Thread(target=self._serve, name="dashboard-poll", daemon=True)
 
     # -- construction ---------------------------------------------------------------------
@@ -227,19 +238,13 @@ class RaySource:
             live_ref = h.control.live.remote()
             records_ref = h.control.records.remote(len(self._records))
             ts_ref = h.ts.stats.remote() if h.ts is not None else None
-            time_refs = {i: a.times.remote() for i, a in h.instances.items()}
             live = ray.get(live_ref, timeout=self.timeout_s)
             records = ray.get(records_ref, timeout=self.timeout_s)
             ts = ray.get(ts_ref, timeout=self.timeout_s) if ts_ref is not None else None
-            times = dict(
-                zip(
-                    time_refs,
-                    ray.get(list(time_refs.values()), timeout=self.timeout_s),
-                    strict=True,
-                )
-            )
         except Exception as exc:  # which one decides whether to go on
             return self._failed(exc)
+        self._follow_recoveries()
+        times = self._times()
         ps = self._ps_info()
         self._records.extend(records)
         snaps = {s.inst: s for s in live.instances}
@@ -262,6 +267,43 @@ class RaySource:
         with self._lock:
             self._state = _State(live=live, ts=ts, times=times, ps=ps)
         return True
+
+    def _follow_recoveries(self) -> None:
+        """The instances in the run now, and the recovery events since the last poll
+        (a run of a staleflow without them answers neither: nothing changes)."""
+        h, ray = self.handles, self._ray
+        try:
+            members = ray.get(h.control.members.remote(), timeout=self.timeout_s)
+            events = ray.get(h.control.events.remote(self._recovery_seen), timeout=self.timeout_s)
+        except Exception as exc:
+            logger.debug("no membership or recovery events: %s", exc)
+            return
+        self._instances = {i: handle for i, (_, handle) in sorted(members.items())}
+        self._recovery_seen += len(events)
+        for e in events:
+            _, _, tail = e.subject.partition("instance/")
+            inst = int(tail) if tail.isdigit() else None
+            detail = f"{e.kind.replace('_', ' ')} {e.subject}" + (
+                f": {e.detail}" if e.detail else ""
+            )
+            self._recorder.events.append(RunEvent(e.time, "recovery", e.step, inst, detail))
+
+    def _times(self) -> dict[int, Any]:
+        """Each instance's counters; one that does not answer (lost, restarting) is left
+        out of this poll."""
+        ray = self._ray
+        refs = {i: a.times.remote() for i, a in self._instances.items()}
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.timeout_s)
+        done = {id(r) for r in ready}
+        out = {}
+        for i, ref in refs.items():
+            if id(ref) not in done:
+                continue
+            try:
+                out[i] = ray.get(ref)
+            except Exception as exc:
+                logger.debug("instance %d did not answer: %s", i, exc)
+        return out
 
     def _failed(self, exc: BaseException) -> bool:
         errors = self._ray.exceptions
@@ -310,9 +352,10 @@ class RaySource:
             eta=view.eta if view is not None else cfg.get("eta"),
             batch_size=view.batch_size if view is not None else cfg.get("batch_size"),
             group_size=view.group_size if view is not None else cfg.get("group_size"),
-            instances=len(self.handles.instances) or rollout.get("instances"),
+            instances=len(self._instances) or rollout.get("instances"),
             cost_model=self._cost,
             config=cfg,
+            actions=ACTIONS,
             notes=self._notes,
             placement=self._placement,
         )
@@ -328,7 +371,7 @@ class RaySource:
         if live is None:
             return LiveView(None, (), st.ts, None, 0, 0.0, st.finished, notes=tuple(notes))
         snaps = {s.inst: s for s in live.instances}
-        ids = sorted(set(snaps) | set(self.handles.instances))
+        ids = sorted(set(snaps) | set(self._instances))
         details = []
         for i in ids:
             t = st.times.get(i)
@@ -389,7 +432,23 @@ class RaySource:
         )
 
     def act(self, action: str) -> str:
-        raise ActionNotSupported("a live run takes no actions from the dashboard (read-only)")
+        """Elastic rollout: one rollout instance more (``add_instance``) or less
+        (``remove_instance``); the run carries it out at its next look."""
+        if action not in ACTIONS:
+            raise ActionNotSupported(f"a live run takes {list(ACTIONS)}, not {action!r}")
+        if self._snapshot().finished:
+            raise ActionNotSupported("the run has ended")
+        ray, control = self._ray, self.handles.control
+        try:
+            now = len(ray.get(control.members.remote(), timeout=self.timeout_s))
+            target = now + 1 if action == "add_instance" else now - 1
+            if target < 1:
+                raise ActionNotSupported(f"the run has {now} instance: it needs at least one")
+            return str(ray.get(control.request_scale.remote(target), timeout=self.timeout_s))
+        except ActionNotSupported:
+            raise
+        except Exception as exc:
+            raise ActionNotSupported(f"the run did not take the request: {exc}") from exc
 
     def close(self) -> None:
         self._stop.set()

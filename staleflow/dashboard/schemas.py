@@ -212,9 +212,10 @@ class LoadOut(PageOut):
 
 class EventOut(BaseModel):
     time: float
-    kind: Literal["pull", "push", "step"]
-    version: int
+    kind: Literal["pull", "push", "step", "recovery"]
+    version: int  # a recovery: the training steps done by then
     inst: int | None
+    detail: str = ""  # a recovery: what happened
 
 
 class EventsOut(PageOut):
@@ -452,7 +453,7 @@ def events_out(page: Page[RunEvent], kinds: Sequence[str] = ()) -> EventsOut:
     return EventsOut(
         **_page(page),
         events=[
-            EventOut(time=e.time, kind=e.kind, version=e.version, inst=e.inst)
+            EventOut(time=e.time, kind=e.kind, version=e.version, inst=e.inst, detail=e.detail)
             for e in page.items
             if not kinds or e.kind in kinds
         ],

@@ -127,3 +127,24 @@ def _v(value: Any) -> str:
 
 def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def resume_view(run_dir: Any) -> Table | str:
+    """Where the run can resume from: its checkpoints, newest last (docs/recovery.md)."""
+    from staleflow.recovery import describe_checkpoints
+
+    found = describe_checkpoints(run_dir)
+    if not found:
+        return (
+            "[dim]no checkpoint: this run cannot be resumed (checkpoint_every writes them; "
+            "a run stopped with Ctrl-C or SIGTERM writes one)[/]"
+        )
+    table = Table(title=f"checkpoints: staleflow launch --resume {run_dir}")
+    for name in ("checkpoint", "steps", "version", "written"):
+        table.add_column(name)
+    for ck in found:
+        if ck.problem:
+            table.add_row(ck.path.name, "-", "-", f"[red]{ck.problem}[/]")
+        else:
+            table.add_row(ck.path.name, _v(ck.steps), _v(ck.version), ck.written_at)
+    return table

@@ -7,7 +7,9 @@ them agree (``restore``). The launcher decides when to call them.
 
 from staleflow.recovery.checkpoint import (
     Checkpoint,
+    CheckpointInfo,
     RunState,
+    describe_checkpoints,
     find_checkpoint,
     list_checkpoints,
     read_checkpoint,
@@ -25,11 +27,13 @@ from staleflow.recovery.errors import (
 __all__ = [
     "Checkpoint",
     "CheckpointError",
+    "CheckpointInfo",
     "CorruptCheckpoint",
     "IncompatibleCheckpoint",
     "NotACheckpoint",
     "ProtocolMismatch",
     "RunState",
+    "describe_checkpoints",
     "find_checkpoint",
     "list_checkpoints",
     "read_checkpoint",

@@ -320,6 +320,33 @@ def read_checkpoint(path: str | Path, *, protocol: StalenessConfig | None = None
         raise CorruptCheckpoint(f"{folder / _RUN}: missing or bad field: {exc}") from None
 
 
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """One checkpoint as ``staleflow status`` lists it (from its manifest only)."""
+
+    path: Path
+    steps: int | None
+    version: int | None
+    written_at: str
+    problem: str = ""  # why it cannot be resumed from ("" when its manifest is sound)
+
+
+def describe_checkpoints(run_dir: str | Path) -> list[CheckpointInfo]:
+    """Where a run can resume from, oldest first; cheap (manifests only, no checksums:
+    ``--resume`` verifies those)."""
+    out = []
+    for folder in list_checkpoints(run_dir):
+        try:
+            m = read_manifest(folder)
+        except CheckpointError as exc:
+            out.append(CheckpointInfo(folder, None, None, "", str(exc)))
+            continue
+        out.append(
+            CheckpointInfo(folder, m.get("steps"), m.get("version"), m.get("written_at", ""))
+        )
+    return out
+
+
 def read_manifest(folder: str | Path) -> dict[str, Any]:
     """The manifest of a checkpoint folder (steps, version, protocol, written_at, files),
     checked for shape and format only: cheap enough for ``staleflow status``."""

@@ -86,6 +86,7 @@ function render() {
   renderTS(o.ts);
   renderPS(o.ps);
   renderNotes(o);
+  renderRecoveries();
   drawLoad($("load-chart"), o.run);
   drawStaleness($("staleness-chart"), o.run);
   drawThroughput($("throughput-chart"), o.run);
@@ -235,6 +236,14 @@ function renderPS(ps) {
     d.append(el("dt", {}, k), el("dd", {}, v === null || v === undefined ? "n/a" : v));
     return d;
   }));
+}
+
+function renderRecoveries() {
+  const shown = state.events.filter((e) => e.kind === "recovery").slice(-20).reverse();
+  if (!shown.length) return;
+  $("recoveries").replaceChildren(
+    ...shown.map((e) => el("li", {}, fmt(e.time, 1) + " s, after step " + e.version + ": " + e.detail)),
+  );
 }
 
 function renderNotes(o) {

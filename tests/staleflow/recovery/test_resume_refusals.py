@@ -130,3 +130,27 @@ def test_resume_takes_overrides_not_another_config_file(run_dir, capsys, tmp_pat
     assert _snapshot(run_dir) == before
     with pytest.raises(ResumeError, match="cannot read the run's configuration"):
         check_resume(run_dir, ["eta=-1"])
+
+
+def test_status_shows_where_a_run_can_resume_from(run_dir, tmp_path):
+    from rich.console import Console
+
+    from staleflow.dashboard.status import resume_view
+    from staleflow.recovery import describe_checkpoints
+
+    good = list_checkpoints(run_dir)[-1]
+    broken = run_dir / "checkpoints" / "step-00000009"
+    broken.mkdir()
+    (broken / "MANIFEST.json").write_text("{}")
+    found = describe_checkpoints(run_dir)
+    assert [(c.path, c.steps, c.problem == "") for c in found] == [
+        (good, 1, True),
+        (broken, None, False),
+    ]
+    console = Console(width=200, record=True)
+    console.print(resume_view(run_dir))
+    text = console.export_text()
+    assert f"staleflow launch --resume {run_dir}" in text and good.name in text
+    assert "not a StaleFlow run" in " ".join(text.split())
+    console.print(resume_view(tmp_path))
+    assert "cannot be resumed" in console.export_text()

@@ -74,19 +74,45 @@ def test_launch_with_batch_and_group_redundancy_drops_the_surplus(tmp_path):
     assert result.summary["audit"]["aborted"] >= STEPS * 2
 
 
-def test_a_dead_rollout_actor_is_restarted_and_the_run_goes_on(tmp_path):
-    """docs/recovery.md: the control plane gives its trajectories back to the TS, the
-    supervisor starts a new incarnation (its own holder id), and the run takes its steps;
-    the loss and the restart are in the step records."""
+def test_a_dead_rollout_actor_is_restarted_and_instances_join_and_leave(tmp_path):
+    """docs/recovery.md. A killed instance: the control plane gives its trajectories back
+    to the TS, the supervisor starts a new incarnation (its own holder id) and the run
+    goes on. Elastic rollout through ``staleflow scale``'s request: a third instance
+    joins, Pulls the current version and is routed to; then two leave, their
+    trajectories back in the TS, and the run goes on with one. Each is in the records."""
+    import threading
+
     import ray
 
     from staleflow.config import load_config
+    from staleflow.runtime.elastic import request_scale
     from staleflow.runtime.launch import Run, build_dataset, prepare_policy
 
     cfg = load_config(None, ["eta=1", f"run_dir={tmp_path}", *MICRO_RUN])
     model, tokenizer, _ = prepare_policy(cfg)
     run = Run(cfg, tmp_path)
     records: list[dict[str, float]] = []
+    stop = threading.Event()
+    phase = {"name": "grow", "at": 0}
+    left: dict[int, str] = {}
+
+    def elastic(rec: dict[str, float]) -> None:
+        records.append(rec)
+        step = int(rec["step"])
+        if phase["name"] == "grow" and step >= 1:
+            assert "asked for 3" in request_scale(str(tmp_path), instances=3)
+            phase["name"] = "joining"
+        elif phase["name"] == "joining" and "rollout/version/2" in rec:
+            new = run.rollout.actors[2]
+            if ray.get(new.times.remote()).decode_tokens > 0:  # routed to, generating
+                left.update({i: run.rollout.holders[i] for i in (1, 2)})
+                assert "asked for 1" in request_scale(str(tmp_path), remove=2)
+                phase["name"] = "shrinking"
+        elif phase["name"] == "shrinking" and not any(f"rollout/version/{i}" in rec for i in left):
+            phase.update(name="done", at=step)
+        elif phase["name"] == "done" and step >= phase["at"] + 2:
+            stop.set()  # two steps on one instance
+
     try:
         run.start(model, tokenizer, build_dataset(cfg, tokenizer))
         first = run.rollout.holders[0]
@@ -96,10 +122,14 @@ def test_a_dead_rollout_actor_is_restarted_and_the_run_goes_on(tmp_path):
             assert time.monotonic() < deadline, "instance 0 was not restarted"
             run.supervisor.tick()  # what train() does between its looks
             time.sleep(0.1)
-        run.train(4, on_record=records.append)
-        assert run.rollout.holders[0] != first  # a new incarnation took instance 0's slot
+        reports = run.train(200, on_record=elastic, stop=stop)
+        assert phase["name"] == "done" and len(reports) < 200, phase
+        for holder in left.values():  # what they held went back to the TS
+            assert run.control.ts.routed_to(holder) == ()
+        members = ray.get(run.control.control.members.remote())
     finally:
         run.shutdown()
-    assert len(records) == 4
-    assert records[-1]["recovery/instance_lost"] >= 1
-    assert records[-1]["recovery/instance_restarted"] >= 1
+    assert run.rollout is None and sorted(members) == [0]
+    last = records[-1]
+    assert last["recovery/instance_lost"] >= 1 and last["recovery/instance_restarted"] >= 1
+    assert last["recovery/instance_added"] == 1 and last["recovery/instance_removed"] == 2
