@@ -153,7 +153,7 @@ class RolloutActor:
         # reward calls in flight: appended by the generation thread, checked by snapshot()
         self._in_flight: list[Any] = []
         self._in_flight_lock = threading.Lock()
-        engine = build_engine(spec, seed=spec.seed + inst)
+        engine = build_engine(spec, seed=spec.seed + inst, inst=inst, ps_endpoint=ps_endpoint)
         weights = TransportPullSource(
             connect(ps_endpoint, spec.transport), Layout.from_dict(spec.layout)
         )

@@ -42,6 +42,8 @@ class RolloutSpec:
     top_p: float
     num_threads: int
     seed: int
+    backend: str = "embedded"
+    engine_options: dict[str, Any] = field(default_factory=dict)  # vllm/sglang, resolved
 
     @property
     def layout(self) -> dict[str, Any]:
@@ -119,7 +121,29 @@ def build_architecture(spec: ModelSpec, seed: int = 0) -> Any:
 # -- components --------------------------------------------------------------------------
 
 
-def build_engine(spec: RolloutSpec, seed: int) -> Any:
+def build_engine(spec: RolloutSpec, seed: int, *, inst: int = 0, ps_endpoint: Any = None) -> Any:
+    if spec.backend != "embedded":
+        from staleflow.engines.factory import build_engine as build_backend_engine
+        from staleflow.engines.settings import EngineSettings
+
+        settings = EngineSettings(
+            kv_budget_tokens=spec.kv_budget_tokens,
+            max_running=spec.max_running,
+            max_seq_len=spec.max_seq_len,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            eos_token_id=spec.model.eos_token_id,
+            seed=seed,
+        )
+        return build_backend_engine(
+            spec.backend,
+            settings,
+            spec.engine_options,
+            inst=inst,
+            ps_endpoint=ps_endpoint,
+            transport=spec.transport,
+            layout=spec.layout,
+        )
     from staleflow.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
     model = build_architecture(spec.model, seed)

@@ -55,10 +55,13 @@ class RunResult:
 def check_backends(cfg: Any) -> None:
     """Refuse backends that ``launch`` cannot build yet, rather than quietly running the
     embedded ones in their place (the config accepts them for the cluster path)."""
-    for key, value in (
-        ("rollout.backend", cfg.rollout.backend),
-        ("trainer.backend", cfg.trainer.backend),
-    ):
+    from staleflow.engines.preflight import BackendSettingError, check_rollout_backend
+
+    try:
+        check_rollout_backend(cfg)  # rollout.backend: embedded, vllm or sglang
+    except BackendSettingError as exc:
+        raise LaunchError(str(exc)) from None
+    for key, value in (("trainer.backend", cfg.trainer.backend),):
         if value != "embedded":
             raise LaunchError(
                 f"{key}={value} is not implemented in staleflow launch yet: only the embedded "
@@ -286,7 +289,7 @@ class Run:
             for w in range(cfg.reward.workers)
         ]
         self.actors["rewards"] = rewards
-        rollout_spec = self._rollout_spec(spec, dataset)
+        rollout_spec = self._rollout_spec(spec, dataset, model, tokenizer)
         instances = {
             i: remote["rollout"]
             .options(num_cpus=0, **self._named(f"instance/{i}"))
@@ -321,10 +324,25 @@ class Run:
         that ``staleflow dashboard --address`` and ``staleflow status`` can find the run."""
         return {"name": f"{self.run_dir.name}/{role}", "namespace": ACTOR_NAMESPACE}
 
-    def _rollout_spec(self, spec: ModelSpec, dataset: Any) -> RolloutSpec:
+    def _rollout_spec(
+        self, spec: ModelSpec, dataset: Any, model: Any, tokenizer: Any
+    ) -> RolloutSpec:
         r = self.cfg.rollout
         longest_prompt = int(dataset.prompt_lengths.max())
+        options: dict[str, Any] = {}
+        if r.backend != "embedded":  # what the vLLM/SGLang engines load, resolved here once
+            from staleflow.engines.factory import engine_options
+
+            options = engine_options(
+                r,
+                checkpoint=self.cfg.model.checkpoint,
+                run_dir=self.run_dir,
+                model=model,
+                tokenizer=tokenizer,
+            )
         return RolloutSpec(
+            backend=r.backend,
+            engine_options=options,
             model=spec,
             transport=self.cfg.parameter_server.transport,
             max_response=r.max_response_tokens,

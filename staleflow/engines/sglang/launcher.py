@@ -87,7 +87,12 @@ class SGLangServer:
         env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"
         with log.open("ab") as out:
             self._process = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         try:
             self._wait_healthy()
@@ -125,7 +130,7 @@ class SGLangServer:
             return "(no log)"
         return "\n".join(text.splitlines()[-lines:])
 
-    def stop(self, timeout_s: float = 30.0) -> None:
+    def stop(self, timeout_s: float = 8.0) -> None:
         process, self._process = self._process, None
         if process is None or process.poll() is not None:
             return
@@ -139,6 +144,16 @@ class SGLangServer:
                 return
             except subprocess.TimeoutExpired:
                 continue
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM it when the instance's process dies (a killed
+    Ray actor runs no cleanup), so no server outlives its instance. Linux only."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _free_port(host: str) -> int:
