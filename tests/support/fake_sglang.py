@@ -125,6 +125,7 @@ class FakeSGLangServer:
         custom_weight_loaders: tuple[str, ...] = (
             "staleflow.engines.sglang.loader.load_from_parameter_server",
         ),
+        port: int = 0,
     ) -> None:
         self.engine = EmbeddedEngine(
             model,
@@ -147,10 +148,11 @@ class FakeSGLangServer:
         self._gens: dict[int, _Generation] = {}
         self._ids = itertools.count()
         self._paused: str | None = None
+        self._steps_allowed: int | None = None  # tests: None runs freely (see hold/allow)
         self._session = False
         self._stop = False
         self.calls: list[str] = []  # routes in the order they were called
-        self._http = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._http = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
         self._http.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._http.server_address[1]}"
         self._threads = [
@@ -175,7 +177,9 @@ class FakeSGLangServer:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._stop and (self._paused or not self.engine.has_work):
+                while not self._stop and (
+                    self._paused or not self.engine.has_work or self._steps_allowed == 0
+                ):
                     self._lock.wait()
                 if self._stop:
                     return
@@ -183,6 +187,35 @@ class FakeSGLangServer:
                     gen = self._gens.pop(out.traj_id)
                     gen.output = out
                     gen.done.set()
+                if self._steps_allowed is not None:
+                    self._steps_allowed -= 1
+                    self._lock.notify_all()
+
+    # -- test controls (not SGLang): freeze the scheduler to make states happen ---------
+
+    def hold(self) -> None:
+        """Stop stepping until :meth:`allow` or :meth:`release`."""
+        with self._lock:
+            self._steps_allowed = 0
+
+    def allow(self, steps: int, timeout: float = 30.0) -> None:
+        """Run exactly ``steps`` more scheduler steps, and return once they ran."""
+        with self._lock:
+            self._steps_allowed = (self._steps_allowed or 0) + steps
+            self._lock.notify_all()
+            if not self._lock.wait_for(lambda: self._steps_allowed == 0, timeout):
+                raise TimeoutError("the fake did not run the steps it was allowed")
+
+    def release(self) -> None:
+        with self._lock:
+            self._steps_allowed = None
+            self._lock.notify_all()
+
+    def wait_for_requests(self, n: int, timeout: float = 30.0) -> None:
+        """Return once ``n`` /generate calls are in flight here."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: len(self._gens) >= n, timeout):
+                raise TimeoutError(f"{n} requests did not arrive")
 
     # -- routes --------------------------------------------------------------------------
 
@@ -459,3 +492,43 @@ def _handler(server: FakeSGLangServer) -> type[BaseHTTPRequestHandler]:
             pass
 
     return Handler
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tests.support.fake_sglang --model-path DIR --port N [other flags]``: the
+    fake as a process, standing in for ``python -m sglang.launch_server`` (flags it does
+    not know are ignored). Sampling settings come from the environment
+    (``FAKE_SGLANG_TEMPERATURE``, ``FAKE_SGLANG_TOP_P``, ``FAKE_SGLANG_EOS``), because real
+    SGLang takes them per request and the fake has one sampler."""
+    import argparse
+    import os
+    import signal
+
+    import transformers
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--custom-weight-loader", nargs="*", default=[])
+    args, _ = parser.parse_known_args(argv)
+    if os.environ.get("FAKE_SGLANG_FAIL_AT_START"):
+        raise SystemExit(f"fake: failing at start-up as asked ({args.model_path})")
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model_path).eval()
+    eos = os.environ.get("FAKE_SGLANG_EOS")
+    server = FakeSGLangServer(
+        model,
+        temperature=float(os.environ.get("FAKE_SGLANG_TEMPERATURE", "1.0")),
+        top_p=float(os.environ.get("FAKE_SGLANG_TOP_P", "1.0")),
+        eos_token_id=int(eos) if eos else None,
+        custom_weight_loaders=tuple(args.custom_weight_loader),
+        port=args.port,
+    ).start()
+    print(f"fake SGLang {SGLANG_VERSION} serving {args.model_path} at {server.url}", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    server.stop()
+
+
+if __name__ == "__main__":
+    main()

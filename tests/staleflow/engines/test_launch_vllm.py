@@ -1,0 +1,88 @@
+"""``staleflow launch`` with ``rollout.backend=vllm`` end to end on CPU: real Ray actors, real
+vLLM engines (one per instance) loading the built-in policy from the run folder and every
+new version from the parameter server, the embedded trainer.
+
+What must hold whatever the policy learns (as for the embedded engine in
+tests/staleflow/runtime/test_launch_e2e.py): every consumed group within eta (exactly
+on-policy at eta = 0), nothing lost or consumed twice (the run's audit), instances loading
+the versions the PS publishes. Runs in CI's vLLM stage (.ci/vllm).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from tests.staleflow.engines.backends import VLLM_SKIP, vllm_available
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.ray,
+    pytest.mark.skipif(not vllm_available(), reason=VLLM_SKIP),
+]
+
+STEPS = 3
+
+
+def _launch(tmp_path, eta: int, *extra: str, steps: int = STEPS):
+    from staleflow.config import load_config
+    from staleflow.runtime.launch import launch
+
+    cfg = load_config(
+        None,
+        [
+            f"eta={eta}",
+            f"steps={steps}",
+            f"run_dir={tmp_path}",
+            "model.preset=tiny",  # head size 64: vLLM's CPU attention has no 16 (micro)
+            "model.warmup=false",
+            "rollout.backend=vllm",
+            "rollout.instances=2",
+            "rollout.kv_budget_tokens=2048",
+            "rollout.max_running=16",
+            "batch_size=2",
+            "group_size=4",
+            "rollout.max_response_tokens=8",
+            "coordinator.period_s=0.05",
+            "dashboard=false",
+            "eval_problems=0",
+            *extra,
+        ],
+    )
+    return launch(cfg)
+
+
+def _check_run(result, eta: int, steps: int = STEPS) -> None:
+    assert len(result.records) == steps
+    ids: Counter[int] = Counter()
+    for step in result.consumed:
+        assert min(step["staleness"]) >= 0 and max(step["staleness"]) <= eta, step
+        ids.update(step["traj_ids"])
+        assert len(step["traj_ids"]) == 2 * 4
+    assert ids and max(ids.values()) == 1, "a trajectory was consumed twice"
+    audit = result.summary["audit"]
+    assert audit["routed"] == 0 and audit["on_instances"] == 0, audit
+    assert audit["consumed"] == sum(ids.values())
+    assert audit["created"] == (
+        audit["consumed"] + audit["aborted"] + audit["queued"] + audit["completed"]
+    ), audit
+    versions = [
+        max(v for k, v in rec.items() if k.startswith("rollout/version/")) for rec in result.records
+    ]
+    assert versions == sorted(versions), versions
+    assert versions[-1] >= max(1, steps - 1 - eta), versions
+    # the engines loaded the built-in policy the launch saved into the run folder
+    assert (result.run_dir / "engine_model" / "config.json").is_file()
+
+
+def test_launch_vllm_eta3_bounded_and_conserving(tmp_path):
+    _check_run(_launch(tmp_path, 3), 3)
+
+
+def test_launch_vllm_eta0_is_exactly_on_policy(tmp_path):
+    result = _launch(tmp_path, 0)
+    _check_run(result, 0)
+    for step in result.consumed:
+        assert set(step["staleness"]) == {0} and set(step["token_staleness"]) == {0}
+    assert result.summary["on_policy_tokens"] is True
