@@ -86,3 +86,23 @@ def test_launch_vllm_eta0_is_exactly_on_policy(tmp_path):
     for step in result.consumed:
         assert set(step["staleness"]) == {0} and set(step["token_staleness"]) == {0}
     assert result.summary["on_policy_tokens"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+def test_launch_vllm_raises_the_mean_reward(tmp_path):
+    """The default run (warmed built-in policy, 200 steps of 32 x 8) with vLLM rolling out
+    learns as the embedded one does (tests/staleflow/runtime/test_launch_learning.py, same
+    thresholds). Slow: run it with ``pytest -m "vllm and slow"`` in the vLLM environment."""
+    from staleflow.config import load_config
+    from staleflow.runtime.launch import launch, reward_mean
+
+    cfg = load_config(
+        None, ["eta=3", f"run_dir={tmp_path}", "eval_problems=1024", "rollout.backend=vllm"]
+    )
+    result = launch(cfg)
+    s = result.summary
+    assert s["eval_reward_end"] > s["eval_reward_start"] + 0.04, s
+    first, last = reward_mean(result.records[:50]), reward_mean(result.records[-50:])
+    assert first is not None and last is not None
+    assert last > first + 0.03, (first, last)
