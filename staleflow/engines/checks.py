@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from staleflow.engines.base import GenerationRequest
+from staleflow.engines.base import EngineOutput, GenerationRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +22,35 @@ class CheckedRequest:
     logprobs: np.ndarray  # float32
     versions: np.ndarray  # int32
     max_response: int
+
+
+class RequestRecord:
+    """A trajectory inside an engine: its response grows as Python lists (cheap appends per
+    step) and becomes arrays only when it leaves (:meth:`output`). Engines subclass it with
+    their own bookkeeping slots."""
+
+    __slots__ = ("logprobs", "max_response", "prompt", "tokens", "traj_id", "versions")
+
+    def __init__(self, req: CheckedRequest) -> None:
+        self.traj_id = req.traj_id
+        self.prompt = req.prompt
+        self.tokens: list[int] = req.tokens.tolist()
+        self.logprobs: list[float] = req.logprobs.tolist()
+        self.versions: list[int] = req.versions.tolist()
+        self.max_response = req.max_response
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.tokens)
+
+    def output(self, finish_reason: str | None) -> EngineOutput:
+        return EngineOutput(
+            traj_id=self.traj_id,
+            tokens=np.asarray(self.tokens, dtype=np.int32),
+            logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            versions=np.asarray(self.versions, dtype=np.int32),
+            finish_reason=finish_reason,
+        )
 
 
 def check_request(req: GenerationRequest, *, vocab_size: int, max_seq_len: int) -> CheckedRequest:

@@ -122,19 +122,20 @@ def build_architecture(spec: ModelSpec, seed: int = 0) -> Any:
 
 
 def build_engine(spec: RolloutSpec, seed: int, *, inst: int = 0, ps_endpoint: Any = None) -> Any:
-    if spec.backend != "embedded":
-        from staleflow.engines.factory import build_engine as build_backend_engine
-        from staleflow.engines.settings import EngineSettings
+    from staleflow.engines.settings import EngineSettings
 
-        settings = EngineSettings(
-            kv_budget_tokens=spec.kv_budget_tokens,
-            max_running=spec.max_running,
-            max_seq_len=spec.max_seq_len,
-            temperature=spec.temperature,
-            top_p=spec.top_p,
-            eos_token_id=spec.model.eos_token_id,
-            seed=seed,
-        )
+    settings = EngineSettings(
+        kv_budget_tokens=spec.kv_budget_tokens,
+        max_running=spec.max_running,
+        max_seq_len=spec.max_seq_len,
+        temperature=spec.temperature,
+        top_p=spec.top_p,
+        eos_token_id=spec.model.eos_token_id,
+        seed=seed,
+    )
+    if spec.backend != "embedded":  # vllm, sglang: by name, imported only here
+        from staleflow.engines.factory import build_engine as build_backend_engine
+
         return build_backend_engine(
             spec.backend,
             settings,
@@ -144,20 +145,12 @@ def build_engine(spec: RolloutSpec, seed: int, *, inst: int = 0, ps_endpoint: An
             transport=spec.transport,
             layout=spec.layout,
         )
+    from dataclasses import asdict
+
     from staleflow.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
-    model = build_architecture(spec.model, seed)
-    config = EmbeddedEngineConfig(
-        kv_budget_tokens=spec.kv_budget_tokens,
-        max_running=spec.max_running,
-        max_seq_len=spec.max_seq_len,
-        temperature=spec.temperature,
-        top_p=spec.top_p,
-        eos_token_id=spec.model.eos_token_id,
-        seed=seed,
-        num_threads=spec.num_threads,
-    )
-    return EmbeddedEngine(model, config)
+    config = EmbeddedEngineConfig(**asdict(settings), num_threads=spec.num_threads)
+    return EmbeddedEngine(build_architecture(spec.model, seed), config)
 
 
 def build_trainer(spec: TrainerSpec, weights: Mapping[str, np.ndarray]) -> Any:

@@ -51,7 +51,13 @@ from staleflow.engines.base import (
     GenerationRequest,
     StepTimes,
 )
-from staleflow.engines.checks import CheckedRequest, check_request, check_unique, check_weights
+from staleflow.engines.checks import (
+    CheckedRequest,
+    RequestRecord,
+    check_request,
+    check_unique,
+    check_weights,
+)
 from staleflow.engines.embedded import sampling
 from staleflow.engines.embedded.config import EmbeddedEngineConfig
 from staleflow.engines.embedded.runner import ModelRunner
@@ -61,36 +67,15 @@ logger = logging.getLogger(__name__)
 _INT32 = np.iinfo(np.int32)
 
 
-class _Request:
-    """A trajectory inside the engine. The response grows as Python lists (cheap appends
-    per step) and becomes arrays only when the request leaves."""
-
-    __slots__ = ("admitted", "logprobs", "max_response", "prompt", "tokens", "traj_id", "versions")
+class _Request(RequestRecord):
+    __slots__ = ("admitted",)
 
     def __init__(self, req: CheckedRequest) -> None:
-        self.traj_id = req.traj_id
-        self.prompt = req.prompt
-        self.tokens: list[int] = req.tokens.tolist()
-        self.logprobs: list[float] = req.logprobs.tolist()
-        self.versions: list[int] = req.versions.tolist()
-        self.max_response = req.max_response
+        super().__init__(req)
         self.admitted = -1  # admission sequence number while running
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.tokens)
 
     def sequence(self) -> np.ndarray:
         return np.concatenate([self.prompt, np.asarray(self.tokens, dtype=np.int32)])
-
-    def output(self, finish_reason: str | None) -> EngineOutput:
-        return EngineOutput(
-            traj_id=self.traj_id,
-            tokens=np.asarray(self.tokens, dtype=np.int32),
-            logprobs=np.asarray(self.logprobs, dtype=np.float32),
-            versions=np.asarray(self.versions, dtype=np.int32),
-            finish_reason=finish_reason,
-        )
 
 
 class EmbeddedEngine:

@@ -256,7 +256,9 @@ class SGLangEngine:
 
     def _output(self, call: _Call) -> EngineOutput:
         if call.error is not None:
-            self._raise_if_dead()
+            # a refused or reset connection usually means the server died: give its exit a
+            # moment to show, so the error says so (with the log's tail)
+            self._raise_if_dead(wait_s=5.0)
             raise SGLangError(f"trajectory {call.req.traj_id}: {call.error}") from call.error
         result, req = call.result, call.req
         meta = result["meta_info"]
@@ -305,10 +307,17 @@ class SGLangEngine:
         text = str(label)
         return int(text) if text.lstrip("-").isdigit() else self._initial_version
 
-    def _raise_if_dead(self) -> None:
-        why = self._server_alive() if self._server_alive is not None else None
-        if why:
-            raise SGLangError(why)
+    def _raise_if_dead(self, wait_s: float = 0.0) -> None:
+        if self._server_alive is None:
+            return
+        deadline = time.monotonic() + wait_s
+        while True:
+            why = self._server_alive()
+            if why:
+                raise SGLangError(why)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.1)
 
     def _update_busy(self) -> None:
         now = time.monotonic()

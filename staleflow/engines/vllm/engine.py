@@ -44,45 +44,25 @@ from staleflow.engines.base import (
     StepTimes,
 )
 from staleflow.engines.checkpoint import CheckpointInfo, read_checkpoint
-from staleflow.engines.checks import CheckedRequest, check_request, check_unique, check_weights
+from staleflow.engines.checks import (
+    CheckedRequest,
+    RequestRecord,
+    check_request,
+    check_unique,
+    check_weights,
+)
 from staleflow.engines.vllm import worker as vllm_worker
 from staleflow.engines.vllm.config import VLLMEngineConfig
 
 logger = logging.getLogger(__name__)
 
 
-class _Request:
-    __slots__ = (
-        "first_token",
-        "logprobs",
-        "max_response",
-        "prompt",
-        "tokens",
-        "traj_id",
-        "versions",
-    )
+class _Request(RequestRecord):
+    __slots__ = ("first_token",)
 
     def __init__(self, req: CheckedRequest) -> None:
-        self.traj_id = req.traj_id
-        self.prompt = req.prompt
-        self.tokens: list[int] = req.tokens.tolist()
-        self.logprobs: list[float] = req.logprobs.tolist()
-        self.versions: list[int] = req.versions.tolist()
-        self.max_response = req.max_response
+        super().__init__(req)
         self.first_token = -1  # step number of the first token since (re)submission
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.tokens)
-
-    def output(self, finish_reason: str | None) -> EngineOutput:
-        return EngineOutput(
-            traj_id=self.traj_id,
-            tokens=np.asarray(self.tokens, dtype=np.int32),
-            logprobs=np.asarray(self.logprobs, dtype=np.float32),
-            versions=np.asarray(self.versions, dtype=np.int32),
-            finish_reason=finish_reason,
-        )
 
 
 class VLLMEngine:
