@@ -28,8 +28,9 @@ from __future__ import annotations
 import logging
 import math
 import os
+import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -83,7 +84,8 @@ class VLLMEngine:
                     f"eos_token_id {tok} is outside the model's vocabulary of "
                     f"{self._checkpoint.vocab_size}"
                 )
-        self._llm = _start_vllm(config, self._checkpoint)
+        self._llm, self._pin_threads = _start_vllm(config, self._checkpoint)
+        self._pinned_thread: int | None = None
         self._version = int(version)
         self._requests: dict[int, _Request] = {}  # submission order
         self._running: list[int] = []  # got a token in the last step, by first token
@@ -150,6 +152,7 @@ class VLLMEngine:
     def step(self) -> list[EngineOutput]:
         if not self._requests:
             return []
+        self._same_threads_here()
         started = time.perf_counter()
         outputs = self._llm.step()
         elapsed = time.perf_counter() - started
@@ -187,6 +190,20 @@ class VLLMEngine:
             self._decode_s += elapsed
         return finished
 
+    def _same_threads_here(self) -> None:
+        """Give the calling thread the engine's OpenMP thread count.
+
+        OpenMP's thread count is per thread: a thread that did not set it (the instance's
+        generation thread) starts from ``OMP_NUM_THREADS`` or the core count, while torch
+        reports the count its creator set. vLLM's CPU attention builds its schedule with
+        one and runs with the other, and aborts when they differ ("Check failed:
+        input->metadata->thread_num == thread_num (2 vs. 1)", seen in CI).
+        """
+        ident = threading.get_ident()
+        if ident != self._pinned_thread:
+            self._pin_threads()
+            self._pinned_thread = ident
+
     def _finish_reason(self, r: _Request, reason: str | None) -> str:
         if reason == "stop" or (r.tokens and r.tokens[-1] in self.config.eos_ids):
             return FINISH_STOP
@@ -209,6 +226,7 @@ class VLLMEngine:
         expected = {name: shape for name, (shape, _) in self._checkpoint.shapes.items()}
         checked = check_weights(expected, weights)
         tensors = [(name, _as_tensor(value)) for name, value in checked.items()]
+        self._same_threads_here()
         self._llm.collective_rpc(vllm_worker.reload_weights, args=(tensors,))
         if not self._llm.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError(
@@ -287,8 +305,11 @@ def _as_tensor(value: object) -> torch.Tensor:
     return torch.from_numpy(arr if arr.flags.writeable else arr.copy())
 
 
-def _start_vllm(config: VLLMEngineConfig, checkpoint: CheckpointInfo) -> Any:
-    """Build the ``LLMEngine``: in process for one rank, KV cache sized to the budget."""
+def _start_vllm(
+    config: VLLMEngineConfig, checkpoint: CheckpointInfo
+) -> tuple[Any, Callable[[], None]]:
+    """Build the ``LLMEngine`` (in process for one rank, KV cache sized to the budget), and
+    a function that gives the calling thread the thread count it was built with."""
     if config.tensor_parallel_size == 1:
         # EngineCore in this process: steps run here, collective_rpc passes callables and
         # tensors without pickling (vllm/envs.py VLLM_ENABLE_V1_MULTIPROCESSING).
@@ -336,4 +357,5 @@ def _start_vllm(config: VLLMEngineConfig, checkpoint: CheckpointInfo) -> Any:
         blocks,
         config.block_size,
     )
-    return llm
+    threads = torch.get_num_threads()  # what the engine was built (and bound) with
+    return llm, lambda: set_threads(threads)
