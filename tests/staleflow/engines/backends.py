@@ -77,6 +77,33 @@ class Backend:
         for fn in reversed(self.close_fns):
             fn()
 
+    # Making "requests are running" happen: an in-process engine runs exactly one step; the
+    # fake SGLang server runs one scheduler step once every request reached it. A real
+    # SGLang server runs on its own (can_hold False).
+
+    @property
+    def can_hold(self) -> bool:
+        return self.name != "sglang"
+
+    def hold(self) -> None:
+        fake = getattr(self, "fake", None)
+        if fake is not None:
+            fake.hold()
+
+    def advance(self, n_requests: int) -> list[Any]:
+        """One step with ``n_requests`` submitted; returns what the engine reported."""
+        fake = getattr(self, "fake", None)
+        if fake is None:
+            return list(self.engine.step())
+        fake.wait_for_requests(n_requests)
+        fake.allow(1)
+        return []
+
+    def release(self) -> None:
+        fake = getattr(self, "fake", None)
+        if fake is not None:
+            fake.release()
+
 
 def vllm_available() -> bool:
     """Whether the vLLM tests run here. In CI's vLLM stage (STALEFLOW_REQUIRE_VLLM=1) they
