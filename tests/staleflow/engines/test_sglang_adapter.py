@@ -46,7 +46,7 @@ def folder(tmp_path_factory) -> Path:
     return path
 
 
-def config(folder: Path, eos: int, **overrides) -> SGLangEngineConfig:
+def config(folder: Path, eos: int | None, **overrides) -> SGLangEngineConfig:
     kw = dict(
         kv_budget_tokens=KV_BUDGET,
         max_running=16,
@@ -60,7 +60,7 @@ def config(folder: Path, eos: int, **overrides) -> SGLangEngineConfig:
     return SGLangEngineConfig(**kw)
 
 
-def fake(eos: int) -> FakeSGLangServer:
+def fake(eos: int | None) -> FakeSGLangServer:
     return FakeSGLangServer(
         build_model(0), temperature=TEMPERATURE, top_p=TOP_P, eos_token_id=eos
     ).start()
@@ -115,7 +115,7 @@ def test_tp_ranks_pull_the_version_from_the_parameter_server(folder) -> None:
 
 
 def test_the_fake_enforces_the_rules_an_adapter_can_break(folder) -> None:
-    eos = frequent_token(build_model(0))
+    eos = None  # length stops only: request 3 must still be running when it is interrupted
     server = fake(eos)
     http = SGLangHTTP(server.url)
     engine = SGLangEngine(http, config(folder, eos))
@@ -143,10 +143,11 @@ def test_the_fake_enforces_the_rules_an_adapter_can_break(folder) -> None:
         with pytest.raises(SGLangError, match="cache was not flushed"):
             http.post("/update_weights_from_disk", body)
         http.post("/continue_generation", {})
-        server.release()
-        # an abort returns the partial response
+        # an abort returns the partial response (the fake still holds its scheduler)
         parts = engine.interrupt([3])
+        server.release()
         assert 3 in parts and parts[3].finish_reason is None
+        assert len(parts[3].tokens) == 1  # the one step it was allowed
     finally:
         engine.close()
         server.stop()
