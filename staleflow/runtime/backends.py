@@ -45,6 +45,8 @@ class TrainerBackend:
 
 ENGINE_BUILDERS: dict[str, str] = {
     "embedded": "staleflow.runtime.components:build_embedded_engine",
+    "vllm": "staleflow.runtime.components:build_served_engine",
+    "sglang": "staleflow.runtime.components:build_served_engine",
 }
 TRAINER_POOLS: dict[str, TrainerBackend] = {
     "embedded": TrainerBackend("staleflow.runtime.pools.trainer:build_embedded_pool"),
@@ -81,6 +83,13 @@ def check_backends(cfg: RunConfig) -> None:
                 f"{key}={value} is not implemented in staleflow launch yet (it builds: "
                 f"{built}): use {key}={next(iter(hooks))}"
             )
+    # The engine's own settings (installed? model folder? TP vs GPUs?), by key and fix.
+    from staleflow.engines.preflight import BackendSettingError, check_rollout_backend
+
+    try:
+        check_rollout_backend(cfg)
+    except BackendSettingError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def engine_builder(backend: str) -> str:

@@ -51,17 +51,36 @@ def control_config(cfg: RunConfig) -> ControlConfig:
     return ControlConfig(cfg.staleness_config(), coordinator)
 
 
-def rollout_spec(cfg: RunConfig, model: ModelSpec, dataset: PromptDataset) -> RolloutSpec:
+def rollout_spec(
+    cfg: RunConfig,
+    model: ModelSpec,
+    dataset: PromptDataset,
+    *,
+    run_dir: Path,
+    policy: Any = None,
+    tokenizer: Any = None,
+) -> RolloutSpec:
+    """The rollout pool's spec; for vLLM / SGLang it resolves their options once, here in
+    the driver (the model folder they load: ``model.checkpoint``, or ``policy`` saved into
+    the run folder; the folder for their logs)."""
     from staleflow.runtime.components import RolloutSpec
 
     r = cfg.rollout
     longest = int(dataset.prompt_lengths.max()) + r.max_response_tokens
+    options: dict[str, Any] = {}
+    if r.backend != "embedded":
+        from staleflow.engines.factory import engine_options
+
+        options = engine_options(
+            r, checkpoint=cfg.model.checkpoint, run_dir=run_dir, model=policy, tokenizer=tokenizer
+        )
     return RolloutSpec(
         model=model,
         rollout=r,
         max_seq_len=longest,
         kv_budget_tokens=max(r.kv_budget_tokens, longest),
         seed=cfg.seed,
+        engine_options=options,
     )
 
 
@@ -172,7 +191,13 @@ class Run:
         )
         self.rewards = build_rewards(ctx, RewardSpec(cfg.reward, spec.tokenizer), self.control)
         self.instances = build_rollout(
-            ctx, rollout_spec(cfg, spec, dataset), self.ps, self.control, self.rewards
+            ctx,
+            rollout_spec(
+                cfg, spec, dataset, run_dir=self.run_dir, policy=model, tokenizer=tokenizer
+            ),
+            self.ps,
+            self.control,
+            self.rewards,
         )
         ray = cluster.ray
         ray.get(self.control.control.attach.remote(self.instances, dict(self.ps.endpoints)))

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from datetime import datetime
 from pathlib import Path
 from typing import IO
 
 from staleflow.config import RunConfig, save_config
+from staleflow.engines.factory import ENGINE_MODEL_DIR
 from staleflow.runtime.runfolder import CONFIG, METRICS, Record
 
 logger = logging.getLogger(__name__)
@@ -72,6 +74,9 @@ class RunOutput:
     def discard(self) -> None:
         for name in (CONFIG, METRICS):
             (self.path / name).unlink(missing_ok=True)
+        # the built-in policy saved for vLLM / SGLang to load: ours, and large; an engine's
+        # logs are kept (with the warning below), they say why the start failed
+        shutil.rmtree(self.path / ENGINE_MODEL_DIR, ignore_errors=True)
         try:
             self.path.rmdir()
             if self._made_parent and not any(self.path.parent.iterdir()):

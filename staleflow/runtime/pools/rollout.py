@@ -24,11 +24,15 @@ def build_rollout(
     instances = {}
     for i, placed in enumerate(ctx.placement.pool("rollout")):
         role = placed.gang.roles[0]
+        pull = ps.local(placed.nodes[0])
         placement = EnginePlacement(
-            ctx.reservation.group(placed.gang.name), tuple(range(1, len(placed.gang.roles)))
+            ctx.reservation.group(placed.gang.name),
+            tuple(range(1, len(placed.gang.roles))),
+            inst=i,
+            pull=pull,
         )
         instances[i] = ctx.spawn(RolloutActor, role, env).remote(
-            i, spec, ps.local(placed.nodes[0]), control.ts.handle, list(rewards), builder, placement
+            i, spec, pull, control.ts.handle, list(rewards), builder, placement
         )
     ctx.ray.get([h.times.remote() for h in instances.values()])  # built and serving
     return instances

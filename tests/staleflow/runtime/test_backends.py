@@ -28,26 +28,35 @@ def test_every_trainer_pool_hook_takes_its_context_spec_ps_and_control(name):
     assert isinstance(ranks, int) and ranks >= 1
 
 
-@pytest.mark.parametrize(
-    ("override", "key"),
-    [
-        ("rollout.backend=sglang", "rollout.backend"),
-        ("trainer.backend=megatron", "trainer.backend"),
-    ],
-)
-def test_a_backend_without_a_hook_is_refused_naming_what_launch_builds(override, key):
-    cfg = load_config(None, [override, "model.checkpoint=/models/m"])
+def test_a_backend_without_a_hook_is_refused_naming_what_launch_builds(monkeypatch):
+    monkeypatch.delitem(backends.ENGINE_BUILDERS, "sglang")
+    cfg = load_config(None, ["rollout.backend=sglang", "model.checkpoint=/models/m"])
     with pytest.raises(
-        LaunchError, match=rf"{key}=\w+ is not implemented .*builds: embedded.*use {key}=embedded"
+        LaunchError,
+        match=r"rollout\.backend=sglang is not implemented .*builds: embedded \| vllm.*"
+        r"use rollout\.backend=embedded",
     ):
         backends.check_backends(cfg)
 
 
 def test_a_hook_alone_is_not_enough_the_backend_registry_must_list_it(monkeypatch):
-    # sglang is reserved in staleflow.engines.BACKENDS with no implementation yet
-    monkeypatch.setitem(backends.ENGINE_BUILDERS, "sglang", "somewhere:build")
+    from staleflow import engines
+
+    monkeypatch.setitem(engines.BACKENDS, "sglang", None)  # reserved, no implementation
     cfg = load_config(None, ["rollout.backend=sglang", "model.checkpoint=/models/m"])
     with pytest.raises(LaunchError, match=r"rollout\.backend=sglang is not implemented"):
+        backends.check_backends(cfg)
+
+
+def test_an_engine_that_cannot_start_here_is_refused_by_key_before_anything_starts(tmp_path):
+    # the engine's own preflight runs in check_backends: a missing model folder first ...
+    cfg = load_config(None, ["rollout.backend=sglang", f"model.checkpoint={tmp_path}/none"])
+    with pytest.raises(LaunchError, match=r"model\.checkpoint=.*config\.json"):
+        backends.check_backends(cfg)
+    # ... then SGLang itself, which has no CPU build and is not installed here
+    (tmp_path / "config.json").write_text('{"model_type": "qwen2"}')
+    cfg = load_config(None, ["rollout.backend=sglang", f"model.checkpoint={tmp_path}"])
+    with pytest.raises(LaunchError, match=r"rollout\.backend=sglang: sglang is not installed"):
         backends.check_backends(cfg)
 
 

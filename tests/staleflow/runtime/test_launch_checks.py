@@ -10,9 +10,7 @@ from staleflow.config import load_config
 from staleflow.runtime.launch import LaunchError, launch
 
 
-@pytest.mark.parametrize(
-    "override", ["rollout.backend=sglang", "trainer.backend=megatron"], ids=["sglang", "megatron"]
-)
+@pytest.mark.parametrize("override", ["trainer.backend=megatron"], ids=["megatron"])
 def test_a_backend_launch_cannot_build_is_refused_by_name(tmp_path, override):
     cfg = load_config(None, [override, "model.checkpoint=/models/m", f"run_dir={tmp_path}"])
     key = override.split("=")[0]
@@ -48,10 +46,10 @@ def test_a_prompt_file_that_cannot_be_read_is_a_launch_error(tmp_path):
 def test_the_cli_prints_the_refusal(tmp_path, capsys):
     from staleflow.cli import main
 
-    argv = ["launch", "rollout.backend=sglang", "model.checkpoint=/models/m", "--no-live"]
+    argv = ["launch", "trainer.backend=megatron", "model.checkpoint=/models/m", "--no-live"]
     assert main([*argv, f"run_dir={tmp_path}", "--no-dashboard"]) == 1
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
-    assert "staleflow launch failed: rollout.backend=sglang is not implemented" in out
+    assert "staleflow launch failed: trainer.backend=megatron is not implemented" in out
 
 
 def test_an_address_joins_that_cluster_and_none_starts_a_local_ray_sized_to_the_plan():
