@@ -162,16 +162,14 @@ class RunConfig:
                 f"data.tokenizer={data.tokenizer!r} replaces the tokenizer of model.checkpoint, "
                 "which is not set: set model.checkpoint too, or drop data.tokenizer"
             )
-        for key, backend, gpu in (
-            ("rollout.backend", rollout.backend, "sglang"),
-            ("trainer.backend", self.trainer.backend, "megatron"),
-        ):
-            require(
-                backend != gpu or bool(model.checkpoint),
-                key,
-                backend,
-                f"needs a Hugging Face checkpoint: set model.checkpoint, or use {key}=embedded",
-            )
+        # The megatron trainer builds its model from the policy's HF config, the built-in
+        # Qwen2 included; SGLang serves checkpoints only.
+        require(
+            rollout.backend != "sglang" or bool(model.checkpoint),
+            "rollout.backend",
+            rollout.backend,
+            "needs a Hugging Face checkpoint: set model.checkpoint, or use rollout.backend=embedded",
+        )
         if rollout.backend == "embedded":
             require(
                 rollout.kv_budget_tokens >= rollout.max_response_tokens + 1,
@@ -215,6 +213,7 @@ class RunConfig:
             group_size=self.group_size,
             group_redundancy=self.group_redundancy,
             batch_redundancy=self.batch_redundancy,
+            temperature=self.rollout.temperature,
         )
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from staleflow.config.sections import TrainerConfig
 from staleflow.runtime.interface import Rewarded
 from staleflow.runtime.reward_stage import CompletionSink, RewardStage
 
@@ -59,8 +60,8 @@ class RewardSpec:
 class TrainerSpec:
     model: ModelSpec
     transport: str
-    options: dict[str, Any] = field(default_factory=dict)  # EmbeddedTrainerConfig fields
-    num_threads: int = 1
+    section: TrainerConfig = field(default_factory=TrainerConfig)  # the run's ``trainer``
+    seed: int = 0
     consume_timeout_s: float | None = None
     checkpoint_dir: str = ""  # with checkpoint_every > 0: save every N steps under it
     checkpoint_every: int = 0
@@ -68,6 +69,10 @@ class TrainerSpec:
     @property
     def layout(self) -> dict[str, Any]:
         return self.model.layout
+
+    @property
+    def num_threads(self) -> int:
+        return self.section.num_threads
 
 
 # -- tokenizers and models ---------------------------------------------------------------
@@ -137,15 +142,17 @@ def build_engine(spec: RolloutSpec, seed: int) -> Any:
 
 
 def build_trainer(spec: TrainerSpec, weights: Mapping[str, np.ndarray]) -> Any:
+    """The embedded trainer, from the run's ``trainer`` section and the PS's weights."""
     from staleflow.models.state import load_policy_state
-    from staleflow.trainers.embedded import EmbeddedTrainer, EmbeddedTrainerConfig
+    from staleflow.trainers.embedded import EmbeddedTrainer
 
     model = build_architecture(spec.model)
     load_policy_state(model, weights)
-    config = EmbeddedTrainerConfig(**spec.options)
     # the tokenizer goes into every checkpoint, so that model.checkpoint=<it> can resume
     tokenizer = tokenizer_from_spec(spec.model.tokenizer)
-    return EmbeddedTrainer(model, config, pad_id=spec.model.pad_token_id, tokenizer=tokenizer)
+    return EmbeddedTrainer.from_section(
+        model, spec.section, pad_id=spec.model.pad_token_id, seed=spec.seed, tokenizer=tokenizer
+    )
 
 
 @dataclass(frozen=True, slots=True)

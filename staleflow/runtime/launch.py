@@ -239,6 +239,7 @@ class Run:
                 group_size=cfg.group_size,
                 group_redundancy=cfg.group_redundancy,
                 batch_redundancy=cfg.batch_redundancy,
+                temperature=cfg.rollout.temperature,
             ),
             PromptSampler(dataset, seed=cfg.seed),
             **self._named("ts"),
@@ -303,8 +304,8 @@ class Run:
                 TrainerSpec(
                     model=spec,
                     transport=transport,
-                    options=self._trainer_options(),
-                    num_threads=cfg.trainer.num_threads,
+                    section=cfg.trainer,
+                    seed=cfg.seed,
                     consume_timeout_s=cfg.trainer.stall_timeout_s or None,
                     checkpoint_dir=str(self.run_dir / "checkpoints"),
                     checkpoint_every=cfg.checkpoint_every,
@@ -336,23 +337,6 @@ class Run:
             num_threads=r.num_threads,
             seed=self.cfg.seed,
         )
-
-    def _trainer_options(self) -> dict[str, Any]:
-        t = self.cfg.trainer
-        return {
-            "lr": t.lr,
-            "weight_decay": t.weight_decay,
-            "max_grad_norm": t.max_grad_norm,
-            "eps_low": t.eps_low,
-            "eps_high": t.eps_high,
-            "off_policy": t.off_policy,
-            "is_cap": t.is_cap,
-            "is_cap_mode": t.is_cap_mode,
-            "advantage": t.advantage,
-            "micro_batch_size": t.micro_batch_size,
-            "updates_per_step": t.updates_per_step,
-            "seed": self.cfg.seed,
-        }
 
     # -- watch -----------------------------------------------------------------------
 

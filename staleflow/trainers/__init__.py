@@ -13,6 +13,7 @@ from staleflow.trainers.interface import METRIC_KEYS, Trainer
 
 TRAINERS: dict[str, str] = {
     "embedded": "staleflow.trainers.embedded:EmbeddedTrainer",
+    "megatron": "staleflow.trainers.megatron:MegatronTrainer",
 }
 
 

@@ -71,7 +71,14 @@ from staleflow.config import (
         (["data.task=jsonl", "data.path=d.parquet"], "data.path='d.parquet' does not end in"),
         (["data.path=train.jsonl"], "data.task=arithmetic does not read files"),
         (["rollout.backend=sglang"], "rollout.backend='sglang' needs a Hugging Face checkpoint"),
-        (["trainer.backend=megatron"], "set model.checkpoint"),
+        (["trainer.tp=2"], "trainer.tp=2 needs trainer.backend=megatron"),
+        (
+            ["trainer.backend=megatron", "trainer.tp=2", "trainer.ranks=8"],
+            "trainer.ranks=8 does not equal trainer.dp x trainer.tp x trainer.pp = 1 x 2 x 1 "
+            "= 2: set trainer.dp=4",
+        ),
+        (["trainer.backend=megatron", "trainer.pp=2"], "trainer.pp=2 is not supported yet"),
+        (["trainer.load=ckpt"], "trainer.load='ckpt' is a Megatron checkpoint"),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(overrides, expected):
