@@ -27,7 +27,7 @@ import torch
 from parameter_server.torch_compat import to_numpy
 from staleflow.config.sections import TrainerConfig
 from staleflow.models.state import load_policy_state, policy_state
-from staleflow.trainers.rl import BatchError, LocalReduce, dense_token_stats, train_step
+from staleflow.trainers.rl import BatchError, LocalReduce, adamw, dense_token_stats, train_step
 from trajectory_server.types import TrainingBatch
 
 if TYPE_CHECKING:
@@ -102,14 +102,7 @@ class EmbeddedTrainer:
         self._params = [p for p in model.parameters() if p.requires_grad]
         if not self._params:
             raise ValueError("the model has no trainable parameters")
-        c = self.config
-        self.optimizer = torch.optim.AdamW(
-            self._params,
-            lr=c.lr,
-            betas=(c.adam_beta1, c.adam_beta2),
-            weight_decay=c.weight_decay,
-            foreach=True,
-        )
+        self.optimizer = adamw(self._params, self.config)
         self._backend = _DenseBackend(self)
 
     @classmethod

@@ -95,6 +95,17 @@ def dense_token_stats(
     return logprobs, entropy
 
 
+def adamw(params: list[torch.nn.Parameter], settings: TrainerConfig) -> torch.optim.AdamW:
+    """The AdamW of the ``trainer`` section (the embedded trainer's, and Megatron's on CPU)."""
+    return torch.optim.AdamW(
+        params,
+        lr=settings.lr,
+        betas=(settings.adam_beta1, settings.adam_beta2),
+        weight_decay=settings.weight_decay,
+        foreach=True,
+    )
+
+
 # -- the batch --------------------------------------------------------------------------
 
 
