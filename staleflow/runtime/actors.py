@@ -242,10 +242,17 @@ class TrainerActor:
         from trajectory_server.actor import TrajectoryServerClient
 
         _threads(spec.num_threads)
-        transport = connect(ps_endpoint, spec.transport)
-        _, weights = TransportPullSource(transport, Layout.from_dict(spec.layout)).fetch(0)
-        self.trainer = build_trainer(spec, weights)
-        self._pusher = BackgroundPusher(transport, name="trainer-push")
+        self._pusher: Any = None
+        if spec.section.backend == "megatron":
+            from staleflow.runtime.components import build_trainer_pool
+
+            # a pool of rank actors: they pull, take their batches and Push themselves
+            self.trainer = build_trainer_pool(spec, ps_endpoint, ts_handle)
+        else:
+            transport = connect(ps_endpoint, spec.transport)
+            _, weights = TransportPullSource(transport, Layout.from_dict(spec.layout)).fetch(0)
+            self.trainer = build_trainer(spec, weights)
+            self._pusher = BackgroundPusher(transport, name="trainer-push")
         self._loop = TrainingLoop(
             self.trainer,
             control=ControlClient(control_handle),
@@ -273,7 +280,10 @@ class TrainerActor:
         return path
 
     def stop(self) -> None:
-        self._pusher.close(timeout=30)
+        if self._pusher is not None:
+            self._pusher.close(timeout=30)
+        else:
+            self.trainer.close()
 
 
 class ControlActor:

@@ -155,6 +155,25 @@ def build_trainer(spec: TrainerSpec, weights: Mapping[str, np.ndarray]) -> Any:
     )
 
 
+def build_trainer_pool(spec: TrainerSpec, ps_endpoint: Any, ts_handle: Any) -> Any:
+    """``trainer.backend=megatron``: the pool of Megatron ranks (Ray actors), built from
+    the policy's HF config; its ranks load the PS's weights themselves."""
+    from parameter_server import Layout
+    from staleflow.trainers.megatron.pool import MegatronTrainer
+    from staleflow.trainers.megatron.rank import RankSpec
+
+    dtypes = {p.dtype for p in Layout.from_dict(spec.layout)}
+    rank_spec = RankSpec(
+        hf_config=spec.model.hf_config,
+        section=spec.section,
+        pad_id=spec.model.pad_token_id,
+        seed=spec.seed,
+        dtype=dtypes.pop() if len(dtypes) == 1 else "float32",
+        tokenizer=tokenizer_from_spec(spec.model.tokenizer),
+    )
+    return MegatronTrainer(rank_spec, ps_endpoint=ps_endpoint, ts_handle=ts_handle)
+
+
 @dataclass(frozen=True, slots=True)
 class _Scored:
     reward: float

@@ -55,15 +55,34 @@ class RunResult:
 def check_backends(cfg: Any) -> None:
     """Refuse backends that ``launch`` cannot build yet, rather than quietly running the
     embedded ones in their place (the config accepts them for the cluster path)."""
-    for key, value in (
-        ("rollout.backend", cfg.rollout.backend),
-        ("trainer.backend", cfg.trainer.backend),
-    ):
+    for key, value in (("rollout.backend", cfg.rollout.backend),):
         if value != "embedded":
             raise LaunchError(
                 f"{key}={value} is not implemented in staleflow launch yet: only the embedded "
                 f"CPU backends run; use {key}=embedded"
             )
+    if cfg.trainer.backend == "megatron":
+        from staleflow.trainers.megatron.checks import TrainerSetupError, check_installed
+
+        try:
+            check_installed()
+        except TrainerSetupError as exc:
+            raise LaunchError(str(exc)) from None
+
+
+def check_trainer(cfg: Any, model: Any) -> None:
+    """The trainer backend can train this policy (``trainer.tp`` splits its heads,
+    ``trainer.load`` holds this model), checked before any actor starts."""
+    if cfg.trainer.backend != "megatron":
+        return
+    from staleflow.trainers.megatron import checks
+
+    hf = model.config.to_dict()
+    try:
+        checks.check_model(cfg.trainer, hf, cfg.model.checkpoint or f"<{cfg.model.preset}>")
+        checks.check_checkpoint(cfg.trainer, hf)
+    except checks.TrainerSetupError as exc:
+        raise LaunchError(str(exc)) from None
 
 
 def ray_init_kwargs(cfg: Any) -> dict[str, Any]:
@@ -204,6 +223,13 @@ class Run:
                     raise LaunchError(str(exc)) from None
             ray.init(**ray_init_kwargs(cfg))
             self._started_ray = True
+        if cfg.trainer.backend == "megatron" and cfg.trainer.gpus_per_rank:
+            from staleflow.trainers.megatron.checks import TrainerSetupError, check_gpus
+
+            try:
+                check_gpus(cfg.trainer, ray.cluster_resources().get("GPU", 0))
+            except TrainerSetupError as exc:
+                raise LaunchError(str(exc)) from None
         spec = model_spec(model, tokenizer)
         remote = {
             name: ray.remote(cls)
@@ -515,6 +541,7 @@ def launch(
         model, tokenizer, facts = prepare_policy(cfg)
     except ModelError as exc:  # a checkpoint that cannot be loaded: say so, no traceback
         raise LaunchError(f"cannot load the policy: {exc}") from exc
+    check_trainer(cfg, model)
     try:
         dataset = build_dataset(cfg, tokenizer)
     except DatasetError as exc:
