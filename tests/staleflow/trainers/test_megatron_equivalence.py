@@ -134,6 +134,8 @@ def runs(tmp_path_factory):
     ]
     out = {
         "hf": hf,
+        "hf_config": hf_config,
+        "ckpt": ckpt,
         "reference_logits": reference_logits,
         "other_reference_logits": [logits for *_, logits in others],
         "embedded": (embedded_metrics, _weights(embedded.model)),
@@ -245,3 +247,15 @@ def test_a_checkpoint_written_at_tp2_loads_at_tp1(runs):
     assert tp2["version"] == 1 and resumed["version"] == 2
     assert all(np.array_equal(resumed["loaded"][k], tp2["final"][k]) for k in tp2["final"])
     _same_step(tp1["metrics"][1], tp1["after"][1], resumed["metrics"][0], resumed["final"])
+
+
+def test_a_checkpoint_of_another_model_is_refused_by_name(runs):
+    from staleflow.trainers.megatron.checks import TrainerSetupError, check_checkpoint
+
+    section = TrainerConfig(backend="megatron", load=str(runs["ckpt"]))
+    check_checkpoint(section, runs["hf_config"])  # its own model: fine
+    other = {**runs["hf_config"], "num_hidden_layers": 3}
+    with pytest.raises(TrainerSetupError, match=r"num_hidden_layers 2 \(checkpoint\) vs 3"):
+        check_checkpoint(section, other)
+    with pytest.raises(TrainerSetupError, match="not a Megatron distributed checkpoint"):
+        check_checkpoint(TrainerConfig(backend="megatron", load=str(runs["ckpt"].parent)), other)
