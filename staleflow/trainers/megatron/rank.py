@@ -226,11 +226,13 @@ class MegatronRank:
         self._pusher = BackgroundPusher(self._client, name=f"push-rank{dist.get_rank()}")
         return self._client.nbytes
 
-    def start_push(self) -> None:
-        """Push the current weights as :attr:`version` in the background."""
+    def start_push(self) -> Any:
+        """Push the current weights as :attr:`version` in the background; returns its
+        :class:`~parameter_server.push.PushHandle` (timing filled in once done)."""
         if self._pusher is None:
             raise RuntimeError("attach_push() first")
         self._pending = self._pusher.push_async(self.version, self.local_weights())
+        return self._pending
 
     def wait_push(self, timeout: float | None = None) -> int | None:
         """Wait for the Push in flight (its version if this rank completed it)."""

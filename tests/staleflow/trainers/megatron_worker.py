@@ -1,19 +1,15 @@
 """Runs real Megatron-core ranks in child processes (gloo, one process per rank) for the
 equivalence tests: nothing is faked. Each child builds a :class:`MegatronRank` from HF
-weights, follows a short script, and rank 0 writes what it saw to ``out/result.pkl``."""
+weights and follows a short script; rank 0 returns what it saw."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
-import pickle
-import socket
-import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from staleflow.trainers.megatron.local import run_local
 
 
 @dataclass(frozen=True)
@@ -30,54 +26,19 @@ class Script:
     load: str = ""
     push_endpoint: Any = None
     logits_of: np.ndarray | None = None  # also report the gathered logits of these ids
+    # hold each background Push until the next step's update waits for it (or, with no
+    # fence, has changed the weights): the Push overlaps the next step for certain
+    hold_push: bool = False
     # more models built in the same ranks: (RankSpec, HF weights) -> their logits_of
     others: list[tuple[Any, dict[str, np.ndarray]]] = field(default_factory=list)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run(script: Script, out: Path, timeout_s: float = 240.0) -> dict[str, Any]:
+def run(script: Script, timeout_s: float = 300.0) -> dict[str, Any]:
     """Run ``script`` on ``spec.world`` child processes; rank 0's result."""
-    world = script.spec.world
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_child, args=(rank, world, port, script, str(out)))
-        for rank in range(world)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout_s)
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.kill()
-    errors = sorted(out.glob("error-*.txt"))
-    if errors:
-        raise AssertionError("\n".join(e.read_text() for e in errors))
-    if alive or any(p.exitcode for p in procs):
-        raise AssertionError(f"ranks exited with {[p.exitcode for p in procs]}")
-    with open(out / "result.pkl", "rb") as f:
-        return pickle.load(f)
+    return run_local(script.spec.world, _script, script, timeout_s=timeout_s)
 
 
-def _child(rank: int, world: int, port: int, script: Script, out: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    try:
-        result = _script(rank, world, port, script)
-        if rank == 0:
-            with open(os.path.join(out, "result.pkl"), "wb") as f:
-                pickle.dump(result, f)
-    except BaseException:
-        Path(out, f"error-{rank}.txt").write_text(traceback.format_exc())
-        raise
-
-
-def _script(rank: int, world: int, port: int, script: Script) -> dict[str, Any]:
+def _script(rank: int, world: int, address: str, script: Script) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
@@ -85,7 +46,7 @@ def _script(rank: int, world: int, port: int, script: Script) -> dict[str, Any]:
     from staleflow.trainers.megatron.rank import MegatronRank, init_distributed
     from staleflow.trainers.megatron.split import split_batch
 
-    init_distributed(rank, world, f"127.0.0.1:{port}")
+    init_distributed(rank, world, address)
     r = MegatronRank(script.spec)
     result: dict[str, Any] = {"names": sorted(r.local_weights()), "metrics": []}
     if script.load:
@@ -102,6 +63,8 @@ def _script(rank: int, world: int, port: int, script: Script) -> dict[str, Any]:
             result["other_logits"].append(_gathered_logits(other, script.logits_of))
     if script.push_endpoint is not None:
         result["push_bytes"] = r.attach_push(script.push_endpoint)
+        if script.hold_push:
+            _hold_pushes(r, last=script.steps)
     for _ in range(script.steps):
         part = None
         if r.is_data_leader:
@@ -129,3 +92,49 @@ def _gathered_logits(r: Any, ids: np.ndarray) -> np.ndarray:
     parts = [torch.empty_like(local) for _ in range(r.spec.section.tp)]
     dist.all_gather(parts, local, group=r._ps.get_tensor_model_parallel_group())
     return torch.cat(parts, -1).numpy()
+
+
+def _hold_pushes(r: Any, last: int) -> None:
+    """Hold each background Push (but the ``last`` version's: no step follows it) until
+    the next step's update either waits for it (the fence) or has changed the weights
+    (no fence): the Push then certainly overlaps the next step's forward and backward
+    passes, and a missing fence would Push the changed weights. Conditions, no sleeps."""
+    import threading
+
+    state = {"waited": 0, "stepped": 0}
+    changed = threading.Condition()
+    client, pusher, optimizer = r._client, r._pusher, r.update.optimizer
+    push, push_async, step = client.push, pusher.push_async, optimizer.step
+
+    def mark(key: str) -> None:
+        with changed:
+            state[key] += 1
+            changed.notify_all()
+
+    def held_push(weights: Any, version: int | None = None) -> Any:
+        if version is not None and version < last:
+            with changed:
+                seen = dict(state)
+                if not changed.wait_for(lambda: state != seen, timeout=120):
+                    raise TimeoutError("the next step neither waited for the Push nor updated")
+        return push(weights, version)
+
+    def watched_push_async(version: Any, weights: Any) -> Any:
+        handle = push_async(version, weights)
+        wait = handle.wait
+
+        def watched_wait(timeout: float | None = None) -> Any:
+            mark("waited")
+            return wait(timeout)
+
+        handle.wait = watched_wait
+        return handle
+
+    def watched_step(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        mark("stepped")
+        return out
+
+    client.push = held_push
+    pusher.push_async = watched_push_async
+    optimizer.step = watched_step

@@ -11,7 +11,6 @@ TP = 1. The ranks run once per module (:func:`runs`); the tests read their resul
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,20 +83,19 @@ def _other_architectures(vocab: int) -> list[tuple[dict, dict, np.ndarray]]:
     return out
 
 
-def _megatron(tmp: Path, name: str, hf_config: dict, hf: dict, batch, *, tp=1, dp=1, **kw):
+def _megatron(hf_config: dict, hf: dict, batch, *, tp=1, dp=1, **kw):
     spec = RankSpec(
         hf_config,
         TrainerConfig(backend="megatron", tp=tp, dp=dp, **SETTINGS),
         pad_id=0,
     )
-    out = tmp / name
-    out.mkdir()
-    return run(Script(spec, hf, batch, **kw), out)
+    return run(Script(spec, hf, batch, **kw))
 
 
-def _with_ps(tmp, name, hf_config, hf, batch, **kw):
+def _with_ps(hf_config, hf, batch, **kw):
     """A Megatron run whose ranks Push their shards to a real PS worker (holding version
-    0); returns the run's result and the PS's latest version and weights after it."""
+    0); returns the run's result, the PS's latest version and the weights of each
+    version it holds after it."""
     from parameter_server.layout import Layout
 
     layout = Layout.from_arrays(hf)
@@ -105,10 +103,13 @@ def _with_ps(tmp, name, hf_config, hf, batch, **kw):
     try:
         with connect(worker.endpoint, "auto") as client:
             client.push(hf, 0)
-            result = _megatron(tmp, name, hf_config, hf, batch, push_endpoint=worker.endpoint, **kw)
-            buffer = np.empty(layout.nbytes, dtype=np.uint8)
-            version = client.pull(buffer)
-            pulled = {k: v.copy() for k, v in layout.views(buffer).items()}
+            result = _megatron(hf_config, hf, batch, push_endpoint=worker.endpoint, **kw)
+            version = client.info().latest
+            pulled = {}
+            for held in client.info().held:
+                buffer = np.empty(layout.nbytes, dtype=np.uint8)
+                client.pull(buffer, held)
+                pulled[held] = {k: v.copy() for k, v in layout.views(buffer).items()}
     finally:
         worker.stop()
     return result, version, pulled
@@ -139,12 +140,10 @@ def runs(tmp_path_factory):
         "reference_logits": reference_logits,
         "other_reference_logits": [logits for *_, logits in others],
         "embedded": (embedded_metrics, _weights(embedded.model)),
-        "tp1": _megatron(
-            tmp, "tp1", hf_config, hf, batch, steps=2, logits_of=IDS, others=other_specs
-        ),
-        "tp2": _with_ps(tmp, "tp2", hf_config, hf, batch, tp=2, logits_of=IDS, save=str(ckpt)),
-        "dp2": _with_ps(tmp, "dp2", hf_config, hf, batch, dp=2),
-        "tp1_from_tp2": _megatron(tmp, "load", hf_config, hf, batch, steps=1, load=str(ckpt)),
+        "tp1": _megatron(hf_config, hf, batch, steps=2, logits_of=IDS, others=other_specs),
+        "tp2": _with_ps(hf_config, hf, batch, tp=2, logits_of=IDS, save=str(ckpt)),
+        "dp2": _with_ps(hf_config, hf, batch, dp=2, steps=2, hold_push=True),
+        "tp1_from_tp2": _megatron(hf_config, hf, batch, steps=1, load=str(ckpt)),
     }
     return out
 
@@ -219,7 +218,10 @@ def test_tp2_equals_tp1(runs):
 
 def test_dp2_equals_dp1(runs):
     tp1, (dp2, _, _) = runs["tp1"], runs["dp2"]
-    _same_step(tp1["metrics"][0], tp1["after"][0], dp2["metrics"][0], dp2["final"])
+    for step in (0, 1):
+        _same_step(
+            tp1["metrics"][step], tp1["after"][step], dp2["metrics"][step], dp2["after"][step]
+        )
 
 
 def test_on_policy_importance_weights_are_one_at_temperature_0_7(runs):
@@ -231,10 +233,23 @@ def test_on_policy_importance_weights_are_one_at_temperature_0_7(runs):
 
 
 def test_every_rank_pushes_its_shards_and_the_ps_serves_hf_weights(runs):
-    for name in ("tp2", "dp2"):
+    for name, steps in (("tp2", 1), ("dp2", 2)):
         result, version, pulled = runs[name]
-        assert version == 1, name  # the ranks' Pushes of the step's version completed
-        assert all(np.array_equal(pulled[k], result["final"][k]) for k in pulled), name
+        assert version == steps, name  # every version's Pushes completed
+        for v in range(1, steps + 1):
+            assert all(np.array_equal(pulled[v][k], result["after"][v - 1][k]) for k in pulled[v])
+
+
+def test_a_push_overlapped_with_the_next_step_is_fenced_before_the_update(runs):
+    """In the DP = 2 run each Push of version 1 was held until step 2's forward pass had
+    begun: it ran during step 2, and still the PS's version 1 is exactly the weights
+    after step 1 (the update of step 2 waited for it, and reported waiting)."""
+    result, _, pulled = runs["dp2"]
+    assert all(np.array_equal(pulled[1][k], result["after"][0][k]) for k in pulled[1])
+    assert not np.array_equal(
+        result["after"][0]["model.norm.weight"], result["after"][1]["model.norm.weight"]
+    )
+    assert result["metrics"][1]["train/push_wait_s"] > 0.0
     # data-parallel replicas split their shard's bytes between them (App. A.2's plan)
     total = sum(a.nbytes for a in runs["hf"].values())
     assert runs["dp2"][0]["push_bytes"] < 0.75 * total
