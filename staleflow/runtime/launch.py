@@ -80,7 +80,7 @@ def check_trainer(cfg: Any, model: Any) -> None:
     hf = model.config.to_dict()
     try:
         checks.check_model(cfg.trainer, hf, cfg.model.checkpoint or f"<{cfg.model.preset}>")
-        checks.check_checkpoint(cfg.trainer, hf)
+        checks.check_checkpoint(cfg.trainer, hf, cfg.model.checkpoint)
     except checks.TrainerSetupError as exc:
         raise LaunchError(str(exc)) from None
 

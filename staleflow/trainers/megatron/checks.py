@@ -47,10 +47,18 @@ def check_model(section: TrainerConfig, hf: Mapping[str, Any], source: str) -> N
         )
 
 
-def check_checkpoint(section: TrainerConfig, hf: Mapping[str, Any]) -> None:
-    """``trainer.load`` must be a distributed checkpoint of this very model."""
+def check_checkpoint(section: TrainerConfig, hf: Mapping[str, Any], policy: str = "") -> None:
+    """``trainer.load`` must be a distributed checkpoint of this very model, and the run
+    must start from the same weights (``model.checkpoint``, the ``policy`` folder: the HF
+    folder written beside it), which rollout serves as version 0."""
     if not section.load:
         return
+    if not policy:
+        raise TrainerSetupError(
+            f"trainer.load={section.load!r} restores the trainer, but the rollout instances "
+            "start from model.checkpoint: set model.checkpoint to the HF folder written "
+            "beside it (<run>/checkpoint)"
+        )
     from pathlib import Path
 
     from staleflow.trainers.megatron.checkpoint import CheckpointMismatch, check_architecture

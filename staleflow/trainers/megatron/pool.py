@@ -60,7 +60,10 @@ class RankActor:
         if load:
             from staleflow.trainers.megatron.checkpoint import load_checkpoint
 
+            # weights and optimizer state from the checkpoint; the run's versions are the
+            # PS's (its version 0 is the HF folder written beside the checkpoint)
             load_checkpoint(rank, load)
+            rank.version = self._ps_version(ps_endpoint) if ps_endpoint is not None else 0
         else:
             rank.version = self._load_from_ps(rank, ps_endpoint)
         if ps_endpoint is not None:
@@ -82,6 +85,13 @@ class RankActor:
             version = transport.pull(buffer)
             rank.load_hf(transport.layout.views(buffer))
         return version
+
+    @staticmethod
+    def _ps_version(endpoint: Any) -> int:
+        from parameter_server.transport import connect
+
+        with connect(endpoint, "auto") as transport:
+            return int(transport.info().latest or 0)
 
     def step(self, select: Mapping[int, Sequence[int]] | None) -> tuple[dict[str, float], Any]:
         """One training step; a data leader takes its ``select``ed groups from the TS.

@@ -268,9 +268,13 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(runs):
     from staleflow.trainers.megatron.checks import TrainerSetupError, check_checkpoint
 
     section = TrainerConfig(backend="megatron", load=str(runs["ckpt"]))
-    check_checkpoint(section, runs["hf_config"])  # its own model: fine
+    policy = "/runs/x/checkpoint"  # the HF folder beside it, as rollout's version 0
+    check_checkpoint(section, runs["hf_config"], policy)  # its own model: fine
     other = {**runs["hf_config"], "num_hidden_layers": 3}
     with pytest.raises(TrainerSetupError, match=r"num_hidden_layers 2 \(checkpoint\) vs 3"):
-        check_checkpoint(section, other)
+        check_checkpoint(section, other, policy)
+    parent = TrainerConfig(backend="megatron", load=str(runs["ckpt"].parent))
     with pytest.raises(TrainerSetupError, match="not a Megatron distributed checkpoint"):
-        check_checkpoint(TrainerConfig(backend="megatron", load=str(runs["ckpt"].parent)), other)
+        check_checkpoint(parent, other, policy)
+    with pytest.raises(TrainerSetupError, match=r"set model\.checkpoint to the HF folder"):
+        check_checkpoint(section, runs["hf_config"])

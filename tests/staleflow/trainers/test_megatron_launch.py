@@ -73,6 +73,16 @@ def test_launch_megatron_tp2_is_bounded_conserving_and_advancing(tmp_path):
     assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.num_key_value_heads == 2
     assert tokenizer.decode(tokenizer.encode("12+7=")) == "12+7="
     assert (result.run_dir / "checkpoint" / "megatron" / "common.pt").is_file()
+    # a new run at TP = 1 starts from that checkpoint: the HF folder for rollout, the
+    # distributed one (written at TP = 2) for the trainer's weights and AdamW state
+    ckpt = result.run_dir / "checkpoint"
+    resumed = launch(
+        _config(
+            tmp_path, f"model.checkpoint={ckpt}", f"trainer.load={ckpt / 'megatron'}", "steps=2"
+        )
+    )
+    assert len(resumed.records) == 2
+    assert all(rec["train/tokens"] > 0 for rec in resumed.records)
 
 
 @pytest.mark.parametrize(
