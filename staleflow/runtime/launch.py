@@ -62,25 +62,23 @@ def check_backends(cfg: Any) -> None:
                 f"CPU backends run; use {key}=embedded"
             )
     if cfg.trainer.backend == "megatron":
-        from staleflow.trainers.megatron.checks import TrainerSetupError, check_installed
-
-        try:
-            check_installed()
-        except TrainerSetupError as exc:
-            raise LaunchError(str(exc)) from None
+        _megatron_check(lambda checks: checks.check_installed())
 
 
 def check_trainer(cfg: Any, model: Any) -> None:
     """The trainer backend can train this policy (``trainer.tp`` splits its heads,
     ``trainer.load`` holds this model), checked before any actor starts."""
-    if cfg.trainer.backend != "megatron":
-        return
+    if cfg.trainer.backend == "megatron":
+        hf = model.config.to_dict()
+        _megatron_check(lambda checks: checks.check_policy(cfg.trainer, hf, cfg.model))
+
+
+def _megatron_check(check: Callable[[Any], None]) -> None:
+    """``check(staleflow.trainers.megatron.checks)``; its refusal is a LaunchError."""
     from staleflow.trainers.megatron import checks
 
-    hf = model.config.to_dict()
     try:
-        checks.check_model(cfg.trainer, hf, cfg.model.checkpoint or f"<{cfg.model.preset}>")
-        checks.check_checkpoint(cfg.trainer, hf, cfg.model.checkpoint)
+        check(checks)
     except checks.TrainerSetupError as exc:
         raise LaunchError(str(exc)) from None
 
@@ -224,12 +222,8 @@ class Run:
             ray.init(**ray_init_kwargs(cfg))
             self._started_ray = True
         if cfg.trainer.backend == "megatron" and cfg.trainer.gpus_per_rank:
-            from staleflow.trainers.megatron.checks import TrainerSetupError, check_gpus
-
-            try:
-                check_gpus(cfg.trainer, ray.cluster_resources().get("GPU", 0))
-            except TrainerSetupError as exc:
-                raise LaunchError(str(exc)) from None
+            gpus = ray.cluster_resources().get("GPU", 0)
+            _megatron_check(lambda checks: checks.check_gpus(cfg.trainer, gpus))
         spec = model_spec(model, tokenizer)
         remote = {
             name: ray.remote(cls)

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from parameter_server.convert_megatron import unsupported_hf
-from staleflow.config.sections import TrainerConfig
+from staleflow.config.sections import ModelConfig, TrainerConfig
 
 
 class TrainerSetupError(ValueError):
@@ -24,6 +24,13 @@ def check_installed() -> None:
             "trainer.backend=megatron needs megatron-core, which is not installed: "
             "pip install 'staleflow[megatron]' (or use trainer.backend=embedded)"
         )
+
+
+def check_policy(section: TrainerConfig, hf: Mapping[str, Any], model: ModelConfig) -> None:
+    """Everything about the run's policy (its HF config ``hf``, from the ``model``
+    section): :func:`check_model` and :func:`check_checkpoint`."""
+    check_model(section, hf, model.checkpoint or f"<built-in {model.preset}>")
+    check_checkpoint(section, hf, model.checkpoint)
 
 
 def check_model(section: TrainerConfig, hf: Mapping[str, Any], source: str) -> None:
