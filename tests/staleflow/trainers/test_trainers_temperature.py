@@ -43,3 +43,37 @@ def test_the_weights_would_be_off_at_temperature_1():
     metrics = trainer.train_step(batch)
     spread = metrics["train/importance_weight_max"] - metrics["train/importance_weight_min"]
     assert spread > 1e-2
+
+
+def test_the_temperature_travels_with_the_batch_from_the_trajectory_server():
+    """The TS stamps every batch it hands out with the rollout temperature it was given
+    (launch passes rollout.temperature), and the wire form between processes keeps it."""
+    from dataclasses import dataclass
+
+    import numpy as np
+
+    from trajectory_server import TrajectoryServer, TrajectoryServerConfig, wire
+    from trajectory_server.errors import InvalidConfig
+
+    @dataclass(frozen=True)
+    class Sample:
+        sample_id: int
+        prompt_ids: np.ndarray
+        answer: str
+
+    class Prompts:
+        def next_sample(self):
+            return Sample(0, np.array([1, 2], np.int32), "3")
+
+    ts = TrajectoryServer(TrajectoryServerConfig(temperature=0.7), Prompts())
+    traj = ts.routing_view()[0]
+    ts.route([traj.traj_id], 0, "i0")
+    tokens = np.array([5, 2], np.int32)
+    ts.complete(
+        traj.traj_id, tokens, np.full(2, -0.5, np.float32), np.zeros(2, np.int32), 1.0, "stop"
+    )
+    batch = ts.take_batch([traj.group_id])
+    assert batch.temperature == 0.7
+    assert wire.unpack(wire.pack(batch)).temperature == 0.7
+    with pytest.raises(InvalidConfig, match="temperature=0"):
+        TrajectoryServerConfig(temperature=0)
