@@ -1,6 +1,9 @@
-"""The trainer contract: what the training loop drives, whatever the backend.
+"""The trainer contract of a trainer that lives in one process (the embedded one).
 
-Importable without torch; trainers exchange weights as numpy arrays.
+A pool of ranks (``staleflow.trainers.megatron.MegatronTrainer``) is driven through
+``staleflow.runtime.training.StepDriver`` instead: its ranks take their parts of the batch
+and Push their shards themselves. Both report :data:`METRIC_KEYS`. Importable without
+torch; trainers exchange weights as numpy arrays.
 """
 
 from __future__ import annotations
