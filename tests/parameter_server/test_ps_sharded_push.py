@@ -44,17 +44,19 @@ def test_the_plan_sends_every_staged_byte_once_and_balances_replicas(tp, dp):
     conv = MegatronToHF(CONFIG, tp)
     staging = conv.staging_layout()
     tp_ranks = [g % tp for g in range(tp * dp)]
-    plan = plan_shard_push(conv, tp_ranks)
-    covered = np.zeros(staging.nbytes, dtype=np.int32)
-    for g, pieces in plan.items():
-        for p in pieces:
-            assert p.staged.name == f"tp{tp_ranks[g]}/{p.name}"  # only its own shard
-            covered[p.staged.start : p.staged.stop] += 1
-    for spec in staging:
-        start = staging.offset(spec.name)
-        assert (covered[start : start + spec.nbytes] == 1).all(), spec.name
-    sent = [sum(p.staged.nbytes for p in plan[g]) for g in range(tp * dp)]
-    assert max(sent) <= 1.1 * staging.nbytes / (tp * dp) + 64
+    replicas = ["ps/0", "ps/1"]
+    plan = plan_shard_push(conv, tp_ranks, replicas)
+    for replica in replicas:  # every PS replica gets every staged byte, once
+        covered = np.zeros(staging.nbytes, dtype=np.int32)
+        for g, by_replica in plan.items():
+            for p in by_replica[replica]:
+                assert p.staged.name == f"tp{tp_ranks[g]}/{p.name}"  # only its own shard
+                covered[p.staged.start : p.staged.stop] += 1
+        for spec in staging:
+            start = staging.offset(spec.name)
+            assert (covered[start : start + spec.nbytes] == 1).all(), (replica, spec.name)
+    sent = [sum(p.staged.nbytes for ps in plan[g].values() for p in ps) for g in range(tp * dp)]
+    assert max(sent) <= 1.1 * len(replicas) * staging.nbytes / (tp * dp) + 64
 
 
 @pytest.fixture
@@ -106,6 +108,70 @@ def test_four_ranks_push_one_version_that_readers_see_whole(worker):
         t.join()
     version, pulled = _pull(worker.endpoint)
     assert version == 2 and all(np.array_equal(pulled[k], newer[k]) for k in newer)
+
+
+def test_four_ranks_push_every_version_whole_to_two_replicas():
+    """TP = 2 x DP = 2 ranks, two PS replicas (App. A.1): each rank sends each replica the
+    pieces the plan gives it there (an empty message where none), concurrently; each
+    replica publishes every version whole, and readers of either see the same weights."""
+    from parameter_server.replicas import ReplicaRoute
+    from parameter_server.shard_push import ShardPushGroup
+
+    conv = MegatronToHF(CONFIG, 2)
+    workers = [PSWorker.start(conv.target_layout, 3) for _ in range(2)]
+    groups: list[ShardPushGroup] = []
+    try:
+        for w in workers:
+            with connect(w.endpoint, "auto") as client:
+                client.push(_hf(conv), 0)
+        tp_ranks = [0, 1, 0, 1]
+        # rank g shares a node with replica g % 2 (the plan takes every link as equal)
+        routes = {
+            g: [
+                ReplicaRoute(f"ps/{k}", w.endpoint, same_node=k == g % 2)
+                for k, w in enumerate(workers)
+            ]
+            for g in range(4)
+        }
+        groups = [ShardPushGroup(conv, rank=g, tp_ranks=tp_ranks, routes=routes) for g in range(4)]
+        per_replica = [sum(grp.sent_bytes()[f"ps/{k}"] for grp in groups) for k in range(2)]
+        assert per_replica == [conv.staging_layout().nbytes] * 2  # each gets it all, once
+        assert all(set(grp.sent_bytes()) == {"ps/0", "ps/1"} for grp in groups)
+        for version in (1, 2):
+            new = _hf(conv, seed=version)
+            shards = conv.split(new)
+            results: list[object] = [None] * 4
+
+            def send(g: int, shards=shards, version=version, results=results) -> None:
+                results[g] = groups[g].push(shards[tp_ranks[g]], version)
+
+            threads = [threading.Thread(target=send, args=(g,)) for g in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert set(results) <= {None, version}  # version: the last sender on both
+            for w in workers:
+                got, pulled = _pull(w.endpoint)
+                assert got == version
+                assert all(np.array_equal(pulled[k], new[k]) for k in new)
+    finally:
+        for grp in groups:
+            grp.close()
+        for w in workers:
+            w.stop()
+
+
+def test_ranks_must_reach_the_same_replicas():
+    from parameter_server.replicas import ReplicaRoute
+    from parameter_server.shard_push import ShardPushGroup
+    from parameter_server.transport.base import Endpoint
+
+    conv = MegatronToHF(CONFIG, 2)
+    e = Endpoint("unix:/nowhere", "h", "b", "")
+    routes = {0: [ReplicaRoute("ps/0", e, True)], 1: [ReplicaRoute("ps/1", e, True)]}
+    with pytest.raises(ValueError, match=r"same replicas \['ps/0'\] \(ranks \[1\] differ\)"):
+        ShardPushGroup(conv, rank=0, tp_ranks=[0, 1], routes=routes)
 
 
 def test_out_of_order_and_inconsistent_senders_are_refused(worker):

@@ -10,8 +10,8 @@ Data: the first rank of each data-parallel replica (its TP rank 0) receives the 
 groups straight from the trajectory server and broadcasts them to its TP peers, so no
 rank ever holds another replica's trajectories.
 
-Push: after each step every rank sends its own pieces of the new weights to the PS
-(:class:`~parameter_server.shard_push.ShardPushClient`) in the background, reading the
+Push: after each step every rank sends its own pieces of the new weights to every PS
+replica (:class:`~parameter_server.shard_push.ShardPushGroup`) in the background, reading the
 live parameters while the next step's forward and backward passes run; the next update
 waits for it first (:mod:`staleflow.trainers.megatron.optim`).
 """
@@ -214,17 +214,30 @@ class MegatronRank:
 
     # -- Push ---------------------------------------------------------------------------
 
-    def attach_push(self, endpoint: Any) -> int:
-        """Connect to the PS worker at ``endpoint`` for sharded Pushes; returns the bytes
-        this rank sends per version."""
+    def attach_push(self, target: Any) -> int:
+        """Connect for sharded Pushes: ``target`` is one PS worker's endpoint, or every
+        rank's routes to the PS replicas (``{global rank: [ReplicaRoute, ...]}``, the same
+        on every rank), each of which then receives the whole model. Returns the bytes this
+        rank sends per version."""
         from parameter_server.push import BackgroundPusher
-        from parameter_server.shard_push import ShardPushClient
+        from parameter_server.replicas import ReplicaRoute
+        from parameter_server.shard_push import ShardPushGroup
+        from parameter_server.transport.base import Endpoint
 
-        self._client = ShardPushClient(
-            endpoint, self.converter, rank=dist.get_rank(), tp_ranks=self.tp_ranks
+        routes = (
+            {g: [ReplicaRoute("ps", target, same_node=True)] for g in range(self.spec.world)}
+            if isinstance(target, Endpoint)
+            else target
+        )
+        self._client = ShardPushGroup(
+            self.converter, rank=dist.get_rank(), tp_ranks=self.tp_ranks, routes=routes
         )
         self._pusher = BackgroundPusher(self._client, name=f"push-rank{dist.get_rank()}")
         return self._client.nbytes
+
+    def push_bytes(self) -> dict[str, int]:
+        """Bytes this rank sends each PS replica per version."""
+        return {} if self._client is None else self._client.sent_bytes()
 
     def start_push(self) -> Any:
         """Push the current weights as :attr:`version` in the background; returns its
