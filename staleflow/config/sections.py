@@ -363,7 +363,8 @@ class TrainerConfig:
     """The training workers: the optimiser, the off-policy PPO-style loss, and where it runs.
 
     The one definition of the trainer's settings: every backend (``staleflow.trainers``)
-    receives this section as it is.
+    receives this section as it is. What each rank reserves (CPUs, GPUs, node group) is
+    ``resources.trainer``; the number of ranks is 1 (embedded) or ``dp x tp x pp``.
     """
 
     KEY: ClassVar[str] = "trainer"
@@ -441,10 +442,6 @@ class TrainerConfig:
             "trainer processes to start (megatron); 0 = dp x tp x pp, which it must equal"
         ),
     )
-    gpus_per_rank: int = field(
-        default=0,
-        metadata=_help("GPUs each megatron rank reserves (0 on CPU, usually 1 on GPU)"),
-    )
     load: str = field(
         default="",
         metadata=_help(
@@ -513,7 +510,6 @@ class TrainerConfig:
         for key in ("tp", "pp", "dp"):
             require_at_least(f"trainer.{key}", getattr(self, key), 1, "rank")
         require_at_least("trainer.ranks", self.ranks, 0, "ranks (0 = dp x tp x pp)")
-        require_at_least("trainer.gpus_per_rank", self.gpus_per_rank, 0, "GPUs (0 on CPU)")
         product = self.dp * self.tp * self.pp
         if self.ranks:
             fit = self.ranks // (self.tp * self.pp)
@@ -536,10 +532,10 @@ class TrainerConfig:
             "is not supported yet: use trainer.pp=1 and split the model with trainer.tp",
         )
         if self.backend != "megatron":
-            for key in ("tp", "dp", "ranks", "gpus_per_rank"):
+            for key in ("tp", "dp", "ranks"):
                 value = getattr(self, key)
                 require(
-                    value in (0, 1) and not (key == "gpus_per_rank" and value),
+                    value in (0, 1),
                     f"trainer.{key}",
                     value,
                     f"needs trainer.backend=megatron (the {self.backend} trainer is one "

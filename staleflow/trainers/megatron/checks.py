@@ -1,15 +1,24 @@
-"""Checks of ``trainer.backend=megatron`` against the model and the machine, run by
-``staleflow launch`` before any actor starts. Each failure names the key and the fix.
-Importing this module imports neither torch nor megatron-core."""
+"""Checks of ``trainer.backend=megatron`` against the model, run by ``staleflow launch``
+before anything slow (:func:`check_run` is the backend's hook in
+:data:`staleflow.runtime.backends.TRAINER_POOLS`: before Ray is joined, a model loaded or
+the built-in one warmed up). Each failure names the key and the fix. ``trainer.ranks``
+against ``dp x tp x pp`` and ``trainer.pp`` are the config's own checks
+(:class:`~staleflow.config.TrainerConfig`); GPUs too few for the ranks are the placement
+fit's (``resources.trainer.gpus`` per rank). Importing this module imports neither torch
+nor megatron-core.
+"""
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parameter_server.convert_megatron import unsupported_hf
 from staleflow.config.sections import ModelConfig, TrainerConfig
+
+if TYPE_CHECKING:
+    from staleflow.config import RunConfig
 
 
 class TrainerSetupError(ValueError):
@@ -24,6 +33,33 @@ def check_installed() -> None:
             "trainer.backend=megatron needs megatron-core, which is not installed: "
             "pip install 'staleflow[megatron]' (or use trainer.backend=embedded)"
         )
+
+
+def check_run(cfg: RunConfig) -> None:
+    """Everything checkable from the configuration alone: megatron-core installed, and
+    the policy (its HF config: ``model.checkpoint``'s ``config.json``, or the built-in
+    preset's) trainable at ``trainer.tp`` (:func:`check_policy`)."""
+    check_installed()
+    hf = policy_config(cfg.model)
+    if hf is not None:
+        check_policy(cfg.trainer, hf, cfg.model)
+
+
+def policy_config(model: ModelConfig) -> dict[str, Any] | None:
+    """The policy's HF config as a dict, without loading weights: the checkpoint's, or the
+    built-in preset's Qwen2 config. None when the checkpoint has no readable config (the
+    launcher's own preflight names that)."""
+    if not model.checkpoint:
+        from staleflow.models.build import arithmetic_tokenizer, qwen2_config
+
+        return qwen2_config(model.preset, arithmetic_tokenizer().vocab_size).to_dict()
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model.checkpoint, local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        return None
+    return config.to_dict()
 
 
 def check_policy(section: TrainerConfig, hf: Mapping[str, Any], model: ModelConfig) -> None:
@@ -82,14 +118,3 @@ def check_checkpoint(section: TrainerConfig, hf: Mapping[str, Any], policy: str 
         check_architecture(read_meta(path)["hf_config"], hf, f"trainer.load={section.load!r}")
     except CheckpointMismatch as exc:
         raise TrainerSetupError(str(exc)) from None
-
-
-def check_gpus(section: TrainerConfig, available: float) -> None:
-    """The cluster must have the GPUs the ranks reserve."""
-    need = section.gpus_per_rank * section.dp * section.tp * section.pp
-    if need > available:
-        raise TrainerSetupError(
-            f"trainer.gpus_per_rank={section.gpus_per_rank} x {section.dp * section.tp * section.pp}"
-            f" ranks needs {need} GPUs but the Ray cluster has {available:g}: lower trainer.dp "
-            "or trainer.tp, or add GPU nodes"
-        )

@@ -1,15 +1,18 @@
 """``trainer.backend=megatron``: the trainer as a Ray actor pool of Megatron-core ranks.
 
-:class:`MegatronTrainer` lives where the training loop runs and drives ``dp x tp x pp``
-:class:`RankActor` processes (each reserving ``trainer.gpus_per_rank`` GPUs). It is the
-loop's :class:`~staleflow.runtime.training.StepDriver`:
+:class:`RankActor` is the body of one rank's actor; the launcher's pool builder
+(:func:`staleflow.runtime.pools.megatron.build_megatron_pool`) starts ``dp x tp x pp`` of
+them in the trainer gang's placement-group bundles and :func:`start_ranks` joins them in
+one process group. :class:`MegatronTrainer` is the training loop's
+:class:`~staleflow.runtime.training.StepDriver` over the started ranks (plain data: rank
+handles and ids, so it travels to the loop's actor):
 
 - ``train_consumed``: the consumed groups are split over the data-parallel ranks
   (:func:`~staleflow.trainers.megatron.split.assign_groups`); each replica's data leader
   takes its groups from the trajectory server itself, so payloads never pass through the
   driver or another replica; all ranks step together and rank 0 returns the metrics.
-- ``publish``: each rank started Pushing its own shards at the end of its step; the
-  handle waits until every rank's Push of that version is done.
+- ``publish``: each rank started Pushing its own shards to every PS replica at the end of
+  its step; the handle waits until every rank's Push of that version is done.
 
 Ray and megatron-core are imported inside the rank processes only.
 """
@@ -20,9 +23,12 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from staleflow.trainers.megatron.split import assign_groups
+
+if TYPE_CHECKING:
+    from parameter_server.replicas import ReplicaRoute
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +36,9 @@ MEGATRON_DIR = "megatron"  # the distributed checkpoint inside a checkpoint fold
 
 
 class RankActor:
-    """The body of one rank's Ray actor (made remote by :class:`MegatronTrainer`)."""
+    """The body of one rank's Ray actor (made remote by the pool builder)."""
 
     def __init__(self, spec: Any, rank: int) -> None:
-        import os
-
-        os.environ.setdefault("OMP_NUM_THREADS", str(spec.section.num_threads))
         import torch
 
         torch.set_num_threads(spec.section.num_threads)
@@ -49,25 +52,31 @@ class RankActor:
 
         return f"{host_address()}:{free_port()}"
 
-    def start(self, address: str, ps_endpoint: Any, ts_handle: Any, load: str) -> int:
-        """Join the group, build the model, load the weights (the PS's latest version, or
-        the distributed checkpoint ``load``), connect the sharded Push; returns the
-        version of the weights."""
+    def start(
+        self,
+        address: str,
+        routes: Mapping[int, Sequence[ReplicaRoute]],
+        ts_handle: Any,
+        load: str,
+    ) -> int:
+        """Join the group, build the model, load the weights (version 0 from the PS, or the
+        distributed checkpoint ``load``), connect the sharded Push to every PS replica
+        (``routes``: every rank's routes to them); returns the version of the weights."""
         from staleflow.trainers.megatron.rank import MegatronRank, init_distributed
 
         init_distributed(self._rank_id, self._spec.world, address)
         rank = MegatronRank(self._spec)
+        mine = routes[self._rank_id]
         if load:
             from staleflow.trainers.megatron.checkpoint import load_checkpoint
 
             # weights and optimizer state from the checkpoint; the run's versions are the
             # PS's (its version 0 is the HF folder written beside the checkpoint)
             load_checkpoint(rank, load)
-            rank.version = self._ps_version(ps_endpoint) if ps_endpoint is not None else 0
+            rank.version = _ps_version(mine)
         else:
-            rank.version = self._load_from_ps(rank, ps_endpoint)
-        if ps_endpoint is not None:
-            rank.attach_push(ps_endpoint)
+            rank.version = self._load_from_ps(rank, mine)
+        rank.attach_push(routes)
         if ts_handle is not None and rank.is_data_leader:
             from trajectory_server.actor import TrajectoryServerClient
 
@@ -75,23 +84,22 @@ class RankActor:
         self._rank = rank
         return rank.version
 
-    def _load_from_ps(self, rank: Any, endpoint: Any) -> int:
+    def _load_from_ps(self, rank: Any, routes: Sequence[ReplicaRoute]) -> int:
+        """The newest version all replicas hold, pulled from the nearest ones."""
         import numpy as np
 
-        from parameter_server.transport import connect
+        from parameter_server.replicas import replica_group
 
-        with connect(endpoint, "auto") as transport:
-            buffer = np.empty(transport.layout.nbytes, dtype=np.uint8)
-            version = transport.pull(buffer)
-            rank.load_hf(transport.layout.views(buffer))
+        with replica_group(routes, receiver=f"rank{self._rank_id}") as group:
+            buffer = np.empty(group.layout.nbytes, dtype=np.uint8)
+            version = group.pull(buffer)
+            rank.load_hf(group.layout.views(buffer))
         return version
 
-    @staticmethod
-    def _ps_version(endpoint: Any) -> int:
-        from parameter_server.transport import connect
-
-        with connect(endpoint, "auto") as transport:
-            return int(transport.info().latest or 0)
+    def push_routes(self) -> dict[str, tuple[str, int]]:
+        """Per PS replica: the transport of this rank's Push and its bytes per version
+        (the pieces travel over the replica's socket)."""
+        return {replica: ("socket", n) for replica, n in self._rank.push_bytes().items()}
 
     def step(self, select: Mapping[int, Sequence[int]] | None) -> tuple[dict[str, float], Any]:
         """One training step; a data leader takes its ``select``ed groups from the TS.
@@ -135,22 +143,38 @@ class RankActor:
             self._rank.close()
 
 
+def _ps_version(routes: Sequence[ReplicaRoute]) -> int:
+    from parameter_server.replicas import ReplicaVersions
+
+    versions = ReplicaVersions({r.replica: r.endpoint for r in routes}, client="rank")
+    try:
+        return int(versions.latest() or 0)
+    finally:
+        versions.close()
+
+
+def start_ranks(
+    ray: Any,
+    ranks: Sequence[Any],
+    routes: Mapping[int, Sequence[ReplicaRoute]],
+    ts_handle: Any,
+    load: str,
+) -> int:
+    """Join the started :class:`RankActor` handles ``ranks`` (global rank order) in one
+    process group and load their weights; returns the version they start from."""
+    address = ray.get(ranks[0].rendezvous.remote())
+    versions = ray.get([r.start.remote(address, routes, ts_handle, load) for r in ranks])
+    if len(set(versions)) != 1:
+        raise RuntimeError(f"the ranks loaded different versions {versions}")
+    return int(versions[0])
+
+
 def _tokenizer_saver(tokenizer: Any) -> Any:
     if tokenizer is None:
         return None
     from staleflow.models.checkpoint import save_tokenizer
 
     return lambda out: save_tokenizer(tokenizer, out)
-
-
-def _packed(world: int, gpus: int) -> Any:
-    """A placement group of one GPU bundle per rank, packed onto as few nodes as Ray can:
-    ranks are numbered TP-first, so a TP group shares a node (and NVLink) when it fits."""
-    import ray
-
-    group = ray.util.placement_group([{"GPU": gpus, "CPU": 1}] * world, strategy="PACK")
-    ray.get(group.ready())
-    return group
 
 
 @dataclass
@@ -168,45 +192,17 @@ class _PoolPush:
 
 
 class MegatronTrainer:
-    """The pool; see the module docstring. ``spec`` is a
-    :class:`~staleflow.trainers.megatron.rank.RankSpec`; ``names`` prefixes the actors'
-    Ray names (``<prefix>trainer/rank<g>``)."""
+    """The pool as the training loop drives it; see the module docstring. ``spec`` is a
+    :class:`~staleflow.trainers.megatron.rank.RankSpec`, ``ranks`` the started rank actors
+    in global rank order, ``version`` the one they start from (:func:`start_ranks`)."""
 
-    def __init__(
-        self,
-        spec: Any,
-        *,
-        ps_endpoint: Any,
-        ts_handle: Any,
-        name_prefix: str = "",
-        namespace: str | None = None,
-    ) -> None:
-        import ray
-
+    def __init__(self, spec: Any, ranks: Sequence[Any], version: int) -> None:
         s = spec.section
+        if len(ranks) != spec.world:
+            raise ValueError(f"{len(ranks)} rank actors for dp x tp x pp = {spec.world}")
         self.spec = spec
-        actor = ray.remote(RankActor)
-        options: dict[str, Any] = {"num_cpus": 0, "num_gpus": s.gpus_per_rank}
-        if namespace is not None:
-            options["namespace"] = namespace
-        group = _packed(spec.world, s.gpus_per_rank) if s.gpus_per_rank else None
-        self.ranks = []
-        for g in range(spec.world):
-            extra: dict[str, Any] = {"name": f"{name_prefix}trainer/rank{g}"} if name_prefix else {}
-            if group is not None:
-                from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-                extra["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    placement_group=group, placement_group_bundle_index=g
-                )
-            self.ranks.append(actor.options(**extra, **options).remote(spec, g))
-        address = ray.get(self.ranks[0].rendezvous.remote())
-        versions = ray.get(
-            [r.start.remote(address, ps_endpoint, ts_handle, s.load) for r in self.ranks]
-        )
-        if len(set(versions)) != 1:
-            raise RuntimeError(f"the ranks loaded different versions {versions}")
-        self._version = int(versions[0])
+        self.ranks = list(ranks)
+        self._version = int(version)
         # global rank g is TP rank g % tp of replica g // tp (Megatron's tp-first order)
         self._leaders = {g // s.tp: g for g in range(spec.world) if g % s.tp == 0}
 
@@ -246,10 +242,8 @@ class MegatronTrainer:
         ray.get([r.save_checkpoint.remote(str(path)) for r in self.ranks])
 
     def close(self) -> None:
+        """Finish every rank's Push in flight and disconnect it from the PS (the pool's
+        owner kills the actors)."""
         import ray
 
-        for r in self.ranks:
-            try:
-                ray.get(r.close.remote(), timeout=60)
-            finally:
-                ray.kill(r)
+        ray.get([r.close.remote() for r in self.ranks], timeout=60)
