@@ -5,23 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from staleness import BufferState, StalenessManager
-
-
-def _buffers_table(m: StalenessManager):
-    from rich.table import Table
-
-    colour = {BufferState.WAITING: "yellow", BufferState.READY: "green", BufferState.STUCK: "red"}
-    view = m.view()
-    table = Table(title=f"staleness buffers (trainer at version {view.version}, eta={view.eta})")
-    table.add_column("V_buf", justify="right")
-    table.add_column("state")
-    table.add_column("slots (O occupied, r reserved, . empty)")
-    for b in view.buffers:
-        slots = "".join("O" if e.kind == "occupied" else "r" for e in b.entries)
-        slots += "." * (b.capacity - len(b.entries))
-        table.add_row(str(b.version), f"[{colour[b.state]}]{b.state}[/]", slots)
-    return table
+from staleness import StalenessManager
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -29,13 +13,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rich.live import Live
 
     from staleflow.demo import run_demo
+    from staleflow.runtime.tables import buffers_table
 
     console = Console()
     live = Live(console=console, refresh_per_second=8, transient=False) if args.live else None
 
     def on_tick(tick: int, m: StalenessManager) -> None:
         if live is not None and tick % 5 == 0:
-            live.update(_buffers_table(m))
+            live.update(buffers_table(m.view()))
 
     if live is not None:
         live.start()
@@ -126,6 +111,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from staleflow.config import load_config
     from staleflow.runtime.display import live_panel, step_line, summary_table
     from staleflow.runtime.launch import LaunchError, launch
+    from staleflow.runtime.record import StepRecord
 
     overrides = list(args.overrides)
     for flag, key in (("eta", "eta"), ("steps", "steps"), ("address", "address")):
@@ -144,7 +130,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     console = Console()
     live = Live(console=console, refresh_per_second=4, transient=True) if args.live else None
 
-    def on_record(rec: dict[str, float]) -> None:
+    def on_record(rec: StepRecord) -> None:
         console.print(step_line(rec, cfg.eta))
 
     def on_tick(state: object) -> None:

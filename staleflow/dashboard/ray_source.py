@@ -32,7 +32,15 @@ from staleflow.dashboard.interface import (
     RunInfo,
 )
 from staleflow.dashboard.timeline import InstanceObservation, Recorder, SeqLog
-from staleflow.runtime.launch import ACTOR_NAMESPACE
+from staleflow.runtime.names import (
+    ACTOR_NAMESPACE,
+    CONTROL,
+    INSTANCE_PREFIX,
+    PS,
+    TS,
+    actor_name,
+)
+from staleflow.runtime.record import StepRecord, idle_ratio
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +53,6 @@ _PS_NOTE = (
 
 class AttachError(RuntimeError):
     """No run could be attached; the message says how to name one."""
-
-
-def actor_name(run: str, role: str) -> str:
-    """The Ray name of one actor of run ``run`` (the run folder's name)."""
-    return f"{run}/{role}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +100,7 @@ class RaySource:
         self.timeout_s = timeout_s
         self._notes = notes
         self._recorder = Recorder()
-        self._records: SeqLog[Mapping[str, float]] = SeqLog(maxlen=1_000_000)
+        self._records: SeqLog[StepRecord] = SeqLog(maxlen=1_000_000)
         self._state = _State()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -147,7 +150,7 @@ class RaySource:
             for a in ray.util.list_named_actors(all_namespaces=True)
             if a["namespace"] == ACTOR_NAMESPACE
         ]
-        runs = sorted({n.rsplit("/", 1)[0] for n in names if n.endswith("/control")})
+        runs = sorted({n.rsplit("/", 1)[0] for n in names if n.endswith(f"/{CONTROL}")})
         if run is None:
             if len(runs) != 1:
                 found = ", ".join(runs) if runs else "none"
@@ -171,13 +174,13 @@ class RaySource:
             except ValueError:
                 return None
 
-        prefix = actor_name(run, "instance/")
+        prefix = actor_name(run, INSTANCE_PREFIX)
         instances = {
             int(n[len(prefix) :]): get(n[len(run) + 1 :])
             for n in names
             if n.startswith(prefix) and n[len(prefix) :].isdigit()
         }
-        handles = RayHandles(get("control"), get("ts"), get("ps"), dict(sorted(instances.items())))
+        handles = RayHandles(get(CONTROL), get(TS), get(PS), dict(sorted(instances.items())))
         folder = Path(run_dir) if run_dir else Path("runs") / run
         config: dict[str, Any] = {}
         cost = None
@@ -327,14 +330,13 @@ class RaySource:
         for i in ids:
             t = st.times.get(i)
             snap = snaps.get(i)
-            busy = (t.idle_s + t.busy_s) if t is not None else 0.0
             details.append(
                 InstanceDetail(
                     inst=i,
                     version=snap.inst_version if snap is not None else None,
                     snapshot=snap,
                     measured_tokens_per_s=self._recorder.rates.get(i),
-                    idle_ratio=t.idle_s / busy if t is not None and busy > 0 else None,
+                    idle_ratio=idle_ratio(t.idle_s, t.busy_s) if t is not None else None,
                     pending_commands=live.pending.get(i, 0),
                     last_cycle_commands=None,
                     commands_total=dict(live.commands.get(i, {})),
@@ -356,7 +358,7 @@ class RaySource:
             notes=tuple(notes),
         )
 
-    def records(self, since: int, limit: int) -> Page[Mapping[str, float]]:
+    def records(self, since: int, limit: int) -> Page[StepRecord]:
         return self._records.page(since, limit)
 
     def load(self, since: int, limit: int) -> Page[LoadSample]:

@@ -32,6 +32,7 @@ from coordinator.types import InstanceSnapshot
 from staleflow.runtime.interface import InstanceHandle, Rewarded, StepReport
 from staleflow.runtime.metrics import StepMetrics
 from staleflow.runtime.planes import RuntimePlanes
+from staleflow.runtime.record import StepRecord
 from staleness import ConsumedBatch, StalenessConfig, StalenessManager
 from staleness.types import ManagerView
 from trajectory_server.errors import TrajectoryServerError
@@ -156,7 +157,7 @@ class ControlPlane:
                         ) from None
                     return future.result()  # being consumed as we gave up: take it
 
-    def records(self, since: int = 0) -> list[dict[str, float]]:
+    def records(self, since: int = 0) -> list[StepRecord]:
         """Per-step metric records from index ``since`` on."""
         self.check()
         return self.metrics.records[since:]

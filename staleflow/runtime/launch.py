@@ -22,6 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from staleflow.runtime import names
 from staleflow.runtime.components import (
     ModelSpec,
     RewardSpec,
@@ -30,11 +31,10 @@ from staleflow.runtime.components import (
     model_spec,
 )
 from staleflow.runtime.evaluation import held_out_reward
-from staleflow.runtime.runfolder import reward_mean  # also imported from here
+from staleflow.runtime.names import ACTOR_NAMESPACE, actor_name, instance_role
+from staleflow.runtime.record import StepRecord, reward_mean, trainer_idle_ratio
 
 logger = logging.getLogger(__name__)
-
-ACTOR_NAMESPACE = "staleflow"  # staleflow.dashboard.ray_source finds runs here
 
 
 class LaunchError(RuntimeError):
@@ -44,7 +44,7 @@ class LaunchError(RuntimeError):
 @dataclass
 class RunResult:
     run_dir: Path
-    records: list[dict[str, float]]
+    records: list[StepRecord]
     summary: dict[str, Any]
     consumed: list[dict[str, Any]] = field(default_factory=list)  # per step: ids, versions
 
@@ -219,7 +219,7 @@ class Run:
         tcp_host = ray.util.get_node_ip_address() if multi_node else ""
         ps = (
             remote["ps"]
-            .options(num_cpus=0, **self._named("ps"))
+            .options(num_cpus=0, **self._named(names.PS))
             .remote(
                 spec.layout,
                 cfg.parameter_server.num_slots,
@@ -241,7 +241,7 @@ class Run:
                 batch_redundancy=cfg.batch_redundancy,
             ),
             PromptSampler(dataset, seed=cfg.seed),
-            **self._named("ts"),
+            **self._named(names.TS),
         )
         self.actors["ts"] = ts.handle
         coordinator = cfg.coordinator
@@ -270,7 +270,7 @@ class Run:
         transport = cfg.parameter_server.transport
         control = (
             remote["control"]
-            .options(num_cpus=0, max_concurrency=16, **self._named("control"))
+            .options(num_cpus=0, max_concurrency=16, **self._named(names.CONTROL))
             .remote(control_cfg, ts.handle, endpoint, transport)
         )
         self.actors["control"] = control
@@ -289,7 +289,7 @@ class Run:
         rollout_spec = self._rollout_spec(spec, dataset)
         instances = {
             i: remote["rollout"]
-            .options(num_cpus=0, **self._named(f"instance/{i}"))
+            .options(num_cpus=0, **self._named(instance_role(i)))
             .remote(i, rollout_spec, endpoint, ts.handle, rewards)
             for i in range(cfg.rollout.instances)
         }
@@ -298,7 +298,7 @@ class Run:
         ray.get(control.attach.remote(instances))
         trainer = (
             remote["trainer"]
-            .options(num_cpus=0, **self._named("trainer"))
+            .options(num_cpus=0, **self._named(names.TRAINER))
             .remote(
                 TrainerSpec(
                     model=spec,
@@ -319,7 +319,7 @@ class Run:
     def _named(self, role: str) -> dict[str, str]:
         """Ray actor name ``<run folder name>/<role>`` in the namespace ``staleflow``, so
         that ``staleflow dashboard --address`` and ``staleflow status`` can find the run."""
-        return {"name": f"{self.run_dir.name}/{role}", "namespace": ACTOR_NAMESPACE}
+        return {"name": actor_name(self.run_dir.name, role), "namespace": ACTOR_NAMESPACE}
 
     def _rollout_spec(self, spec: ModelSpec, dataset: Any) -> RolloutSpec:
         r = self.cfg.rollout
@@ -359,7 +359,7 @@ class Run:
     def train(
         self,
         steps: int,
-        on_record: Callable[[dict[str, float]], None],
+        on_record: Callable[[StepRecord], None],
         on_tick: Callable[[Any], None] | None = None,
         poll_s: float = 0.5,
     ) -> list[Any]:
@@ -453,7 +453,7 @@ def _cause(exc: BaseException) -> str:
 
 
 def summarise(
-    records: list[dict[str, float]], reports: list[Any], facts: dict[str, Any]
+    records: list[StepRecord], reports: list[Any], facts: dict[str, Any]
 ) -> dict[str, Any]:
     """What the final table and ``summary.json`` show."""
     if not records:
@@ -469,21 +469,17 @@ def summarise(
             tokens[int(s)] = tokens.get(int(s), 0) + int(n)
     out: dict[str, Any] = {
         "steps": len(records),
-        "elapsed_s": last["time/elapsed_s"],
-        "tokens_per_s": last["throughput/tokens_per_s"],
+        "elapsed_s": last.elapsed_s,
+        "tokens_per_s": last.tokens_per_s,
         "reward_start": reward_mean(records[:k]),
         "reward_end": reward_mean(records[-k:]),
         "staleness_hist": dict(sorted(staleness.items())),
         "staleness_max": max(staleness) if staleness else 0,
         "token_staleness_hist": dict(sorted(tokens.items())),
         "on_policy_tokens": set(tokens) <= {0},
-        "trainer_idle_ratio": sum(r["trainer/wait_s"] for r in records) / last["time/elapsed_s"],
-        "rollout_idle_ratio": last.get("rollout/idle_ratio"),
-        "time_share": {
-            k.removeprefix("rollout/time_share/"): v
-            for k, v in last.items()
-            if k.startswith("rollout/time_share/")
-        },
+        "trainer_idle_ratio": trainer_idle_ratio(records),
+        "rollout_idle_ratio": last.rollout_idle_ratio,
+        "time_share": last.time_shares(),
         **facts,
     }
     return out
@@ -511,7 +507,7 @@ def _start_dashboard(cfg: Any, run: Run, phase: Callable[[str], None]) -> Any:
 def launch(
     cfg: Any,
     *,
-    on_record: Callable[[dict[str, float]], None] | None = None,
+    on_record: Callable[[StepRecord], None] | None = None,
     on_tick: Callable[[Any], None] | None = None,
     on_phase: Callable[[str], None] | None = None,
 ) -> RunResult:
@@ -542,12 +538,12 @@ def launch(
     facts["prepare_s"] = time.monotonic() - started
     run = Run(cfg, run_dir)
     dashboard: Any = None
-    records: list[dict[str, float]] = []
+    records: list[StepRecord] = []
     metrics_file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
 
-    def record(rec: dict[str, float]) -> None:
+    def record(rec: StepRecord) -> None:
         records.append(rec)
-        metrics_file.write(json.dumps(rec, sort_keys=True) + "\n")
+        metrics_file.write(rec.to_json() + "\n")
         metrics_file.flush()
         if on_record is not None:
             on_record(rec)

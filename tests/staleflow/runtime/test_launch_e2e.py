@@ -43,6 +43,8 @@ def _launch(tmp_path, eta: int, *extra: str):
 
 
 def _check_run(result, eta: int) -> None:
+    from staleflow.runtime.record import read_records
+
     assert len(result.records) == STEPS
     ids: Counter[int] = Counter()
     for step in result.consumed:
@@ -58,14 +60,13 @@ def _check_run(result, eta: int) -> None:
         audit["consumed"] + audit["aborted"] + audit["queued"] + audit["completed"]
     ), audit
     # instances moved to newer weights as the PS advanced
-    versions = [
-        max(v for k, v in rec.items() if k.startswith("rollout/version/")) for rec in result.records
-    ]
+    versions = [max(rec.instance_version.values()) for rec in result.records]
     assert versions == sorted(versions), versions  # an instance never loads older weights
     # the last batch (version STEPS - 1) admits nothing older than STEPS - 1 - eta, so some
     # instance must have loaded at least that version from the PS before the step's record
     assert versions[-1] >= max(1, STEPS - 1 - eta), versions
-    assert (result.run_dir / "metrics.jsonl").is_file()
+    # metrics.jsonl holds exactly the records the run streamed
+    assert read_records(result.run_dir / "metrics.jsonl") == result.records
     assert (result.run_dir / "config.yaml").is_file()
     # the checkpoint is a complete policy: model.checkpoint=<it> resumes from it
     from staleflow.models.checkpoint import load_pretrained
