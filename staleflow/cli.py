@@ -130,6 +130,20 @@ def cmd_launch(args: argparse.Namespace) -> int:
     console = Console()
     live = Live(console=console, refresh_per_second=4, transient=True) if args.live else None
 
+    def say(text: str) -> None:
+        console.print(f"[dim]{text}[/]")
+
+    dashboard = None
+    if cfg.dashboard:  # the runtime does not import the dashboard: it is handed in
+        from staleflow.dashboard.launch_hook import LaunchDashboard
+
+        dashboard = LaunchDashboard(cfg, say)
+
+    def on_phase(text: str) -> None:
+        say(text)
+        if dashboard is not None:
+            dashboard.phase(text)
+
     def on_record(rec: StepRecord) -> None:
         console.print(step_line(rec, cfg.eta))
 
@@ -144,7 +158,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
             cfg,
             on_record=on_record,
             on_tick=on_tick if live is not None else None,
-            on_phase=lambda text: console.print(f"[dim]{text}[/]"),
+            on_phase=on_phase,
+            on_started=dashboard,
         )
     except LaunchError as exc:
         console.print(f"[red]staleflow launch failed:[/] {exc}")

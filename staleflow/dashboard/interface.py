@@ -77,6 +77,9 @@ class LiveView:
     discarded: int | None = None  # snapshots rejected by Eq. 1
     pending_commands: int | None = None
     notes: tuple[str, ...] = ()
+    # what the launcher says it is doing ("training 20 steps with eta=3", "saving the
+    # checkpoint"...), for a source whose launcher tells it; None otherwise
+    phase: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,6 +71,7 @@ class _State:
     ps: Any = None  # parameter_server.store.StoreInfo
     finished: bool = False
     error: str = ""
+    phase: str | None = None
 
 
 class RaySource:
@@ -258,8 +259,13 @@ class RaySource:
             steps=live.steps,
         )
         with self._lock:
-            self._state = _State(live=live, ts=ts, times=times, ps=ps)
+            self._state = _State(live=live, ts=ts, times=times, ps=ps, phase=self._state.phase)
         return True
+
+    def set_phase(self, text: str | None) -> None:
+        """What the launcher is doing now (``LiveView.phase``); any thread."""
+        with self._lock:
+            self._state.phase = text
 
     def _failed(self, exc: BaseException) -> bool:
         errors = self._ray.exceptions
@@ -323,7 +329,9 @@ class RaySource:
         notes = [st.error] if st.error else []
         live = st.live
         if live is None:
-            return LiveView(None, (), st.ts, None, 0, 0.0, st.finished, notes=tuple(notes))
+            return LiveView(
+                None, (), st.ts, None, 0, 0.0, st.finished, notes=tuple(notes), phase=st.phase
+            )
         snaps = {s.inst: s for s in live.instances}
         ids = sorted(set(snaps) | set(self.handles.instances))
         details = []
@@ -356,6 +364,7 @@ class RaySource:
             discarded=live.discarded,
             pending_commands=sum(live.pending.values()),
             notes=tuple(notes),
+            phase=st.phase,
         )
 
     def records(self, since: int, limit: int) -> Page[StepRecord]:

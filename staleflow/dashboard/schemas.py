@@ -69,6 +69,9 @@ class RunOut(BaseModel):
     discarded: int | None = Field(description="snapshots rejected by Eq. 1")
     pending_commands: int | None
     actions: list[str] = Field(description="POST /api/actions/{action} (needs the token)")
+    phase: str | None = Field(
+        None, description="what the launcher is doing now, when it tells the dashboard"
+    )
     notes: list[str]
 
 
@@ -254,6 +257,7 @@ def run_out(info: RunInfo, live: LiveView) -> RunOut:
         discarded=live.discarded,
         pending_commands=live.pending_commands,
         actions=list(info.actions),
+        phase=live.phase,
         notes=[*info.notes, *live.notes],
     )
 

@@ -485,33 +485,18 @@ def summarise(
     return out
 
 
-def _start_dashboard(cfg: Any, run: Run, phase: Callable[[str], None]) -> Any:
-    """With ``dashboard=true``: serve the dashboard from this driver (a uvicorn thread);
-    a dashboard that cannot start is reported and the run goes on without it."""
-    if not cfg.dashboard:
-        return None
-    try:
-        from staleflow.dashboard.launch_hook import start_dashboard
-    except ImportError as exc:
-        phase(f"dashboard off: it needs pip install 'staleflow[dashboard]' ({exc})")
-        return None
-    try:
-        server = start_dashboard(cfg, run)
-    except OSError as exc:
-        phase(f"dashboard off: {exc}")
-        return None
-    phase(f"dashboard at {server.url}")
-    return server
-
-
 def launch(
     cfg: Any,
     *,
     on_record: Callable[[StepRecord], None] | None = None,
     on_tick: Callable[[Any], None] | None = None,
     on_phase: Callable[[str], None] | None = None,
+    on_started: Callable[[Run], Callable[[], None] | None] | None = None,
 ) -> RunResult:
-    """Run ``cfg`` to the end; see the module docstring."""
+    """Run ``cfg`` to the end; see the module docstring. ``on_started`` is called once
+    the actors are up (``staleflow launch`` serves the dashboard there when
+    ``cfg.dashboard``: :class:`staleflow.dashboard.launch_hook.LaunchDashboard`); what it
+    returns is called before the actors go away."""
     from staleflow.config import save_config
     from staleflow.data.layouts import DatasetError
     from staleflow.models.errors import ModelError
@@ -537,7 +522,7 @@ def launch(
         facts["eval_reward_start"] = held_out_reward(cfg, model, tokenizer)
     facts["prepare_s"] = time.monotonic() - started
     run = Run(cfg, run_dir)
-    dashboard: Any = None
+    stop_watching: Callable[[], None] | None = None
     records: list[StepRecord] = []
     metrics_file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
 
@@ -558,15 +543,16 @@ def launch(
             raise
         except Exception as exc:  # an actor that failed to start: name it, no Ray traceback
             raise LaunchError(f"the actors could not start: {_cause(exc)}") from exc
-        dashboard = _start_dashboard(cfg, run, phase)
+        if on_started is not None:
+            stop_watching = on_started(run)
         phase(f"training {cfg.steps} steps with eta={cfg.eta}")
         reports = run.train(cfg.steps, record, on_tick)
         run.save_checkpoint(run_dir / "checkpoint")
         facts["audit"] = run.audit()
     finally:
         metrics_file.close()
-        if dashboard is not None:
-            dashboard.stop()  # before the actors it polls go away
+        if stop_watching is not None:
+            stop_watching()  # before the actors it polls go away
         run.shutdown()
     if "eval_reward_start" in facts:
         from staleflow.models.checkpoint import load_pretrained

@@ -109,6 +109,7 @@ function renderHeader(run, ps) {
     ["time", fmt(run.elapsed_s, 0) + unit],
     ["cycles", run.cycles],
   ];
+  if (run.phase) facts.push(["phase", run.phase]);
   const dl = $("run-facts");
   dl.replaceChildren(...facts.map(([k, v]) => {
     const d = el("div");
