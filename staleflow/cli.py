@@ -258,7 +258,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from staleflow.dashboard.profiling import overrides, profile_embedded, write_profile
+    from staleflow.engines.profiling import overrides, profile_embedded, write_profile
 
     console = Console()
     try:
