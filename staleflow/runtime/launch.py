@@ -68,11 +68,14 @@ def check_backends(cfg: Any) -> None:
 
 def ray_init_kwargs(cfg: Any) -> dict[str, Any]:
     """``ray.init`` arguments: join ``cfg.address`` (``auto``, ``host:port``, ``ray://``)
-    when set, else start a local Ray."""
+    when set, else start a local Ray of our own: without an address ``ray.init`` would
+    join the last cluster ``ray start`` left on this machine (ray 2.60 ``ray.init``
+    docstring, "local"), where ``num_cpus`` is refused."""
     kwargs: dict[str, Any] = {"log_to_driver": True, "include_dashboard": False}
     if cfg.address:
         kwargs["address"] = cfg.address
     else:
+        kwargs["address"] = "local"
         # Actors mostly wait on each other; CPU slots only gate scheduling.
         kwargs["num_cpus"] = max(os.cpu_count() or 1, 4)
     return kwargs

@@ -33,7 +33,8 @@ def test_actor_round_trip():
     from trajectory_server.actor import spawn_trajectory_server
 
     dataset = synthetic_dataset(CharTokenizer(ALPHABET), size=50)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # "local": a Ray of our own, not the last one `ray start` left on this machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         config = TrajectoryServerConfig(eta=1, batch_size=2, group_size=2)
         client = spawn_trajectory_server(config, PromptSampler(dataset, seed=3))
