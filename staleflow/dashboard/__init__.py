@@ -3,8 +3,10 @@
 simulated cluster (``sim_source``), plus its single web page (``static/``) and
 ``staleflow status`` (``status``). See docs/dashboard.md.
 
-Importing this package imports neither FastAPI nor Ray; ``app``, ``server`` and
-``launch_hook`` need the ``dashboard`` extra.
+Importing this package imports neither FastAPI nor Ray; ``app`` and ``server`` need the
+``dashboard`` extra (``launch_hook`` imports them only when it serves). The dashboard
+reads the runtime (its step records, live state and actor names); the runtime never
+imports the dashboard.
 """
 
 from staleflow.dashboard.interface import RunSource
