@@ -32,6 +32,7 @@ from coordinator.types import InstanceSnapshot
 from parameter_server.transport import connect
 from staleflow.rollout.instance import Finished, InstanceTimes
 from staleflow.runtime.interface import Rewarded, StepReport
+from staleflow.runtime.record import StepRecord
 from staleness.types import ConsumedBatch
 from trajectory_server.types import AbortedTrajectory
 
@@ -424,7 +425,7 @@ class ControlActor:
     def trained(self, report: StepReport) -> None:
         self._plane.trained(report)
 
-    def records(self, since: int = 0) -> list[dict[str, float]]:
+    def records(self, since: int = 0) -> list[StepRecord]:
         return self._plane.records(since)
 
     def live(self) -> Any:

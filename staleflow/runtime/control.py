@@ -37,6 +37,7 @@ from staleflow.control import ControlLoop, Decision, TrajectoryStore
 from staleflow.runtime.interface import InstanceHandle, Rewarded, StepReport
 from staleflow.runtime.metrics import StepMetrics
 from staleflow.runtime.planes import RuntimePlanes
+from staleflow.runtime.record import StepRecord
 from staleness import ConsumedBatch, StalenessConfig
 from staleness.types import ManagerView
 from trajectory_server.types import AbortedTrajectory, TSStats
@@ -151,7 +152,7 @@ class ControlPlane:
                         ) from None
                     return future.result()  # being consumed as we gave up: take it
 
-    def records(self, since: int = 0) -> list[dict[str, float]]:
+    def records(self, since: int = 0) -> list[StepRecord]:
         """Per-step metric records from index ``since`` on."""
         self.check()
         return self.metrics.records[since:]

@@ -29,9 +29,9 @@ from staleflow.runtime.errors import LaunchError, PlacementError
 from staleflow.runtime.evaluation import held_out_reward
 from staleflow.runtime.fitting import Placement, fit
 from staleflow.runtime.placement import plan_placement
+from staleflow.runtime.record import StepRecord, reward_mean, trainer_idle_ratio
 from staleflow.runtime.run import Run, cause
 from staleflow.runtime.rundir import RunOutput
-from staleflow.runtime.runfolder import reward_mean  # also imported from here
 
 if TYPE_CHECKING:
     from staleflow.data import PromptDataset
@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Phase = Callable[[str], None]
+# called with the started Run; what it returns is called before the actors go away
+OnStarted = Callable[[Run], Callable[[], None] | None]
 
 __all__ = [
     "ACTOR_NAMESPACE",
@@ -59,7 +61,7 @@ __all__ = [
 @dataclass
 class RunResult:
     run_dir: Path
-    records: list[dict[str, float]]
+    records: list[StepRecord]
     summary: dict[str, Any]
     consumed: list[dict[str, Any]] = field(default_factory=list)  # per step: ids, versions
 
@@ -190,7 +192,7 @@ def build_dataset(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
 
 
 def summarise(
-    records: list[dict[str, float]], reports: list[Any], facts: dict[str, Any]
+    records: list[StepRecord], reports: list[Any], facts: dict[str, Any]
 ) -> dict[str, Any]:
     """What the final table and ``summary.json`` show."""
     if not records:
@@ -206,42 +208,19 @@ def summarise(
             tokens[int(s)] = tokens.get(int(s), 0) + int(n)
     return {
         "steps": len(records),
-        "elapsed_s": last["time/elapsed_s"],
-        "tokens_per_s": last["throughput/tokens_per_s"],
+        "elapsed_s": last.elapsed_s,
+        "tokens_per_s": last.tokens_per_s,
         "reward_start": reward_mean(records[:k]),
         "reward_end": reward_mean(records[-k:]),
         "staleness_hist": dict(sorted(staleness.items())),
         "staleness_max": max(staleness) if staleness else 0,
         "token_staleness_hist": dict(sorted(tokens.items())),
         "on_policy_tokens": set(tokens) <= {0},
-        "trainer_idle_ratio": sum(r["trainer/wait_s"] for r in records) / last["time/elapsed_s"],
-        "rollout_idle_ratio": last.get("rollout/idle_ratio"),
-        "time_share": {
-            k.removeprefix("rollout/time_share/"): v
-            for k, v in last.items()
-            if k.startswith("rollout/time_share/")
-        },
+        "trainer_idle_ratio": trainer_idle_ratio(records),
+        "rollout_idle_ratio": last.rollout_idle_ratio,
+        "time_share": last.time_shares(),
         **facts,
     }
-
-
-def _start_dashboard(cfg: RunConfig, run: Run, phase: Phase) -> Any:
-    """With ``dashboard=true``: serve the dashboard from this driver (a uvicorn thread);
-    a dashboard that cannot start is reported and the run goes on without it."""
-    if not cfg.dashboard:
-        return None
-    try:
-        from staleflow.dashboard.launch_hook import start_dashboard
-    except ImportError as exc:
-        phase(f"dashboard off: it needs pip install 'staleflow[dashboard]' ({exc})")
-        return None
-    try:
-        server = start_dashboard(cfg, run)
-    except OSError as exc:
-        phase(f"dashboard off: {exc}")
-        return None
-    phase(f"dashboard at {server.url}")
-    return server
 
 
 # -- the launch ------------------------------------------------------------------------------
@@ -250,19 +229,24 @@ def _start_dashboard(cfg: RunConfig, run: Run, phase: Phase) -> Any:
 def launch(
     cfg: RunConfig,
     *,
-    on_record: Callable[[dict[str, float]], None] | None = None,
+    on_record: Callable[[StepRecord], None] | None = None,
     on_tick: Callable[[Any], None] | None = None,
     on_phase: Phase | None = None,
+    on_started: OnStarted | None = None,
 ) -> RunResult:
     """Run ``cfg`` to the end; see the module docstring. Every message about what the
-    launch is doing goes through ``on_phase`` (one callback, for progress displays)."""
+    launch is doing goes through ``on_phase`` (one callback, for progress displays).
+    ``on_started`` is called once the actors are up (``staleflow launch`` serves the
+    dashboard there when ``cfg.dashboard``:
+    :class:`staleflow.dashboard.launch_hook.LaunchDashboard`); what it returns is called
+    before the actors go away."""
     phase = on_phase or _log_phase
     check_backends(cfg)
     preflight(cfg)
     cfg = cfg.resolved()  # each component gets its section with auto choices made
     cluster, placement = place(cfg, phase)
     try:
-        return _launch_on(cluster, placement, cfg, phase, on_record, on_tick)
+        return _launch_on(cluster, placement, cfg, phase, on_record, on_tick, on_started)
     finally:
         cluster.shutdown()
 
@@ -272,8 +256,9 @@ def _launch_on(
     placement: Placement,
     cfg: RunConfig,
     phase: Phase,
-    on_record: Callable[[dict[str, float]], None] | None,
+    on_record: Callable[[StepRecord], None] | None,
     on_tick: Callable[[Any], None] | None,
+    on_started: OnStarted | None,
 ) -> RunResult:
     from staleflow.data.layouts import DatasetError
     from staleflow.models.errors import ModelError
@@ -295,15 +280,15 @@ def _launch_on(
     out = RunOutput.create(cfg)
     phase(f"run folder {out.path}")
     run = Run(cfg, out.path, cluster=cluster, placement=placement, phase=phase)
-    records: list[dict[str, float]] = []
+    records: list[StepRecord] = []
 
-    def record(rec: dict[str, float]) -> None:
+    def record(rec: StepRecord) -> None:
         records.append(rec)
         out.record(rec)
         if on_record is not None:
             on_record(rec)
 
-    dashboard: Any = None
+    stop_watching: Callable[[], None] | None = None
     failed = True
     try:
         phase(
@@ -317,15 +302,16 @@ def _launch_on(
         except Exception as exc:  # an actor that failed to start: name it, no Ray traceback
             raise LaunchError(f"the actors could not start: {cause(exc)}") from exc
         facts["placement"] = run.placement_info
-        dashboard = _start_dashboard(cfg, run, phase)
+        if on_started is not None:
+            stop_watching = on_started(run)
         phase(f"training {cfg.steps} steps with eta={cfg.eta}")
         reports = run.train(cfg.steps, record, on_tick)
         run.save_checkpoint(out.path / "checkpoint")
         facts["audit"] = run.audit()
         failed = False
     finally:
-        if dashboard is not None:
-            dashboard.stop()  # before the actors it polls go away
+        if stop_watching is not None:
+            stop_watching()  # before the actors it polls go away
         run.shutdown()
         out.close(failed=failed)  # a launch that never trained leaves no folder behind
     if "eval_reward_start" in facts:

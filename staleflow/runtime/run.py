@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from staleflow.runtime.pools.control import ControlPool
     from staleflow.runtime.pools.parameter_server import PSPool
     from staleflow.runtime.pools.trainer import TrainerPool
+    from staleflow.runtime.record import StepRecord
 
 logger = logging.getLogger(__name__)
 
@@ -236,7 +237,7 @@ class Run:
     def train(
         self,
         steps: int,
-        on_record: Callable[[dict[str, float]], None],
+        on_record: Callable[[StepRecord], None],
         on_tick: Callable[[Any], None] | None = None,
         poll_s: float = 0.5,
     ) -> list[Any]:

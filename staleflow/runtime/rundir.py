@@ -7,7 +7,6 @@ next to the real runs. Only the files written here are removed, never anything e
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 from datetime import datetime
@@ -16,7 +15,8 @@ from typing import IO
 
 from staleflow.config import RunConfig, save_config
 from staleflow.engines.factory import ENGINE_MODEL_DIR
-from staleflow.runtime.runfolder import CONFIG, METRICS, Record
+from staleflow.runtime.record import StepRecord
+from staleflow.runtime.runfolder import CONFIG, METRICS
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +57,9 @@ class RunOutput:
     def name(self) -> str:
         return self.path.name
 
-    def record(self, rec: Record) -> None:
+    def record(self, rec: StepRecord) -> None:
         assert self._metrics is not None, "record() before create()"
-        self._metrics.write(json.dumps(rec, sort_keys=True) + "\n")
+        self._metrics.write(rec.to_json() + "\n")
         self._metrics.flush()
         self.records += 1
 

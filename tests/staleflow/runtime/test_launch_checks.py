@@ -71,7 +71,7 @@ def test_an_address_joins_that_cluster_and_none_starts_a_local_ray_sized_to_the_
     joined = init_kwargs(load_config(None, [f"address={args.address}"]).address, 4)
     assert joined["address"] == "ray://head:10001" and "num_cpus" not in joined
     local = init_kwargs("", 4)
-    assert "address" not in local and local["num_cpus"] == 4
+    assert local["address"] == "local" and local["num_cpus"] == 4  # never another's cluster
     # a local Ray always holds the plan's CPU asks (they only gate scheduling there)
     plan = plan_placement(load_config(None, ["rollout.instances=40"]))
     assert local_cpus(plan.totals()["CPU"]) >= plan.totals()["CPU"] == 40 + 1 + 1 + 1 + 2
@@ -116,16 +116,18 @@ def _placed_nowhere(cfg, phase):
 
 
 def test_the_run_folder_holds_the_resolved_config(tmp_path):
+    from staleflow.runtime.record import StepRecord, read_records
     from staleflow.runtime.rundir import RunOutput
 
     cfg = load_config(None, [f"run_dir={tmp_path}"])
     out = RunOutput.create(cfg)
-    out.record({"step": 1.0})
+    rec = StepRecord(step=1, version=0, elapsed_s=1.5, staleness={0: 8})
+    out.record(rec)
     out.close(failed=True)  # a failure after a step keeps the folder
     # rerunnable, no "auto" left to guess
     assert cfg.reward.kind == "auto"
     assert load_config(out.path / "config.yaml", []).reward.kind == "arithmetic"
-    assert (out.path / "metrics.jsonl").read_text().count("\n") == 1
+    assert read_records(out.path / "metrics.jsonl") == [rec]  # one line, read back whole
 
 
 def test_with_ones_own_checkpoint_launch_says_it_loads_it_and_warms_nothing_up(tmp_path):

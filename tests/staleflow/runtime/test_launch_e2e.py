@@ -14,7 +14,9 @@ import pytest
 
 from tests.staleflow.runtime.launch_checks import MICRO_RUN, check_run
 
-pytestmark = pytest.mark.ray
+# A real run is a dozen processes: minutes on a loaded 2-core machine (over the suite's
+# 300 s once at load 24). The timeout only stops a hang; nothing here is timed.
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(1800)]
 
 STEPS = 4
 
