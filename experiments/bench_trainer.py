@@ -46,6 +46,7 @@ from staleflow.config import TrainerConfig
 from staleflow.models import build_arithmetic_model, policy_state
 from staleflow.models.build import build_model
 from staleflow.trainers.embedded import EmbeddedTrainer
+from staleflow.trainers.interface import TOKENS_METRIC
 from trajectory_server.types import TrainingBatch, TrainingGroup, TrainingTrajectory
 
 
@@ -122,7 +123,7 @@ def bench_embedded(args, model, tokenizer, batch, endpoint) -> dict[str, Any]:
             if i:  # the first step warms up
                 steps.append(done - start)
                 exposed.append(done - trained)
-                tokens = metrics["train/tokens"]
+                tokens = metrics[TOKENS_METRIC]
         pending.wait()
     return _summary("embedded", 1, steps, pushes, exposed, tokens)
 
@@ -145,7 +146,7 @@ def _megatron_rank(rank: int, world: int, address: str, payload: dict[str, Any])
         if i:
             steps.append(time.perf_counter() - start)
             exposed.append(metrics["train/push_wait_s"])
-            tokens = metrics["train/tokens"]
+            tokens = metrics[TOKENS_METRIC]
     r.close()
     return {"steps": steps, "pushes": pushes, "exposed": exposed, "tokens": tokens}
 

@@ -15,6 +15,9 @@ import numpy as np
 
 from trajectory_server.types import TrainingBatch
 
+# The trained-token count of a step, as the trainer's own metrics name it.
+TOKENS_METRIC = "train/tokens"
+
 # Metric keys every trainer reports from ``train_step``; backends may add more under
 # ``train/``.
 METRIC_KEYS: tuple[str, ...] = (
@@ -24,7 +27,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "train/importance_weight_mean",
     "train/entropy",
     "train/kl_behav",
-    "train/tokens",
+    TOKENS_METRIC,
     "train/reward_mean",
     "train/response_len_mean",
 )

@@ -54,7 +54,7 @@ def test_launch_megatron_tp2_is_bounded_conserving_and_advancing(tmp_path):
     # the last version, a loadable checkpoint
     check_run(result, eta=3, steps=STEPS, trajectories_per_step=2 * 4)
     for rec in result.records:
-        assert rec["train/tokens"] > 0 and "train/push_wait_s" in rec
+        assert rec.tokens and rec.tokens > 0 and "train/push_wait_s" in rec.extra
     # the two ranks ran in the trainer gang's two bundles and each Pushed its own shard
     placement = result.summary["placement"]
     (gang,) = [g for g in placement["gangs"] if g["name"] == "trainer"]
@@ -73,7 +73,7 @@ def test_launch_megatron_tp2_is_bounded_conserving_and_advancing(tmp_path):
         )
     )
     assert len(resumed.records) == 2
-    assert all(rec["train/tokens"] > 0 for rec in resumed.records)
+    assert all(rec.tokens and rec.tokens > 0 for rec in resumed.records)
     assert set(resumed.summary["audit"]["ps_latest"].values()) == {2}
 
 
