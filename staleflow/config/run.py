@@ -171,17 +171,9 @@ class RunConfig:
                 f"data.tokenizer={data.tokenizer!r} replaces the tokenizer of model.checkpoint, "
                 "which is not set: set model.checkpoint too, or drop data.tokenizer"
             )
-        for key, backend, gpu in (
-            ("rollout.backend", rollout.backend, "sglang"),
-            ("trainer.backend", self.trainer.backend, "megatron"),
-        ):
-            require(
-                backend != gpu or bool(model.checkpoint),
-                key,
-                backend,
-                f"needs a Hugging Face checkpoint: set model.checkpoint, or use {key}=embedded",
-            )
-        if rollout.backend == "embedded":
+        # (a vLLM/SGLang rollout of the built-in policy loads it from the run folder; the
+        # megatron trainer builds its model from the policy's HF config, the built-in too)
+        if rollout.backend in ("embedded", "vllm"):  # both size their KV cache to it
             require(
                 rollout.tensor_parallel == 1,
                 "rollout.tensor_parallel",
@@ -243,6 +235,7 @@ class RunConfig:
             group_size=self.group_size,
             group_redundancy=self.group_redundancy,
             batch_redundancy=self.batch_redundancy,
+            temperature=self.rollout.temperature,
         )
 
 
@@ -257,7 +250,7 @@ def config_warnings(config: RunConfig) -> list[str]:
         )
     kv_budget = config.coordinator.cost_model.kv_budget
     if (
-        config.rollout.backend == "embedded"
+        config.rollout.backend in ("embedded", "vllm")
         and kv_budget is not None
         and kv_budget != config.rollout.kv_budget_tokens
     ):

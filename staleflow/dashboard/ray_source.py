@@ -39,6 +39,7 @@ from staleflow.dashboard.interface import (
 )
 from staleflow.dashboard.timeline import InstanceObservation, Recorder, SeqLog
 from staleflow.runtime.cluster import ACTOR_NAMESPACE, actor_name
+from staleflow.runtime.record import StepRecord, idle_ratio
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class _State:
     ps: Any = None  # parameter_server.store.StoreInfo
     finished: bool = False
     error: str = ""
+    phase: str | None = None
 
 
 class RaySource:
@@ -103,7 +105,7 @@ class RaySource:
         self._notes = notes
         self._placement = dict(placement or {})
         self._recorder = Recorder()
-        self._records: SeqLog[Mapping[str, float]] = SeqLog(maxlen=1_000_000)
+        self._records: SeqLog[StepRecord] = SeqLog(maxlen=1_000_000)
         self._state = _State()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -265,7 +267,7 @@ class RaySource:
             steps=live.steps,
         )
         with self._lock:
-            self._state = _State(live=live, ts=ts, times=times, ps=ps)
+            self._state = _State(live=live, ts=ts, times=times, ps=ps, phase=self._state.phase)
         return True
 
     def _follow_recoveries(self) -> None:
@@ -304,6 +306,11 @@ class RaySource:
             except Exception as exc:
                 logger.debug("instance %d did not answer: %s", i, exc)
         return out
+
+    def set_phase(self, text: str | None) -> None:
+        """What the launcher is doing now (``LiveView.phase``); any thread."""
+        with self._lock:
+            self._state.phase = text
 
     def _failed(self, exc: BaseException) -> bool:
         errors = self._ray.exceptions
@@ -369,21 +376,22 @@ class RaySource:
         notes = [st.error] if st.error else []
         live = st.live
         if live is None:
-            return LiveView(None, (), st.ts, None, 0, 0.0, st.finished, notes=tuple(notes))
+            return LiveView(
+                None, (), st.ts, None, 0, 0.0, st.finished, notes=tuple(notes), phase=st.phase
+            )
         snaps = {s.inst: s for s in live.instances}
         ids = sorted(set(snaps) | set(self._instances))
         details = []
         for i in ids:
             t = st.times.get(i)
             snap = snaps.get(i)
-            busy = (t.idle_s + t.busy_s) if t is not None else 0.0
             details.append(
                 InstanceDetail(
                     inst=i,
                     version=snap.inst_version if snap is not None else None,
                     snapshot=snap,
                     measured_tokens_per_s=self._recorder.rates.get(i),
-                    idle_ratio=t.idle_s / busy if t is not None and busy > 0 else None,
+                    idle_ratio=idle_ratio(t.idle_s, t.busy_s) if t is not None else None,
                     pending_commands=live.pending.get(i, 0),
                     last_cycle_commands=None,
                     commands_total=dict(live.commands.get(i, {})),
@@ -403,9 +411,10 @@ class RaySource:
             discarded=live.discarded,
             pending_commands=sum(live.pending.values()),
             notes=tuple(notes),
+            phase=st.phase,
         )
 
-    def records(self, since: int, limit: int) -> Page[Mapping[str, float]]:
+    def records(self, since: int, limit: int) -> Page[StepRecord]:
         return self._records.page(since, limit)
 
     def load(self, since: int, limit: int) -> Page[LoadSample]:

@@ -8,7 +8,9 @@ actor                         component
 trajectory server             ``trajectory_server.actor`` (already a service + client)
 ``RolloutActor`` x N          :class:`~staleflow.runtime.instance_host.InstanceHost`
 ``RewardActor`` x W           :class:`~staleflow.runtime.reward_stage.RewardStage`
-``TrainerActor``              :class:`~staleflow.runtime.training.TrainingLoop`
+``TrainerActor``              :class:`~staleflow.runtime.training.TrainingLoop` over
+                              the embedded trainer
+``PoolTrainerActor``          the same loop over a pool of rank actors (Megatron)
 ``ControlActor``              :class:`~staleflow.runtime.control.ControlPlane`
                               (``staleflow.runtime.control_actor``)
 ============================  ===========================================================
@@ -403,7 +405,29 @@ class RewardActor:
         return os.getpid()
 
 
-class TrainerActor:
+class _TrainingHost:
+    """What the trainer actors share: the training loop (``TrainingLoop``) and the
+    trainer's part of a run checkpoint, written by ``self.trainer`` when the driver asks
+    (the control plane's checkpoint cuts, ``docs/recovery.md``)."""
+
+    trainer: Any
+    _loop: Any
+
+    def run(self, steps: int) -> list[StepReport]:
+        return self._loop.run(steps)
+
+    def version(self) -> int:
+        return int(self.trainer.version)
+
+    def save_checkpoint(self, path: str) -> str:
+        self.trainer.save_checkpoint(path)
+        return path
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class TrainerActor(_TrainingHost):
     """The embedded trainer: one rank that Pushes every version to every PS replica (the
     one on its own node over shared memory, the others over NIXL or TCP). It runs with
     two threads: ``run`` holds one, and ``save_checkpoint`` / ``refill_ps`` may come on the
@@ -454,24 +478,31 @@ class TrainerActor:
         """The transport each replica's Push takes (after any fallback)."""
         return self._replicas.transports()
 
-    def version(self) -> int:
-        return int(self.trainer.version)
-
-    def run(self, steps: int) -> list[StepReport]:
-        return self._loop.run(steps)
-
-    def save_checkpoint(self, path: str) -> str:
-        self.trainer.save_checkpoint(path)
-        return path
-
     def refill_ps(self) -> int:
         """A PS replica was restarted: give it the newest weights (the trainer's own);
         returns how many replicas took them."""
         return self._replicas.refill(self.trainer.export_weights(), self.trainer.version)
 
-    def pid(self) -> int:
-        return os.getpid()
-
     def stop(self) -> None:
         self._pusher.close(timeout=30)
         self._replicas.close()
+
+
+class PoolTrainerActor(_TrainingHost):
+    """The training loop over a pool of rank actors (``trainer.backend=megatron``):
+    ``driver`` is the pool's :class:`~staleflow.runtime.training.StepDriver`. The ranks take
+    their parts of each batch from the TS and Push their own shards; this actor moves only
+    group ids and metrics."""
+
+    def __init__(self, spec: TrainerSpec, driver: Any, control_handle: Any) -> None:
+        from staleflow.runtime.training import TrainingLoop
+
+        self.trainer = driver
+        self._loop = TrainingLoop(
+            driver,
+            control=ControlClient(control_handle),
+            consume_timeout_s=spec.consume_timeout_s,
+        )
+
+    def stop(self) -> None:
+        self.trainer.close()

@@ -16,7 +16,10 @@ named by ``rollout.backend`` / ``trainer.backend``:
   (``ctx, spec, ps, control, recovery``: ``recovery`` says how its ranks find a restarted
   PS replica), returning a :class:`staleflow.runtime.pools.trainer.TrainerPool`, whose
   ``save_checkpoint`` writes the trainer's part of a run checkpoint; ``ranks`` says how
-  many bundles the trainer gang needs, from the ``trainer`` section alone (no imports).
+  many bundles the trainer gang needs, from the ``trainer`` section alone (no imports);
+  ``check`` (optional, ``"module:function"``) takes the whole :class:`RunConfig` and
+  raises a ``ValueError`` naming the key and the fix for settings the backend cannot run
+  (it runs in :func:`check_backends`, before Ray is joined or a model loaded).
 
 Importing this module imports no backend. A backend absent here is refused by
 :func:`check_backends` before anything starts, never replaced by another one.
@@ -39,17 +42,29 @@ def _one_rank(trainer: TrainerConfig) -> int:
     return 1
 
 
+def _parallel_ranks(trainer: TrainerConfig) -> int:
+    return trainer.dp * trainer.tp * trainer.pp
+
+
 @dataclass(frozen=True)
 class TrainerBackend:
     pool: str  # "module:function" building the trainer pool
     ranks: Callable[[TrainerConfig], int] = _one_rank
+    check: str = ""  # "module:function" refusing settings the backend cannot run
 
 
 ENGINE_BUILDERS: dict[str, str] = {
     "embedded": "staleflow.runtime.components:build_embedded_engine",
+    "vllm": "staleflow.runtime.components:build_served_engine",
+    "sglang": "staleflow.runtime.components:build_served_engine",
 }
 TRAINER_POOLS: dict[str, TrainerBackend] = {
     "embedded": TrainerBackend("staleflow.runtime.pools.trainer:build_embedded_pool"),
+    "megatron": TrainerBackend(
+        "staleflow.runtime.pools.megatron:build_megatron_pool",
+        ranks=_parallel_ranks,
+        check="staleflow.trainers.megatron.checks:check_run",
+    ),
 }
 
 
@@ -83,6 +98,20 @@ def check_backends(cfg: RunConfig) -> None:
                 f"{key}={value} is not implemented in staleflow launch yet (it builds: "
                 f"{built}): use {key}={next(iter(hooks))}"
             )
+    # The engine's own settings (installed? model folder? TP vs GPUs?), by key and fix.
+    from staleflow.engines.preflight import BackendSettingError, check_rollout_backend
+
+    try:
+        check_rollout_backend(cfg)
+    except BackendSettingError as exc:
+        raise LaunchError(str(exc)) from None
+    # The trainer's (installed? does its parallelism split this model?), the same way.
+    check = trainer_backend(cfg.trainer.backend).check
+    if check:
+        try:
+            load_hook(check)(cfg)
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from None
 
 
 def engine_builder(backend: str) -> str:

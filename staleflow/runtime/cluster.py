@@ -155,7 +155,7 @@ def init_kwargs(address: str, local_cpus: float) -> dict[str, Any]:
     """``ray.init`` arguments: join ``address`` when set, else start a local Ray of our
     own: without an address ``ray.init`` would join the last cluster ``ray start`` left on
     this machine (ray 2.60 ``ray.init`` docstring, "local"), where ``num_cpus`` is
-    refused and other jobs' actors live."""
+    refused and another job's actors share the slots."""
     kwargs: dict[str, Any] = {"log_to_driver": True, "include_dashboard": False}
     if address:
         kwargs["address"] = address

@@ -9,7 +9,7 @@ here, lazily, by name.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -43,6 +43,9 @@ class RolloutSpec:
     max_seq_len: int  # longest prompt + rollout.max_response_tokens
     kv_budget_tokens: int  # rollout.kv_budget_tokens, raised to hold one whole trajectory
     seed: int
+    # rollout.vllm / rollout.sglang resolved by the driver (model folder, log folder);
+    # empty for the embedded engine
+    engine_options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def layout(self) -> dict[str, Any]:
@@ -51,11 +54,15 @@ class RolloutSpec:
 
 @dataclass(frozen=True, slots=True)
 class EnginePlacement:
-    """Where an engine may put its TP workers: the instance's placement group and the
-    indices of its bundles beyond the first (which the instance's own actor holds)."""
+    """Where an engine runs: its instance id, the instance's placement group and the
+    indices of its bundles beyond the first (which the instance's own actor holds, for TP
+    workers), and the route to the PS replica it Pulls from (engines whose TP ranks pull
+    their own shards need it)."""
 
     placement_group: Any  # ray.util.placement_group.PlacementGroup
     tp_bundles: tuple[int, ...] = ()
+    inst: int = 0
+    pull: Any = None  # parameter_server.replicas.ReplicaRoute
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,14 +137,12 @@ def build_architecture(spec: ModelSpec, seed: int = 0) -> Any:
 # -- components --------------------------------------------------------------------------
 
 
-def build_embedded_engine(spec: RolloutSpec, seed: int, placement: EnginePlacement) -> Any:
-    """The ``embedded`` rollout backend (one CPU process; ``placement`` has no TP bundles)."""
-    from staleflow.engines import engine_class
-    from staleflow.engines.embedded import EmbeddedEngineConfig
+def engine_settings(spec: RolloutSpec, seed: int) -> Any:
+    """The settings every engine shares (capacity, sampling), from the rollout spec."""
+    from staleflow.engines.settings import EngineSettings
 
     r = spec.rollout
-    model = build_architecture(spec.model, seed)
-    config = EmbeddedEngineConfig(
+    return EngineSettings(
         kv_budget_tokens=spec.kv_budget_tokens,
         max_running=r.max_running,
         max_seq_len=spec.max_seq_len,
@@ -145,28 +150,36 @@ def build_embedded_engine(spec: RolloutSpec, seed: int, placement: EnginePlaceme
         top_p=r.top_p,
         eos_token_id=spec.model.eos_token_id,
         seed=seed,
-        num_threads=r.num_threads,
     )
-    return engine_class("embedded")(model, config)
 
 
-def embedded_trainer_config(trainer: TrainerConfig, seed: int) -> Any:
-    """The embedded trainer's settings from the ``trainer`` section."""
-    from staleflow.trainers.embedded import EmbeddedTrainerConfig
+def build_embedded_engine(spec: RolloutSpec, seed: int, placement: EnginePlacement) -> Any:
+    """The ``embedded`` rollout backend (one CPU process; ``placement`` has no TP bundles)."""
+    from dataclasses import asdict
 
-    return EmbeddedTrainerConfig(
-        lr=trainer.lr,
-        weight_decay=trainer.weight_decay,
-        max_grad_norm=trainer.max_grad_norm,
-        eps_low=trainer.eps_low,
-        eps_high=trainer.eps_high,
-        off_policy=trainer.off_policy,
-        is_cap=trainer.is_cap,
-        is_cap_mode=trainer.is_cap_mode,
-        advantage=trainer.advantage,
-        micro_batch_size=trainer.micro_batch_size,
-        updates_per_step=trainer.updates_per_step,
-        seed=seed,
+    from staleflow.engines import engine_class
+    from staleflow.engines.embedded import EmbeddedEngineConfig
+
+    config = EmbeddedEngineConfig(
+        **asdict(engine_settings(spec, seed)), num_threads=spec.rollout.num_threads
+    )
+    return engine_class("embedded")(build_architecture(spec.model, seed), config)
+
+
+def build_served_engine(spec: RolloutSpec, seed: int, placement: EnginePlacement) -> Any:
+    """The ``vllm`` and ``sglang`` rollout backends: an engine over the model folder that
+    ``spec.engine_options`` names (resolved by the driver), imported only here."""
+    from staleflow.engines.factory import build_engine
+
+    pull = placement.pull
+    return build_engine(
+        spec.rollout.backend,
+        engine_settings(spec, seed),
+        spec.engine_options,
+        inst=placement.inst,
+        ps_endpoint=None if pull is None else pull.endpoint,
+        transport="auto" if pull is None else pull.intended,
+        layout=spec.layout,
     )
 
 
@@ -178,11 +191,8 @@ def build_embedded_trainer(spec: TrainerSpec, weights: Mapping[str, np.ndarray])
     load_policy_state(model, weights)
     # the tokenizer goes into every checkpoint, so that model.checkpoint=<it> can resume
     tokenizer = tokenizer_from_spec(spec.model.tokenizer)
-    return trainer_class("embedded")(
-        model,
-        embedded_trainer_config(spec.trainer, spec.seed),
-        pad_id=spec.model.pad_token_id,
-        tokenizer=tokenizer,
+    return trainer_class("embedded").from_section(
+        model, spec.trainer, pad_id=spec.model.pad_token_id, seed=spec.seed, tokenizer=tokenizer
     )
 
 

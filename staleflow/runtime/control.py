@@ -55,6 +55,7 @@ from staleflow.runtime.interface import (
 from staleflow.runtime.members import Members
 from staleflow.runtime.metrics import StepMetrics
 from staleflow.runtime.planes import RuntimePlanes
+from staleflow.runtime.record import StepRecord
 from staleness import ConsumedBatch, StalenessConfig, StalenessManager
 from staleness.types import ManagerView, TrajId
 from trajectory_server.types import AbortedTrajectory, InstanceId, TSStats
@@ -135,7 +136,7 @@ class ControlPlane:
         holders: Mapping[int, InstanceId] | None = None,
         versions: Mapping[int, int] | None = None,
         manager: StalenessManager | None = None,
-        records: Sequence[Mapping[str, float]] = (),
+        records: Sequence[StepRecord] = (),
     ) -> None:
         self.config = config
         self.members = Members(instances, holders)
@@ -162,7 +163,7 @@ class ControlPlane:
         self.executor = self.loop.executor
         self.metrics = StepMetrics(list(instances), clock())
         self.metrics.continue_from(records)
-        self.recovery = RecoveryLog(records[-1] if records else None)
+        self.recovery = RecoveryLog(records[-1].extra if records else None)
         self.fleet = FleetOps(self.members, self.loop, self.planes, ts, self.recovery, self._event)
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -259,7 +260,7 @@ class ControlPlane:
                         ) from None
                     return future.result()  # being consumed as we gave up: take it
 
-    def records(self, since: int = 0) -> list[dict[str, float]]:
+    def records(self, since: int = 0) -> list[StepRecord]:
         """Per-step metric records from index ``since`` on."""
         self.check()
         return self.metrics.records[since:]
@@ -470,7 +471,7 @@ class ControlPlane:
             ps_version=min(self.loop.latest_version(), version),
             staleness=staleness,
             trajectories=trajectories,
-            metrics=tuple(dict(r) for r in self.metrics.records),
+            metrics=tuple(r.to_flat() for r in self.metrics.records),
             final=final,
         )
         logger.info("cut taken after step %d (version %d)", self._cut.steps, version)
@@ -506,7 +507,7 @@ class ControlPlane:
                 times[i] = self.members[i].times()
             except InstanceGone as exc:
                 self._post_lost(exc, ())
-        rec = self.metrics.on_step(
+        self.metrics.on_step(
             report,
             now=self._clock(),
             instance_times=times,
@@ -516,8 +517,8 @@ class ControlPlane:
             # asked now, not read from the last cycle's snapshot: a whole step can fit in
             # one coordinator period, and the record would then miss the newest Pull
             instance_versions={s.inst: s.inst_version for s in self._snapshots()},
+            totals=self.recovery.totals(),
         )
-        rec.update(self.recovery.totals())
 
     # -- diagnostics -------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from coordinator.types import InstanceSnapshot
 from staleflow.recovery.events import RecoveryEvent
 from staleflow.runtime.actors import InstanceClient, _ray, gone
 from staleflow.runtime.interface import InstanceGone, Rewarded, StepReport
+from staleflow.runtime.record import StepRecord
 from staleness.types import ConsumedBatch
 from trajectory_server.types import AbortedTrajectory
 
@@ -101,7 +102,7 @@ class ControlActor:
             gather=gather,
             run_round=lambda actions: list(pool.map(lambda a: a(), actions)),
             manager=None if staleness is None else StalenessManager.restore(staleness),
-            records=records,
+            records=[StepRecord.from_flat(r) for r in records],
         )
         self._plane.start()
 
@@ -135,7 +136,7 @@ class ControlActor:
     def trained(self, report: StepReport) -> None:
         self._plane.trained(report)
 
-    def records(self, since: int = 0) -> list[dict[str, float]]:
+    def records(self, since: int = 0) -> list[StepRecord]:
         return self._plane.records(since)
 
     def live(self) -> LiveState:

@@ -67,6 +67,7 @@ class InstanceHost:
     ) -> None:
         self.inst = inst
         self.holder: InstanceId = inst if holder is None else holder
+        self._engine = engine
         self._ts = ts
         self._weights = weights
         self.instance = RolloutInstance(
@@ -143,6 +144,12 @@ class InstanceHost:
         return tuple(self.instance.abort(traj_ids))
 
     def pull(self, at_least: int) -> int:
+        if getattr(self._engine, "pulls_from_parameter_server", False):
+            # The engine's own workers fetch the weights (SGLang's TP ranks): only the
+            # version number passes through here.
+            version = self._weights.latest_version(at_least)  # type: ignore[attr-defined]
+            self.instance.load_version(version)
+            return version
         started = time.perf_counter()
         version, weights = self._weights.fetch(at_least)
         self.instance.add_command_time("pull", time.perf_counter() - started)

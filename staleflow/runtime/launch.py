@@ -32,15 +32,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from staleflow.config import RunConfig
-from staleflow.runtime.backends import check_backends, trainer_backend
+from staleflow.runtime.backends import check_backends
 from staleflow.runtime.cluster import ACTOR_NAMESPACE, RayCluster, local_cpus
 from staleflow.runtime.errors import LaunchError, PlacementError
 from staleflow.runtime.evaluation import held_out_reward
 from staleflow.runtime.fitting import Placement, fit
 from staleflow.runtime.placement import plan_placement
+from staleflow.runtime.record import StepRecord, reward_mean, trainer_idle_ratio
 from staleflow.runtime.run import Run, cause
 from staleflow.runtime.rundir import RunOutput
-from staleflow.runtime.runfolder import reward_mean  # also imported from here
 from staleflow.runtime.stopping import graceful_stop
 
 if TYPE_CHECKING:
@@ -51,6 +51,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Phase = Callable[[str], None]
+# called with the started Run; what it returns is called before the actors go away
+OnStarted = Callable[[Run], Callable[[], None] | None]
 
 __all__ = [
     "ACTOR_NAMESPACE",
@@ -71,7 +73,7 @@ __all__ = [
 @dataclass
 class RunResult:
     run_dir: Path
-    records: list[dict[str, float]]
+    records: list[StepRecord]
     summary: dict[str, Any]
     consumed: list[dict[str, Any]] = field(default_factory=list)  # per step: ids, versions
     stopped: bool = False  # asked to stop before its step count: resume it
@@ -105,7 +107,7 @@ def place(cfg: RunConfig, phase: Phase = _log_phase) -> tuple[RayCluster, Placem
     """Join (or start) the Ray cluster and fit the placement plan to its nodes; print both.
     Raises :class:`LaunchError` when the address does not answer and
     :class:`PlacementError` naming what is missing when the cluster cannot hold the plan."""
-    plan = plan_placement(cfg, trainer_backend(cfg.trainer.backend).ranks(cfg.trainer))
+    plan = plan_placement(cfg)
     # a local Ray keeps room for two more rollout instances (staleflow scale)
     spare = 2 * cfg.rollout.tensor_parallel * cfg.resources.rollout.cpus
     cluster = RayCluster.connect(cfg.address, local_cpus(plan.totals().get("CPU", 0.0) + spare))
@@ -206,7 +208,7 @@ def build_dataset(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
 
 
 def summarise(
-    records: list[dict[str, float]], reports: list[Any], facts: dict[str, Any]
+    records: list[StepRecord], reports: list[Any], facts: dict[str, Any]
 ) -> dict[str, Any]:
     """What the final table and ``summary.json`` show."""
     if not records:
@@ -222,42 +224,19 @@ def summarise(
             tokens[int(s)] = tokens.get(int(s), 0) + int(n)
     return {
         "steps": len(records),
-        "elapsed_s": last["time/elapsed_s"],
-        "tokens_per_s": last["throughput/tokens_per_s"],
+        "elapsed_s": last.elapsed_s,
+        "tokens_per_s": last.tokens_per_s,
         "reward_start": reward_mean(records[:k]),
         "reward_end": reward_mean(records[-k:]),
         "staleness_hist": dict(sorted(staleness.items())),
         "staleness_max": max(staleness) if staleness else 0,
         "token_staleness_hist": dict(sorted(tokens.items())),
         "on_policy_tokens": set(tokens) <= {0},
-        "trainer_idle_ratio": sum(r["trainer/wait_s"] for r in records) / last["time/elapsed_s"],
-        "rollout_idle_ratio": last.get("rollout/idle_ratio"),
-        "time_share": {
-            k.removeprefix("rollout/time_share/"): v
-            for k, v in last.items()
-            if k.startswith("rollout/time_share/")
-        },
+        "trainer_idle_ratio": trainer_idle_ratio(records),
+        "rollout_idle_ratio": last.rollout_idle_ratio,
+        "time_share": last.time_shares(),
         **facts,
     }
-
-
-def _start_dashboard(cfg: RunConfig, run: Run, phase: Phase) -> Any:
-    """With ``dashboard=true``: serve the dashboard from this driver (a uvicorn thread);
-    a dashboard that cannot start is reported and the run goes on without it."""
-    if not cfg.dashboard:
-        return None
-    try:
-        from staleflow.dashboard.launch_hook import start_dashboard
-    except ImportError as exc:
-        phase(f"dashboard off: it needs pip install 'staleflow[dashboard]' ({exc})")
-        return None
-    try:
-        server = start_dashboard(cfg, run)
-    except OSError as exc:
-        phase(f"dashboard off: {exc}")
-        return None
-    phase(f"dashboard at {server.url}")
-    return server
 
 
 # -- the launch ------------------------------------------------------------------------------
@@ -266,19 +245,24 @@ def _start_dashboard(cfg: RunConfig, run: Run, phase: Phase) -> Any:
 def launch(
     cfg: RunConfig,
     *,
-    on_record: Callable[[dict[str, float]], None] | None = None,
+    on_record: Callable[[StepRecord], None] | None = None,
     on_tick: Callable[[Any], None] | None = None,
     on_phase: Phase | None = None,
     resume: Checkpoint | None = None,
     stop: threading.Event | None = None,
     handle_signals: bool = False,
+    on_started: OnStarted | None = None,
 ) -> RunResult:
     """Run ``cfg`` to the end; see the module docstring. Every message about what the
     launch is doing goes through ``on_phase`` (one callback, for progress displays).
 
     ``resume``: a checkpoint :func:`staleflow.runtime.resume.check_resume` verified, with
     the configuration it returned. ``stop``: set it to stop the run gracefully;
-    ``handle_signals`` sets it on SIGINT and SIGTERM (a second one stops at once)."""
+    ``handle_signals`` sets it on SIGINT and SIGTERM (a second one stops at once).
+    ``on_started`` is called once the actors are up (``staleflow launch`` serves the
+    dashboard there when ``cfg.dashboard``:
+    :class:`staleflow.dashboard.launch_hook.LaunchDashboard`); what it returns is called
+    before the actors go away."""
     phase = on_phase or _log_phase
     check_backends(cfg)
     preflight(cfg)
@@ -288,7 +272,9 @@ def launch(
     try:
         # after Ray joined: ray.init installs a SIGTERM handler of its own
         with graceful_stop(stop, phase) if handle_signals else contextlib.nullcontext():
-            return _launch_on(cluster, placement, cfg, phase, on_record, on_tick, resume, stop)
+            return _launch_on(
+                cluster, placement, cfg, phase, on_record, on_tick, on_started, resume, stop
+            )
     finally:
         cluster.shutdown()
 
@@ -334,8 +320,9 @@ def _launch_on(
     placement: Placement,
     cfg: RunConfig,
     phase: Phase,
-    on_record: Callable[[dict[str, float]], None] | None,
+    on_record: Callable[[StepRecord], None] | None,
     on_tick: Callable[[Any], None] | None,
+    on_started: OnStarted | None,
     resume: Checkpoint | None,
     stop: threading.Event,
 ) -> RunResult:
@@ -346,15 +333,15 @@ def _launch_on(
         out = RunOutput.resume(resume.path.parents[1], cfg, resume.metrics, resume.version)
     phase(f"run folder {out.path}")
     run = Run(cfg, out.path, cluster=cluster, placement=placement, phase=phase)
-    records: list[dict[str, float]] = list(resume.metrics) if resume is not None else []
+    records = [StepRecord.from_flat(r) for r in resume.metrics] if resume is not None else []
 
-    def record(rec: dict[str, float]) -> None:
+    def record(rec: StepRecord) -> None:
         records.append(rec)
         out.record(rec)
         if on_record is not None:
             on_record(rec)
 
-    dashboard: Any = None
+    stop_watching: Callable[[], None] | None = None
     failed = True
     try:
         phase(
@@ -368,7 +355,8 @@ def _launch_on(
         except Exception as exc:  # an actor that failed to start: name it, no Ray traceback
             raise LaunchError(f"the actors could not start: {cause(exc)}") from exc
         facts["placement"] = run.placement_info
-        dashboard = _start_dashboard(cfg, run, phase)
+        if on_started is not None:
+            stop_watching = on_started(run)
         todo = cfg.steps - run.steps_before
         phase(f"training {todo} steps with eta={cfg.eta}" + (" (resumed)" if resume else ""))
         reports = run.train(todo, record, on_tick, stop=stop)
@@ -378,8 +366,8 @@ def _launch_on(
         facts["audit"] = run.audit()
         failed = False
     finally:
-        if dashboard is not None:
-            dashboard.stop()  # before the actors it polls go away
+        if stop_watching is not None:
+            stop_watching()  # before the actors it polls go away
         run.shutdown()
         out.close(failed=failed)  # a launch that never trained leaves no folder behind
     if "eval_reward_start" in facts and not stopped:

@@ -86,12 +86,33 @@ def check_resume(
             f"{ck.path} has no trainer/ part: it cannot restore the policy; resume from an "
             "earlier checkpoint (--resume RUN_DIR/checkpoints/step-...)"
         )
+    _check_trainer_part(cfg, ck)
     if ck.steps >= cfg.steps:
         raise ResumeError(
             f"the run already took its {cfg.steps} steps ({ck.steps} in {ck.path.name}): "
             f"resume with steps=N for N > {ck.steps} to train more"
         )
     return cfg, ck
+
+
+def _check_trainer_part(cfg: RunConfig, ck: Checkpoint) -> None:
+    """The trainer part must be the one ``trainer.backend`` loads: the embedded trainer's
+    files, or the Megatron pool's distributed checkpoint in ``trainer/megatron``."""
+    from staleflow.trainers.megatron.pool import MEGATRON_DIR
+
+    assert ck.trainer_dir is not None
+    megatron = (ck.trainer_dir / MEGATRON_DIR).is_dir()
+    backend = cfg.trainer.backend
+    if backend == "megatron" and not megatron:
+        raise ResumeError(
+            f"{ck.path} was written by the embedded trainer (no trainer/{MEGATRON_DIR}/ "
+            "distributed checkpoint): resume it with trainer.backend=embedded"
+        )
+    if backend != "megatron" and megatron:
+        raise ResumeError(
+            f"{ck.path} was written by the Megatron trainer pool (trainer/{MEGATRON_DIR}/): "
+            f"trainer.backend={backend} cannot load it; resume with trainer.backend=megatron"
+        )
 
 
 def restore_state(cfg: RunConfig, ck: Checkpoint, dataset: PromptDataset) -> ResumePoint:

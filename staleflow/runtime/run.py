@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from staleflow.runtime.pools.rewards import RewardPool
     from staleflow.runtime.pools.rollout import RolloutPool
     from staleflow.runtime.pools.trainer import TrainerPool
+    from staleflow.runtime.record import StepRecord
     from staleflow.runtime.resume import ResumePoint
     from staleflow.runtime.supervisor import Supervisor
 
@@ -62,17 +63,36 @@ def control_config(cfg: RunConfig) -> ControlConfig:
     return ControlConfig(cfg.staleness_config(), coordinator, checkpoint_every=cfg.checkpoint_every)
 
 
-def rollout_spec(cfg: RunConfig, model: ModelSpec, dataset: PromptDataset) -> RolloutSpec:
+def rollout_spec(
+    cfg: RunConfig,
+    model: ModelSpec,
+    dataset: PromptDataset,
+    *,
+    run_dir: Path,
+    policy: Any = None,
+    tokenizer: Any = None,
+) -> RolloutSpec:
+    """The rollout pool's spec; for vLLM / SGLang it resolves their options once, here in
+    the driver (the model folder they load: ``model.checkpoint``, or ``policy`` saved into
+    the run folder; the folder for their logs)."""
     from staleflow.runtime.components import RolloutSpec
 
     r = cfg.rollout
     longest = int(dataset.prompt_lengths.max()) + r.max_response_tokens
+    options: dict[str, Any] = {}
+    if r.backend != "embedded":
+        from staleflow.engines.factory import engine_options
+
+        options = engine_options(
+            r, checkpoint=cfg.model.checkpoint, run_dir=run_dir, model=policy, tokenizer=tokenizer
+        )
     return RolloutSpec(
         model=model,
         rollout=r,
         max_seq_len=longest,
         kv_budget_tokens=max(r.kv_budget_tokens, longest),
         seed=cfg.seed,
+        engine_options=options,
     )
 
 
@@ -227,7 +247,9 @@ class Run:
         )
         self.rollout = build_rollout(
             ctx,
-            rollout_spec(cfg, spec, dataset),
+            rollout_spec(
+                cfg, spec, dataset, run_dir=self.run_dir, policy=model, tokenizer=tokenizer
+            ),
             self.ps,
             self.control,
             self.reward_pool.live(),
@@ -287,7 +309,9 @@ class Run:
         )
         pushes = self.trainer.push_transports()
         trainer_nodes = {rank: self.placement.node_of(rank) for rank in pushes}
-        lines, weights = describe_weights(self.ps, pulls, pushes, layout, trainer_nodes)
+        lines, weights = describe_weights(
+            self.ps, pulls, pushes, layout, trainer_nodes, self.trainer.push_bytes()
+        )
         for line in lines:
             self._phase(line)
         self.placement_info = {**self.placement.as_dict(), "weights": weights}
@@ -298,7 +322,7 @@ class Run:
     def train(
         self,
         steps: int,
-        on_record: Callable[[dict[str, float]], None],
+        on_record: Callable[[StepRecord], None],
         on_tick: Callable[[Any], None] | None = None,
         poll_s: float = 0.5,
         stop: threading.Event | None = None,
@@ -366,12 +390,18 @@ class Run:
         state = RunState(
             cut.steps, cut.version, cut.ps_version, cut.staleness, cut.trajectories, cut.metrics
         )
-        path = write_checkpoint(
-            self.run_dir,
-            state,
-            trainer=lambda folder: trainer.save_checkpoint(str(folder)),
-            keep=self.cfg.recovery.keep,
-        )
+        try:
+            path = write_checkpoint(
+                self.run_dir,
+                state,
+                trainer=lambda folder: trainer.save_checkpoint(str(folder)),
+                keep=self.cfg.recovery.keep,
+            )
+        except Exception as exc:  # the earlier checkpoints are untouched: name them
+            raise LaunchError(
+                f"could not write the checkpoint of step {cut.steps}: {cause(exc)}; "
+                f"{self._resume_hint()}"
+            ) from exc
         self.checkpoints.append(path)
         control = self.control.control
         control.note.remote("checkpoint", "run", f"{path.name}: step {cut.steps}")

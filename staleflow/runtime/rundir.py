@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
+import shutil
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import IO
 
 from staleflow.config import RunConfig, save_config
-from staleflow.runtime.runfolder import CONFIG, METRICS, Record
+from staleflow.engines.factory import ENGINE_MODEL_DIR
+from staleflow.runtime.record import StepRecord
+from staleflow.runtime.runfolder import CONFIG, METRICS
 
 AUDIT = "audit.jsonl"  # with recovery.audit_log: every consumed trajectory
 
@@ -58,13 +61,13 @@ class RunOutput:
 
     @classmethod
     def resume(
-        cls, path: Path, cfg: RunConfig, records: Sequence[Record], version: int
+        cls, path: Path, cfg: RunConfig, records: Sequence[Mapping[str, float]], version: int
     ) -> RunOutput:
         """The folder of a run resumed from a checkpoint of ``records`` steps at
         ``version``: ``metrics.jsonl`` goes back to those records and ``audit.jsonl`` to
         the batches before ``version`` (the steps after the checkpoint are done again);
         ``config.yaml`` takes the configuration the run goes on with."""
-        _rewrite(path / METRICS, [json.dumps(r, sort_keys=True) for r in records])
+        _rewrite(path / METRICS, [StepRecord.from_flat(r).to_json() for r in records])
         audit = path / AUDIT
         if audit.is_file():
             with audit.open(encoding="utf-8") as f:
@@ -80,9 +83,9 @@ class RunOutput:
     def name(self) -> str:
         return self.path.name
 
-    def record(self, rec: Record) -> None:
+    def record(self, rec: StepRecord) -> None:
         assert self._metrics is not None, "record() before create()"
-        self._metrics.write(json.dumps(rec, sort_keys=True) + "\n")
+        self._metrics.write(rec.to_json() + "\n")
         self._metrics.flush()
         self.records += 1
 
@@ -97,6 +100,9 @@ class RunOutput:
     def discard(self) -> None:
         for name in (CONFIG, METRICS):
             (self.path / name).unlink(missing_ok=True)
+        # the built-in policy saved for vLLM / SGLang to load: ours, and large; an engine's
+        # logs are kept (with the warning below), they say why the start failed
+        shutil.rmtree(self.path / ENGINE_MODEL_DIR, ignore_errors=True)
         try:
             self.path.rmdir()
             if self._made_parent and not any(self.path.parent.iterdir()):

@@ -330,7 +330,7 @@ def test_wait_ready_blocks_without_polling_and_wakes_on_occupy():
     m.add_ready_listener(woke.append)
     t = threading.Thread(target=lambda: (time.sleep(0.05), m.complete(0, 0)))
     t.start()
-    assert m.wait_ready(timeout=5)
+    assert m.wait_ready()  # blocks until the thread's Occupy
     t.join()
     assert woke == [0]
 

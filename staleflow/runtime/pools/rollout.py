@@ -53,19 +53,23 @@ class RolloutPool:
     tag: str = ""
 
 
-def plan_slots(ctx: PoolContext) -> list[Slot]:
-    """The rollout gangs of the placement, one slot each."""
+def plan_slots(ctx: PoolContext, ps: PSPool) -> list[Slot]:
+    """The rollout gangs of the placement, one slot each, Pulling from the PS replica on
+    its node."""
     out = []
-    for placed in ctx.placement.pool("rollout"):
+    for i, placed in enumerate(ctx.placement.pool("rollout")):
         role = placed.gang.roles[0]
+        node = placed.nodes[0]
         out.append(
             Slot(
                 role,
-                placed.nodes[0],
+                node,
                 ctx.options(role, process_env(1)),
                 EnginePlacement(
                     ctx.reservation.group(placed.gang.name),
                     tuple(range(1, len(placed.gang.roles))),
+                    inst=i,
+                    pull=ps.local(node),
                 ),
             )
         )
@@ -85,7 +89,7 @@ def build_rollout(
 ) -> RolloutPool:
     """The instances, once each has built its engine and loaded ``at_least`` or newer."""
     pool = RolloutPool(spec, engine_builder(spec.rollout.backend), recovery, {}, {}, {}, tag)
-    for i, slot in enumerate(plan_slots(ctx)):
+    for i, slot in enumerate(plan_slots(ctx, ps)):
         pool.slots[i] = slot
         spawn_instance(ctx, pool, i, 0, ps, control, rewards, at_least)
     ctx.ray.get([h.times.remote() for h in pool.actors.values()])  # built and serving
@@ -163,7 +167,7 @@ def new_slot(ctx: PoolContext, cfg: RunConfig, ps: PSPool, inst: int, wait_s: fl
         }
         if bundle.group.resource:
             options["resources"] = {bundle.group.resource: NODE_RESOURCE_SHARE}
-        placement = EnginePlacement(pg, tuple(range(1, tp)))
+        placement = EnginePlacement(pg, tuple(range(1, tp)), inst=inst, pull=ps.local(node))
         return Slot(f"instance/{inst}", node, options, placement, owned=True)
     raise LaunchError(
         f"no room for another rollout instance ({tp} x {bundle.describe()}) on the nodes "

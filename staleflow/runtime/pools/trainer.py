@@ -1,6 +1,7 @@
 """The trainer pool, chosen by ``trainer.backend``
 (:data:`staleflow.runtime.backends.TRAINER_POOLS`). The embedded one is a single rank
-that Pushes each version to every PS replica."""
+that Pushes each version to every PS replica; the Megatron one is in
+:mod:`staleflow.runtime.pools.megatron`."""
 
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ class TrainerPool(Protocol):
         """Per rank, the transport each PS replica's Push takes."""
         ...
 
+    def push_bytes(self) -> dict[str, dict[str, int]] | None:
+        """Per rank, the bytes each PS replica gets from it per version, for a pool that
+        plans its own Push (ranks holding shards); None when every rank holds the whole
+        model and the launcher's Push plan (App. A.2) says who sends what."""
+        ...
+
     def stop(self) -> None: ...
 
 
@@ -67,6 +74,9 @@ class EmbeddedTrainerPool:
 
     def refill_ps(self) -> None:
         self._ray.get(self._actor.refill_ps.remote())
+
+    def push_bytes(self) -> None:
+        return None
 
     def stop(self) -> None:
         self._ray.get(self._actor.stop.remote(), timeout=30)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -42,8 +43,8 @@ def test_a_run_stopped_at_step_k_and_resumed_trains_its_steps_once(tmp_path):
     )
     stop = threading.Event()
 
-    def stop_at_k(rec: dict[str, float]) -> None:
-        if rec["step"] >= STOP_AT:
+    def stop_at_k(rec: Any) -> None:  # a StepRecord
+        if rec.step >= STOP_AT:
             stop.set()
 
     first = launch(cfg, on_record=stop_at_k, stop=stop)
@@ -69,7 +70,7 @@ def test_a_run_stopped_at_step_k_and_resumed_trains_its_steps_once(tmp_path):
     second = launch(resumed_cfg, resume=ck)
     assert not second.stopped
     records = second.records
-    assert [r["step"] for r in records] == list(range(1, k + MORE + 1))  # metrics continue
+    assert [r.step for r in records] == list(range(1, k + MORE + 1))  # metrics continue
     assert [s["version"] for s in second.consumed] == list(range(k, k + MORE))
     ids: Counter[int] = Counter()
     for step in first.consumed + second.consumed:
@@ -86,7 +87,7 @@ def test_a_run_stopped_at_step_k_and_resumed_trains_its_steps_once(tmp_path):
         audit["created"]
         == audit["consumed"] + audit["aborted"] + audit["queued"] + audit["completed"]
     )
-    assert records[-1]["recovery/resumed"] == 1.0
+    assert records[-1].extra["recovery/resumed"] == 1.0
 
 
 def _members(staleness):

@@ -154,3 +154,20 @@ def test_status_shows_where_a_run_can_resume_from(run_dir, tmp_path):
     assert "not a StaleFlow run" in " ".join(text.split())
     console.print(resume_view(tmp_path))
     assert "cannot be resumed" in console.export_text()
+
+
+def test_a_checkpoint_of_another_trainer_backend_is_refused(run_dir, capsys):
+    """The embedded trainer's part cannot start a Megatron pool, nor the reverse: the
+    reason names the key to set."""
+    before = _snapshot(run_dir)
+    _refused(capsys, [str(run_dir), "trainer.backend=megatron"], "trainer.backend=embedded")
+    assert _snapshot(run_dir) == before
+
+    def megatron_part(folder: Path) -> None:  # what the Megatron pool writes there
+        _trainer_part(folder)
+        (folder / "megatron").mkdir()
+        (folder / "megatron" / "common.pt").write_bytes(b"sharded")
+
+    write_checkpoint(run_dir, busy_run().state([{"step": 1.0}]), trainer=megatron_part)
+    with pytest.raises(ResumeError, match="trainer.backend=megatron"):
+        check_resume(run_dir)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+from staleflow.runtime.record import read_records
+
 # A CI-sized run: the micro model untrained, 2 groups of 4 a step, 8-token responses.
 MICRO_RUN = [
     "model.preset=micro",
@@ -32,14 +34,13 @@ def check_run(result, eta: int, steps: int, trajectories_per_step: int) -> None:
         audit["consumed"] + audit["aborted"] + audit["queued"] + audit["completed"]
     ), audit
     # instances moved to newer weights as the PS advanced
-    versions = [
-        max(v for k, v in rec.items() if k.startswith("rollout/version/")) for rec in result.records
-    ]
+    versions = [max(rec.instance_version.values()) for rec in result.records]
     assert versions == sorted(versions), versions  # an instance never loads older weights
     # the last batch (version steps - 1) admits nothing older than steps - 1 - eta, so some
     # instance must have loaded at least that version from the PS before the step's record
     assert versions[-1] >= max(1, steps - 1 - eta), versions
-    assert (result.run_dir / "metrics.jsonl").is_file()
+    # metrics.jsonl holds exactly the records the run streamed
+    assert read_records(result.run_dir / "metrics.jsonl") == result.records
     assert (result.run_dir / "config.yaml").is_file()
     # the checkpoint is a complete policy: model.checkpoint=<it> resumes from it
     from staleflow.models.checkpoint import load_pretrained

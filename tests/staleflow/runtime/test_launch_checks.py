@@ -10,10 +10,16 @@ from staleflow.config import load_config
 from staleflow.runtime.launch import LaunchError, launch
 
 
-@pytest.mark.parametrize(
-    "override", ["rollout.backend=sglang", "trainer.backend=megatron"], ids=["sglang", "megatron"]
-)
-def test_a_backend_launch_cannot_build_is_refused_by_name(tmp_path, override):
+def _without_megatron(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every backend the config names is built now; take one away to see the refusal."""
+    from staleflow.runtime import backends
+
+    monkeypatch.delitem(backends.TRAINER_POOLS, "megatron")
+
+
+@pytest.mark.parametrize("override", ["trainer.backend=megatron"], ids=["megatron"])
+def test_a_backend_launch_cannot_build_is_refused_by_name(tmp_path, monkeypatch, override):
+    _without_megatron(monkeypatch)
     cfg = load_config(None, [override, "model.checkpoint=/models/m", f"run_dir={tmp_path}"])
     key = override.split("=")[0]
     with pytest.raises(LaunchError, match=rf"{key}=\w+ is not implemented .* use {key}=embedded"):
@@ -45,13 +51,14 @@ def test_a_prompt_file_that_cannot_be_read_is_a_launch_error(tmp_path):
         launch(cfg)
 
 
-def test_the_cli_prints_the_refusal(tmp_path, capsys):
+def test_the_cli_prints_the_refusal(tmp_path, capsys, monkeypatch):
     from staleflow.cli import main
 
-    argv = ["launch", "rollout.backend=sglang", "model.checkpoint=/models/m", "--no-live"]
+    _without_megatron(monkeypatch)
+    argv = ["launch", "trainer.backend=megatron", "model.checkpoint=/models/m", "--no-live"]
     assert main([*argv, f"run_dir={tmp_path}", "--no-dashboard"]) == 1
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
-    assert "staleflow launch failed: rollout.backend=sglang is not implemented" in out
+    assert "staleflow launch failed: trainer.backend=megatron is not implemented" in out
 
 
 def test_an_address_joins_that_cluster_and_none_starts_a_local_ray_sized_to_the_plan():
@@ -109,16 +116,18 @@ def _placed_nowhere(cfg, phase):
 
 
 def test_the_run_folder_holds_the_resolved_config(tmp_path):
+    from staleflow.runtime.record import StepRecord, read_records
     from staleflow.runtime.rundir import RunOutput
 
     cfg = load_config(None, [f"run_dir={tmp_path}"])
     out = RunOutput.create(cfg)
-    out.record({"step": 1.0})
+    rec = StepRecord(step=1, version=0, elapsed_s=1.5, staleness={0: 8})
+    out.record(rec)
     out.close(failed=True)  # a failure after a step keeps the folder
     # rerunnable, no "auto" left to guess
     assert cfg.reward.kind == "auto"
     assert load_config(out.path / "config.yaml", []).reward.kind == "arithmetic"
-    assert (out.path / "metrics.jsonl").read_text().count("\n") == 1
+    assert read_records(out.path / "metrics.jsonl") == [rec]  # one line, read back whole
 
 
 def test_with_ones_own_checkpoint_launch_says_it_loads_it_and_warms_nothing_up(tmp_path):

@@ -98,12 +98,13 @@ def test_every_actor_lands_where_its_plan_says_and_weights_take_the_planned_rout
     from staleflow.config import load_config
     from staleflow.dashboard.ray_source import RaySource
     from staleflow.runtime.launch import launch
+    from staleflow.runtime.record import StepRecord
 
     c, node = cluster
     cfg = load_config(None, [*COMMON, f"address={c.address}", f"run_dir={tmp_path}"])
     seen: dict[str, object] = {}
 
-    def on_record(rec: dict[str, float]) -> None:
+    def on_record(rec: StepRecord) -> None:
         if seen:
             return
         run = next(tmp_path.iterdir()).name

@@ -11,12 +11,15 @@ about it (rewards, partials) are dropped too, not fatal.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
 from tests.staleflow.runtime.launch_checks import MICRO_RUN, check_run
 
-pytestmark = pytest.mark.ray
+# A real run is a dozen processes: minutes on a loaded 2-core machine (over the suite's
+# 300 s once at load 24). The timeout only stops a hang; nothing here is timed.
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(1800)]
 
 STEPS = 4
 
@@ -96,7 +99,8 @@ def test_a_dead_rollout_actor_is_restarted_and_instances_join_and_leave(tmp_path
     phase = {"name": "grow", "at": 0}
     left: dict[int, str] = {}
 
-    def elastic(rec: dict[str, float]) -> None:
+    def elastic(record: Any) -> None:  # a StepRecord; its flat form names instances' keys
+        rec = record.to_flat()
         records.append(rec)
         step = int(rec["step"])
         if phase["name"] == "grow" and step >= 1:

@@ -27,6 +27,7 @@ from staleflow.recovery.restore import restore_run
 from staleflow.runtime.control import ControlConfig, ControlPlane
 from staleflow.runtime.instance_host import InstanceHost
 from staleflow.runtime.interface import InstanceGone
+from staleflow.runtime.record import StepRecord
 from staleflow.runtime.reward_stage import RewardStage
 from staleflow.runtime.serialized import Serialized
 from staleflow.runtime.training import TrainingLoop
@@ -264,7 +265,7 @@ def test_a_lost_instance_costs_only_the_tokens_since_its_last_report():
     assert w.ts.routed_to("0.0") == ()
     events = [e for e in w.control.events() if e.kind == "instance_lost"]
     assert [e.subject for e in events] == ["instance/0"] and "engine exploded" in events[0].detail
-    last = w.control.records()[-1]
+    last = w.control.records()[-1].extra
     assert last["recovery/instance_lost"] == 1.0
     assert last["recovery/tokens_kept"] == 5 * len(reported)
     assert last["recovery/requeued"] == held
@@ -391,14 +392,14 @@ def test_stop_cut_and_resume_keep_every_partial_and_the_bound(tmp_path):
         ts=ts,
         manager=manager,
         trainer_version=ck.version,
-        records=ck.metrics,
+        records=[StepRecord.from_flat(r) for r in ck.metrics],
     )
     out2 = start(w2, steps - ck.steps)
     second = finish(w2, out2)
     assert len(first) + len(second) == steps  # the same number of steps in all
     assert [r.version for r in second] == list(range(ck.steps, steps))
     records = w2.control.records()
-    assert [r["step"] for r in records] == list(range(1, steps + 1))  # metrics continue
+    assert [r.step for r in records] == list(range(1, steps + 1))  # metrics continue
     seen = check_bounded_and_once(second, w2.trainer.batches)
     before = {t.traj_id for b in w.trainer.batches for g in b.groups for t in g.trajectories}
     assert not before & set(seen)  # nothing consumed before is consumed again

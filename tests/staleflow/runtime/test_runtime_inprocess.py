@@ -185,7 +185,7 @@ def test_every_consumed_trajectory_is_within_eta_and_nothing_is_lost(eta):
     assert max(max(e.loads) for e in w.engines.values()) >= 5 - eta
     records = w.control.records()
     assert len(records) == 6
-    assert all(rec["staleness/max"] <= eta for rec in records)
+    assert all(rec.staleness_max is not None and rec.staleness_max <= eta for rec in records)
 
 
 def test_consume_for_the_wrong_version_is_refused_with_a_clear_error():

@@ -7,14 +7,15 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from staleflow.config import TrainerConfig  # noqa: E402
 from staleflow.models.build import build_arithmetic_model  # noqa: E402
-from staleflow.trainers.embedded import EmbeddedTrainer, EmbeddedTrainerConfig  # noqa: E402
+from staleflow.trainers.embedded import EmbeddedTrainer  # noqa: E402
 
 
 def _trainer(seed: int) -> EmbeddedTrainer:
     model, tokenizer = build_arithmetic_model("micro", seed=seed)
     return EmbeddedTrainer(
-        model, EmbeddedTrainerConfig(lr=1e-2), pad_id=tokenizer.pad_id, tokenizer=tokenizer
+        model, TrainerConfig(lr=1e-2), pad_id=tokenizer.pad_id, tokenizer=tokenizer
     )
 
 
