@@ -169,5 +169,5 @@ def test_a_checkpoint_of_another_trainer_backend_is_refused(run_dir, capsys):
         (folder / "megatron" / "common.pt").write_bytes(b"sharded")
 
     write_checkpoint(run_dir, busy_run().state([{"step": 1.0}]), trainer=megatron_part)
-    with pytest.raises(ResumeError, match="trainer.backend=megatron"):
+    with pytest.raises(ResumeError, match=r"trainer\.backend=megatron"):
         check_resume(run_dir)
