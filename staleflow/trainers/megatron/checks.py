@@ -36,10 +36,16 @@ def check_installed() -> None:
 
 
 def check_run(cfg: RunConfig) -> None:
-    """Everything checkable from the configuration alone: megatron-core installed, and
-    the policy (its HF config: ``model.checkpoint``'s ``config.json``, or the built-in
+    """Everything checkable from the configuration alone: megatron-core installed, no
+    audit log asked of it (``recovery.audit_log``), and the policy (its HF config: ``model.checkpoint``'s ``config.json``, or the built-in
     preset's) trainable at ``trainer.tp`` (:func:`check_policy`)."""
     check_installed()
+    if cfg.recovery.audit_log:  # the ranks take their batches from the TS themselves
+        raise ValueError(
+            "recovery.audit_log=true is written by the embedded trainer, which sees every "
+            "batch; the Megatron ranks fetch theirs from the TS: set recovery.audit_log=false "
+            "or trainer.backend=embedded"
+        )
     hf = policy_config(cfg.model)
     if hf is not None:
         check_policy(cfg.trainer, hf, cfg.model)

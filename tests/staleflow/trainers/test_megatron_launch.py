@@ -187,6 +187,15 @@ def test_a_checkpoint_of_another_architecture_stops_launch(tmp_path):
         check_backends(cfg)
 
 
+def test_an_audit_log_is_refused_for_the_megatron_pool(tmp_path):
+    """``recovery.audit_log`` is the embedded trainer's (it sees every batch): asked of a
+    Megatron run it is refused by name before anything starts, not silently left empty."""
+    from staleflow.runtime.launch import LaunchError, check_backends
+
+    with pytest.raises(LaunchError, match=r"recovery\.audit_log=false"):
+        check_backends(_config(tmp_path, "recovery.audit_log=true"))
+
+
 def test_megatron_core_missing_stops_launch(tmp_path, monkeypatch):
     import importlib.util
 
