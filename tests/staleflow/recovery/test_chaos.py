@@ -43,10 +43,16 @@ SEED = 20261124
 RUN = [
     *MICRO_RUN,
     f"eta={ETA}",
-    # nucleus sampling keeps the untrained model from its EOS: every response runs to 64
-    # tokens, so the instances are always busy and the stop cuts responses in the middle
+    # the rollout must be the slowest stage, so that the stop (sent just after a step's
+    # record) always finds responses in the middle: the tiny model (about 5 ms a token
+    # here), untrained, kept from its EOS by nucleus sampling, so that every response runs
+    # to 128 tokens, decoded one at a time per instance. With the micro model and whole
+    # batches decoded at once, every response of a batch was often finished and waiting
+    # for its reward when the stop came.
+    "model.preset=tiny",
     "rollout.top_p=0.05",
-    "rollout.max_response_tokens=64",
+    "rollout.max_response_tokens=128",
+    "rollout.max_running=1",
     "recovery.progress_every_s=0.2",
     "recovery.audit_log=true",
     "eval_problems=0",
