@@ -93,8 +93,12 @@ def _ray_records(address: str, run: str) -> tuple[dict[str, str], dict[str, list
 
 
 def test_every_actor_lands_where_its_plan_says_and_weights_take_the_planned_routes(
-    cluster, tmp_path
+    cluster, tmp_path, monkeypatch
 ):
+    # Ray's state API lets RAY_ADDRESS override the address it is given (ray 2.60,
+    # ray/dashboard/utils.py, get_address_for_submission_client): with RAY_ADDRESS=local
+    # and other Ray instances on the machine it cannot tell which one is meant
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     from staleflow.config import load_config
     from staleflow.dashboard.ray_source import RaySource
     from staleflow.runtime.launch import launch
