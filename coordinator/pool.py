@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Sequence
+from operator import attrgetter
 
 from coordinator.types import TrajectoryView
 from staleness.types import GroupId, TrajId
 
 Level = tuple[int | None, list[TrajectoryView]]
+_V_TRAJ = attrgetter("v_traj")
 
 
 class TrajectoryPool:
@@ -44,16 +46,27 @@ class TrajectoryPool:
 
     def _index(self) -> dict[int | None, list[TrajectoryView]]:
         if self._base is None:
-            levels: dict[int | None, list[TrajectoryView]] = {}
             xt, xg = self._excluded_trajs, self._excluded_groups
-            for t in self._ts:
-                if (xt and t.traj_id in xt) or (xg and t.group_id in xg):
-                    continue
-                level = levels.get(t.v_traj)
-                if level is None:
-                    levels[t.v_traj] = [t]
-                else:
-                    level.append(t)
+            ts = self._ts
+            if xt or xg:
+                ts = [t for t in ts if t.traj_id not in xt and t.group_id not in xg]
+            # Per-trajectory work in C (map over an attribute getter): this runs every cycle
+            # over every trajectory waiting in the TS, and usually finds one level only.
+            versions = list(map(_V_TRAJ, ts))
+            distinct = set(versions)
+            levels: dict[int | None, list[TrajectoryView]]
+            if len(distinct) <= 1:
+                levels = {v: list(ts) for v in distinct}
+            else:  # usually few partials among many initial ones: pick those out
+                levels = {v: [] for v in distinct if v is not None}
+                initial = []
+                for t, v in zip(ts, versions, strict=True):
+                    if v is None:
+                        initial.append(t)
+                    else:
+                        levels[v].append(t)
+                if None in distinct:
+                    levels[None] = initial
             self._base = levels
         return self._base
 

@@ -7,7 +7,9 @@ from typing import Protocol
 
 from coordinator.config import CoordinatorConfig
 from coordinator.cost_model import CostModel
+from coordinator.critical import CriticalPath
 from coordinator.drain_sync import DrainGlobalSync
+from coordinator.estimation import SpeedEstimator
 from coordinator.fleet import Fleet
 from coordinator.migration import Migration, NoMigration, ThroughputMigration
 from coordinator.pool import TrajectoryPool
@@ -53,13 +55,20 @@ class Strategies:
     # Set only by synchronisation strategies that need routing to pause (drain-then-Pull);
     # None keeps Algorithm 1 as the paper writes it.
     hold: RoutingHold | None = None
+    # Per-instance speed learned from snapshots (coordinator/estimation.py); None: every
+    # instance follows the profiled cost model.
+    estimator: SpeedEstimator | None = None
+    # The oldest buffer's tail moved where it finishes soonest (coordinator/critical.py).
+    critical: CriticalPath | None = None
 
 
 def build_strategies(config: CoordinatorConfig) -> Strategies:
     cost = config.cost_model.build()
-    throughput_routing = ThroughputRouting(cost, config.mu)
+    throughput_routing = ThroughputRouting(cost, config.mu, config.fill_steps)
     routing: RoutingStrategy = (
-        throughput_routing if config.routing == "throughput" else LeastLoadedRouting(cost)
+        throughput_routing
+        if config.routing == "throughput"
+        else LeastLoadedRouting(cost, sticky=config.routing == "sticky")
     )
     # Algorithm 4's tentative routing is the paper's routing strategy, whichever strategy
     # routes for real: it asks whether a Pull would let throughput-worthy work in.
@@ -69,15 +78,38 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
         # Without proactive migration a Pull is the only way a queue leaves an instance, so
         # the sync strategy then also releases queues beyond phi_wait (sync.py).
         release = config.phi_wait if config.migration == "vanilla" else None
-        sync = ThroughputSync(throughput_routing, release)
+        sync = ThroughputSync(throughput_routing, release, config.pull_kv)
     elif config.synchronization == "drain":
         drain = DrainGlobalSync()  # it also holds routing until the fleet has drained
         sync, hold = drain, drain
     else:
         sync = GreedySync()
     migration: MigrationStrategy = (
-        ThroughputMigration(cost, config.phi_wait, config.phi_throughput)
+        ThroughputMigration(
+            cost,
+            config.phi_wait,
+            config.phi_throughput,
+            config.mu if config.improving_moves else None,
+        )
         if config.migration == "throughput"
         else NoMigration()
     )
-    return Strategies(sync=sync, migration=migration, routing=routing, cost=cost, hold=hold)
+    # Only the throughput-oriented strategies compare instances by speed; an all-vanilla
+    # combination has no use for the estimate.
+    uses_speed = "throughput" in (config.routing, config.synchronization, config.migration)
+    estimator = SpeedEstimator(cost) if config.estimation and uses_speed else None
+    # The critical-path rule moves trajectories: part of the throughput migration slot.
+    critical = (
+        CriticalPath(cost, speedup=config.critical_speedup, fill_steps=config.fill_steps or 0)
+        if config.critical_speedup is not None and config.migration == "throughput"
+        else None
+    )
+    return Strategies(
+        sync=sync,
+        migration=migration,
+        routing=routing,
+        cost=cost,
+        hold=hold,
+        estimator=estimator,
+        critical=critical,
+    )
