@@ -30,6 +30,7 @@ from staleflow.sim.engine import EngineCosts, SimInstance, SimTrajectory
 from staleflow.sim.planes import SimPlanes
 from staleflow.sim.summary import Summary, summarise
 from staleflow.sim.trainer import SimTrainer, TrainerCosts
+from staleflow.sim.truth import instance_truths
 from staleflow.sim.workload import SyntheticWorkload, TraceWorkload, WorkloadConfig
 from staleness import ConsumedBatch, Outcome, StalenessConfig, StalenessManager
 from trajectory_server import TrajectoryServer, TrajectoryServerConfig, TrajState
@@ -91,8 +92,12 @@ class SimCluster:
             self.workload,
         )
         cost = config.coordinator.cost_model.build()
+        # What each engine really does (speed, estimate error, ...; sim/truth.py).
+        truths = instance_truths(cost, config.engine.truth, config.instances, config.seed)
         self.instances = {
-            i: SimInstance(i, cost, config.engine, np.random.default_rng([config.seed, i]))
+            i: SimInstance(
+                i, cost, config.engine, np.random.default_rng([config.seed, i]), truths[i]
+            )
             for i in range(config.instances)
         }
         self.trainer = SimTrainer(config.trainer)
@@ -220,7 +225,7 @@ class SimCluster:
         self.batches.append(batch)
         ids = [g.group_id for g in batch.groups]
         taken = self.ts.take_batch(ids)
-        tokens = 0
+        tokens = squares = 0
         for group in taken.groups:
             lengths = tuple(len(tr.tokens) for tr in group.trajectories)
             self.trained.append((group.sample_id, len(group.prompt), lengths))
@@ -229,13 +234,14 @@ class SimCluster:
                     self.duplicates.append(tr.traj_id)
                 self.consumed.add(tr.traj_id)
                 tokens += len(group.prompt) + len(tr.tokens)
+                squares += (len(group.prompt) + len(tr.tokens)) ** 2  # attention's cost
                 self.response_lengths.append(len(tr.tokens))
         for gid in batch.aborted_groups:
             if _has_group(self.ts, gid):
                 self.ts.abort_group(gid)
         if batch.aborted_groups:
             self.coordinator.request_abort(groups=batch.aborted_groups)
-        self._push(self.trainer.start_step(t, tokens), TRAIN_DONE, None)
+        self._push(self.trainer.start_step(t, tokens, squares), TRAIN_DONE, None)
 
     # -- invariants -------------------------------------------------------------------
 

@@ -11,6 +11,12 @@ per-instance step counter, never updated one by one.
 When the cache is full, the most recently admitted trajectories are preempted into the
 front of the waiting queue and release their KV (recompute preemption, as vLLM and SGLang
 do); re-admission costs a re-prefill of the whole prefix, like a Route after an Interrupt.
+
+The step latency above is what the coordinator *estimates*. What the instance really does
+comes from its :class:`~staleflow.sim.truth.InstanceTruth` (a per-instance speed, an
+estimate error, slowdown episodes, a measured profile or step trace); without one it
+follows the estimate. Either way the instance records how far the estimate was from what
+it did, period by period (``InstanceTimes.estimate_error``), the figure Appendix B.2 reports.
 """
 
 from __future__ import annotations
@@ -18,12 +24,13 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from coordinator.cost_model import CostModel
 from coordinator.types import InstanceSnapshot
+from staleflow.sim.truth import EngineTruth, InstanceTruth, ScaledCost
 from trajectory_server.types import PartialTrajectory, RoutedTrajectory
 
 
@@ -37,12 +44,15 @@ class EngineCosts:
     compute-bound in prefill). ``b = 0`` is a flat per-token cost.
     pull_s: one Pull (bytes / bandwidth + latency), blocking the instance.
     noise: sigma of a lognormal multiplicative factor drawn per chunk (0: exact model).
+    truth: how the engines' decode steps differ from the coordinator's cost model
+    (``staleflow.sim.truth``); the default is no difference.
     """
 
     prefill_s_per_token: float = 6.0e-5
     pull_s: float = 3.0
     noise: float = 0.0
     prefill_s_per_token_sq: float = 0.0
+    truth: EngineTruth = field(default_factory=EngineTruth)
 
     def __post_init__(self) -> None:
         for name in ("prefill_s_per_token", "prefill_s_per_token_sq", "pull_s", "noise"):
@@ -113,6 +123,14 @@ class InstanceTimes:
     idle: float = 0.0
     tokens: int = 0
     preemptions: int = 0
+    # Appendix B.2's figure: mean over periods with decoding of |estimated - actual| /
+    # actual throughput, the estimate being the coordinator's model on the same steps.
+    error_sum: float = 0.0
+    error_periods: int = 0
+
+    @property
+    def estimate_error(self) -> float:
+        return self.error_sum / self.error_periods if self.error_periods else 0.0
 
 
 Finished = Callable[[float, "SimInstance", SimTrajectory], None]
@@ -128,9 +146,11 @@ class SimInstance:
         cost: CostModel,
         costs: EngineCosts,
         rng: np.random.Generator,
+        truth: InstanceTruth | None = None,
     ) -> None:
         self.inst_id = inst_id
         self.cost, self.costs, self.rng = cost, costs, rng
+        self.truth = truth or InstanceTruth(ScaledCost(cost))
         self.version = 0
         self.clock = 0.0
         self.steps = 0
@@ -209,6 +229,8 @@ class SimInstance:
     def advance(self, horizon: float, finished: Finished) -> None:
         """Run whole decode steps until ``horizon`` (the last one may end past it)."""
         c, times = self.cost, self.times
+        step, slow = self.truth.step, self.truth.slowdowns
+        actual = estimated = 0.0  # decode seconds this call, and the estimate's for them
         while self.clock < horizon:
             if self._debt > 0.0:
                 self.clock += self._debt
@@ -219,23 +241,31 @@ class SimInstance:
             if n == 0:
                 times.idle += horizon - self.clock
                 self.clock = horizon
-                return
+                break
             kv = self.kv
             if kv + c.k5 * n > c.kv_budget and n > 1:
                 self._preempt()
                 continue
             to_full = max(1, int((c.kv_budget - kv) // (c.k5 * n)))
             to_done = self._finish[0][0] - self.steps
-            first = c.k1 * kv + max(c.k2, c.k3 * n) + c.k4  # latency of the first step
-            growth = c.k1 * c.k5 * n  # added to the latency by each further step
+            first = step.latency(n, kv)  # latency of the first step
+            growth = step.kv_slope(n) * c.k5 * n  # added to the latency by each further step
             f = math.exp(self.costs.noise * self.rng.standard_normal()) if self.costs.noise else 1.0
+            if slow is not None:
+                f *= slow.factor(self.clock)
             k = min(to_full, to_done, _steps_within((horizon - self.clock) / f, first, growth))
             duration = f * (k * first + growth * k * (k - 1) / 2.0)
+            est_first = c.k1 * kv + max(c.k2, c.k3 * n) + c.k4
+            estimated += k * est_first + c.k1 * c.k5 * n * k * (k - 1) / 2.0
+            actual += duration
             self.clock += duration
             times.decode += duration
             times.tokens += n * k
             self.steps += k
             self._complete_due(finished)
+        if estimated > 0.0:
+            times.error_sum += abs(actual - estimated) / estimated
+            times.error_periods += 1
 
     def _complete_due(self, finished: Finished) -> None:
         while self._finish and self._finish[0][0] <= self.steps:
