@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Sequence
-from operator import attrgetter
+from itertools import compress, repeat
+from operator import attrgetter, is_, is_not
 
 from coordinator.types import TrajectoryView
 from staleness.types import GroupId, TrajId
@@ -50,23 +51,20 @@ class TrajectoryPool:
             ts = self._ts
             if xt or xg:
                 ts = [t for t in ts if t.traj_id not in xt and t.group_id not in xg]
-            # Per-trajectory work in C (map over an attribute getter): this runs every cycle
-            # over every trajectory waiting in the TS, and usually finds one level only.
+            # Per-trajectory work in C (map / compress over the TS's list): this runs every
+            # cycle over every trajectory waiting in the TS, most of them initial.
             versions = list(map(_V_TRAJ, ts))
-            distinct = set(versions)
-            levels: dict[int | None, list[TrajectoryView]]
-            if len(distinct) <= 1:
-                levels = {v: list(ts) for v in distinct}
-            else:  # usually few partials among many initial ones: pick those out
-                levels = {v: [] for v in distinct if v is not None}
-                initial = []
-                for t, v in zip(ts, versions, strict=True):
-                    if v is None:
-                        initial.append(t)
+            levels: dict[int | None, list[TrajectoryView]] = {}
+            initial = list(compress(ts, map(is_, versions, repeat(None))))
+            if len(initial) < len(ts):
+                for t in compress(ts, map(is_not, versions, repeat(None))):
+                    level = levels.get(t.v_traj)
+                    if level is None:
+                        levels[t.v_traj] = [t]
                     else:
-                        levels[v].append(t)
-                if None in distinct:
-                    levels[None] = initial
+                        level.append(t)
+            if initial:
+                levels[None] = initial
             self._base = levels
         return self._base
 
