@@ -18,7 +18,7 @@ from coordinator.fleet import Fleet
 from coordinator.gains import FILL_BONUS, GainTable, routing_gains, spare
 from coordinator.pool import TrajectoryPool
 from coordinator.routing import ThroughputRouting, VersionBuckets
-from tests.coordinator.builders import COST, initial, instance, manager, snapshot
+from tests.coordinator.builders import COST, initial, instance, manager, partial, snapshot
 
 HEAVY = [1_000] * 80
 
@@ -50,6 +50,13 @@ def test_mu_withholds_from_a_busy_instance_only_without_the_fill_rule() -> None:
     assert route(snap, initial(1), fill_steps=None) == []  # Algorithm 3: withheld
     assert route(snap, initial(1), fill_steps=100) == [0]  # KV to spare: routed
     assert route(snap, initial(1), fill_steps=300) == []  # 300 steps would not fit
+
+
+def test_the_fill_rule_leaves_partial_trajectories_to_mu() -> None:
+    snap = snapshot(instance(0, 3, HEAVY))
+    assert route(snap, [partial(3, 100)], fill_steps=None) == []
+    assert route(snap, [partial(3, 100)], fill_steps=100) == []  # a prefix to re-prefill
+    assert route(snap, initial(1), fill_steps=100) == [0]
 
 
 def test_the_fill_rule_prefers_any_instance_with_room_then_gains() -> None:
