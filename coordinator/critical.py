@@ -109,9 +109,8 @@ def _oldest_on_instances(
     """The lowest ``V_traj`` in flight (on an instance or partial in the TS) and the
     trajectories of that version on instances, with their positions, when they are the
     tail of their version (at most one per instance, counting those in the TS); none
-    otherwise. ``map`` over an
-    attribute getter keeps the per-trajectory work in C: this runs every cycle over every
-    trajectory in flight."""
+    otherwise. ``map`` over an attribute getter keeps the per-trajectory work in C: this
+    runs every cycle over every trajectory in flight."""
     partial = [v for v, _ in pool.levels() if v is not None]
     oldest = min(partial) if partial else None
     versions: list[list[int]] = []

@@ -106,8 +106,9 @@ def simulate(run: Run) -> dict[str, Any]:
         "estimate_error": s.estimate_error,
         "max_staleness": max(s.max_staleness_per_batch, default=0),
         "audit_max_staleness": audit.max_staleness,
+        "audit_max_staleness_oldest_token": audit.max_staleness_oldest_token,
         "audit_trajectories": audit.trajectories,
-        "audit_violations": len(audit.violations),
+        "audit_older_later_tokens": len(audit.older_later_tokens),
         "conservation_problems": len(problems),
         "stalled": s.stalled,
         "commands": s.commands,
@@ -345,7 +346,7 @@ def cell_rows(
                         "baseline_trainer_busy_steady": stats(
                             [r["trainer_busy_steady"] for r in cell_runs if r["system"] == base]
                         )["mean"],
-                        "audit_max_staleness": max(r["audit_max_staleness"] for r in cell_runs),
+                        "audit_max_staleness": max(_audited(r) for r in cell_runs),
                         "seeds": len(ratios),
                     }
                 )
@@ -397,21 +398,25 @@ def verdict_lines(
                 else ""
             )
         )
-    bad = [r for r in rows if r["audit_max_staleness"] > r["eta"] or r["audit_violations"]]
+    bad = [r for r in rows if _audited(r) > r["eta"]]
+    strict = sum("audit_max_staleness_oldest_token" in r for r in rows)
+    failing = "; ".join(
+        f"{r['workload']} {r['system']} eta={r['eta']} seed={r['seed']}: {_audited(r)}" for r in bad
+    )
     lines.append(
         f"verdict: max staleness <= eta in every run ({len(rows)} runs, audited from the "
-        "engines' token versions and the trainer's step, not the manager): "
-        + (
-            "PASS"
-            if not bad
-            else "FAIL in "
-            + "; ".join(
-                f"{r['workload']} {r['system']} eta={r['eta']} seed={r['seed']}: "
-                f"{r['audit_max_staleness']}"
-                for r in bad
-            )
-        )
+        "engines' token versions and the trainer's step, not the manager; against the "
+        f"oldest token in {strict} runs, the first token in the others): "
+        + ("PASS" if not bad else "FAIL in " + failing)
     )
+    moved_back = [
+        r for r in rows if r.get("audit_older_later_tokens", r.get("audit_violations", 0))
+    ]
+    if moved_back:
+        lines.append(
+            f"note: in {len(moved_back)} runs some trajectory has a token older than its "
+            "first (moved to an older instance, which Algorithm 2 allows down to V_traj)"
+        )
     broken = [r for r in rows if r["stalled"] or r["conservation_problems"]]
     if broken:
         lines.append(
@@ -421,6 +426,11 @@ def verdict_lines(
             )
         )
     return lines
+
+
+def _audited(row: dict[str, Any]) -> int:
+    """The run's audited staleness: against the oldest token where recorded."""
+    return int(row.get("audit_max_staleness_oldest_token", row["audit_max_staleness"]))
 
 
 def print_cells(cells: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:

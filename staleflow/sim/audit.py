@@ -9,8 +9,12 @@ consumed trajectory it records
 
     staleness = trainer version at consumption - version of the trajectory's first token
 
-and that no later token is older than the first (a trajectory's versions never go down).
-Nothing here reads the manager, the TS's ``V_traj`` or the coordinator.
+(issue #17's definition) and, stricter, the same against the *oldest* of its tokens. The
+two differ when a trajectory moved to an instance older than the one that began it:
+Algorithm 2 allows any instance whose version is at least ``V_traj`` (the version it was
+admitted at, which the TS checks every token against), so a later token may be older
+than the first but never older than ``V_traj``; ``older_later_tokens`` counts such
+trajectories. Nothing here reads the manager, the TS's ``V_traj`` or the coordinator.
 """
 
 from __future__ import annotations
@@ -25,10 +29,11 @@ class StalenessAudit:
     """Attach to a cluster before :meth:`SimCluster.run`; read the results after."""
 
     def __init__(self) -> None:
-        self.max_staleness = 0
+        self.max_staleness = 0  # against the first token
+        self.max_staleness_oldest_token = 0  # against the oldest token
         self.trajectories = 0
         self.batches = 0
-        self.violations: list[str] = []  # a token older than its trajectory's first
+        self.older_later_tokens: list[str] = []  # a later token older than the first
 
     def attach(self, cluster: SimCluster) -> StalenessAudit:
         """Record every batch the trainer takes from the TS. The cluster calls
@@ -52,11 +57,14 @@ class StalenessAudit:
                 versions = tr.versions
                 if len(versions) == 0:
                     continue
-                first = int(versions[0])
-                if int(versions.min()) < first:
-                    self.violations.append(
-                        f"trajectory {tr.traj_id}: a token of version {int(versions.min())} "
-                        f"after a first token of version {first}"
+                first, oldest = int(versions[0]), int(versions.min())
+                if oldest < first:
+                    self.older_later_tokens.append(
+                        f"trajectory {tr.traj_id}: a token of version {oldest} after a first "
+                        f"token of version {first}"
                     )
                 self.max_staleness = max(self.max_staleness, version - first)
+                self.max_staleness_oldest_token = max(
+                    self.max_staleness_oldest_token, version - oldest
+                )
                 self.trajectories += 1
