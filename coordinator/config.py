@@ -54,6 +54,45 @@ class CostModelConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SeerConfig:
+    """Seer's divided rollout and context-aware scheduling (coordinator/seer.py)."""
+
+    enabled: bool = field(
+        default=False,
+        metadata={
+            "help": "routes hand out chunks of chunk_tokens; each group's first member is a "
+            "probe routed shortest-generated-first, the others longest-estimated-first, "
+            "within each MLQ level (seer.md Algorithm 1)"
+        },
+    )
+    chunk_tokens: int = field(
+        default=8192,
+        metadata={
+            "help": "response tokens one route may add before the trajectory returns to the "
+            "TS to be re-placed (Seer: 8K); only used when enabled"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"coordinator.seer.enabled={self.enabled!r} must be true or false")
+        if (
+            isinstance(self.chunk_tokens, bool)
+            or not isinstance(self.chunk_tokens, int)
+            or self.chunk_tokens < 1
+        ):
+            raise ConfigError(
+                f"coordinator.seer.chunk_tokens={self.chunk_tokens!r} must be an integer >= 1 "
+                "(response tokens per chunk, e.g. 8192)"
+            )
+
+    @property
+    def chunk(self) -> int | None:
+        """The chunk size routes hand out, None when divided rollout is off."""
+        return self.chunk_tokens if self.enabled else None
+
+
+@dataclass(frozen=True, slots=True)
 class CoordinatorConfig:
     """Strategies (§5.3 or their §6.5 vanilla counterparts), their hyper-parameters and the
     cycle period. Each strategy is chosen independently."""
@@ -115,6 +154,8 @@ class CoordinatorConfig:
             "off, as in the paper"
         },
     )
+
+    seer: SeerConfig = field(default_factory=SeerConfig)
 
     def __post_init__(self) -> None:
         for name in ("routing", "synchronization", "migration"):
@@ -185,6 +226,8 @@ class CoordinatorConfig:
             raise ConfigError(
                 f"coordinator.period_s={self.period_s} must be > 0 seconds (e.g. 1.0)"
             )
+        if not isinstance(self.seer, SeerConfig):
+            raise ConfigError("coordinator.seer must be a SeerConfig")
         if not isinstance(self.cost_model, CostModelConfig):
             raise ConfigError("coordinator.cost_model must be a CostModelConfig")
         self.cost_model.build()  # fail now, not at the first cycle

@@ -14,6 +14,7 @@ from coordinator.fleet import Fleet
 from coordinator.migration import Migration, NoMigration, ThroughputMigration
 from coordinator.pool import TrajectoryPool
 from coordinator.routing import Placement, ThroughputRouting
+from coordinator.seer import LengthContext, SeerRouting
 from coordinator.sync import GreedySync, ThroughputSync
 from coordinator.vanilla_routing import LeastLoadedRouting
 from staleness.interface import AdmissionSketch
@@ -60,6 +61,9 @@ class Strategies:
     estimator: SpeedEstimator | None = None
     # The oldest buffer's tail moved where it finishes soonest (coordinator/critical.py).
     critical: CriticalPath | None = None
+    # Seer's length context (coordinator/seer.py), fed with finished lengths by the control
+    # loop; None when Seer's scheduling is off.
+    seer: LengthContext | None = None
 
 
 def build_strategies(config: CoordinatorConfig) -> Strategies:
@@ -104,6 +108,9 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
         if config.critical_speedup is not None and config.migration == "throughput"
         else None
     )
+    seer = LengthContext() if config.seer.enabled else None
+    if seer is not None:
+        routing = SeerRouting(routing, seer)
     return Strategies(
         sync=sync,
         migration=migration,
@@ -112,4 +119,5 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
         hold=hold,
         estimator=estimator,
         critical=critical,
+        seer=seer,
     )

@@ -70,6 +70,7 @@ class SimTrajectory:
 
     __slots__ = (
         "base",
+        "end",
         "group_id",
         "inst",
         "payload",
@@ -80,7 +81,9 @@ class SimTrajectory:
         "v_traj",
     )
 
-    def __init__(self, payload: RoutedTrajectory, target: int, inst: SimInstance) -> None:
+    def __init__(
+        self, payload: RoutedTrajectory, target: int, inst: SimInstance, end: int | None = None
+    ) -> None:
         self.payload = payload
         self.traj_id = payload.traj_id
         self.group_id = payload.group_id
@@ -88,6 +91,9 @@ class SimTrajectory:
         self.prompt_len = len(payload.prompt)
         self.base = payload.length  # prompt + tokens when this run segment began
         self.target = target  # prompt + full response
+        # Where this route stops: the target, or the end of its chunk (divided rollout,
+        # coordinator/seer.py), after which the trajectory goes back to the TS.
+        self.end = target if end is None else min(end, target)
         self.inst = inst
         self.start = -1  # instance step at which it started running; -1 while waiting
 
@@ -96,6 +102,10 @@ class SimTrajectory:
         if self.start < 0:
             return self.base
         return self.base + self.inst.steps - self.start
+
+    @property
+    def response_len(self) -> int:
+        return self.length - self.prompt_len
 
     def response(self, version: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Whole response so far: the routed prefix plus what this instance generated."""
@@ -123,6 +133,8 @@ class InstanceTimes:
     idle: float = 0.0
     tokens: int = 0
     preemptions: int = 0
+    chunks: int = 0  # trajectories returned to the TS at a chunk boundary (divided rollout)
+    reprefill_tokens: int = 0  # prefix tokens prefilled again (resumed partials, preemptions)
     # Appendix B.2's figure: mean over periods with decoding of |estimated - actual| /
     # actual throughput, the estimate being the coordinator's model on the same steps.
     error_sum: float = 0.0
@@ -156,7 +168,9 @@ class SimInstance:
         self.steps = 0
         self.running: dict[int, SimTrajectory] = {}  # admission order
         self.waiting: list[SimTrajectory] = []  # head first
-        self.completed: list[int] = []  # since the last Pull
+        # since the last Pull: finished here, or returned to the TS at a chunk boundary
+        self.completed: list[int] = []
+        self.returned: list[PartialTrajectory] = []  # chunk ends not yet handed to the TS
         self._sum_base = 0  # sum over running of (base - start): kv = k5*(sum + n*steps)
         self._finish: list[tuple[int, int]] = []  # (step it completes at, traj_id)
         self._debt = 0.0  # prefill time owed before the next decode step
@@ -177,6 +191,11 @@ class SimInstance:
             complete_trajs=tuple(self.completed),
             inst_version=self.version,
         )
+
+    def take_returned(self) -> list[PartialTrajectory]:
+        """Partials of the chunks that ended since the last call (for the TS)."""
+        out, self.returned = self.returned, []
+        return out
 
     def holds(self) -> list[int]:
         """Ids of the trajectories running or waiting here."""
@@ -271,11 +290,15 @@ class SimInstance:
         while self._finish and self._finish[0][0] <= self.steps:
             _, tid = heapq.heappop(self._finish)
             t = self.running.get(tid)
-            if t is None or t.start + t.target - t.base != self.steps:
+            if t is None or t.start + t.end - t.base != self.steps:
                 continue  # stale heap entry (preempted or removed)
             self._stop(t)
             self.completed.append(tid)
-            finished(self.clock, self, t)
+            if t.end < t.target:  # a chunk boundary: back to the TS, to be re-placed
+                self.times.chunks += 1
+                self.returned.append(self._partial(t))
+            else:
+                finished(self.clock, self, t)
         self._admit()
 
     # -- internals --------------------------------------------------------------------
@@ -290,10 +313,12 @@ class SimInstance:
                 return
             self.waiting.pop(0)
             self._debt += self.costs.prefill_seconds(t.length)
+            if t.length > t.prompt_len:
+                self.times.reprefill_tokens += t.length
             t.base, t.start = t.length, self.steps
             self.running[t.traj_id] = t
             self._sum_base += t.base - t.start
-            heapq.heappush(self._finish, (t.start + t.target - t.base, t.traj_id))
+            heapq.heappush(self._finish, (t.start + t.end - t.base, t.traj_id))
 
     def _stop(self, t: SimTrajectory) -> None:
         """Take a running trajectory out of the batch, freezing its length."""

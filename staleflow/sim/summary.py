@@ -6,6 +6,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from coordinator.seer import ProbeAccuracy
+
 if TYPE_CHECKING:
     from staleflow.sim.cluster import SimCluster
     from staleflow.sim.engine import InstanceTimes
@@ -53,6 +55,17 @@ class Summary:
     rampup_s: float = 0.0
     trainer_busy_steady: float = 0.0
     estimate_error: float = 0.0
+    # Seer (coordinator/seer.py) and the tail: chunks returned to the TS and re-placed;
+    # prefix tokens prefilled again (resumed partials, preemptions); response tokens of
+    # trajectories aborted; mean over consumed batches of the seconds from their 90th
+    # percentile finish to their last; probe accuracy (groups with >= 2 finished members,
+    # mean shortfall of the first finished length against the group's longest).
+    chunks: int = 0
+    reprefill_tokens: int = 0
+    wasted_tokens: int = 0
+    tail_s: float = 0.0
+    probe_groups: int = 0
+    probe_error: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -74,6 +87,8 @@ def summarise(cluster: SimCluster) -> Summary:
     span = max(cluster.now, 1e-9) * len(times)
     counted = sum(len(g.trajectories) for b in cluster.batches[: trainer.steps] for g in b.groups)
     responses = cluster.response_lengths[:counted]
+    seer = cluster.coordinator.strategies.seer
+    probes = seer.accuracy() if seer is not None else ProbeAccuracy()
     return Summary(
         name=cluster.config.name,
         eta=cluster.config.eta,
@@ -97,7 +112,17 @@ def summarise(cluster: SimCluster) -> Summary:
         rampup_s=_rampup(cluster),
         trainer_busy_steady=_busy_steady(cluster),
         estimate_error=_estimate_error(times),
+        chunks=sum(t.chunks for t in times),
+        reprefill_tokens=sum(t.reprefill_tokens for t in times),
+        wasted_tokens=cluster.planes.wasted_tokens,
+        tail_s=_mean(cluster.tail_s[: trainer.steps]),
+        probe_groups=probes.groups,
+        probe_error=probes.mean_error,
     )
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 def _steady(cluster: SimCluster) -> float:
