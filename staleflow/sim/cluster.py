@@ -104,9 +104,10 @@ class SimCluster:
         cost = config.coordinator.cost_model.build()
         # What each engine really does (speed, estimate error, ...; sim/truth.py).
         truths = instance_truths(cost, config.engine.truth, config.instances, config.seed)
+        pool: set[int] | None = set() if config.engine.kv_pool else None  # shared by all
         self.instances = {
             i: SimInstance(
-                i, cost, config.engine, np.random.default_rng([config.seed, i]), truths[i]
+                i, cost, config.engine, np.random.default_rng([config.seed, i]), truths[i], pool
             )
             for i in range(config.instances)
         }

@@ -46,6 +46,9 @@ class EngineCosts:
     noise: sigma of a lognormal multiplicative factor drawn per chunk (0: exact model).
     truth: how the engines' decode steps differ from the coordinator's cost model
     (``staleflow.sim.truth``); the default is no difference.
+    kv_pool: the KV cache of a trajectory whose chunk ended (divided rollout) stays in a
+    pool every instance reads, as Seer's Mooncake-based global KV cache (seer.md §4.2):
+    re-placing it costs no prefill. Off: it is prefilled again, as on the engines here.
     """
 
     prefill_s_per_token: float = 6.0e-5
@@ -53,6 +56,7 @@ class EngineCosts:
     noise: float = 0.0
     prefill_s_per_token_sq: float = 0.0
     truth: EngineTruth = field(default_factory=EngineTruth)
+    kv_pool: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefill_s_per_token", "prefill_s_per_token_sq", "pull_s", "noise"):
@@ -159,8 +163,11 @@ class SimInstance:
         costs: EngineCosts,
         rng: np.random.Generator,
         truth: InstanceTruth | None = None,
+        pool: set[int] | None = None,
     ) -> None:
         self.inst_id = inst_id
+        # ids whose KV cache a chunk end left in the shared pool (EngineCosts.kv_pool)
+        self.pool = pool
         self.cost, self.costs, self.rng = cost, costs, rng
         self.truth = truth or InstanceTruth(ScaledCost(cost))
         self.version = 0
@@ -297,6 +304,8 @@ class SimInstance:
             if t.end < t.target:  # a chunk boundary: back to the TS, to be re-placed
                 self.times.chunks += 1
                 self.returned.append(self._partial(t))
+                if self.pool is not None:
+                    self.pool.add(tid)
             else:
                 finished(self.clock, self, t)
         self._admit()
@@ -312,9 +321,12 @@ class SimInstance:
             if self.running and self.kv + c.k5 * (t.length + n1) > c.kv_budget:
                 return
             self.waiting.pop(0)
-            self._debt += self.costs.prefill_seconds(t.length)
-            if t.length > t.prompt_len:
-                self.times.reprefill_tokens += t.length
+            if self.pool is not None and t.traj_id in self.pool:
+                self.pool.discard(t.traj_id)  # its KV cache comes from the pool
+            else:
+                self._debt += self.costs.prefill_seconds(t.length)
+                if t.length > t.prompt_len:
+                    self.times.reprefill_tokens += t.length
             t.base, t.start = t.length, self.steps
             self.running[t.traj_id] = t
             self._sum_base += t.base - t.start

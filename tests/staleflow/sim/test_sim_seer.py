@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -127,3 +128,23 @@ def test_tail_seconds() -> None:
     assert tail_seconds([]) == 0.0
     assert tail_seconds([float(i) for i in range(10)]) == 9.0 - 8.0
     assert tail_seconds([0.0] * 19 + [50.0]) == 50.0
+
+
+def test_with_the_kv_pool_a_re_placed_chunk_costs_no_prefill() -> None:
+    pool: set[int] = set()
+    costs = EngineCosts(prefill_s_per_token=1e-3)
+    a, b = (SimInstance(i, COST, costs, np.random.default_rng(i), pool=pool) for i in (0, 1))
+    empty = (np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.int32))
+    routed = RoutedTrajectory(3, 1, 0, 0, "", np.zeros(10, np.int32), *empty)
+    a.submit([SimTrajectory(routed, 10 + 300, a, end=10 + 100)], 0.0)
+    a.advance(1e9, lambda *_: None)
+    (partial,) = a.take_returned()
+    assert pool == {3} and a.times.prefill == pytest.approx(10 * 1e-3)
+    again = RoutedTrajectory(
+        3, 1, 0, 0, "", np.zeros(10, np.int32), partial.tokens, partial.logprobs, partial.versions
+    )
+    b.submit([SimTrajectory(again, 10 + 300, b)], a.clock)
+    finished: list[int] = []
+    b.advance(2e9, lambda _t, _i, tr: finished.append(tr.traj_id))
+    assert finished == [3] and b.times.prefill == 0.0 and b.times.reprefill_tokens == 0
+    assert pool == set()
