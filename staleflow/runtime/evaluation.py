@@ -9,7 +9,10 @@ samples. The driver runs it on the initial weights and on the final checkpoint.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from staleflow.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -18,7 +21,7 @@ logger = logging.getLogger(__name__)
 EVAL_SEED_OFFSET = 1_000_003
 
 
-def held_out_reward(cfg: Any, model: Any, tokenizer: Any) -> float | None:
+def held_out_reward(cfg: RunConfig, model: Any, tokenizer: Any) -> float | None:
     """Mean reward of ``model`` on ``cfg.eval_problems`` held-out problems of the built-in
     task, one response each at ``rollout.temperature``; None when there is nothing to
     evaluate (``eval_problems=0`` or a dataset task, which has no held-out split here)."""
