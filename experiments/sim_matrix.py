@@ -13,9 +13,12 @@ compared at every eta, as in Figure 13.
 
 Two phases. (1) The split search (§6.1 tunes "the GPU allocation ratio between rollout
 and training to optimal values"): every system that has a split runs each ``--splits``
-fraction of the GPUs as rollout at ``--split-eta`` on the first seed, and keeps its best
-for the whole workload. ``sync`` uses every GPU for both phases. (2) Every cell runs
-every seed at the chosen splits; runs of phase 1 are reused where they coincide.
+fraction of the GPUs as rollout on the first seed, at every eta of the matrix, and keeps
+its best per workload and eta: which side binds moves with eta (at eta = 1 the rollout
+side, at eta >= 3 often the trainer), so a split chosen at one eta starves the other side
+at another. ``--split-eta N`` searches at N only and keeps that split for every eta (half
+the search's runs). ``sync`` uses every GPU for both phases. (2) Every cell runs every
+seed at the chosen splits; runs of phase 1 are reused where they coincide.
 
 Every run is audited independently of the staleness manager (``staleflow.sim.audit``):
 the trainer's version at consumption minus each trajectory's first-token version, the
@@ -131,7 +134,13 @@ def main(argv: list[str] | None = None) -> int:
         default="0.375,0.5",
         help="rollout shares of the GPUs the split search tries (e.g. 48 and 64 of 128)",
     )
-    p.add_argument("--split-eta", type=int, default=3, help="eta of the split search")
+    p.add_argument(
+        "--split-eta",
+        type=int,
+        default=None,
+        help="search the split at this eta only and keep it for every eta "
+        "(default: a split per eta)",
+    )
     p.add_argument("--steps", type=int, default=0, help="training steps per run; 0: eta + 8")
     p.add_argument("--small", action="store_true", help="tiny-scale smoke run (no measurement)")
     p.add_argument(
@@ -167,44 +176,64 @@ def main(argv: list[str] | None = None) -> int:
     def eta_of(name: str, eta: int) -> int:
         return FIXED_ETA.get(name, eta)
 
-    # Phase 1: each system's best split per workload.
+    def search_etas(name: str) -> list[int]:
+        if args.split_eta is not None:
+            return [eta_of(name, args.split_eta)]
+        return sorted({eta_of(name, e) for e in etas})
+
+    # Phase 1: each system's best split per workload and eta.
     search: list[Run] = []
     for w in workloads:
         total = WORKLOADS[w].total_gpus(args.small)
         for name in systems:
             if name in NO_SPLIT:
                 continue
-            eta = eta_of(name, args.split_eta)
-            for f in fractions:
-                search.append(Run(w, name, eta, seeds[0], steps(eta), round(f * total), args.small))
+            for eta in search_etas(name):
+                for f in fractions:
+                    search.append(
+                        Run(w, name, eta, seeds[0], steps(eta), round(f * total), args.small)
+                    )
     journal = out / "matrix_runs.jsonl"
     done = _resume(journal) if args.resume else {}
     if not args.resume:
         journal.write_text("")
     _execute(args.jobs, [r for r in search if r not in done], done, "split search", journal)
-    splits: dict[tuple[str, str], int] = {}
+    # (workload, system, searched eta) -> rollout GPUs
+    chosen: dict[tuple[str, str, int], int] = {}
     split_rows = []
     for w in workloads:
         total = WORKLOADS[w].total_gpus(args.small)
         for name in systems:
             if name in NO_SPLIT:
-                splits[w, name] = total // 2  # the layout it is sped up from (unused)
                 continue
-            tried = [
-                (r.rollout_gpus, done[r]["tokens_per_s"]) for r in search if r[:2] == (w, name)
-            ]
-            best = max(tried, key=lambda x: x[1])[0]
-            splits[w, name] = best
-            split_rows.append(
-                {
-                    "workload": w,
-                    "system": name,
-                    "rollout_gpus": best,
-                    "of": total,
-                    "tried": {str(g): round(v, 1) for g, v in tried},
-                }
-            )
-            print(f"split {w:10s} {name:9s}: {best}/{total} rollout GPUs  (tried {dict(tried)})")
+            for eta in search_etas(name):
+                tried = [
+                    (r.rollout_gpus, done[r]["tokens_per_s"])
+                    for r in search
+                    if r[:3] == (w, name, eta)
+                ]
+                best = max(tried, key=lambda x: x[1])[0]
+                chosen[w, name, eta] = best
+                split_rows.append(
+                    {
+                        "workload": w,
+                        "system": name,
+                        "eta": eta,
+                        "rollout_gpus": best,
+                        "of": total,
+                        "tried": {str(g): round(v, 1) for g, v in tried},
+                    }
+                )
+                tries = {g: round(v) for g, v in tried}
+                print(
+                    f"split {w:10s} {name:9s} eta={eta:<2d}: {best}/{total} rollout GPUs  "
+                    f"(tried {tries})"
+                )
+
+    def split(w: str, name: str, eta: int) -> int:
+        if name in NO_SPLIT:  # the layout it is sped up from (unused)
+            return WORKLOADS[w].total_gpus(args.small) // 2
+        return chosen[w, name, eta if args.split_eta is None else eta_of(name, args.split_eta)]
 
     # Phase 2: every cell, every seed.
     runs: list[Run] = []
@@ -212,7 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in systems:
             for eta in sorted({eta_of(name, e) for e in etas}):
                 for seed in seeds:
-                    runs.append(Run(w, name, eta, seed, steps(eta), splits[w, name], args.small))
+                    runs.append(
+                        Run(w, name, eta, seed, steps(eta), split(w, name, eta), args.small)
+                    )
     _execute(args.jobs, [r for r in runs if r not in done], done, "matrix", journal)
     rows = [done[r] for r in runs]
     cells = cell_rows(rows, workloads, etas, systems)
@@ -346,6 +377,10 @@ def cell_rows(
                         "baseline_trainer_busy_steady": stats(
                             [r["trainer_busy_steady"] for r in cell_runs if r["system"] == base]
                         )["mean"],
+                        "staleflow_rollout_gpus": sorted({r["rollout_gpus"] for r in ours}),
+                        "baseline_rollout_gpus": sorted(
+                            {r["rollout_gpus"] for r in cell_runs if r["system"] == base}
+                        ),
                         "audit_max_staleness": max(_audited(r) for r in cell_runs),
                         "seeds": len(ratios),
                     }
@@ -433,12 +468,21 @@ def _audited(row: dict[str, Any]) -> int:
     return int(row.get("audit_max_staleness_oldest_token", row["audit_max_staleness"]))
 
 
+def _gpus(first: dict[str, Any], mine: dict[str, dict[str, Any]]) -> str:
+    """The cell's rollout GPUs: StaleFlow's (sticky's)."""
+    out = "/".join(map(str, first.get("staleflow_rollout_gpus", [])))
+    if "sticky" in mine:
+        out += " (sticky " + "/".join(map(str, mine["sticky"].get("baseline_rollout_gpus", [])))
+        out += ")"
+    return out
+
+
 def print_cells(cells: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
     bases = list(dict.fromkeys(c["baseline"] for c in cells))
     head = (
         f"{'workload':11s} {'eta':>3s} {'staleflow tok/s':>15s} "
         + " ".join(f"{'/' + b:>26s}" for b in bases)
-        + f" {'max stale':>9s} {'trainer busy (steady)':>22s}"
+        + f" {'max stale':>9s} {'trainer busy (steady)':>22s} {'rollout GPUs':>18s}"
     )
     print("\nStaleFlow / baseline per cell, mean +- std [min..max] over seeds")
     print(head)
@@ -454,6 +498,7 @@ def print_cells(cells: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None
             f"{w:10s}{flag} {eta:>3d} {first['staleflow_tokens_per_s']:>15,.0f} "
             + " ".join(f"{mine[b]['ratio_text'] if b in mine else 'n/a':>26s}" for b in bases)
             + f" {max(c['audit_max_staleness'] for c in mine.values()):>9d} {busy:>22s}"
+            + f" {_gpus(first, mine):>18s}"
         )
     print("* skewed workload (the 1.2x target averages over these)")
 

@@ -152,6 +152,7 @@ class SimCluster:
         self.consumed: set[int] = set()
         self.duplicates: list[int] = []
         self.response_lengths: list[int] = []  # of consumed trajectories
+        self.late_wasted_tokens = 0  # responses finished after their trajectory was dropped
         self.finish_times: dict[int, float] = {}  # rewarded, not yet trained -> when
         # per consumed batch: seconds from its 90th-percentile finish to its last (the time
         # the buffer waited on its long tail, Seer's "long-tail time")
@@ -245,7 +246,7 @@ class SimCluster:
         if complete_live(self.ts, [completion]):
             self._occupy(traj)
         else:  # aborted while it finished: its tokens were generated for nothing
-            self.planes.wasted_tokens += len(tokens)
+            self.late_wasted_tokens += len(tokens)
 
     def _occupy(self, traj: SimTrajectory) -> None:
         self.loop.occupy((traj,))

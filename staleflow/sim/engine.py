@@ -139,6 +139,7 @@ class InstanceTimes:
     preemptions: int = 0
     chunks: int = 0  # trajectories returned to the TS at a chunk boundary (divided rollout)
     reprefill_tokens: int = 0  # prefix tokens prefilled again (resumed partials, preemptions)
+    wasted_tokens: int = 0  # response tokens of trajectories aborted here
     # Appendix B.2's figure: mean over periods with decoding of |estimated - actual| /
     # actual throughput, the estimate being the coordinator's model on the same steps.
     error_sum: float = 0.0
@@ -237,6 +238,12 @@ class SimInstance:
         if out:
             self._admit()
         return out
+
+    def abort(self, ids: Sequence[int], now: float) -> list[int]:
+        """Drop trajectories for good; their response tokens were generated for nothing."""
+        removed = self.remove(ids, now)
+        self.times.wasted_tokens += sum(len(p.tokens) for p in removed.values())
+        return list(removed)
 
     def pull(self, version: int, now: float) -> None:
         if self.running or self.waiting:

@@ -48,7 +48,6 @@ class SimPlanes:
         self._target, self._ps_version, self._now = target_length, ps_version, clock
         self.claimed: set[TrajId] = set()
         self.commands = {"route": 0, "interrupt": 0, "abort": 0, "pull": 0}
-        self.wasted_tokens = 0  # response tokens generated for trajectories then aborted
 
     # -- TrajectoryPlane --------------------------------------------------------------
 
@@ -107,9 +106,7 @@ class SimPlanes:
 
     def abort(self, inst: int, trajs: Sequence[TrajId]) -> Collection[TrajId]:
         self.commands["abort"] += 1
-        removed = self.instances[inst].remove(trajs, self._now())
-        self.wasted_tokens += sum(len(p.tokens) for p in removed.values())
-        return list(removed)
+        return self.instances[inst].abort(trajs, self._now())
 
     # -- ParameterPlane ---------------------------------------------------------------
 

@@ -114,7 +114,7 @@ def summarise(cluster: SimCluster) -> Summary:
         estimate_error=_estimate_error(times),
         chunks=sum(t.chunks for t in times),
         reprefill_tokens=sum(t.reprefill_tokens for t in times),
-        wasted_tokens=cluster.planes.wasted_tokens,
+        wasted_tokens=sum(t.wasted_tokens for t in times) + cluster.late_wasted_tokens,
         tail_s=_mean(cluster.tail_s[: trainer.steps]),
         probe_groups=probes.groups,
         probe_error=probes.mean_error,

@@ -65,6 +65,24 @@ def test_the_matrix_runs_audits_and_resumes(
     }
     for c in cells:
         assert c["seeds"] == 2 and c["ratio_min"] <= c["ratio"] <= c["ratio_max"]
+    # each system's best split per workload and eta: the cell runs at what was chosen
+    chosen = {(s["workload"], s["system"], s["eta"]): s["rollout_gpus"] for s in out["splits"]}
+    assert set(chosen) == {
+        (w, s, e)
+        for w in ("preset-20k", "hetero-0.2")
+        for s in ("staleflow", "sticky", "vanilla", "pipeline")
+        for e in ((1,) if s == "pipeline" else (1, 3))
+    }
+    for s in out["splits"]:
+        assert len(s["tried"]) == 2 and s["tried"][str(s["rollout_gpus"])] == max(
+            s["tried"].values()
+        )
+    for r in runs:
+        if r["system"] != "sync":
+            assert r["rollout_gpus"] == chosen[r["workload"], r["system"], r["eta"]]
+    for c in cells:
+        mine = chosen[c["workload"], "staleflow", c["eta"]]
+        assert c["staleflow_rollout_gpus"] == [mine]
     assert len(out["verdicts"]) >= 3 and all(
         v.startswith(("verdict", "warning")) for v in out["verdicts"]
     )
@@ -75,6 +93,19 @@ def test_the_matrix_runs_audits_and_resumes(
     assert len(lines) == len({json.dumps(json.loads(x)["run"]) for x in lines})
     assert m.main([*args, "--resume"]) == 0
     assert (tmp_path / "matrix_runs.jsonl").read_text().splitlines() == lines
+
+
+def test_one_split_eta_keeps_its_split_for_every_eta(tmp_path: Path) -> None:
+    m = _matrix()
+    args = ["--small", "--workloads", "preset-20k", "--etas", "1,3", "--seeds", "1"]
+    args += ["--steps", "5", "--split-eta", "3", "--systems", "staleflow,sticky"]
+    assert m.main([*args, "--out", str(tmp_path), "--json", str(tmp_path / "a.json")]) == 0
+    out = json.loads((tmp_path / "a.json").read_text())
+    assert [(s["system"], s["eta"]) for s in out["splits"]] == [("staleflow", 3), ("sticky", 3)]
+    for s in out["splits"]:
+        assert {r["rollout_gpus"] for r in out["runs"] if r["system"] == s["system"]} == {
+            s["rollout_gpus"]
+        }
 
 
 def test_verdicts_name_what_fails() -> None:
