@@ -188,6 +188,12 @@ def main(argv: list[str] | None = None) -> int:
         label = lambda r: f"{r.workload} eta={r.eta} {r.variant} seed={r.seed}"  # noqa: E731
         for _, row in run_each(args.jobs, simulate, tasks, advance, label):
             runs.append(row)
+            print(
+                f"{row['workload']} eta={row['eta']} {row['variant']} seed={row['seed']}: "
+                f"{row['tokens_per_s']:,.0f} tok/s, tail {row['tail_s']:,.0f} s, "
+                f"{row['chunks']} chunks" + (" STALLED" if row["stalled"] else ""),
+                flush=True,
+            )
     off = {(r["workload"], r["eta"], r["seed"]): r for r in runs if r["variant"] == "off"}
     for r in runs:
         r["gain"] = r["tokens_per_s"] / (
