@@ -431,7 +431,7 @@ class TrajectoryServer:
             self._s.consumed_groups += 1
         self._s.aborted_trajs += len(dropped)
         self._after_groups_left()
-        return TrainingBatch(tuple(groups), tuple(dropped))
+        return TrainingBatch(tuple(groups), tuple(dropped), self.config.temperature)
 
     def abort(self, traj_ids: Iterable[int]) -> tuple[AbortedTrajectory, ...]:
         """Drop trajectories for good, in any state. A group left empty is removed."""

@@ -9,6 +9,7 @@ response grows each time it is routed, interrupted and routed again.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -46,6 +47,8 @@ class TrajectoryServerConfig:
         ``(eta + 1) * floor(batch_size * (1 + r_b))`` groups, one per staleness-buffer entry.
     capacity_groups: overrides the default capacity (groups held at once, in any state).
     auto_refill: sample new prompts as soon as groups leave (consumed or aborted).
+    temperature: the rollout sampling temperature, handed to the trainer with every
+        :class:`TrainingBatch` (the logprobs the engines record are of ``softmax(logits / T)``).
     """
 
     eta: int = 1
@@ -55,8 +58,13 @@ class TrajectoryServerConfig:
     batch_redundancy: float = 0.0
     capacity_groups: int | None = None
     auto_refill: bool = True
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise InvalidConfig(
+                f"temperature={self.temperature}; use the rollout's sampling temperature (> 0)"
+            )
         if self.eta < 0:
             raise InvalidConfig(f"eta={self.eta} is negative; use 0 for synchronous RL")
         if self.batch_size < 1:
@@ -240,10 +248,15 @@ class TrainingBatch:
     ``dropped``: members of the taken groups that were not taken (not completed, or not
     selected); the TS forgot them, and those that were ROUTED must be aborted on their
     instances.
+
+    ``temperature``: the sampling temperature ``T`` of the trajectories. Their logprobs are
+    of ``softmax(logits / T)`` (before any top-p/top-k truncation), so the trainer scores
+    its policy under the same ``T`` for the importance ratios to compare one distribution.
     """
 
     groups: tuple[TrainingGroup, ...]
     dropped: tuple[AbortedTrajectory, ...] = ()
+    temperature: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -165,14 +165,8 @@ class RunConfig:
                 f"data.tokenizer={data.tokenizer!r} replaces the tokenizer of model.checkpoint, "
                 "which is not set: set model.checkpoint too, or drop data.tokenizer"
             )
-        # (a vLLM/SGLang rollout of the built-in policy loads it from the run folder)
-        for key, backend, gpu in (("trainer.backend", self.trainer.backend, "megatron"),):
-            require(
-                backend != gpu or bool(model.checkpoint),
-                key,
-                backend,
-                f"needs a Hugging Face checkpoint: set model.checkpoint, or use {key}=embedded",
-            )
+        # (a vLLM/SGLang rollout of the built-in policy loads it from the run folder; the
+        # megatron trainer builds its model from the policy's HF config, the built-in too)
         if rollout.backend in ("embedded", "vllm"):  # both size their KV cache to it
             require(
                 rollout.tensor_parallel == 1,
@@ -235,6 +229,7 @@ class RunConfig:
             group_size=self.group_size,
             group_redundancy=self.group_redundancy,
             batch_redundancy=self.batch_redundancy,
+            temperature=self.rollout.temperature,
         )
 
 

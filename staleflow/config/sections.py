@@ -360,16 +360,27 @@ class RewardConfig:
 
 @dataclass(frozen=True, slots=True)
 class TrainerConfig:
-    """The training workers: optimiser and the off-policy PPO-style loss."""
+    """The training workers: the optimiser, the off-policy PPO-style loss, and where it runs.
+
+    The one definition of the trainer's settings: every backend (``staleflow.trainers``)
+    receives this section as it is. What each rank reserves (CPUs, GPUs, node group) is
+    ``resources.trainer``; the number of ranks is 1 (embedded) or ``dp x tp x pp``.
+    """
 
     KEY: ClassVar[str] = "trainer"
 
     backend: str = field(
-        default="embedded", metadata=_help("embedded (PyTorch, CPU) | megatron (GPU)")
+        default="embedded",
+        metadata=_help(
+            "embedded (PyTorch, one process) | megatron (Megatron-core ranks: gloo on CPU, "
+            "NCCL on GPU)"
+        ),
     )
     # measured on the default run: 1e-4 and above destabilise the warmed tiny policy
     # (3e-4 collapses it to ~0 reward), 3e-5 barely moves it in 200 steps
     lr: float = field(default=5e-5, metadata=_help("AdamW learning rate"))
+    adam_beta1: float = field(default=0.9, metadata=_help("AdamW beta1, in [0, 1)"))
+    adam_beta2: float = field(default=0.999, metadata=_help("AdamW beta2, in [0, 1)"))
     weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
     max_grad_norm: float = field(default=1.0, metadata=_help("gradient-norm clipping bound"))
     eps_low: float = field(
@@ -402,13 +413,42 @@ class TrainerConfig:
         default="grpo", metadata=_help("grpo | dapo (group-relative advantages)")
     )
     micro_batch_size: int = field(
-        default=32, metadata=_help("trajectories per forward/backward pass")
+        default=32, metadata=_help("at most this many trajectories per forward/backward pass")
+    )
+    micro_batch_tokens: int = field(
+        default=8192,
+        metadata=_help(
+            "at most this many padded tokens per forward/backward pass (a longer sequence "
+            "gets one of its own)"
+        ),
     )
     updates_per_step: int = field(
         default=1,
         metadata=_help("optimizer updates per training step (PPO mini-batches of the batch)"),
     )
-    num_threads: int = field(default=1, metadata=_help("CPU threads of the embedded trainer"))
+    num_threads: int = field(default=1, metadata=_help("CPU threads of each trainer process"))
+    tp: int = field(
+        default=1,
+        metadata=_help("tensor-parallel size (megatron): must divide the attention and KV heads"),
+    )
+    pp: int = field(default=1, metadata=_help("pipeline-parallel size (megatron; 1 only, yet)"))
+    dp: int = field(
+        default=1,
+        metadata=_help("data-parallel size (megatron): each DP rank trains on its own groups"),
+    )
+    ranks: int = field(
+        default=0,
+        metadata=_help(
+            "trainer processes to start (megatron); 0 = dp x tp x pp, which it must equal"
+        ),
+    )
+    load: str = field(
+        default="",
+        metadata=_help(
+            "a Megatron distributed checkpoint folder (<run>/checkpoint/megatron) to start "
+            "from instead of the policy's weights; any tp"
+        ),
+    )
     stall_timeout_s: float = field(
         default=900.0,
         metadata=_help(
@@ -427,6 +467,11 @@ class TrainerConfig:
         )
         require_choice("trainer.backend", self.backend, TRAINER_BACKENDS)
         require_positive("trainer.lr", self.lr, "1e-4")
+        for key, beta in (
+            ("trainer.adam_beta1", self.adam_beta1),
+            ("trainer.adam_beta2", self.adam_beta2),
+        ):
+            require(0.0 <= beta < 1.0, key, beta, "is out of range: use [0, 1), e.g. 0.9")
         require(
             math.isfinite(self.weight_decay) and self.weight_decay >= 0,
             "trainer.weight_decay",
@@ -456,8 +501,52 @@ class TrainerConfig:
         require_choice("trainer.is_cap_mode", self.is_cap_mode, CAP_MODES)
         require_choice("trainer.advantage", self.advantage, ADVANTAGES)
         require_at_least("trainer.micro_batch_size", self.micro_batch_size, 1, "trajectory")
+        require_at_least("trainer.micro_batch_tokens", self.micro_batch_tokens, 1, "token")
         require_at_least("trainer.updates_per_step", self.updates_per_step, 1, "update")
         require_at_least("trainer.num_threads", self.num_threads, 1, "thread")
+        self._check_parallelism()
+
+    def _check_parallelism(self) -> None:
+        for key in ("tp", "pp", "dp"):
+            require_at_least(f"trainer.{key}", getattr(self, key), 1, "rank")
+        require_at_least("trainer.ranks", self.ranks, 0, "ranks (0 = dp x tp x pp)")
+        product = self.dp * self.tp * self.pp
+        if self.ranks:
+            fit = self.ranks // (self.tp * self.pp)
+            require(
+                self.ranks == product,
+                "trainer.ranks",
+                self.ranks,
+                f"does not equal trainer.dp x trainer.tp x trainer.pp = {self.dp} x {self.tp} "
+                f"x {self.pp} = {product}: "
+                + (
+                    f"set trainer.dp={fit}"
+                    if fit * self.tp * self.pp == self.ranks and fit >= 1
+                    else "set trainer.ranks=0 (= dp x tp x pp) or change tp, pp, dp"
+                ),
+            )
+        require(
+            self.pp == 1,
+            "trainer.pp",
+            self.pp,
+            "is not supported yet: use trainer.pp=1 and split the model with trainer.tp",
+        )
+        if self.backend != "megatron":
+            for key in ("tp", "dp", "ranks"):
+                value = getattr(self, key)
+                require(
+                    value in (0, 1),
+                    f"trainer.{key}",
+                    value,
+                    f"needs trainer.backend=megatron (the {self.backend} trainer is one "
+                    "process): set trainer.backend=megatron, or drop it",
+                )
+            require(
+                not self.load,
+                "trainer.load",
+                self.load,
+                "is a Megatron checkpoint: set trainer.backend=megatron, or drop it",
+            )
 
 
 @dataclass(frozen=True, slots=True)

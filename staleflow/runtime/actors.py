@@ -8,7 +8,9 @@ actor                         component
 trajectory server             ``trajectory_server.actor`` (already a service + client)
 ``RolloutActor`` x N          :class:`~staleflow.runtime.instance_host.InstanceHost`
 ``RewardActor`` x W           :class:`~staleflow.runtime.reward_stage.RewardStage`
-``TrainerActor``              :class:`~staleflow.runtime.training.TrainingLoop`
+``TrainerActor``              :class:`~staleflow.runtime.training.TrainingLoop` over
+                              the embedded trainer
+``PoolTrainerActor``          the same loop over a pool of rank actors (Megatron)
 ``ControlActor``              :class:`~staleflow.runtime.control.ControlPlane`
 ============================  ===========================================================
 
@@ -273,7 +275,29 @@ class RewardActor:
         return len(finished)
 
 
-class TrainerActor:
+class _TrainingHost:
+    """What the trainer actors share: the training loop (``TrainingLoop``) and a checkpoint
+    every ``checkpoint_every`` steps, written by ``self.trainer``."""
+
+    trainer: Any
+    _loop: Any
+    _spec: TrainerSpec
+
+    def _maybe_checkpoint(self, report: StepReport) -> None:
+        every, folder = self._spec.checkpoint_every, self._spec.checkpoint_dir
+        step = report.version + 1
+        if every > 0 and folder and step % every == 0:
+            self.save_checkpoint(os.path.join(folder, f"step-{step}"))
+
+    def run(self, steps: int) -> list[StepReport]:
+        return self._loop.run(steps)
+
+    def save_checkpoint(self, path: str) -> str:
+        self.trainer.save_checkpoint(path)
+        return path
+
+
+class TrainerActor(_TrainingHost):
     """The embedded trainer: one rank that Pushes every version to every PS replica (the
     one on its own node over shared memory, the others over NIXL or TCP)."""
 
@@ -314,22 +338,31 @@ class TrainerActor:
         """The transport each replica's Push takes (after any fallback)."""
         return self._replicas.transports()
 
-    def _maybe_checkpoint(self, report: StepReport) -> None:
-        every, folder = self._spec.checkpoint_every, self._spec.checkpoint_dir
-        step = report.version + 1
-        if every > 0 and folder and step % every == 0:
-            self.save_checkpoint(os.path.join(folder, f"step-{step}"))
-
-    def run(self, steps: int) -> list[StepReport]:
-        return self._loop.run(steps)
-
-    def save_checkpoint(self, path: str) -> str:
-        self.trainer.save_checkpoint(path)
-        return path
-
     def stop(self) -> None:
         self._pusher.close(timeout=30)
         self._replicas.close()
+
+
+class PoolTrainerActor(_TrainingHost):
+    """The training loop over a pool of rank actors (``trainer.backend=megatron``):
+    ``driver`` is the pool's :class:`~staleflow.runtime.training.StepDriver`. The ranks take
+    their parts of each batch from the TS and Push their own shards; this actor moves only
+    group ids and metrics."""
+
+    def __init__(self, spec: TrainerSpec, driver: Any, control_handle: Any) -> None:
+        from staleflow.runtime.training import TrainingLoop
+
+        self.trainer = driver
+        self._spec = spec
+        self._loop = TrainingLoop(
+            driver,
+            control=ControlClient(control_handle),
+            consume_timeout_s=spec.consume_timeout_s,
+            on_step=self._maybe_checkpoint,
+        )
+
+    def stop(self) -> None:
+        self.trainer.close()
 
 
 class ControlActor:

@@ -14,7 +14,10 @@ named by ``rollout.backend`` / ``trainer.backend``:
 - :data:`TRAINER_POOLS`: a :class:`TrainerBackend`: ``pool`` is ``"module:function"``
   with the signature of :func:`staleflow.runtime.pools.trainer.build_embedded_pool`,
   returning a :class:`staleflow.runtime.pools.trainer.TrainerPool`; ``ranks`` says how
-  many bundles the trainer gang needs, from the ``trainer`` section alone (no imports).
+  many bundles the trainer gang needs, from the ``trainer`` section alone (no imports);
+  ``check`` (optional, ``"module:function"``) takes the whole :class:`RunConfig` and
+  raises a ``ValueError`` naming the key and the fix for settings the backend cannot run
+  (it runs in :func:`check_backends`, before Ray is joined or a model loaded).
 
 Importing this module imports no backend. A backend absent here is refused by
 :func:`check_backends` before anything starts, never replaced by another one.
@@ -37,10 +40,15 @@ def _one_rank(trainer: TrainerConfig) -> int:
     return 1
 
 
+def _parallel_ranks(trainer: TrainerConfig) -> int:
+    return trainer.dp * trainer.tp * trainer.pp
+
+
 @dataclass(frozen=True)
 class TrainerBackend:
     pool: str  # "module:function" building the trainer pool
     ranks: Callable[[TrainerConfig], int] = _one_rank
+    check: str = ""  # "module:function" refusing settings the backend cannot run
 
 
 ENGINE_BUILDERS: dict[str, str] = {
@@ -50,6 +58,11 @@ ENGINE_BUILDERS: dict[str, str] = {
 }
 TRAINER_POOLS: dict[str, TrainerBackend] = {
     "embedded": TrainerBackend("staleflow.runtime.pools.trainer:build_embedded_pool"),
+    "megatron": TrainerBackend(
+        "staleflow.runtime.pools.megatron:build_megatron_pool",
+        ranks=_parallel_ranks,
+        check="staleflow.trainers.megatron.checks:check_run",
+    ),
 }
 
 
@@ -90,6 +103,13 @@ def check_backends(cfg: RunConfig) -> None:
         check_rollout_backend(cfg)
     except BackendSettingError as exc:
         raise LaunchError(str(exc)) from None
+    # The trainer's (installed? does its parallelism split this model?), the same way.
+    check = trainer_backend(cfg.trainer.backend).check
+    if check:
+        try:
+            load_hook(check)(cfg)
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from None
 
 
 def engine_builder(backend: str) -> str:

@@ -9,7 +9,7 @@ here, lazily, by name.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,6 +19,7 @@ from staleflow.runtime.reward_stage import CompletionSink, RewardStage
 
 if TYPE_CHECKING:
     from staleflow.config import RewardConfig, RolloutConfig, TrainerConfig
+    from staleflow.engines.factory import EngineOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +46,7 @@ class RolloutSpec:
     seed: int
     # rollout.vllm / rollout.sglang resolved by the driver (model folder, log folder);
     # empty for the embedded engine
-    engine_options: dict[str, Any] = field(default_factory=dict)
+    engine_options: EngineOptions | None = None
 
     @property
     def layout(self) -> dict[str, Any]:
@@ -171,6 +172,8 @@ def build_served_engine(spec: RolloutSpec, seed: int, placement: EnginePlacement
     ``spec.engine_options`` names (resolved by the driver), imported only here."""
     from staleflow.engines.factory import build_engine
 
+    if spec.engine_options is None:
+        raise ValueError(f"rollout.backend={spec.rollout.backend} needs resolved engine options")
     pull = placement.pull
     return build_engine(
         spec.rollout.backend,
@@ -183,26 +186,6 @@ def build_served_engine(spec: RolloutSpec, seed: int, placement: EnginePlacement
     )
 
 
-def embedded_trainer_config(trainer: TrainerConfig, seed: int) -> Any:
-    """The embedded trainer's settings from the ``trainer`` section."""
-    from staleflow.trainers.embedded import EmbeddedTrainerConfig
-
-    return EmbeddedTrainerConfig(
-        lr=trainer.lr,
-        weight_decay=trainer.weight_decay,
-        max_grad_norm=trainer.max_grad_norm,
-        eps_low=trainer.eps_low,
-        eps_high=trainer.eps_high,
-        off_policy=trainer.off_policy,
-        is_cap=trainer.is_cap,
-        is_cap_mode=trainer.is_cap_mode,
-        advantage=trainer.advantage,
-        micro_batch_size=trainer.micro_batch_size,
-        updates_per_step=trainer.updates_per_step,
-        seed=seed,
-    )
-
-
 def build_embedded_trainer(spec: TrainerSpec, weights: Mapping[str, np.ndarray]) -> Any:
     from staleflow.models.state import load_policy_state
     from staleflow.trainers import trainer_class
@@ -211,11 +194,8 @@ def build_embedded_trainer(spec: TrainerSpec, weights: Mapping[str, np.ndarray])
     load_policy_state(model, weights)
     # the tokenizer goes into every checkpoint, so that model.checkpoint=<it> can resume
     tokenizer = tokenizer_from_spec(spec.model.tokenizer)
-    return trainer_class("embedded")(
-        model,
-        embedded_trainer_config(spec.trainer, spec.seed),
-        pad_id=spec.model.pad_token_id,
-        tokenizer=tokenizer,
+    return trainer_class("embedded").from_section(
+        model, spec.trainer, pad_id=spec.model.pad_token_id, seed=spec.seed, tokenizer=tokenizer
     )
 
 

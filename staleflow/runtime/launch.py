@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from staleflow.config import RunConfig
-from staleflow.runtime.backends import check_backends, trainer_backend
+from staleflow.runtime.backends import check_backends
 from staleflow.runtime.cluster import ACTOR_NAMESPACE, RayCluster, local_cpus
 from staleflow.runtime.errors import LaunchError, PlacementError
 from staleflow.runtime.evaluation import held_out_reward
@@ -93,7 +93,7 @@ def place(cfg: RunConfig, phase: Phase = _log_phase) -> tuple[RayCluster, Placem
     """Join (or start) the Ray cluster and fit the placement plan to its nodes; print both.
     Raises :class:`LaunchError` when the address does not answer and
     :class:`PlacementError` naming what is missing when the cluster cannot hold the plan."""
-    plan = plan_placement(cfg, trainer_backend(cfg.trainer.backend).ranks(cfg.trainer))
+    plan = plan_placement(cfg)
     cluster = RayCluster.connect(cfg.address, local_cpus(plan.totals().get("CPU", 0.0)))
     try:
         phase(f"placement plan (resources per member; docs/cluster.md), Ray at {cluster.address}:")

@@ -152,9 +152,14 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-def plan_placement(cfg: RunConfig, trainer_ranks: int = 1) -> PlacementPlan:
+def plan_placement(cfg: RunConfig, trainer_ranks: int | None = None) -> PlacementPlan:
     """The plan of ``cfg``: ``trainer_ranks`` comes from the trainer backend (the embedded
-    trainer has one rank; a Megatron pool has TP x PP x DP)."""
+    trainer has one rank; a Megatron pool has TP x PP x DP), asked of its registry entry
+    when not given."""
+    if trainer_ranks is None:
+        from staleflow.runtime.backends import trainer_backend
+
+        trainer_ranks = trainer_backend(cfg.trainer.backend).ranks(cfg.trainer)
     res = cfg.resources
     rollout = Bundle.of(res.rollout)
     tp = cfg.rollout.tensor_parallel

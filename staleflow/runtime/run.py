@@ -68,7 +68,7 @@ def rollout_spec(
 
     r = cfg.rollout
     longest = int(dataset.prompt_lengths.max()) + r.max_response_tokens
-    options: dict[str, Any] = {}
+    options = None
     if r.backend != "embedded":
         from staleflow.engines.factory import engine_options
 
@@ -224,7 +224,9 @@ class Run:
         )
         pushes = self.trainer.push_transports()
         trainer_nodes = {rank: self.placement.node_of(rank) for rank in pushes}
-        lines, weights = describe_weights(self.ps, pulls, pushes, layout, trainer_nodes)
+        lines, weights = describe_weights(
+            self.ps, pulls, pushes, layout, trainer_nodes, self.trainer.push_bytes()
+        )
         for line in lines:
             self._phase(line)
         self.placement_info = {**self.placement.as_dict(), "weights": weights}

@@ -93,28 +93,39 @@ def describe_weights(
     pushes: Mapping[str, Mapping[str, str]],
     layout: Layout,
     trainer_nodes: Mapping[str, str],
+    sent: Mapping[str, Mapping[str, int]] | None = None,
 ) -> tuple[list[str], dict[str, Any]]:
     """The replicas, every instance's Pull, and the Push plan with the transports really
     chosen: lines for the terminal and plain data for the dashboard.
 
     ``pulls``: instance role -> (replica, transport); ``pushes``: trainer rank -> replica ->
-    transport; ``trainer_nodes``: trainer rank -> node id.
+    transport; ``trainer_nodes``: trainer rank -> node id; ``sent``: trainer rank -> replica
+    -> bytes per version, where the trainer ranks plan their own sharded Push (else every
+    rank holds the whole ``layout`` and App. A.2's plan assigns it here).
     """
-    from parameter_server.replicas import push_plan
+    from parameter_server.replicas import TRANSPORT_LINKS, push_plan
 
-    senders = {rank: layout.slices() for rank in pushes}
-    plan = push_plan(
-        layout, senders, {rank: pool.routes(node) for rank, node in trainer_nodes.items()}
-    )
     moved: dict[tuple[str, str], int] = {}
-    for t in plan.transfers:
-        moved[(t.sender, t.receiver)] = moved.get((t.sender, t.receiver), 0) + t.slice.nbytes
+    if sent is None:
+        senders = {rank: layout.slices() for rank in pushes}
+        plan = push_plan(
+            layout, senders, {rank: pool.routes(node) for rank, node in trainer_nodes.items()}
+        )
+        for t in plan.transfers:
+            moved[(t.sender, t.receiver)] = moved.get((t.sender, t.receiver), 0) + t.slice.nbytes
+        estimate, how = plan.makespan_s, "App. A.2"
+    else:
+        moved = {(s, r): n for s, by in sent.items() for r, n in by.items()}
+        load: dict[str, float] = {}
+        for (s, r), n in moved.items():
+            load[s] = load.get(s, 0.0) + TRANSPORT_LINKS[pushes[s][r]].estimate(n)
+        estimate, how = max(load.values(), default=0.0), "each rank's own shards, App. A.2"
     replicas = ", ".join(f"{r} on node {n[:8]}" for r, n in pool.nodes.items())
     lines = [
         f"PS: {len(pool.nodes)} replica(s), one per rollout node ({replicas})",
         "Pull: "
         + ", ".join(f"{inst} <- {rep} over {tr}" for inst, (rep, tr) in sorted(pulls.items())),
-        f"Push plan (App. A.2, est. {plan.makespan_s * 1e3:.1f} ms a version): "
+        f"Push plan ({how}, est. {estimate * 1e3:.1f} ms a version): "
         + ", ".join(
             f"{s} -> {r} {n / 2**20:.1f} MiB over {pushes[s][r]}" for (s, r), n in moved.items()
         ),
@@ -126,6 +137,6 @@ def describe_weights(
             {"sender": s, "replica": r, "bytes": n, "transport": pushes[s][r]}
             for (s, r), n in moved.items()
         ],
-        "push_estimate_s": plan.makespan_s,
+        "push_estimate_s": estimate,
     }
     return lines, data

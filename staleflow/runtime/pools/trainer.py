@@ -1,6 +1,7 @@
 """The trainer pool, chosen by ``trainer.backend``
 (:data:`staleflow.runtime.backends.TRAINER_POOLS`). The embedded one is a single rank
-that Pushes each version to every PS replica."""
+that Pushes each version to every PS replica; the Megatron one is in
+:mod:`staleflow.runtime.pools.megatron`."""
 
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ class TrainerPool(Protocol):
         """Per rank, the transport each PS replica's Push takes."""
         ...
 
+    def push_bytes(self) -> dict[str, dict[str, int]] | None:
+        """Per rank, the bytes each PS replica gets from it per version, for a pool that
+        plans its own Push (ranks holding shards); None when every rank holds the whole
+        model and the launcher's Push plan (App. A.2) says who sends what."""
+        ...
+
     def stop(self) -> None: ...
 
 
@@ -49,6 +56,9 @@ class EmbeddedTrainerPool:
 
     def push_transports(self) -> dict[str, dict[str, str]]:
         return {self._role: self._ray.get(self._actor.push_transports.remote())}
+
+    def push_bytes(self) -> None:
+        return None
 
     def stop(self) -> None:
         self._ray.get(self._actor.stop.remote(), timeout=30)

@@ -75,7 +75,14 @@ from staleflow.config import (
         (["data.path=train.jsonl"], "data.task=arithmetic does not read files"),
         (["rollout.vllm.extra_args=[1]"], "rollout.vllm.extra_args='[1]' is not a JSON object"),
         (["rollout.sglang.weight_sync=nccl"], "rollout.sglang.weight_sync='nccl' is unknown"),
-        (["trainer.backend=megatron"], "set model.checkpoint"),
+        (["trainer.tp=2"], "trainer.tp=2 needs trainer.backend=megatron"),
+        (
+            ["trainer.backend=megatron", "trainer.tp=2", "trainer.ranks=8"],
+            "trainer.ranks=8 does not equal trainer.dp x trainer.tp x trainer.pp = 1 x 2 x 1 "
+            "= 2: set trainer.dp=4",
+        ),
+        (["trainer.backend=megatron", "trainer.pp=2"], "trainer.pp=2 is not supported yet"),
+        (["trainer.load=ckpt"], "trainer.load='ckpt' is a Megatron checkpoint"),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(overrides, expected):

@@ -263,12 +263,13 @@ def test_another_format_and_a_folder_that_is_not_a_run_are_refused(tmp_path):
 def test_the_embedded_trainer_writes_its_own_part(tmp_path):
     """The real trainer saves into the checkpoint being written, and loads from it."""
     pytest.importorskip("torch")
+    from staleflow.config import TrainerConfig
     from staleflow.models import build_arithmetic_model
-    from staleflow.trainers.embedded import EmbeddedTrainer, EmbeddedTrainerConfig
+    from staleflow.trainers.embedded import EmbeddedTrainer
 
     def trainer(seed: int) -> EmbeddedTrainer:
         model, tokenizer = build_arithmetic_model("micro", seed=seed)
-        return EmbeddedTrainer(model, EmbeddedTrainerConfig(), pad_id=tokenizer.pad_id)
+        return EmbeddedTrainer(model, TrainerConfig(), pad_id=tokenizer.pad_id)
 
     saved = trainer(0)
     write_checkpoint(tmp_path, busy_run().state(), trainer=saved.save_checkpoint)

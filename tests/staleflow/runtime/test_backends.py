@@ -5,6 +5,8 @@ Ray."""
 from __future__ import annotations
 
 import inspect
+import sys
+import types
 
 import pytest
 
@@ -26,6 +28,30 @@ def test_every_trainer_pool_hook_takes_its_context_spec_ps_and_control(name):
     assert list(inspect.signature(hook).parameters) == ["ctx", "spec", "ps", "control"]
     ranks = entry.ranks(RunConfig().trainer)
     assert isinstance(ranks, int) and ranks >= 1
+
+
+@pytest.mark.parametrize(
+    "name", sorted(n for n, entry in backends.TRAINER_POOLS.items() if entry.check)
+)
+def test_every_trainer_check_hook_takes_the_run_config(name):
+    hook = backends.load_hook(backends.trainer_backend(name).check)
+    assert list(inspect.signature(hook).parameters) == ["cfg"]
+
+
+def test_a_trainer_check_refusal_is_a_launch_error_naming_its_key(monkeypatch):
+    def refuse(cfg: RunConfig) -> None:
+        raise ValueError(f"trainer.tp={cfg.trainer.tp} does not divide the heads")
+
+    hooks = types.ModuleType("refusing_hooks")
+    hooks.refuse = refuse  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "refusing_hooks", hooks)
+    entry = backends.TrainerBackend(
+        backends.TRAINER_POOLS["megatron"].pool, check="refusing_hooks:refuse"
+    )
+    monkeypatch.setitem(backends.TRAINER_POOLS, "megatron", entry)
+    cfg = load_config(None, ["trainer.backend=megatron", "trainer.tp=2"])
+    with pytest.raises(LaunchError, match=r"^trainer\.tp=2 does not divide the heads$"):
+        backends.check_backends(cfg)
 
 
 def test_a_backend_without_a_hook_is_refused_naming_what_launch_builds(monkeypatch):

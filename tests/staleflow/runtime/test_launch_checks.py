@@ -10,8 +10,16 @@ from staleflow.config import load_config
 from staleflow.runtime.launch import LaunchError, launch
 
 
+def _without_megatron(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every backend the config names is built now; take one away to see the refusal."""
+    from staleflow.runtime import backends
+
+    monkeypatch.delitem(backends.TRAINER_POOLS, "megatron")
+
+
 @pytest.mark.parametrize("override", ["trainer.backend=megatron"], ids=["megatron"])
-def test_a_backend_launch_cannot_build_is_refused_by_name(tmp_path, override):
+def test_a_backend_launch_cannot_build_is_refused_by_name(tmp_path, monkeypatch, override):
+    _without_megatron(monkeypatch)
     cfg = load_config(None, [override, "model.checkpoint=/models/m", f"run_dir={tmp_path}"])
     key = override.split("=")[0]
     with pytest.raises(LaunchError, match=rf"{key}=\w+ is not implemented .* use {key}=embedded"):
@@ -43,9 +51,10 @@ def test_a_prompt_file_that_cannot_be_read_is_a_launch_error(tmp_path):
         launch(cfg)
 
 
-def test_the_cli_prints_the_refusal(tmp_path, capsys):
+def test_the_cli_prints_the_refusal(tmp_path, capsys, monkeypatch):
     from staleflow.cli import main
 
+    _without_megatron(monkeypatch)
     argv = ["launch", "trainer.backend=megatron", "model.checkpoint=/models/m", "--no-live"]
     assert main([*argv, f"run_dir={tmp_path}", "--no-dashboard"]) == 1
     out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
