@@ -11,8 +11,8 @@ of their two gradients (what Megatron's ``finalize_model_grads`` does on GPU), s
 copies stay equal; the copy is counted once in the norm. The norm and clip follow
 ``torch.nn.utils.clip_grad_norm_`` (the embedded trainer's), so TP = 1 matches it.
 
-On GPU, :class:`MegatronUpdate` wraps the model in Megatron's DistributedDataParallel and
-uses ``get_megatron_optimizer`` (mixed precision with fp32 main weights, the distributed
+On GPU, :class:`MegatronUpdate` wraps the model in Megatron's DistributedDataParallel,
+finalizes the gradients with ``finalize_model_grads`` and uses ``get_megatron_optimizer`` (mixed precision with fp32 main weights, the distributed
 optimizer, Megatron's clip). It needs CUDA and has not run in this project's CI.
 
 Both call ``before_update`` first: the fence of the background Push, which reads the
@@ -159,8 +159,12 @@ class MegatronUpdate:
         self.optimizer.zero_grad()
 
     def step(self) -> float:
+        from megatron.core.distributed import finalize_model_grads
+
         self._before_update()
-        self.model.finish_grad_sync()
+        # the data-parallel reduction, and with pipeline stages the sum of the tied
+        # embedding's two gradients; no token count: the loss is already divided by it
+        finalize_model_grads([self.model], num_tokens=None)
         ok, norm, _ = self.optimizer.step()
         self.zero_grad()
         return float(norm) if ok and norm is not None else float("nan")

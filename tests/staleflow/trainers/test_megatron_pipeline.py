@@ -6,7 +6,8 @@ tied embeddings live on both stages). The batch is cut into several micro-batche
 two updates per step, so PP = 2 runs Megatron's 1F1B schedule with a warm-up, a steady
 state and a cool-down, and a forward-only pass for the proximal logprobs. Both pools Push
 to a real PS worker; PP = 2 writes a distributed checkpoint after its first step that a
-PP = 1 pool loads and continues from.
+PP = 1 pool loads and continues from. A Qwen3 with untied embeddings takes one step at
+PP = 1 and PP = 2.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from tests.staleflow.trainers.sampled import sample_batch  # noqa: E402
 from tests.staleflow.trainers.test_megatron_equivalence import (  # noqa: E402
     PRESET,
     SETTINGS,
+    _megatron,
+    _other_architectures,
     _perturbed,
     _relative,
     _same_step,
@@ -47,8 +50,11 @@ def runs(tmp_path_factory):
     model = _perturbed(build_model(PRESET, tokenizer.vocab_size, seed=3), 2)
     hf_config, hf = model.config.to_dict(), _weights(model)
     batch = sample_batch(model, tokenizer, temperature=0.7, groups=4, group_size=4)
+    # a Qwen3 with untied embeddings: the last stage's output layer is its own weight
+    qwen3_config, qwen3, _ = _other_architectures(tokenizer.vocab_size)[1]
     return {
         "hf": hf,
+        "untied": [_megatron(qwen3_config, qwen3, batch, pp=pp) for pp in (1, 2)],
         "pp1": _with_ps(hf_config, hf, batch, steps=2, settings=PIPELINE),
         "pp2": _with_ps(hf_config, hf, batch, pp=2, steps=1, save=str(ckpt), settings=PIPELINE),
         "pp1_from_pp2": run(
@@ -70,7 +76,13 @@ def test_pp2_takes_the_same_step_as_pp1(runs):
     assert _relative(runs["hf"], pp2["final"]) > 1e-2  # far beyond the tolerance
 
 
-def test_each_stage_holds_its_layers_under_megatron_local_names(runs):
+def test_pp2_takes_the_same_step_with_untied_embeddings(runs):
+    pp1, pp2 = runs["untied"]
+    assert "output_layer.weight" not in pp2["names"]  # rank 0 is the first stage
+    _same_step(pp1["metrics"][0], pp1["final"], pp2["metrics"][0], pp2["final"])
+
+
+def test_each_stage_holds_its_own_layers_by_global_number(runs):
     (pp2, _, _) = runs["pp2"]
     names = pp2["names"]  # rank 0: the first stage, its names by global layer number
     assert "embedding.word_embeddings.weight" in names
