@@ -27,8 +27,8 @@ import torch
 from parameter_server.torch_compat import to_numpy
 from staleflow.config.sections import TrainerConfig
 from staleflow.models.state import load_policy_state, policy_state
+from staleflow.trainers.batch_checks import BatchError
 from staleflow.trainers.rl import (
-    BatchError,
     LocalReduce,
     SingleStage,
     adamw,
