@@ -135,7 +135,8 @@ class CoordinatorConfig:
         metadata={
             "help": "throughput synchronisation Pulls a lagging instance only once the KV "
             "cache of what it runs is at most this share of the budget: a Pull interrupts "
-            "and re-prefills all of it (coordinator/sync.py); null: Algorithm 4 as written"
+            "and re-prefills all of it (coordinator/sync.py); with the throughput routing "
+            "only (least-loaded routing keeps caches full); null: Algorithm 4 as written"
         },
     )
     improving_moves: bool = field(

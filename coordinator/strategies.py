@@ -82,7 +82,13 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
         # Without proactive migration a Pull is the only way a queue leaves an instance, so
         # the sync strategy then also releases queues beyond phi_wait (sync.py).
         release = config.phi_wait if config.migration == "vanilla" else None
-        sync = ThroughputSync(throughput_routing, release, config.pull_kv)
+        # Deferred Pulls wait for a lagging instance's KV to drain, which only the
+        # throughput routing guarantees (Eq. 3 never routes into a queue). Least-loaded
+        # routing queues every admissible trajectory on the instances, so their KV stays
+        # full and a deferred Pull comes late or never (R0S1M1 made 0.86x R0S0M0 with it,
+        # 1.03x without: docs/simulator.md, Ablation).
+        pull_kv = config.pull_kv if config.routing == "throughput" else None
+        sync = ThroughputSync(throughput_routing, release, pull_kv)
     elif config.synchronization == "drain":
         drain = DrainGlobalSync()  # it also holds routing until the fleet has drained
         sync, hold = drain, drain

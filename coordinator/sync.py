@@ -57,7 +57,9 @@ class ThroughputSync:
     those finish: the oldest trajectories then run in a light batch, the fastest place
     for them. So a candidate is Pulled only once the KV cache of what it runs has
     drained to ``pull_kv`` of the budget; until then it finishes its work: each instance
-    synchronises "following its own pace" (§6.5). The simulator measured a single
+    synchronises "following its own pace" (§6.5). ``build_strategies`` sets ``pull_kv``
+    only behind the throughput routing: least-loaded routing queues work on the instances,
+    so their KV would not drain and the Pull would not come. The simulator measured a single
     Algorithm 4 decision interrupting 1,300 version-0 trajectories mid-ramp-up; deferring
     only the instances that ran the oldest trajectories did worse than deferring every
     busy candidate (docs/simulator.md).

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coordinator import TrajectoryView
+from coordinator import CoordinatorConfig, TrajectoryView, build_strategies
 from coordinator.fleet import Fleet
 from coordinator.pool import TrajectoryPool
 from coordinator.routing import ThroughputRouting
@@ -47,3 +47,14 @@ def test_a_pull_waits_until_the_instance_has_drained() -> None:
 def test_pull_kv_is_validated() -> None:
     with pytest.raises(ValueError, match="pull_kv"):
         ThroughputSync(ROUTING, pull_kv=1.5)
+
+
+def test_pulls_are_deferred_only_behind_the_throughput_routing() -> None:
+    """Least-loaded routing keeps the caches full of queued work, so a Pull deferred until
+    the KV drains would come late or never: the rule needs the throughput routing."""
+    budget = CoordinatorConfig().cost_model.build().kv_budget
+    with_r1 = build_strategies(CoordinatorConfig(pull_kv=0.25)).sync
+    assert isinstance(with_r1, ThroughputSync) and with_r1.max_kv == 0.25 * budget
+    for routing in ("vanilla", "sticky"):
+        sync = build_strategies(CoordinatorConfig(routing=routing, pull_kv=0.25)).sync
+        assert isinstance(sync, ThroughputSync) and sync.max_kv is None
