@@ -61,6 +61,9 @@ class FinishedLike(Protocol):
     @property
     def group_id(self) -> GroupId: ...
 
+    @property
+    def response_len(self) -> int: ...
+
 
 class ControlLoop:
     """See the module docstring. ``on_decision`` receives every decision as it is taken
@@ -118,9 +121,11 @@ class ControlLoop:
     # -- what the drivers call ------------------------------------------------------------
 
     def occupy(self, finished: Iterable[FinishedLike]) -> list[FinishedLike]:
-        """Trajectories the TS now holds as completed: Occupy their groups (§4.2).
-        Returns those applied now: a completion the manager already has (a report
-        replayed after a lost reward worker, :meth:`replay`) is skipped."""
+        """Trajectories the TS now holds as completed: Occupy their groups (§4.2), and
+        tell Seer's length context (if on) how long they were. Returns those applied
+        now: a completion the manager already has (a report replayed after a lost reward
+        worker, :meth:`replay`) is skipped."""
+        context = self.coordinator.strategies.seer
         applied: list[FinishedLike] = []
         for f in finished:
             try:
@@ -128,6 +133,8 @@ class ControlLoop:
             except DuplicateTrajectory:
                 logger.debug("completion of trajectory %d already applied", f.traj_id)
                 continue
+            if context is not None:
+                context.finished(f.group_id, f.traj_id, f.response_len)
             applied.append(f)
             if self.on_decision is not None:
                 self.on_decision(Occupied(self._clock(), f.group_id, f.traj_id, outcome))

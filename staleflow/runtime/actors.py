@@ -257,6 +257,7 @@ class RolloutActor:
             max_response=spec.rollout.max_response_tokens,
             on_finished=self._dispatch,
             holder=self._holder,
+            chunk_tokens=spec.chunk_tokens,
         )
         self._host.start(at_least, rec.progress_every_s)
 

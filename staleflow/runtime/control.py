@@ -507,6 +507,7 @@ class ControlPlane:
                 times[i] = self.members[i].times()
             except InstanceGone as exc:
                 self._post_lost(exc, ())
+        seer = self.coordinator.strategies.seer
         self.metrics.on_step(
             report,
             now=self._clock(),
@@ -518,6 +519,7 @@ class ControlPlane:
             # one coordinator period, and the record would then miss the newest Pull
             instance_versions={s.inst: s.inst_version for s in self._snapshots()},
             totals=self.recovery.totals(),
+            probes=seer.accuracy() if seer is not None else None,
         )
 
     # -- diagnostics -------------------------------------------------------------------

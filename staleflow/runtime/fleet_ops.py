@@ -19,7 +19,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from staleflow.control import ControlLoop
 from staleflow.control.loop import TrajectoryStore
@@ -38,6 +38,14 @@ class RecoverableStore(TrajectoryStore, Protocol):
     def instance_lost(self, instance_id: InstanceId) -> tuple[int, ...]: ...
 
     def ledger(self) -> Sequence[LiveTrajectory]: ...
+
+
+class _Completed(NamedTuple):
+    """A completion the TS holds, as the control loop's ``replay`` takes it."""
+
+    traj_id: int
+    group_id: int
+    response_len: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,7 +177,11 @@ class FleetOps:
     def replay_completions(self) -> int:
         """Apply the completions the TS holds that the manager has not (their reward
         worker died before reporting them); returns how many."""
-        completed = [t for t in self._ts.ledger() if t.state is TrajState.COMPLETED]
+        completed = [
+            _Completed(t.traj_id, t.group_id, t.tokens)
+            for t in self._ts.ledger()
+            if t.state is TrajState.COMPLETED
+        ]
         applied = self._loop.replay(completed)
         if applied:
             self._log.add(

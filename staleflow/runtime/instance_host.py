@@ -64,6 +64,7 @@ class InstanceHost:
         max_response: int,
         on_finished: Callable[[list[Finished]], None],
         holder: InstanceId | None = None,
+        chunk_tokens: int | None = None,
     ) -> None:
         self.inst = inst
         self.holder: InstanceId = inst if holder is None else holder
@@ -71,12 +72,23 @@ class InstanceHost:
         self._ts = ts
         self._weights = weights
         self.instance = RolloutInstance(
-            inst, engine, max_response=max_response, on_finished=on_finished
+            inst,
+            engine,
+            max_response=max_response,
+            on_finished=on_finished,
+            chunk_tokens=chunk_tokens,
+            on_chunk=self._chunk_ends if chunk_tokens is not None else None,
         )
         self._reported: dict[int, int] = {}  # trajectory -> tokens the TS has from us
         self._progress_stop = threading.Event()
         self._progress_thread: threading.Thread | None = None
         self.progress_reports = 0
+
+    def _chunk_ends(self, partials: list[PartialTrajectory]) -> None:
+        """Divided rollout: a chunk ended; the trajectory waits in the TS to be re-placed
+        (with its V_traj and Reserve, as after an Interrupt). It names this incarnation,
+        so a chunk of one declared lost is refused (docs/recovery.md)."""
+        return_live(self._ts, partials, instance_id=self.holder)
 
     def start(self, at_least: int = 0, progress_every_s: float = 0.0) -> int:
         """Load the first weights and start generating; returns their version. With

@@ -27,7 +27,14 @@ import torch
 from parameter_server.torch_compat import to_numpy
 from staleflow.config.sections import TrainerConfig
 from staleflow.models.state import load_policy_state, policy_state
-from staleflow.trainers.rl import BatchError, LocalReduce, adamw, dense_token_stats, train_step
+from staleflow.trainers.batch_checks import BatchError
+from staleflow.trainers.rl import (
+    LocalReduce,
+    SingleStage,
+    adamw,
+    dense_token_stats,
+    train_step,
+)
 from staleflow.trainers.rng import rng_state as _rng_state
 from staleflow.trainers.rng import set_rng_state as _set_rng_state
 from trajectory_server.types import TrainingBatch
@@ -44,7 +51,7 @@ _OPTIMIZER_FILE = "optimizer.pt"
 _RNG_FILE = "rng.pt"  # torch's generators (a step seeds its own from seed and version)
 
 
-class _DenseBackend(LocalReduce):
+class _DenseBackend(SingleStage, LocalReduce):
     """:class:`staleflow.trainers.rl.StepBackend` of a whole model in one process."""
 
     token_stats = staticmethod(dense_token_stats)

@@ -137,3 +137,17 @@ def test_a_dead_rollout_actor_is_restarted_and_instances_join_and_leave(tmp_path
     last = records[-1]
     assert last["recovery/instance_lost"] >= 1 and last["recovery/instance_restarted"] >= 1
     assert last["recovery/instance_added"] == 1 and last["recovery/instance_removed"] == 2
+
+
+def test_launch_with_seer_divided_rollout_holds_the_bound_and_loses_nothing(tmp_path):
+    """coordinator.seer on: 8-token responses in chunks of 3, re-placed between chunks,
+    probes first and longest-estimated groups next (coordinator/seer.py)."""
+    result = _launch(
+        tmp_path, 1, "coordinator.seer.enabled=true", "coordinator.seer.chunk_tokens=3"
+    )
+    check_run(result, 1, STEPS, 2 * 4)
+    for step in result.consumed:  # every token within eta of the buffer it trained
+        assert max(step["token_staleness"]) <= 1, step
+    last = result.records[-1]
+    assert last.chunks is not None and last.chunks > 0  # chunks ended and were re-placed
+    assert last.probe_error is None or 0.0 <= last.probe_error < 1.0
