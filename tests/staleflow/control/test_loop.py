@@ -169,3 +169,30 @@ def test_the_loop_imports_no_framework() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+class _Stored:
+    """A completion as the TS's ledger holds it (what a replay after a lost reward
+    worker applies): with its response length, which Seer's length context reads."""
+
+    def __init__(self, group_id: int, traj_id: int, response_len: int) -> None:
+        self.group_id, self.traj_id, self.response_len = group_id, traj_id, response_len
+
+
+def test_a_replay_applies_only_what_the_manager_lacks_and_tells_seer_once() -> None:
+    """A lost reward worker stored completions in the TS, one of them already reported:
+    the replay Occupies the other one only, and Seer's length context hears of each
+    completion once (the skipped one would have raised the group's estimate to 99)."""
+    from coordinator.config import SeerConfig
+
+    seer = SeerConfig(enabled=True, chunk_tokens=16)
+    cluster, _ = _cluster(coordinator=CoordinatorConfig(period_s=1.0, seer=seer))
+    _start(cluster, 0, [0, 1])
+    complete_live(cluster.ts, [_completion(0), _completion(1)])
+    reported = _Stored(0, 0, 5)
+    assert cluster.loop.occupy([reported]) == [reported]
+    late = _Stored(0, 1, 7)
+    assert cluster.loop.replay([_Stored(0, 0, 99), late]) == [late]
+    context = cluster.loop.coordinator.strategies.seer
+    assert context is not None and context.estimate(0) == 7
+    assert cluster.manager.is_completed(0, 1)
