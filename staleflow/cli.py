@@ -178,9 +178,10 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         from staleflow.dashboard.app import create_app
         from staleflow.dashboard.server import DEFAULT_PORT, DashboardServer, bind, bind_preferred
     except ImportError as exc:
+        from staleflow.install import missing
+
         print(
-            "staleflow dashboard needs fastapi, fastapi-offline and uvicorn: "
-            f"pip install 'staleflow[dashboard]' ({exc})",
+            f"staleflow dashboard: {missing('fastapi, fastapi-offline or uvicorn', exc)}",
             file=sys.stderr,
         )
         return 2

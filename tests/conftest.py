@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if any(item.get_closest_marker("gpu") for item in items) and not _has_cuda():
         reasons["gpu"] = "needs a CUDA GPU"
     if importlib.util.find_spec("ray") is None:
-        reasons["ray"] = "needs ray: pip install -e '.[ray]'"
+        reasons["ray"] = "needs ray (default install: pip install -c constraints.txt -e .)"
     if not (shutil.which("chromium") or shutil.which("chromium-browser")):
         reasons["browser"] = "needs Debian's chromium package"
     for item in items:

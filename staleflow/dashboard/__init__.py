@@ -4,7 +4,7 @@ simulated cluster (``sim_source``), plus its single web page (``static/``) and t
 operator's terminal tools (``status``, ``profiling``). See docs/dashboard.md.
 
 Importing this package imports neither FastAPI nor Ray; ``app``, ``server`` and
-``launch_hook`` need the ``dashboard`` extra.
+``launch_hook`` need FastAPI and uvicorn (part of the default install).
 """
 
 from staleflow.dashboard.interface import RunSource

@@ -43,9 +43,12 @@ def engine_class(name: str) -> type:
     try:
         return getattr(importlib.import_module(module), attr)
     except ImportError as exc:
+        from staleflow.install import install_command
+
+        # the embedded engine's torch comes with the default install; others with their extra
+        fix = install_command("" if name == "embedded" else name)
         raise ImportError(
-            f"rollout backend {name!r} could not be imported ({exc}); the embedded engine "
-            "needs the torch extra: pip install -e '.[torch]' -c constraints.txt"
+            f"rollout backend {name!r} could not be imported ({exc}); install it with: {fix}"
         ) from exc
 
 

@@ -497,7 +497,9 @@ def _start_dashboard(cfg: Any, run: Run, phase: Callable[[str], None]) -> Any:
     try:
         from staleflow.dashboard.launch_hook import start_dashboard
     except ImportError as exc:
-        phase(f"dashboard off: it needs pip install 'staleflow[dashboard]' ({exc})")
+        from staleflow.install import missing
+
+        phase(f"dashboard off: {missing('the dashboard (fastapi, uvicorn)', exc)}")
         return None
     try:
         server = start_dashboard(cfg, run)
