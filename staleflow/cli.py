@@ -121,10 +121,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     import logging
 
     from rich.console import Console
-    from rich.live import Live
 
     from staleflow.config import load_config
-    from staleflow.runtime.display import live_panel, step_line, summary_table
+    from staleflow.runtime.display import LaunchView, step_line, summary_table
     from staleflow.runtime.launch import LaunchError, launch
 
     overrides = list(args.overrides)
@@ -142,30 +141,23 @@ def cmd_launch(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     _quiet_transformers()
     console = Console()
-    live = Live(console=console, refresh_per_second=4, transient=True) if args.live else None
 
     def on_record(rec: dict[str, float]) -> None:
         console.print(step_line(rec, cfg.eta))
 
-    def on_tick(state: object) -> None:
-        if live is not None:
-            live.update(live_panel(state))
-
     try:
-        if live is not None:
-            live.start()
-        result = launch(
-            cfg,
-            on_record=on_record,
-            on_tick=on_tick if live is not None else None,
-            on_phase=lambda text: console.print(f"[dim]{text}[/]"),
-        )
+        # live bars and the buffers panel in a terminal, plain progress lines in a log
+        with LaunchView(console, live=args.live) as view:
+            result = launch(
+                cfg,
+                on_record=on_record,
+                on_tick=view.on_tick if view.terminal is not None else None,
+                on_phase=lambda text: console.print(f"[dim]{text}[/]"),
+                progress=view.progress,
+            )
     except LaunchError as exc:
         console.print(f"[red]staleflow launch failed:[/] {exc}")
         return 1
-    finally:
-        if live is not None:
-            live.stop()
     result.summary["run_dir"] = str(result.run_dir)
     console.print(summary_table(result.summary, cfg.eta))
     return 0
@@ -378,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--live",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="draw buffers and instances while running",
+        help="in a terminal, draw progress bars, buffers and instances while running "
+        "(--no-live: plain progress lines, as when output is not a terminal)",
     )
     launch.add_argument(
         "--dashboard",

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from staleflow.progress import SILENT, Reporter
+
 logger = logging.getLogger(__name__)
 
 # Offset of the held-out problem stream from the run's seed; the warm-up uses seed and the
@@ -18,24 +20,37 @@ logger = logging.getLogger(__name__)
 EVAL_SEED_OFFSET = 1_000_003
 
 
-def held_out_reward(cfg: Any, model: Any, tokenizer: Any) -> float | None:
+def held_out_reward(
+    cfg: Any, model: Any, tokenizer: Any, progress: Reporter = SILENT, which: str = "initial"
+) -> float | None:
     """Mean reward of ``model`` on ``cfg.eval_problems`` held-out problems of the built-in
     task, one response each at ``rollout.temperature``; None when there is nothing to
-    evaluate (``eval_problems=0`` or a dataset task, which has no held-out split here)."""
+    evaluate (``eval_problems=0`` or a dataset task, which has no held-out split here).
+    ``progress`` gets a ``scoring`` phase counting problems; ``which`` names the policy
+    in its label (initial, final)."""
     if cfg.eval_problems <= 0 or cfg.data.task != "arithmetic":
         return None
     from staleflow.data.synthetic import ArithmeticConfig, ArithmeticTask
-    from staleflow.models.warmup import evaluate_accuracy
+    from staleflow.models.sampling import evaluate_accuracy
 
     task = ArithmeticTask(
         ArithmeticConfig.level(cfg.data.difficulty, seed=cfg.seed + EVAL_SEED_OFFSET)
     )
-    return evaluate_accuracy(
-        model,
-        tokenizer,
-        task,
-        cfg.eval_problems,
-        cfg.rollout.temperature,
-        seed=cfg.seed,
-        max_new_tokens=cfg.rollout.max_response_tokens,
-    )
+    with progress.phase(
+        "scoring",
+        f"scoring the {which} policy on held-out problems",
+        total=cfg.eval_problems,
+        unit="problems",
+    ) as phase:
+        reward = evaluate_accuracy(
+            model,
+            tokenizer,
+            task,
+            cfg.eval_problems,
+            cfg.rollout.temperature,
+            seed=cfg.seed,
+            max_new_tokens=cfg.rollout.max_response_tokens,
+            on_batch=phase.advance,
+        )
+        phase.update(reward=reward)
+    return reward

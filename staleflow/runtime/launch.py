@@ -22,6 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from staleflow.progress import SILENT, SILENT_PHASE, Phase, Reporter
 from staleflow.runtime.components import (
     ModelSpec,
     RewardSpec,
@@ -30,6 +31,7 @@ from staleflow.runtime.components import (
     model_spec,
 )
 from staleflow.runtime.evaluation import held_out_reward
+from staleflow.runtime.phases import TrainingWaits, actors_phase
 from staleflow.runtime.runfolder import reward_mean  # also imported from here
 
 logger = logging.getLogger(__name__)
@@ -91,7 +93,7 @@ def make_run_dir(cfg: Any) -> Path:
     return path
 
 
-def prepare_policy(cfg: Any) -> tuple[Any, Any, dict[str, Any]]:
+def prepare_policy(cfg: Any, progress: Reporter = SILENT) -> tuple[Any, Any, dict[str, Any]]:
     """(model, tokenizer, facts) for the run: a local checkpoint, or the warmed built-in."""
     from staleflow.models.checkpoint import load_pretrained
 
@@ -120,6 +122,7 @@ def prepare_policy(cfg: Any) -> tuple[Any, Any, dict[str, Any]]:
         seed=cfg.seed,
         target_accuracy=cfg.model.warmup_target or None,
         cache_dir=cfg.model.cache_dir or None,
+        progress=progress,
     )
     model, tokenizer = load_pretrained(path)
     meta = read_warmup_meta(path)
@@ -178,7 +181,7 @@ class Run:
 
     # -- start -----------------------------------------------------------------------
 
-    def start(self, model: Any, tokenizer: Any, dataset: Any) -> None:
+    def start(self, model: Any, tokenizer: Any, dataset: Any, stages: Phase = SILENT_PHASE) -> None:
         import ray
 
         from coordinator.config import CostModelConfig
@@ -204,6 +207,7 @@ class Run:
                     raise LaunchError(str(exc)) from None
             ray.init(**ray_init_kwargs(cfg))
             self._started_ray = True
+        stages.advance(detail="Ray up")
         spec = model_spec(model, tokenizer)
         remote = {
             name: ray.remote(cls)
@@ -231,6 +235,7 @@ class Run:
         endpoint = ray.get(ps.endpoint.remote())
         with connect(endpoint, cfg.parameter_server.transport) as client:
             client.push(state_dict_to_numpy(policy_state(model)), 0)
+        stages.advance(detail="PS up")
 
         ts = spawn_trajectory_server(
             TrajectoryServerConfig(
@@ -244,6 +249,7 @@ class Run:
             **self._named("ts"),
         )
         self.actors["ts"] = ts.handle
+        stages.advance(detail="TS up")
         coordinator = cfg.coordinator
         if coordinator.cost_model.kv_budget is None:
             # The strategies must plan with the engines' real KV budget.
@@ -296,6 +302,7 @@ class Run:
         self.actors["instances"] = instances
         ray.get([h.times.remote() for h in instances.values()])  # built and serving
         ray.get(control.attach.remote(instances))
+        stages.advance(detail="control, reward, rollout up")
         trainer = (
             remote["trainer"]
             .options(num_cpus=0, **self._named("trainer"))
@@ -315,6 +322,7 @@ class Run:
             )
         )
         self.actors["trainer"] = trainer
+        stages.advance(detail="trainer up")
 
     def _named(self, role: str) -> dict[str, str]:
         """Ray actor name ``<run folder name>/<role>`` in the namespace ``staleflow``, so
@@ -516,6 +524,7 @@ def launch(
     on_record: Callable[[dict[str, float]], None] | None = None,
     on_tick: Callable[[Any], None] | None = None,
     on_phase: Callable[[str], None] | None = None,
+    progress: Reporter = SILENT,
 ) -> RunResult:
     """Run ``cfg`` to the end; see the module docstring."""
     from staleflow.config import save_config
@@ -530,7 +539,7 @@ def launch(
     started = time.monotonic()
     phase("preparing the policy (the first run warms the built-in model up; later runs reuse it)")
     try:
-        model, tokenizer, facts = prepare_policy(cfg)
+        model, tokenizer, facts = prepare_policy(cfg, progress)
     except ModelError as exc:  # a checkpoint that cannot be loaded: say so, no traceback
         raise LaunchError(f"cannot load the policy: {exc}") from exc
     try:
@@ -538,16 +547,17 @@ def launch(
     except DatasetError as exc:
         raise LaunchError(f"cannot read the prompts: {exc}") from exc
     if cfg.eval_problems and cfg.data.task == "arithmetic":
-        phase(f"scoring the initial policy on {cfg.eval_problems} held-out problems")
         facts["eval_problems"] = cfg.eval_problems
-        facts["eval_reward_start"] = held_out_reward(cfg, model, tokenizer)
+        facts["eval_reward_start"] = held_out_reward(cfg, model, tokenizer, progress)
     facts["prepare_s"] = time.monotonic() - started
     run = Run(cfg, run_dir)
     dashboard: Any = None
     records: list[dict[str, float]] = []
     metrics_file = (run_dir / "metrics.jsonl").open("a", encoding="utf-8")
+    waits = TrainingWaits(progress, cfg, on_tick)
 
     def record(rec: dict[str, float]) -> None:
+        waits.record(rec)
         records.append(rec)
         metrics_file.write(json.dumps(rec, sort_keys=True) + "\n")
         metrics_file.flush()
@@ -555,18 +565,16 @@ def launch(
             on_record(rec)
 
     try:
-        phase(
-            f"starting actors: {cfg.rollout.instances} rollout, {cfg.reward.workers} reward, trainer, TS, PS, control"
-        )
         try:
-            run.start(model, tokenizer, dataset)
+            with actors_phase(progress, cfg.rollout.instances, cfg.reward.workers) as stages:
+                run.start(model, tokenizer, dataset, stages)
         except LaunchError:
             raise
         except Exception as exc:  # an actor that failed to start: name it, no Ray traceback
             raise LaunchError(f"the actors could not start: {_cause(exc)}") from exc
         dashboard = _start_dashboard(cfg, run, phase)
-        phase(f"training {cfg.steps} steps with eta={cfg.eta}")
-        reports = run.train(cfg.steps, record, on_tick)
+        with waits:
+            reports = run.train(cfg.steps, record, waits.tick)
         run.save_checkpoint(run_dir / "checkpoint")
         facts["audit"] = run.audit()
     finally:
@@ -578,7 +586,7 @@ def launch(
         from staleflow.models.checkpoint import load_pretrained
 
         final, _ = load_pretrained(run_dir / "checkpoint")
-        facts["eval_reward_end"] = held_out_reward(cfg, final, tokenizer)
+        facts["eval_reward_end"] = held_out_reward(cfg, final, tokenizer, progress, "final")
     summary = summarise(records, reports, facts)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     consumed = [

@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 from staleflow.data.synthetic import ArithmeticConfig, ArithmeticTask, Problem  # noqa: E402
 from staleflow.models import build_arithmetic_model, policy_state  # noqa: E402
 from staleflow.models import warmup as warmup_module  # noqa: E402
+from staleflow.models.sampling import evaluate_accuracy  # noqa: E402
 from staleflow.models.warmup import (  # noqa: E402
     DEFAULT_PRESET,
     META_FILE,
@@ -21,10 +22,10 @@ from staleflow.models.warmup import (  # noqa: E402
     default_task_config,
     ensure_warm_checkpoint,
     ensure_warm_model,
-    evaluate_accuracy,
-    sample_responses,
+    idle_cores,
     warmup,
 )
+from staleflow.progress import PhaseState, Progress  # noqa: E402
 
 LEVEL1 = ArithmeticConfig.level(1)
 
@@ -71,29 +72,6 @@ def test_warmup_rejects_bad_settings():
         warmup(model, tokenizer, ArithmeticTask(LEVEL1), steps=0)
     with pytest.raises(ValueError, match="lr"):
         warmup(model, tokenizer, ArithmeticTask(LEVEL1), steps=1, lr=0.0)
-
-
-def test_sampling_is_reproducible_and_accuracy_is_a_fraction():
-    model, tokenizer = build_arithmetic_model("micro")
-    prompts = ["1+2=", "13+4=", "7-8="]
-    a = sample_responses(model, tokenizer, prompts, temperature=1.0, max_new_tokens=6, seed=3)
-    b = sample_responses(model, tokenizer, prompts, temperature=1.0, max_new_tokens=6, seed=3)
-    assert a == b and len(a) == 3 and all(len(r) <= 6 for r in a)
-    greedy = sample_responses(model, tokenizer, prompts, temperature=0.0, max_new_tokens=6)
-    assert greedy == sample_responses(model, tokenizer, prompts, temperature=0.0, max_new_tokens=6)
-    with pytest.raises(ValueError, match="temperature"):
-        sample_responses(model, tokenizer, prompts, temperature=-1.0)
-    accuracy = evaluate_accuracy(model, tokenizer, ArithmeticTask(LEVEL1), n=16, temperature=1.0)
-    assert 0.0 <= accuracy <= 1.0
-
-
-def test_evaluate_accuracy_counts_right_answers(monkeypatch):
-    model, tokenizer = build_arithmetic_model("micro")
-    task = ArithmeticTask(LEVEL1)
-    problems = task.problems(4)
-    answers = [f"9+9={p.answer}" for p in problems[:3]] + ["nope"]
-    monkeypatch.setattr(warmup_module, "sample_responses", lambda *a, **k: answers)
-    assert evaluate_accuracy(model, tokenizer, task, n=4) == 0.75
 
 
 def test_ensure_warm_checkpoint_builds_once_then_reuses(tmp_path, monkeypatch):
@@ -200,3 +178,71 @@ def test_default_warmup_leaves_room_for_rl(tmp_path, request, seed):
     print(f"seed {seed}: warm-up {seconds:.0f}s, accuracy T=1 {accuracy:.3f}, greedy {greedy:.3f}")
     assert 0.15 <= accuracy <= 0.60
     assert greedy >= accuracy - 0.05
+
+
+class _Phases:
+    """Keeps every state a Progress reports."""
+
+    def __init__(self) -> None:
+        self.states: list[tuple[str, PhaseState]] = []
+
+    def started(self, state: PhaseState) -> None:
+        self.states.append(("started", state))
+
+    def updated(self, state: PhaseState) -> None:
+        self.states.append(("updated", state))
+
+    def finished(self, state: PhaseState) -> None:
+        self.states.append(("finished", state))
+
+
+def test_the_warm_up_reports_steps_loss_accuracy_and_its_target(tmp_path, monkeypatch):
+    calls = iter([0.05, 0.5])  # the second check reaches the target
+    monkeypatch.setattr(warmup_module, "evaluate_accuracy", lambda *a, **k: next(calls))
+    every = warmup_module.CHECK_EVERY
+    seen = _Phases()
+    ensure_warm_checkpoint(
+        "micro",
+        LEVEL1,
+        steps=10 * every,
+        batch_size=2,
+        lr=1e-2,
+        cache_dir=tmp_path,
+        eval_problems=0,
+        target_accuracy=0.3,
+        progress=Progress(seen),
+    )
+    kinds = [kind for kind, _ in seen.states]
+    assert kinds[0] == "started" and kinds[-1] == "finished"
+    first = seen.states[0][1]
+    assert (first.key, first.total, first.unit) == ("warmup", 10 * every, "steps")
+    assert first.upper_bound and first.goal == "accuracy 30%"
+    updates = [s for kind, s in seen.states if kind == "updated"]
+    steps = [s.done for s in updates]
+    assert steps == sorted(steps) and steps[-1] == 2 * every  # every step, to the stop
+    assert all(s.metrics["loss"] > 0 for s in updates)
+    assert [s.metrics.get("accuracy") for s in updates if s.done == every][-1] == 0.05
+    last = seen.states[-1][1]
+    assert last.metrics["accuracy"] == 0.5 and not last.failed
+    assert f"stopped at step {2 * every}" in last.note
+    # a cache hit has nothing to wait for: no phase at all
+    again = _Phases()
+    ensure_warm_checkpoint(
+        "micro",
+        LEVEL1,
+        steps=10 * every,
+        batch_size=2,
+        lr=1e-2,
+        cache_dir=tmp_path,
+        eval_problems=0,
+        target_accuracy=0.3,
+        progress=Progress(again),
+    )
+    assert again.states == []
+
+
+@pytest.mark.parametrize(("load", "threads"), [(0.0, 2), (0.4, 2), (1.0, 1), (7.5, 1)])
+def test_the_warm_up_uses_only_the_idle_cores(monkeypatch, load, threads):
+    monkeypatch.setattr(warmup_module.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(warmup_module.os, "getloadavg", lambda: (load, load, load))
+    assert idle_cores() == threads
