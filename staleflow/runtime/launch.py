@@ -22,6 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from staleflow.install import missing
 from staleflow.progress import SILENT, SILENT_PHASE, Phase, Reporter
 from staleflow.runtime.components import (
     ModelSpec,
@@ -505,8 +506,6 @@ def _start_dashboard(cfg: Any, run: Run, phase: Callable[[str], None]) -> Any:
     try:
         from staleflow.dashboard.launch_hook import start_dashboard
     except ImportError as exc:
-        from staleflow.install import missing
-
         phase(f"dashboard off: {missing('the dashboard (fastapi, uvicorn)', exc)}")
         return None
     try:
@@ -574,7 +573,7 @@ def launch(
             raise LaunchError(f"the actors could not start: {_cause(exc)}") from exc
         dashboard = _start_dashboard(cfg, run, phase)
         with waits:
-            reports = run.train(cfg.steps, record, waits.tick)
+            reports = run.train(cfg.steps, record, waits.on_tick())
         run.save_checkpoint(run_dir / "checkpoint")
         facts["audit"] = run.audit()
     finally:

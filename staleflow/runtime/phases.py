@@ -9,7 +9,7 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from staleflow.progress import Phase, Reporter
+from staleflow.progress import SILENT, Phase, Reporter
 
 # What Run.start reports as it goes: Ray, PS, TS, control + rewards + instances, trainer.
 ACTOR_STAGES = 5
@@ -56,6 +56,12 @@ class TrainingWaits:
             "first_buffer", "waiting for the first buffer", total=cfg.batch_size, unit="groups"
         )
         return self
+
+    def on_tick(self) -> Callable[[Any], None] | None:
+        """What the launcher's poll should call with the live state: :meth:`tick`, or
+        None (no polling) when neither the progress nor the caller wants it."""
+        wanted = self._on_tick is not None or self._progress is not SILENT
+        return self.tick if wanted else None
 
     def tick(self, live: Any) -> None:
         """The control plane's live state (every poll); passed on to ``on_tick``."""

@@ -69,7 +69,7 @@ def test_an_address_joins_that_cluster_and_none_starts_a_local_ray():
 def test_an_actor_that_fails_to_start_is_a_launch_error(tmp_path, monkeypatch):
     from staleflow.runtime import launch as launching
 
-    def failing_start(self, model, tokenizer, dataset):
+    def failing_start(self, model, tokenizer, dataset, *progress):
         raise RuntimeError("ray.exceptions.ActorDiedError: ...\nPSWorker: no shared memory left")
 
     monkeypatch.setattr(launching.Run, "start", failing_start)
