@@ -75,9 +75,9 @@ def ray_init_kwargs(cfg: Any) -> dict[str, Any]:
     kwargs: dict[str, Any] = {"log_to_driver": True, "include_dashboard": False}
     if cfg.address:
         kwargs["address"] = cfg.address
-    else:
-        # Actors mostly wait on each other; CPU slots only gate scheduling.
-        kwargs["num_cpus"] = max(os.cpu_count() or 1, 4)
+    else:  # its own Ray even where `ray start` runs one (ray.init() would join that)
+        kwargs["address"] = "local"
+        kwargs["num_cpus"] = max(os.cpu_count() or 1, 4)  # CPU slots only gate scheduling
     return kwargs
 
 
