@@ -10,7 +10,6 @@ first run on a machine pays for it.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -19,7 +18,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,6 +39,7 @@ from staleflow.models.build import build_arithmetic_model
 from staleflow.models.checkpoint import load_pretrained, save_pretrained
 from staleflow.models.presets import ModelPreset, get_preset
 from staleflow.models.sampling import evaluate_accuracy
+from staleflow.models.threads import idle_cores, torch_threads
 from staleflow.progress import SILENT, Reporter
 
 if TYPE_CHECKING:
@@ -74,35 +74,6 @@ def default_cache_dir() -> Path:
     root = os.environ.get("STALEFLOW_CACHE")
     base = Path(root).expanduser() if root else Path.home() / ".cache" / "staleflow"
     return base / "warmup"
-
-
-def idle_cores() -> int:
-    """Cores of this process not busy with other work, from the 1-minute load average
-    (at least 1). On cores shared with other processes, torch threads beyond the idle
-    cores mostly spin waiting for each other: 2 threads on 2 busy cores ran the warm-up
-    ~10x slower than 1 (docs/launch.md)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    try:
-        load = os.getloadavg()[0]
-    except OSError:
-        return cores
-    return max(1, min(cores, int(cores - load + 0.5)))
-
-
-@contextlib.contextmanager
-def _torch_threads(num_threads: int | None) -> Iterator[None]:
-    if num_threads is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _warmup_task(task: ArithmeticTask, seed: int) -> ArithmeticTask:
@@ -195,7 +166,7 @@ def warmup(
     was_training = model.training
     model.train()
     start = time.perf_counter()
-    with _torch_threads(num_threads):
+    with torch_threads(num_threads):
         for step in range(steps):
             for group in optimizer.param_groups:
                 group["lr"] = lr * _lr_factor(step, steps, warmup_steps)
@@ -410,7 +381,7 @@ def ensure_warm_checkpoint(
         meta["key"] = key
         meta["preset_name"] = name
         if eval_problems > 0:
-            with _torch_threads(threads):
+            with torch_threads(threads):
                 accuracy = evaluate_accuracy(
                     model, tokenizer, _eval_task(task_config), eval_problems, 1.0, seed=seed
                 )

@@ -32,16 +32,20 @@ def held_out_reward(
         return None
     from staleflow.data.synthetic import ArithmeticConfig, ArithmeticTask
     from staleflow.models.sampling import evaluate_accuracy
+    from staleflow.models.threads import idle_cores, torch_threads
 
     task = ArithmeticTask(
         ArithmeticConfig.level(cfg.data.difficulty, seed=cfg.seed + EVAL_SEED_OFFSET)
     )
-    with progress.phase(
-        "scoring",
-        f"scoring the {which} policy on held-out problems",
-        total=cfg.eval_problems,
-        unit="problems",
-    ) as phase:
+    with (
+        progress.phase(
+            "scoring",
+            f"scoring the {which} policy on held-out problems",
+            total=cfg.eval_problems,
+            unit="problems",
+        ) as phase,
+        torch_threads(idle_cores()),
+    ):
         reward = evaluate_accuracy(
             model,
             tokenizer,

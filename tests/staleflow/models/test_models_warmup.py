@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -14,6 +15,7 @@ from staleflow.data.synthetic import ArithmeticConfig, ArithmeticTask, Problem  
 from staleflow.models import build_arithmetic_model, policy_state  # noqa: E402
 from staleflow.models import warmup as warmup_module  # noqa: E402
 from staleflow.models.sampling import evaluate_accuracy  # noqa: E402
+from staleflow.models.threads import idle_cores  # noqa: E402
 from staleflow.models.warmup import (  # noqa: E402
     DEFAULT_PRESET,
     META_FILE,
@@ -22,7 +24,6 @@ from staleflow.models.warmup import (  # noqa: E402
     default_task_config,
     ensure_warm_checkpoint,
     ensure_warm_model,
-    idle_cores,
     warmup,
 )
 from staleflow.progress import PhaseState, Progress  # noqa: E402
@@ -243,6 +244,29 @@ def test_the_warm_up_reports_steps_loss_accuracy_and_its_target(tmp_path, monkey
 
 @pytest.mark.parametrize(("load", "threads"), [(0.0, 2), (0.4, 2), (1.0, 1), (7.5, 1)])
 def test_the_warm_up_uses_only_the_idle_cores(monkeypatch, load, threads):
-    monkeypatch.setattr(warmup_module.os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(warmup_module.os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
     assert idle_cores() == threads
+
+
+def test_the_threads_benchmark_prints_a_row_per_setting(tmp_path, capsys, monkeypatch):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "experiments" / "bench_warmup.py"
+    spec = importlib.util.spec_from_file_location("bench_warmup", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(
+        bench, "build_arithmetic_model", lambda *a, **k: build_arithmetic_model("micro")
+    )
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(
+        sys, "argv", ["bench_warmup", "--rounds", "1", "--steps", "1", "--json", str(out)]
+    )
+    assert bench.main() == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert "1 thread" in rows and any(name.startswith("idle_cores()") for name in rows)
+    assert all(r["median_s"] > 0 for r in rows.values())
+    assert "s/step (median)" in capsys.readouterr().out
