@@ -13,6 +13,7 @@ pytest.importorskip("transformers")
 
 from staleflow.data.synthetic import ArithmeticConfig, ArithmeticTask, Problem  # noqa: E402
 from staleflow.models import build_arithmetic_model, policy_state  # noqa: E402
+from staleflow.models import threads as threads_module  # noqa: E402
 from staleflow.models import warmup as warmup_module  # noqa: E402
 from staleflow.models.sampling import evaluate_accuracy  # noqa: E402
 from staleflow.models.threads import idle_cores  # noqa: E402
@@ -242,11 +243,32 @@ def test_the_warm_up_reports_steps_loss_accuracy_and_its_target(tmp_path, monkey
     assert again.states == []
 
 
+@pytest.mark.parametrize(
+    ("idle_share", "threads"), [(1.0, 2), (0.8, 2), (0.6, 1), (0.4, 1), (0.0, 1)]
+)
+def test_the_warm_up_uses_only_the_cores_idle_now(monkeypatch, idle_share, threads):
+    # two CPUs; over the sample, idle_share of their time was idle
+    samples = iter([(0.0, 0.0), (200.0 * idle_share, 200.0)])
+    monkeypatch.setattr(threads_module, "_cpu_times", lambda: next(samples))
+    monkeypatch.setattr(threads_module.time, "sleep", lambda s: None)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert idle_cores() == threads
+
+
 @pytest.mark.parametrize(("load", "threads"), [(0.0, 2), (0.4, 2), (1.0, 1), (7.5, 1)])
-def test_the_warm_up_uses_only_the_idle_cores(monkeypatch, load, threads):
+def test_without_proc_stat_the_load_average_decides(monkeypatch, load, threads):
+    monkeypatch.setattr(threads_module, "_cpu_times", lambda: None)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
     assert idle_cores() == threads
+
+
+def test_cpu_times_read_this_machine():
+    times = threads_module._cpu_times()
+    if times is not None:  # Linux
+        idle, total = times
+        assert 0 <= idle <= total and total > 0
 
 
 def test_the_threads_benchmark_prints_a_row_per_setting(tmp_path, capsys, monkeypatch):
