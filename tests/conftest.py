@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if importlib.util.find_spec("ray") is None:
         reasons["ray"] = "needs ray (default install: pip install -c constraints.txt -e .)"
     if not (shutil.which("chromium") or shutil.which("chromium-browser")):
-        reasons["browser"] = "needs Debian's chromium package"
+        reasons["browser"] = "needs Debian's chromium: apt-get install chromium"
     for item in items:
         for marker, reason in reasons.items():
             if item.get_closest_marker(marker):
