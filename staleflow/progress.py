@@ -268,13 +268,13 @@ def duration(seconds: float) -> str:
 
 def metric_text(name: str, value: float) -> str:
     """Shares (accuracy, reward) as percentages, the rest with 4 significant digits."""
-    if name in ("accuracy", "reward", "validation accuracy") or name.endswith("accuracy"):
+    if name == "reward" or name.endswith("accuracy"):
         return f"{name} {value:.1%}"
     return f"{name} {value:.4g}"
 
 
 def count_text(state: PhaseState) -> str:
-    """``125/1200 steps`` (``at most 1200`` when the phase may stop early), or ``125 steps``."""
+    """``125/1200 steps``, or ``125 steps`` when no total is known."""
     done = f"{state.done:g}"
     unit = f" {state.unit}" if state.unit else ""
     if state.total is None:
