@@ -38,8 +38,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 # The launcher's plain progress lines (staleflow.progress.PlainLines): "<label> ... (...)"
 # when a phase starts, "<label>: done in ..." when it ends.
-START = re.compile(r"^(?P<label>[^:]+?) \.\.\.(?: \(.*\))?$")
-END = re.compile(r"^(?P<label>[^:]+?): (?P<how>done|failed) in ")
+START = re.compile(r"^(?P<label>.+?) \.\.\.(?: \(.*\))?$")
+END = re.compile(r"^(?P<label>.+?): (?P<how>done|failed) in ")
 PHASES = {  # label prefix -> name in the table
     "warming up the built-in": "warm-up",
     "scoring the initial policy": "initial scoring",
@@ -77,6 +77,9 @@ def measure_run(clone: Path, workdir: Path, full: bool, stop_timeout_s: float) -
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,  # its own process group: stopped as a whole
+        # Ctrl-C semantics even when this script runs in the background (where SIGINT
+        # is ignored, and Python would then never raise KeyboardInterrupt)
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     marks: dict[str, float] = {}
     spans: dict[str, list[float]] = {}
