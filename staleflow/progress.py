@@ -6,8 +6,8 @@ when one starts, advances and finishes. Library code only reports (``phase.advan
 ...)``); what the user sees is the renderers' business: a live bar in a terminal
 (:class:`staleflow.runtime.display.TerminalProgress`), plain periodic lines when output
 is a log (:class:`PlainLines`), the dashboard reading :meth:`Progress.snapshot`. A library
-call given no ``Progress`` reports to :data:`SILENT`, which keeps no state and prints
-nothing. Standard library only, thread-safe (the dashboard reads from its own thread).
+call given no ``Progress`` reports to :data:`SILENT`, a ``Progress`` that keeps no state
+and prints nothing. Standard library only, thread-safe (the dashboard reads from its own thread).
 """
 
 from __future__ import annotations
@@ -129,8 +129,15 @@ class Phase:
 class Progress:
     """The phases of one run, in the order they started."""
 
-    def __init__(self, *renderers: Renderer, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *renderers: Renderer,
+        clock: Callable[[], float] = time.monotonic,
+        keep: bool = True,
+    ) -> None:
+        """``keep=False``: phases report nothing and are not kept (:data:`SILENT`)."""
         self._renderers: list[Renderer] = list(renderers)
+        self._keep = keep
         self._clock = clock
         self._lock = threading.Lock()
         self._phases: list[Phase] = []
@@ -165,6 +172,10 @@ class Progress:
             started_s=now,
             elapsed_s=0.0,
         )
+        if not self._keep:
+            return Phase(None, state)
+        if not self._keep:
+            return Phase(None, state)
         phase = Phase(self, state)
         with self._lock:
             self._phases.append(phase)
@@ -227,30 +238,8 @@ class Progress:
             r.finished(state)
 
 
-class _Silent:
-    """Phases that report nothing: what library calls use when given no Progress."""
-
-    def phase(
-        self,
-        key: str,
-        label: str,
-        *,
-        total: float | None = None,
-        unit: str = "",
-        upper_bound: bool = False,
-        goal: str = "",
-    ) -> Phase:
-        return Phase(
-            None,
-            PhaseState(key, label, unit, 0, total, upper_bound, {}, goal, 0.0, 0.0),
-        )
-
-
-SILENT = _Silent()
+SILENT = Progress(keep=False)  # what library calls report to when given no Progress
 SILENT_PHASE = SILENT.phase("silent", "")  # a phase that reports nothing
-
-# What library functions accept: a Progress, or SILENT (their default).
-Reporter = Progress | _Silent
 
 
 # -- plain text -----------------------------------------------------------------------------

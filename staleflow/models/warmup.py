@@ -40,7 +40,7 @@ from staleflow.models.checkpoint import load_pretrained, save_pretrained
 from staleflow.models.presets import ModelPreset, get_preset
 from staleflow.models.sampling import evaluate_accuracy
 from staleflow.models.threads import idle_cores, torch_threads
-from staleflow.progress import SILENT, Reporter
+from staleflow.progress import SILENT, Progress
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -311,7 +311,7 @@ def ensure_warm_checkpoint(
     num_threads: int | None = None,
     eval_problems: int = 256,
     target_accuracy: float | None = None,
-    progress: Reporter = SILENT,
+    progress: Progress = SILENT,
 ) -> Path:
     """The directory of a warmed checkpoint (model, tokenizer, ``warmup.json``), built on
     the first call and reused after.
@@ -428,7 +428,7 @@ def ensure_warm_model(
     num_threads: int | None = None,
     eval_problems: int = 256,
     target_accuracy: float | None = None,
-    progress: Reporter = SILENT,
+    progress: Progress = SILENT,
 ) -> tuple[PreTrainedModel, Tokenizer]:
     """A warmed policy and its tokenizer for the built-in task, from the cache when there
     (see :func:`ensure_warm_checkpoint`)."""

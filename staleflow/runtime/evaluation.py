@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from staleflow.progress import SILENT, Reporter
+from staleflow.progress import SILENT, Progress
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ EVAL_SEED_OFFSET = 1_000_003
 
 
 def held_out_reward(
-    cfg: Any, model: Any, tokenizer: Any, progress: Reporter = SILENT, which: str = "initial"
+    cfg: Any, model: Any, tokenizer: Any, progress: Progress = SILENT, which: str = "initial"
 ) -> float | None:
     """Mean reward of ``model`` on ``cfg.eval_problems`` held-out problems of the built-in
     task, one response each at ``rollout.temperature``; None when there is nothing to

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from staleflow.install import missing
-from staleflow.progress import SILENT, SILENT_PHASE, Phase, Reporter
+from staleflow.progress import SILENT, SILENT_PHASE, Phase, Progress
 from staleflow.runtime.components import (
     ModelSpec,
     RewardSpec,
@@ -94,7 +94,7 @@ def make_run_dir(cfg: Any) -> Path:
     return path
 
 
-def prepare_policy(cfg: Any, progress: Reporter = SILENT) -> tuple[Any, Any, dict[str, Any]]:
+def prepare_policy(cfg: Any, progress: Progress = SILENT) -> tuple[Any, Any, dict[str, Any]]:
     """(model, tokenizer, facts) for the run: a local checkpoint, or the warmed built-in."""
     from staleflow.models.checkpoint import load_pretrained
 
@@ -523,7 +523,7 @@ def launch(
     on_record: Callable[[dict[str, float]], None] | None = None,
     on_tick: Callable[[Any], None] | None = None,
     on_phase: Callable[[str], None] | None = None,
-    progress: Reporter = SILENT,
+    progress: Progress = SILENT,
 ) -> RunResult:
     """Run ``cfg`` to the end; see the module docstring."""
     from staleflow.config import save_config

@@ -9,13 +9,13 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
-from staleflow.progress import SILENT, Phase, Reporter
+from staleflow.progress import SILENT, Phase, Progress
 
 # What Run.start reports as it goes: Ray, PS, TS, control + rewards + instances, trainer.
 ACTOR_STAGES = 5
 
 
-def actors_phase(progress: Reporter, instances: int, reward_workers: int) -> Phase:
+def actors_phase(progress: Progress, instances: int, reward_workers: int) -> Phase:
     """The ``actors`` phase: ``Run.start`` advances it once per stage it has started."""
     return progress.phase(
         "actors",
@@ -39,7 +39,7 @@ class TrainingWaits:
     when the run raised). ``cfg``: the run's config (``eta``, ``steps``, ``batch_size``)."""
 
     def __init__(
-        self, progress: Reporter, cfg: Any, on_tick: Callable[[Any], None] | None = None
+        self, progress: Progress, cfg: Any, on_tick: Callable[[Any], None] | None = None
     ) -> None:
         self._progress = progress
         self._cfg = cfg

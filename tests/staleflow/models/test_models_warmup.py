@@ -203,17 +203,8 @@ def test_the_warm_up_reports_steps_loss_accuracy_and_its_target(tmp_path, monkey
     monkeypatch.setattr(warmup_module, "evaluate_accuracy", lambda *a, **k: next(calls))
     every = warmup_module.CHECK_EVERY
     seen = _Phases()
-    ensure_warm_checkpoint(
-        "micro",
-        LEVEL1,
-        steps=10 * every,
-        batch_size=2,
-        lr=1e-2,
-        cache_dir=tmp_path,
-        eval_problems=0,
-        target_accuracy=0.3,
-        progress=Progress(seen),
-    )
+    kwargs = dict(steps=10 * every, batch_size=2, lr=1e-2, cache_dir=tmp_path, eval_problems=0)
+    ensure_warm_checkpoint("micro", LEVEL1, target_accuracy=0.3, progress=Progress(seen), **kwargs)
     kinds = [kind for kind, _ in seen.states]
     assert kinds[0] == "started" and kinds[-1] == "finished"
     first = seen.states[0][1]
@@ -229,17 +220,7 @@ def test_the_warm_up_reports_steps_loss_accuracy_and_its_target(tmp_path, monkey
     assert f"stopped at step {2 * every}" in last.note
     # a cache hit has nothing to wait for: no phase at all
     again = _Phases()
-    ensure_warm_checkpoint(
-        "micro",
-        LEVEL1,
-        steps=10 * every,
-        batch_size=2,
-        lr=1e-2,
-        cache_dir=tmp_path,
-        eval_problems=0,
-        target_accuracy=0.3,
-        progress=Progress(again),
-    )
+    ensure_warm_checkpoint("micro", LEVEL1, target_accuracy=0.3, progress=Progress(again), **kwargs)
     assert again.states == []
 
 
