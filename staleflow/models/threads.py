@@ -29,28 +29,55 @@ def _cpu_times() -> tuple[float, float] | None:
     return fields[3] + fields[4], sum(fields)
 
 
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+class FreeCores:
+    """The cores other processes leave to this one over the time since the last call:
+    every CPU's busy time (/proc/stat) less this process's own CPU time, so a process
+    that keeps both cores busy itself still counts them as free. Called again and again,
+    it follows other jobs as they come and go; no sleep. None off Linux."""
+
+    def __init__(self) -> None:
+        self._last = self._read()
+
+    @staticmethod
+    def _read() -> tuple[float, float, float, float] | None:
+        times = _cpu_times()
+        if times is None:
+            return None
+        return times[0], times[1], time.process_time(), time.monotonic()
+
+    def __call__(self) -> int | None:
+        now, last = self._read(), self._last
+        self._last = now
+        if now is None or last is None or now[1] <= last[1] or now[3] <= last[3]:
+            return None
+        cpus = os.cpu_count() or 1
+        busy = (1.0 - (now[0] - last[0]) / (now[1] - last[1])) * cpus
+        own = (now[2] - last[2]) / (now[3] - last[3])
+        free = cpus - max(0.0, busy - own)
+        return max(1, min(_cores(), int(free + 0.5)))
+
+
 def idle_cores(sample_s: float = 0.25) -> int:
     """Cores of this process that are idle now (at least 1, at most those it may run on):
-    the idle share of every CPU over ``sample_s`` seconds (Linux), else the 1-minute load
-    average. The load average lags by minutes: right after an install it still counts
-    the install, and a whole core would go unused."""
+    :class:`FreeCores` over ``sample_s`` seconds (Linux), else the 1-minute load average.
+    The load average lags by minutes: right after an install it still counts the
+    install, and a whole core would go unused."""
+    share = FreeCores()
+    time.sleep(sample_s)
+    free = share()
+    if free is not None:
+        return free
     try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    before = _cpu_times()
-    if before is not None:
-        time.sleep(sample_s)
-        after = _cpu_times()
-        if after is not None and after[1] > before[1]:
-            share = (after[0] - before[0]) / (after[1] - before[1])
-            free = share * (os.cpu_count() or cores)
-            return max(1, min(cores, int(free + 0.5)))
-    try:
-        free = cores - os.getloadavg()[0]
+        return max(1, min(_cores(), int(_cores() - os.getloadavg()[0] + 0.5)))
     except OSError:
-        return cores
-    return max(1, min(cores, int(free + 0.5)))
+        return _cores()
 
 
 @contextlib.contextmanager

@@ -39,7 +39,7 @@ from staleflow.models.build import build_arithmetic_model
 from staleflow.models.checkpoint import load_pretrained, save_pretrained
 from staleflow.models.presets import ModelPreset, get_preset
 from staleflow.models.sampling import evaluate_accuracy
-from staleflow.models.threads import idle_cores, torch_threads
+from staleflow.models.threads import FreeCores, idle_cores, torch_threads
 from staleflow.progress import SILENT, Progress
 
 if TYPE_CHECKING:
@@ -245,6 +245,19 @@ def cache_key(
     }
 
 
+def _threads_now(share: FreeCores | None, step: int) -> str:
+    """Every ``CHECK_EVERY`` steps, as many torch threads as there are free cores (a
+    second thread on a core another job uses makes a step ~10x slower); the count, for
+    the progress line."""
+    if share is not None and step % CHECK_EVERY == 0:
+        free = share()
+        if free is not None and free != torch.get_num_threads():
+            logger.info("warm-up step %d: %d free cores, %d torch threads now", step, free, free)
+            torch.set_num_threads(free)
+    n = torch.get_num_threads()
+    return f"{n} thread{'s' if n > 1 else ''}"
+
+
 def _train_warm(
     preset: ModelPreset,
     task_config: ArithmeticConfig,
@@ -349,6 +362,8 @@ def ensure_warm_checkpoint(
         return final
 
     threads = idle_cores() if num_threads is None else num_threads
+    # with no thread count given, follow the free cores as other jobs come and go
+    share = FreeCores() if num_threads is None else None
     logger.info(
         "warming up a %s model on %s for at most %d steps on %d threads (cached in %s)",
         name,
@@ -375,7 +390,9 @@ def ensure_warm_checkpoint(
             seed=seed,
             num_threads=threads,
             target_accuracy=target_accuracy,
-            on_step=lambda step, loss: phase.update(done=step, loss=loss),
+            on_step=lambda step, loss: phase.update(
+                done=step, loss=loss, detail=_threads_now(share, step)
+            ),
             on_check=lambda accuracy: phase.update(accuracy=accuracy),
         )
         meta["key"] = key

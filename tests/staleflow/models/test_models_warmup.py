@@ -224,25 +224,79 @@ def test_the_warm_up_reports_steps_loss_accuracy_and_its_target(tmp_path, monkey
     assert again.states == []
 
 
-@pytest.mark.parametrize(
-    ("idle_share", "threads"), [(1.0, 2), (0.8, 2), (0.6, 1), (0.4, 1), (0.0, 1)]
-)
-def test_the_warm_up_uses_only_the_cores_idle_now(monkeypatch, idle_share, threads):
-    # two CPUs; over the sample, idle_share of their time was idle
-    samples = iter([(0.0, 0.0), (200.0 * idle_share, 200.0)])
-    monkeypatch.setattr(threads_module, "_cpu_times", lambda: next(samples))
+def _machine(monkeypatch, readings):
+    """Fake /proc/stat, process CPU time and wall clock, one tuple per reading:
+    (idle jiffies, total jiffies, own CPU seconds, wall seconds) on 2 CPUs."""
+    readings = iter(readings)
+    current = {}
+
+    def cpu_times():
+        current.update(zip(("idle", "total", "own", "wall"), next(readings), strict=True))
+        return current["idle"], current["total"]
+
+    monkeypatch.setattr(threads_module, "_cpu_times", cpu_times)
+    monkeypatch.setattr(threads_module.time, "process_time", lambda: current["own"])
+    monkeypatch.setattr(threads_module.time, "monotonic", lambda: current["wall"])
     monkeypatch.setattr(threads_module.time, "sleep", lambda s: None)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
+
+
+@pytest.mark.parametrize(("idle_share", "threads"), [(1.0, 2), (0.8, 2), (0.6, 1), (0.0, 1)])
+def test_the_warm_up_starts_on_the_cores_idle_now(monkeypatch, idle_share, threads):
+    # over one second, idle_share of the two CPUs' time was idle; this process slept
+    _machine(monkeypatch, [(0.0, 0.0, 5.0, 0.0), (200.0 * idle_share, 200.0, 5.0, 1.0)])
     assert idle_cores() == threads
+
+
+def test_free_cores_count_only_what_other_processes_use(monkeypatch):
+    _machine(
+        monkeypatch,
+        [
+            (0, 0, 0.0, 0.0),
+            (0, 200, 2.0, 1.0),  # both CPUs busy, all of it this process: 2 free
+            (0, 400, 3.0, 2.0),  # both busy, this process used 1: another job holds 1
+            (100, 600, 4.0, 3.0),  # half idle, this process used 1: the other job left
+        ],
+    )
+    free = threads_module.FreeCores()
+    assert [free(), free(), free()] == [2, 1, 2]
 
 
 @pytest.mark.parametrize(("load", "threads"), [(0.0, 2), (0.4, 2), (1.0, 1), (7.5, 1)])
 def test_without_proc_stat_the_load_average_decides(monkeypatch, load, threads):
     monkeypatch.setattr(threads_module, "_cpu_times", lambda: None)
+    monkeypatch.setattr(threads_module.time, "sleep", lambda s: None)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
     assert idle_cores() == threads
+
+
+def test_the_warm_up_follows_the_free_cores_as_other_jobs_come(tmp_path, monkeypatch):
+    free = iter([1, 2])  # at step CHECK_EVERY another job holds a core; later it is gone
+
+    class Share:
+        def __call__(self):
+            return next(free)
+
+    monkeypatch.setattr(warmup_module, "idle_cores", lambda: 2)
+    monkeypatch.setattr(warmup_module, "FreeCores", Share)
+    every = warmup_module.CHECK_EVERY
+    seen = _Phases()
+    ensure_warm_checkpoint(
+        "micro",
+        LEVEL1,
+        steps=2 * every,
+        batch_size=2,
+        lr=1e-2,
+        cache_dir=tmp_path,
+        eval_problems=0,
+        progress=Progress(seen),
+    )
+    details = {s.done: s.detail for kind, s in seen.states if kind == "updated"}
+    assert details[1] == "2 threads" and details[every - 1] == "2 threads"
+    assert details[every] == "1 thread" and details[2 * every - 1] == "1 thread"
+    assert details[2 * every] == "2 threads"
 
 
 def test_cpu_times_read_this_machine():
