@@ -73,14 +73,14 @@ class EnginePlane(Protocol):
 
     def submit(
         self, inst: InstanceId, payloads: Mapping[TrajId, object], v_traj: Mapping[TrajId, int]
-    ) -> Collection[TrajId] | None:
+    ) -> Collection[TrajId]:
         """Start generating the given trajectories (queueing them if the KV cache is full).
 
         ``v_traj`` holds the ``V_traj`` just assigned to the initial ones among them; the
         instance reports it in its snapshots and hands it back with the partial payload
-        when the trajectory is interrupted. Returns the trajectories that could not start
-        (a plane that only claims at ``take`` time learns at delivery that one finished or
-        left the TS meanwhile), or None when all started.
+        when the trajectory is interrupted. Returns the trajectories that could not start,
+        empty when all started (a plane that only claims at ``take`` time learns at
+        delivery that one finished or left the TS meanwhile).
         """
         ...
 

@@ -1,20 +1,28 @@
-"""Decode throughput of the embedded CPU engine against ``transformers``' ``generate()``.
+"""Decode throughput of the rollout engines against ``transformers``' ``generate()``, and
+the Pull time (parameter server -> engine weights) of each engine.
 
-Both run the same randomly initialised Qwen2 model (built from code, nothing downloaded)
-on the same batch of prompts, sampling at the same temperature / top-p, and decode the
-same number of tokens per sequence (EOS disabled for the engine; ``min_new_tokens`` =
+The embedded CPU engine, vLLM (when ``vllm`` imports: run this in the vLLM environment,
+see docs/engines.md) and HF ``generate()`` run the same randomly initialised Qwen2 model
+(built from code, saved to a temporary folder for vLLM, nothing downloaded) on the same
+batch of prompts, sampling at the same temperature / top-p, and decode the same number of
+tokens per sequence (EOS disabled for the engines; ``min_new_tokens`` =
 ``max_new_tokens`` for HF). Figures are generated tokens per second:
 
 * end to end: all new tokens / wall time including the prefill of the prompts;
-* decode: tokens after the first / time after the first token. For the engine this is its
+* decode: tokens after the first / time after the first token. For an engine this is its
   own ``times().decode_s`` minus the first step; for HF it is the difference between a
   ``max_new_tokens=N`` and a ``max_new_tokens=1`` run.
 
-Each figure is the median over ``--repeats`` runs; runs alternate between the two so load
-from other processes hits both alike. Both run one torch thread by default: on a machine
-shared with other busy processes, OpenMP threads competing for cores stall each other's
-parallel regions and multi-thread figures collapse into noise (the load average is
+Each figure is the median over ``--repeats`` runs; runs alternate between the sides so
+load from other processes hits all alike. Everything runs one torch thread by default: on
+a machine shared with other busy processes, OpenMP threads competing for cores stall each
+other's parallel regions and multi-thread figures collapse into noise (the load average is
 recorded for that reason); ``--threads 0`` keeps torch's default on a quiet machine.
+
+Pull: a PS worker process holds the weights; one Pull copies them into a reusable buffer
+over shared memory (``ps_fetch_s``), then the engine loads them (``load_s``: an in-place
+copy for the embedded engine; ``reload_weights`` in the worker plus a prefix-cache reset
+for vLLM). SGLang cannot run here, so it has no figures.
 
     python experiments/bench_engine.py --json results/bench_engine.json
 """
@@ -27,6 +35,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +46,13 @@ import transformers
 
 from staleflow.engines.base import GenerationRequest
 from staleflow.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+
+try:
+    import vllm  # noqa: F401  (only to know whether the vLLM side runs)
+
+    HAVE_VLLM = True
+except ImportError:
+    HAVE_VLLM = False
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="torch threads (default 1, reproducible on a shared machine; 0: torch's default)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of weights, prompts, sampling")
+    p.add_argument("--pulls", type=int, default=3, help="timed Pulls per engine (default 3)")
+    p.add_argument("--no-vllm", action="store_true", help="skip vLLM even where it imports")
     p.add_argument("--json", type=Path, default=None, help="write the figures to this file")
     return p.parse_args(argv)
 
@@ -79,21 +97,34 @@ def build_model(args: argparse.Namespace) -> transformers.Qwen2ForCausalLM:
     return transformers.Qwen2ForCausalLM(cfg).eval()
 
 
-def run_engine(model: torch.nn.Module, prompts: np.ndarray, args: argparse.Namespace) -> dict:
+def settings(prompts: np.ndarray, args: argparse.Namespace) -> dict[str, Any]:
     batch, plen = prompts.shape
     seq = plen + args.new_tokens
-    engine = EmbeddedEngine(
-        model,
-        EmbeddedEngineConfig(
-            kv_budget_tokens=batch * (seq + 1),
-            max_running=batch,
-            max_seq_len=seq,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            eos_token_id=None,
-            seed=args.seed,
-        ),
-    )
+    return {
+        "kv_budget_tokens": batch * (seq + 1),
+        "max_running": batch,
+        "max_seq_len": seq,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "eos_token_id": None,
+        "seed": args.seed,
+    }
+
+
+def embedded(model: torch.nn.Module, prompts: np.ndarray, args: argparse.Namespace) -> Any:
+    return EmbeddedEngine(model, EmbeddedEngineConfig(**settings(prompts, args)))
+
+
+def start_vllm(folder: Path, prompts: np.ndarray, args: argparse.Namespace) -> tuple[Any, float]:
+    from staleflow.engines.vllm import VLLMEngine, VLLMEngineConfig
+
+    t0 = time.perf_counter()
+    engine = VLLMEngine(VLLMEngineConfig(model_path=str(folder), **settings(prompts, args)))
+    return engine, time.perf_counter() - t0
+
+
+def run_engine(engine: Any, prompts: np.ndarray, args: argparse.Namespace) -> dict:
+    batch = prompts.shape[0]
     empty_i, empty_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
     engine.submit(
         [
@@ -101,19 +132,23 @@ def run_engine(model: torch.nn.Module, prompts: np.ndarray, args: argparse.Names
             for i in range(batch)
         ]
     )
+    before = engine.times()
     t0 = time.perf_counter()
-    engine.step()  # prefill + the first token
+    outputs = list(engine.step())  # prefill + the first token (vLLM may split the prefill)
+    while engine.has_work and engine.times().decode_tokens < before.decode_tokens + batch:
+        outputs.extend(engine.step())
     first = time.perf_counter()
     decode_first = engine.times().decode_s
-    outputs = []
     while engine.has_work:
         outputs.extend(engine.step())
     total = time.perf_counter() - t0
+    assert len(outputs) == batch, "engine lost requests"
     assert all(len(o.tokens) == args.new_tokens for o in outputs), "engine decoded too few"
     times = engine.times()
+    decode_tokens = times.decode_tokens - before.decode_tokens - batch
     return {
         "e2e_tokens_per_s": batch * args.new_tokens / total,
-        "decode_tokens_per_s": batch * (args.new_tokens - 1) / (times.decode_s - decode_first),
+        "decode_tokens_per_s": decode_tokens / max(times.decode_s - decode_first, 1e-9),
         "first_token_s": first - t0,
         "total_s": total,
     }
@@ -153,6 +188,33 @@ def run_hf(model: torch.nn.Module, prompts: np.ndarray, args: argparse.Namespace
     }
 
 
+def measure_pull(engine: Any, model: torch.nn.Module, pulls: int) -> dict[str, float]:
+    """Median seconds of a Pull from a PS worker process (shared memory) and of the
+    engine's load of the pulled weights, over ``pulls`` versions."""
+    from parameter_server.torch_compat import layout_of_state_dict, state_dict_to_numpy
+    from parameter_server.worker import PSWorker
+    from staleflow.runtime.weights import TransportPullSource
+
+    state = {n: p.detach() for n, p in model.named_parameters()}
+    layout = layout_of_state_dict(state)
+    fetch_s, load_s = [], []
+    with PSWorker.start(layout, num_slots=2) as ps, ps.connect("shm") as client:
+        source = TransportPullSource(ps.connect("shm"), layout)
+        for version in range(1, pulls + 1):
+            client.push(state_dict_to_numpy(state), version)
+            t0 = time.perf_counter()
+            got, weights = source.fetch(version)
+            t1 = time.perf_counter()
+            engine.load_weights(weights, got)
+            load_s.append(time.perf_counter() - t1)
+            fetch_s.append(t1 - t0)
+    return {
+        "ps_fetch_s": statistics.median(fetch_s),
+        "load_s": statistics.median(load_s),
+        "bytes": float(layout.nbytes),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -163,11 +225,25 @@ def main(argv: list[str] | None = None) -> int:
     rng = np.random.default_rng(args.seed)
     prompts = rng.integers(0, args.vocab, size=(args.batch, args.prompt_len), dtype=np.int32)
     load_before = os.getloadavg()[0]
-    runs: dict[str, list[dict]] = {"embedded": [], "hf_generate": []}
-    run_engine(model, prompts[:2], argparse.Namespace(**{**vars(args), "new_tokens": 4}))  # warm-up
-    for _ in range(args.repeats):
-        runs["embedded"].append(run_engine(model, prompts, args))
-        runs["hf_generate"].append(run_hf(model, prompts, args))
+    engines: dict[str, Any] = {"embedded": embedded(model, prompts, args)}
+    extra: dict[str, Any] = {"vllm": None if HAVE_VLLM and not args.no_vllm else "not run"}
+    with tempfile.TemporaryDirectory() as tmp:
+        if HAVE_VLLM and not args.no_vllm:
+            model.save_pretrained(tmp)
+            engines["vllm"], extra["vllm_start_s"] = start_vllm(Path(tmp), prompts, args)
+            if args.threads:  # vLLM's CPU worker may have changed the process's threads
+                torch.set_num_threads(args.threads)
+        warm = argparse.Namespace(**{**vars(args), "new_tokens": 4})
+        for engine in engines.values():
+            run_engine(engine, prompts[:2], warm)
+        runs: dict[str, list[dict]] = {name: [] for name in (*engines, "hf_generate")}
+        for _ in range(args.repeats):
+            for name, engine in engines.items():
+                runs[name].append(run_engine(engine, prompts, args))
+            runs["hf_generate"].append(run_hf(model, prompts, args))
+        pulls = {name: measure_pull(engine, model, args.pulls) for name, engine in engines.items()}
+        for engine in engines.values():
+            engine.close()
     result: dict[str, Any] = {
         "model": {
             "params": params,
@@ -188,29 +264,40 @@ def main(argv: list[str] | None = None) -> int:
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
         "load_avg_1m": [load_before, os.getloadavg()[0]],
+        "pull": pulls,
+        **extra,
     }
     for name, rs in runs.items():
         result[name] = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
-    ours, hf = result["embedded"], result["hf_generate"]
-    result["decode_speedup"] = ours["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
-    result["e2e_speedup"] = ours["e2e_tokens_per_s"] / hf["e2e_tokens_per_s"]
+    hf = result["hf_generate"]
+    for name in engines:
+        result[f"{name}_decode_speedup"] = (
+            result[name]["decode_tokens_per_s"] / hf["decode_tokens_per_s"]
+        )
     print(
         f"Qwen2 {params / 1e6:.2f}M params, batch {args.batch}, prompt {args.prompt_len}, "
         f"{args.new_tokens} new tokens, T={args.temperature} top_p={args.top_p}, "
         f"{result['threads']} threads, median of {args.repeats}, load average "
         f"{load_before:.1f} -> {result['load_avg_1m'][1]:.1f} on {os.cpu_count()} CPUs"
     )
-    print(f"{'':14}{'decode tok/s':>14}{'end-to-end tok/s':>18}{'total s':>10}")
-    for name in ("embedded", "hf_generate"):
+    print(f"{'':14}{'decode tok/s':>14}{'end-to-end tok/s':>18}{'total s':>10}{'x generate':>12}")
+    for name in (*engines, "hf_generate"):
         r = result[name]
+        ratio = result.get(f"{name}_decode_speedup", 1.0)
         print(
             f"{name:14}{r['decode_tokens_per_s']:>14.0f}{r['e2e_tokens_per_s']:>18.0f}"
-            f"{r['total_s']:>10.2f}"
+            f"{r['total_s']:>10.2f}{ratio:>12.2f}"
         )
-    print(
-        f"embedded / hf_generate: decode x{result['decode_speedup']:.2f}, "
-        f"end to end x{result['e2e_speedup']:.2f}"
-    )
+    if "vllm" not in engines:
+        print("vllm: not run (vllm does not import here, or --no-vllm)")
+    else:
+        print(f"vllm engine start: {extra['vllm_start_s']:.1f} s")
+    print(f"Pull of {pulls['embedded']['bytes'] / 2**20:.1f} MiB (median of {args.pulls}):")
+    for name, p in pulls.items():
+        print(
+            f"  {name:12} PS fetch {p['ps_fetch_s'] * 1e3:8.1f} ms   load {p['load_s'] * 1e3:8.1f} ms"
+        )
+    print("  sglang       not measurable here (no GPU, sglang not installed)")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")

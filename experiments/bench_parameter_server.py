@@ -8,10 +8,19 @@
     simulated training step runs; we report the time the step loses to the
     Push (step wall time with the Push minus without it) against the Push's
     own duration.
+(c) Cross-node (``--cross-node``), the deployment of App. A.1 on a Ray cluster: a PS
+    replica on a rollout node; a trainer on another node Pushes to it over NIXL and
+    over TCP (never shared memory: the route is chosen by Ray node, as ``launch`` does);
+    an instance on the replica's node Pulls over shared memory. Without ``--address``
+    it starts a Ray cluster of three raylets on this machine (so "across nodes" is
+    loopback here: the row shows each transport's own cost, not a network's); with
+    ``--address`` it uses the nodes that advertise ``staleflow_rollout`` and
+    ``staleflow_trainer`` (deploy/).
 
 Usage:
     python experiments/bench_parameter_server.py                 # 1 GiB, all transports
     python experiments/bench_parameter_server.py --size-mib 16 --repeats 2 --json out.json
+    python experiments/bench_parameter_server.py --cross-node --skip-pull --skip-push
 """
 
 from __future__ import annotations
@@ -228,6 +237,108 @@ def bench_push_overlap(
     }
 
 
+# -- (c) cross-node ---------------------------------------------------------------------
+
+
+class _ReplicaHost:
+    """A PS replica on its node, listening on the node's address (a Ray actor)."""
+
+    def __init__(self, size_mib: int) -> None:
+        import ray
+
+        self.worker = PSWorker.start(
+            make_layout(size_mib),
+            num_slots=3,
+            nixl=True,
+            address=f"tcp:{ray.util.get_node_ip_address()}:0",
+            timeout=300,
+        )
+
+    def endpoint(self) -> Endpoint:
+        return self.worker.endpoint
+
+    def stop(self) -> None:
+        self.worker.stop()
+
+
+class _Client:
+    """A trainer (Push) or an instance (Pull) on its node (a Ray actor)."""
+
+    def push(self, endpoint: Endpoint, transport: str, repeats: int) -> dict[str, Any]:
+        from parameter_server.replicas import ReplicaRoute, connect_replica
+
+        with connect_replica(ReplicaRoute("ps/0", endpoint, False, transport)) as t:
+            packed = pattern(t.layout.nbytes)
+            t.push(packed)  # warm-up: connection set-up and one-time registration
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                t.push(packed)
+                times.append(time.perf_counter() - start)
+            return {"transport": t.name, **_rates(packed.nbytes, times)}
+
+    def pull(self, endpoint: Endpoint, repeats: int) -> dict[str, Any]:
+        from parameter_server.replicas import ReplicaRoute, connect_replica
+
+        with connect_replica(ReplicaRoute("ps/0", endpoint, True, "auto")) as t:
+            dest = prefaulted(t.layout.nbytes)
+            row = _timed_pulls(t, dest, repeats, pattern(PATTERN_BYTES))
+            memcpy = _memcpy_times(prefaulted(dest.nbytes), dest, repeats)
+            return {"transport": t.name, **row, "memcpy": _rates(dest.nbytes, memcpy)}
+
+
+def bench_cross_node(size_mib: int, repeats: int, address: str | None) -> dict[str, Any]:
+    import ray
+
+    cluster = None
+    if address is None:
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        cluster.add_node(num_cpus=2, resources={"staleflow_rollout": 1})
+        cluster.add_node(num_cpus=2, resources={"staleflow_trainer": 1})
+        cluster.wait_for_nodes()
+        address = cluster.address
+    ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+    try:
+        on = {
+            name: {"num_cpus": 0, "resources": {name: 0.001}}
+            for name in ("staleflow_rollout", "staleflow_trainer")
+        }
+        host = ray.remote(_ReplicaHost).options(**on["staleflow_rollout"]).remote(size_mib)
+        instance = ray.remote(_Client).options(**on["staleflow_rollout"]).remote()
+        trainer = ray.remote(_Client).options(**on["staleflow_trainer"]).remote()
+        endpoint = ray.get(host.endpoint.remote(), timeout=600)
+        out: dict[str, Any] = {
+            "nbytes": make_layout(size_mib).nbytes,
+            "one_host": cluster is not None,
+        }
+        for transport in ("nixl", "socket"):
+            out[f"push_{transport}"] = ray.get(trainer.push.remote(endpoint, transport, repeats))
+        out["pull_shm"] = ray.get(instance.pull.remote(endpoint, repeats))
+        ray.get(host.stop.remote())
+        return out
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+
+
+def print_cross_node(row: dict[str, Any]) -> None:
+    where = "Ray nodes on one host: loopback" if row["one_host"] else "Ray nodes of a cluster"
+    print(f"\nCross-node ({where}), {row['nbytes'] / MIB:.0f} MiB a version")
+    print(f"{'':<28} {'transport':<10} {'GB/s (median)':>14} {'GB/s (best)':>12}")
+    for key, what in (
+        ("push_nixl", "Push to another node (NIXL)"),
+        ("push_socket", "Push to another node (TCP)"),
+        ("pull_shm", "Pull on the replica's node"),
+    ):
+        r = row[key]
+        print(f"{what:<28} {r['transport']:<10} {r['median_gbps']:>14.2f} {r['best_gbps']:>12.2f}")
+    memcpy = row["pull_shm"]["memcpy"]["median_gbps"]
+    print(f"{'memcpy on that node':<28} {'':<10} {memcpy:>14.2f}")
+
+
 def print_tables(pull: dict[str, Any] | None, pushes: list[dict[str, Any]]) -> None:
     if pull is not None:
         memcpy = pull["memcpy"]
@@ -296,6 +407,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="training step length (default: twice the push time)",
     )
+    parser.add_argument(
+        "--cross-node",
+        action="store_true",
+        help="also (c): Push across Ray nodes (NIXL, TCP) vs Pull on the replica's node (shm)",
+    )
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="with --cross-node: a Ray cluster with staleflow_rollout and staleflow_trainer "
+        "nodes (default: start three raylets on this machine)",
+    )
     parser.add_argument("--skip-pull", action="store_true", help="skip benchmark (a)")
     parser.add_argument("--skip-push", action="store_true", help="skip benchmark (b)")
     parser.add_argument("--json", type=Path, default=None, help="also write results here")
@@ -318,7 +440,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.skip_push
         else [bench_push_overlap(args.size_mib, args.repeats, k, args.step_ms) for k in kinds]
     )
+    cross = bench_cross_node(args.size_mib, args.repeats, args.address) if args.cross_node else None
     print_tables(pull, pushes)
+    if cross is not None:
+        print_cross_node(cross)
     load_after = os.getloadavg()
     print(
         f"\n{os.cpu_count()} CPUs; 1-min load average {load_before[0]:.2f} before, "
@@ -334,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
             },
             "pull": pull,
             "push_overlap": pushes,
+            "cross_node": cross,
         }
         args.json.write_text(json.dumps(result, indent=2))
     return 0

@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             from trajectory_server.actor import spawn_trajectory_server
 
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
             try:
                 results["Ray actor"] = bench(
                     lambda: spawn_trajectory_server(config, PromptSampler(dataset)), args

@@ -41,7 +41,8 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from staleflow.runtime.runfolder import RunFolder, reward_mean
+from staleflow.runtime.record import reward_mean, trainer_idle_ratio
+from staleflow.runtime.runfolder import RunFolder
 from staleflow.sim import PRESETS, SYSTEMS, SimCluster, system
 from staleflow.sim.presets import Layout
 from staleflow.sim.report import (
@@ -266,9 +267,8 @@ def run_row(run: RunFolder) -> dict[str, Any]:
         "staleness_max": max(hist, default=0),
         "reward_start": reward_mean(records[:k]),
         "reward_end": reward_mean(records[-k:]),
-        "trainer_idle_ratio": sum(r.get("trainer/wait_s", 0.0) for r in records)
-        / max(run.elapsed_s, 1e-9),
-        "rollout_idle_ratio": records[-1].get("rollout/idle_ratio"),
+        "trainer_idle_ratio": trainer_idle_ratio(records),
+        "rollout_idle_ratio": records[-1].rollout_idle_ratio,
     }
     row.update({f"time_share_{k}": shares.get(k) for k in SHARES})
     row["path"] = str(run.path)

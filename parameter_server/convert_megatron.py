@@ -17,12 +17,17 @@ megatron/core/transformer/attention.py and Megatron-LM's tools/checkpoint savers
 
 Pipeline parallelism is out of scope here: give the converter the stages'
 shards already renumbered to global layer indices.
+
+The inverse (:meth:`MegatronToHF.shard`, :meth:`MegatronToHF.split`) is how a trainer rank
+loads its shard from an HF checkpoint or a PS version; :func:`gpt_config_from_hf` reads
+the shape from an HF ``config.json``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -293,68 +298,148 @@ class MegatronToHF:
             np.copyto(k_g[g], w[:, hpg * hd : (hpg + 1) * hd])
             np.copyto(v_g[g], w[:, (hpg + 1) * hd :])
 
-    # -- inverse --------------------------------------------------------------------
+    # -- inverse: HF -> Megatron ------------------------------------------------------
 
     def split(self, hf: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-        """HF tensors -> one Megatron state dict per TP rank (the inverse of :meth:`convert`).
-
-        Padding rows of a padded vocabulary are zero.
-        """
+        """HF tensors -> one Megatron state dict per TP rank (the inverse of :meth:`convert`)."""
         self._hf_layout.validate(hf)
+        return [self._shard(hf, rank) for rank in range(self.tp_size)]
+
+    def shard(self, hf: Mapping[str, np.ndarray], rank: int) -> dict[str, np.ndarray]:
+        """TP rank ``rank``'s Megatron state dict of the HF tensors ``hf``: what one rank
+        loads from an HF checkpoint or a PS version. Padding rows of a padded vocabulary
+        are zero; the arrays are fresh copies."""
+        if not 0 <= rank < self.tp_size:
+            raise LayoutError(f"TP rank {rank} is outside [0, {self.tp_size})")
+        self._hf_layout.validate(hf)
+        return self._shard(hf, rank)
+
+    def _shard(self, hf: Mapping[str, np.ndarray], rank: int) -> dict[str, np.ndarray]:
         c, t = self.config, self.tp_size
         hd, hpg = c.head_dim, c.heads_per_group
-        groups = c.num_query_groups // t
+        g = slice(rank * (c.num_query_groups // t), (rank + 1) * (c.num_query_groups // t))
         ffn = c.ffn_hidden_size // t
         vocab_rows = c.vocab_size // t
-        shards: list[dict[str, np.ndarray]] = []
-        for rank in range(t):
-            sd: dict[str, np.ndarray] = {}
-            g = slice(rank * groups, (rank + 1) * groups)
 
-            def vocab(src: np.ndarray, rank: int = rank) -> np.ndarray:
-                out = np.zeros((vocab_rows, c.hidden_size), dtype=src.dtype)
-                part = src[rank * vocab_rows : (rank + 1) * vocab_rows]
-                out[: part.shape[0]] = part
-                return out
+        def vocab(src: np.ndarray) -> np.ndarray:
+            out = np.zeros((vocab_rows, c.hidden_size), dtype=src.dtype)
+            part = src[rank * vocab_rows : (rank + 1) * vocab_rows]
+            out[: part.shape[0]] = part
+            return out
 
-            def qkv(p: str, kind: str, g: slice = g) -> np.ndarray:
-                q = hf[f"{p}self_attn.q_proj.{kind}"]
-                tail = q.shape[1:]
-                parts = (
-                    q.reshape(c.num_query_groups, hpg * hd, *tail)[g],
-                    hf[f"{p}self_attn.k_proj.{kind}"].reshape(c.num_query_groups, hd, *tail)[g],
-                    hf[f"{p}self_attn.v_proj.{kind}"].reshape(c.num_query_groups, hd, *tail)[g],
-                )
-                return np.concatenate(parts, axis=1).reshape(-1, *tail)
+        def qkv(p: str, kind: str) -> np.ndarray:
+            q = hf[f"{p}self_attn.q_proj.{kind}"]
+            tail = q.shape[1:]
+            parts = (
+                q.reshape(c.num_query_groups, hpg * hd, *tail)[g],
+                hf[f"{p}self_attn.k_proj.{kind}"].reshape(c.num_query_groups, hd, *tail)[g],
+                hf[f"{p}self_attn.v_proj.{kind}"].reshape(c.num_query_groups, hd, *tail)[g],
+            )
+            return np.concatenate(parts, axis=1).reshape(-1, *tail)
 
-            sd["embedding.word_embeddings.weight"] = vocab(hf["model.embed_tokens.weight"])
-            for i in range(c.num_layers):
-                p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-                ln_attn, ln_mlp = self._ln_names(i)
-                sd[ln_attn] = hf[p + "input_layernorm.weight"].copy()
-                sd[m + "self_attention.linear_qkv.weight"] = qkv(p, "weight")
-                if c.qkv_bias:
-                    sd[m + "self_attention.linear_qkv.bias"] = qkv(p, "bias")
-                if c.qk_layernorm:
-                    sd[m + "self_attention.q_layernorm.weight"] = hf[
-                        p + "self_attn.q_norm.weight"
-                    ].copy()
-                    sd[m + "self_attention.k_layernorm.weight"] = hf[
-                        p + "self_attn.k_norm.weight"
-                    ].copy()
-                cols = c.num_attention_heads * hd // t
-                o = hf[p + "self_attn.o_proj.weight"]
-                sd[m + "self_attention.linear_proj.weight"] = o[
-                    :, rank * cols : (rank + 1) * cols
+        sd: dict[str, np.ndarray] = {}
+        sd["embedding.word_embeddings.weight"] = vocab(hf["model.embed_tokens.weight"])
+        for i in range(c.num_layers):
+            p, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+            ln_attn, ln_mlp = self._ln_names(i)
+            sd[ln_attn] = hf[p + "input_layernorm.weight"].copy()
+            sd[m + "self_attention.linear_qkv.weight"] = qkv(p, "weight")
+            if c.qkv_bias:
+                sd[m + "self_attention.linear_qkv.bias"] = qkv(p, "bias")
+            if c.qk_layernorm:
+                sd[m + "self_attention.q_layernorm.weight"] = hf[
+                    p + "self_attn.q_norm.weight"
                 ].copy()
-                sd[ln_mlp] = hf[p + "post_attention_layernorm.weight"].copy()
-                rows = slice(rank * ffn, (rank + 1) * ffn)
-                sd[m + "mlp.linear_fc1.weight"] = np.concatenate(
-                    (hf[p + "mlp.gate_proj.weight"][rows], hf[p + "mlp.up_proj.weight"][rows])
-                )
-                sd[m + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"][:, rows].copy()
-            sd["decoder.final_layernorm.weight"] = hf["model.norm.weight"].copy()
-            if not c.tie_word_embeddings:
-                sd["output_layer.weight"] = vocab(hf["lm_head.weight"])
-            shards.append({name: sd[name] for name in self._shard_layout.names})
-        return shards
+                sd[m + "self_attention.k_layernorm.weight"] = hf[
+                    p + "self_attn.k_norm.weight"
+                ].copy()
+            cols = c.num_attention_heads * hd // t
+            o = hf[p + "self_attn.o_proj.weight"]
+            sd[m + "self_attention.linear_proj.weight"] = o[
+                :, rank * cols : (rank + 1) * cols
+            ].copy()
+            sd[ln_mlp] = hf[p + "post_attention_layernorm.weight"].copy()
+            rows = slice(rank * ffn, (rank + 1) * ffn)
+            sd[m + "mlp.linear_fc1.weight"] = np.concatenate(
+                (hf[p + "mlp.gate_proj.weight"][rows], hf[p + "mlp.up_proj.weight"][rows])
+            )
+            sd[m + "mlp.linear_fc2.weight"] = hf[p + "mlp.down_proj.weight"][:, rows].copy()
+        sd["decoder.final_layernorm.weight"] = hf["model.norm.weight"].copy()
+        if not c.tie_word_embeddings:
+            sd["output_layer.weight"] = vocab(hf["lm_head.weight"])
+        return {name: sd[name] for name in self._shard_layout.names}
+
+    # -- staging: every rank's shards side by side (a sharded Push) ---------------------
+
+    def staging_layout(self) -> Layout:
+        """All TP ranks' shards in one layout, rank ``r``'s names prefixed ``tp{r}/``: the
+        buffer a PS gathers a sharded Push into before :meth:`convert_into`."""
+        return Layout(
+            ParamSpec(f"tp{r}/{spec.name}", spec.shape, spec.dtype)
+            for r in range(self.tp_size)
+            for spec in self._shard_layout
+        )
+
+    def staging_shards(self, views: Mapping[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+        """The per-rank state dicts inside staging ``views`` (``staging_layout().views``)."""
+        return [
+            {name: views[f"tp{r}/{name}"] for name in self._shard_layout.names}
+            for r in range(self.tp_size)
+        ]
+
+
+# Hugging Face architectures whose decoder layers are Megatron's GPT layers with RMSNorm,
+# rotary embeddings and a SwiGLU MLP; what differs is in :func:`gpt_config_from_hf`.
+HF_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
+
+
+def unsupported_hf(hf: Mapping[str, Any]) -> str:
+    """Why the HF config ``hf`` (``config.json`` as a dict) has no Megatron layout here;
+    '' when it has one."""
+    kind = hf.get("model_type")
+    if kind not in HF_MODEL_TYPES:
+        return f"model_type {kind!r} is not one of {', '.join(HF_MODEL_TYPES)}"
+    if hf.get("hidden_act", "silu") != "silu":
+        return f"hidden_act {hf.get('hidden_act')!r} is not silu (SwiGLU)"
+    if hf.get("mlp_bias"):
+        return "mlp_bias=true (biased MLP projections)"
+    if hf.get("use_sliding_window"):
+        return "use_sliding_window=true (sliding-window attention)"
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else "?"
+    if rope_kind not in ("default", None):
+        return f"rope_type {rope_kind!r} (only plain rotary embeddings)"
+    return ""
+
+
+def gpt_config_from_hf(
+    hf: Mapping[str, Any], tp: int = 1, *, dtype: str = "float32", vocab_multiple: int = 128
+) -> GPTConfig:
+    """The Megatron shape of a Llama / Qwen2 / Qwen3 HF config (``config.json`` as a
+    dict) at tensor parallelism ``tp``: the vocabulary padded to a multiple of
+    ``vocab_multiple * tp`` (Megatron's ``make_vocab_size_divisible_by``), Qwen2's QKV
+    bias, Qwen3's per-head q/k norms, the local (non-TE) layer spec's layernorm names."""
+    why = unsupported_hf(hf)
+    if why:
+        raise LayoutError(f"no Megatron layout for this model: {why}")
+    heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    vocab = int(hf["vocab_size"])
+    step = vocab_multiple * tp
+    head_dim = hf.get("head_dim") or hidden // heads
+    kind = hf["model_type"]
+    return GPTConfig(
+        num_layers=int(hf["num_hidden_layers"]),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=int(hf.get("num_key_value_heads") or heads),
+        ffn_hidden_size=int(hf["intermediate_size"]),
+        vocab_size=(vocab + step - 1) // step * step,
+        hf_vocab_size=vocab,
+        kv_channels=int(head_dim),
+        qkv_bias=kind == "qwen2" or bool(hf.get("attention_bias")),
+        qk_layernorm=kind == "qwen3",
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        te_fused_layernorm=False,
+        dtype=dtype,
+    )

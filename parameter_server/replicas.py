@@ -5,6 +5,12 @@ once: the communication plan (App. A.2) assigns each slice to the replica
 whose accumulated estimated latency stays lowest, the plan is computed once
 and reused, and each replica's share is pulled concurrently into disjoint
 byte ranges of the destination.
+
+On a cluster (App. A.1) there is one replica on every rollout node: a client
+reaches the replica on its own node over shared memory and one on another node
+over NIXL or TCP (:class:`ReplicaRoute`, :func:`connect_replica`); the Push plan
+(:func:`push_plan`) says which sender sends which slices to which replica over
+which link.
 """
 
 from __future__ import annotations
@@ -12,19 +18,134 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
-from parameter_server.errors import LayoutMismatchError, PushVersionError, VersionNotHeldError
+from parameter_server.errors import (
+    LayoutMismatchError,
+    PushVersionError,
+    TransportUnavailableError,
+    VersionNotHeldError,
+)
 from parameter_server.layout import Layout, Slice
-from parameter_server.plan import CommPlan, Link, LinkTable, Planner
+from parameter_server.plan import CommPlan, Link, LinkTable, Planner, build_plan
 from parameter_server.store import Weights
-from parameter_server.transport.base import Transport, validate_push
+from parameter_server.transport import connect, transport_class
+from parameter_server.transport.base import ControlClient, Endpoint, Transport, validate_push
 
 logger = logging.getLogger(__name__)
 
 # Used for pairs with no profiled link: all replicas equal, so the plan balances bytes.
 DEFAULT_LINK = Link(bandwidth=10e9, latency=50e-6)
+# Planning estimates per transport: Pull of 256 MiB into another process on a 2-core CPU
+# machine, median GB/s (experiments/bench_parameter_server.py): shm 4.8, NIXL 1.5, socket
+# 1.2. Only their ratios steer a plan; RDMA across real nodes is faster than this NIXL.
+TRANSPORT_LINKS: dict[str, Link] = {
+    "shm": Link(4.8e9, 20e-6),
+    "nixl": Link(1.5e9, 50e-6),
+    "socket": Link(1.2e9, 100e-6),
+}
+REMOTE_TRANSPORTS = ("auto", "nixl", "socket")
+
+
+@dataclass(frozen=True)
+class ReplicaRoute:
+    """How one client reaches one PS replica: ``transport`` is the one asked for on the
+    replica's own node (``auto`` = shared memory) or, when ``same_node`` is false, across
+    nodes (``auto`` = NIXL when it starts, else TCP)."""
+
+    replica: str
+    endpoint: Endpoint
+    same_node: bool
+    transport: str = "auto"
+
+    @property
+    def intended(self) -> str:
+        """The transport a plan assumes for this route (before any fallback)."""
+        if self.same_node:
+            return "shm" if self.transport == "auto" else self.transport
+        return "nixl" if self.transport == "auto" else self.transport
+
+
+def connect_replica(route: ReplicaRoute) -> Transport:
+    """A client of the replica at the end of ``route``.
+
+    Across nodes it is NIXL or TCP, never shared memory, even where the two Ray nodes
+    happen to share a host (a test cluster on one machine): the route is decided by Ray
+    node, so the bytes take the path they take on a real cluster. A NIXL that cannot start
+    falls back to TCP, with a warning when NIXL was asked for by name.
+    """
+    if route.same_node:
+        return connect(route.endpoint, route.intended)
+    if route.transport not in REMOTE_TRANSPORTS:
+        raise ValueError(
+            f"transport {route.transport!r} cannot reach a replica on another node; "
+            f"use one of {', '.join(REMOTE_TRANSPORTS)}"
+        )
+    if route.intended == "nixl":
+        try:
+            return transport_class("nixl")(route.endpoint)
+        except TransportUnavailableError as exc:
+            log = logger.warning if route.transport == "nixl" else logger.info
+            log("NIXL to %s unavailable (%s); pushing over TCP", route.replica, exc)
+    return transport_class("socket")(route.endpoint)
+
+
+def push_plan(
+    layout: Layout,
+    senders: Mapping[str, Sequence[Slice]],
+    routes: Mapping[str, Sequence[ReplicaRoute]],
+) -> CommPlan:
+    """The Push plan (App. A.2): every replica needs the whole layout; ``senders`` (trainer
+    ranks) hold slices of it; ``routes[sender]`` are that sender's routes to the replicas,
+    whose intended transports give the link estimates."""
+    links = {
+        (sender, r.replica): TRANSPORT_LINKS.get(r.intended, DEFAULT_LINK)
+        for sender, rs in routes.items()
+        for r in rs
+    }
+    replicas = dict.fromkeys(r.replica for rs in routes.values() for r in rs)
+    needs = {replica: layout.slices() for replica in replicas}
+    return build_plan(needs, senders, links, DEFAULT_LINK)
+
+
+def replica_group(routes: Sequence[ReplicaRoute], receiver: str = "self") -> ReplicaGroup:
+    """A :class:`ReplicaGroup` over ``routes``: Push goes to all, a Pull prefers the
+    replica on the receiver's own node (its link is the fastest)."""
+    transports: dict[str, Transport] = {}
+    try:
+        for route in routes:
+            transports[route.replica] = connect_replica(route)
+    except BaseException:
+        for t in transports.values():
+            t.close()
+        raise
+    links = {(r.replica, receiver): TRANSPORT_LINKS.get(r.intended, DEFAULT_LINK) for r in routes}
+    return ReplicaGroup(transports, receiver=receiver, links=links)
+
+
+class ReplicaVersions:
+    """The newest version every replica holds, asked over control connections only (no
+    shared-memory mapping or NIXL agent: what the control plane needs each cycle)."""
+
+    def __init__(self, endpoints: Mapping[str, Endpoint], client: str = "versions") -> None:
+        self._clients: dict[str, ControlClient] = {}
+        try:
+            for name, endpoint in endpoints.items():
+                self._clients[name] = ControlClient(endpoint, f"{client}-{name}")
+        except BaseException:
+            self.close()
+            raise
+
+    def latest(self) -> int | None:
+        """The version a Pull from any replica gets at least; None before the first Push."""
+        versions = [c.info().latest for c in self._clients.values()]
+        return None if any(v is None for v in versions) else min(versions)  # type: ignore[type-var]
+
+    def close(self) -> None:
+        for c in self._clients.values():
+            c.close()
 
 
 class ReplicaGroup:
@@ -56,6 +177,10 @@ class ReplicaGroup:
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(self._replicas)
+
+    def transports(self) -> dict[str, str]:
+        """The transport that reaches each replica (after any fallback)."""
+        return {name: t.name for name, t in self._replicas.items()}
 
     def plan(self, slices: Sequence[Slice] | None = None) -> CommPlan:
         """The (cached) plan for pulling ``slices`` (default: everything) to this receiver."""

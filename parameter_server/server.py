@@ -14,10 +14,16 @@ import os
 import socket
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from parameter_server import wire
-from parameter_server.errors import LayoutMismatchError, ParameterServerError, TransportError
+from parameter_server.assemble import ShardAssembler
+from parameter_server.errors import (
+    LayoutMismatchError,
+    ParameterServerError,
+    PushInProgressError,
+    TransportError,
+)
 from parameter_server.store import ReadLease, VersionedStore, WriteLease, slot_stride
 from parameter_server.transport.base import Endpoint, boot_id
 
@@ -77,6 +83,8 @@ class PSServer:
             nixl_metadata=nixl_metadata,
         )
         self.endpoint = Endpoint(address, socket.gethostname(), boot_id(), region_name)
+        self._assembler: ShardAssembler | None = None  # set by the first DeclareShards
+        self._declare_lock = threading.Lock()
         self._lease_ids = itertools.count(1)
         self._stopping = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -200,6 +208,11 @@ class PSServer:
                 return wire.Ok()
             case wire.ReceivePush(version=version, nbytes=nbytes):
                 return self._receive_push(conn, version, nbytes)
+            case wire.DeclareShards(source=source):
+                self._declare(source)
+                return wire.Ok()
+            case wire.PushShard(version=version, sender=sender, ranges=ranges, nbytes=nbytes):
+                return self._push_shard(conn, version, sender, ranges, nbytes)
             case wire.Shutdown():
                 wire.send(conn, wire.Ok())
                 self.on_shutdown_request()
@@ -221,6 +234,49 @@ class PSServer:
             raise
         return wire.Published(write.commit())
 
+    def _declare(self, source: dict[str, Any]) -> None:
+        with self._declare_lock:
+            current = self._assembler
+            if current is not None and current.matches(source):
+                return
+            if current is not None and current.busy:
+                raise PushInProgressError(
+                    "a sharded Push of another trainer layout is still being gathered"
+                )
+            self._assembler = ShardAssembler.from_declaration(self.store, source)
+
+    def _push_shard(
+        self,
+        conn: socket.socket,
+        version: int,
+        sender: int,
+        ranges: list[list[int]],
+        nbytes: int,
+    ) -> wire.Message:
+        spans = [(int(a), int(b)) for a, b in ranges]
+        assembler = self._assembler
+        consumed = 0
+
+        def fill(view: Any) -> None:
+            nonlocal consumed
+            wire.recv_exact(conn, view.data)
+            consumed += view.nbytes
+
+        try:
+            if assembler is None:
+                raise ParameterServerError(
+                    "PushShard before DeclareShards; declare the trainer's shards first"
+                )
+            if nbytes != sum(b - a for a, b in spans):
+                raise LayoutMismatchError(f"PushShard says {nbytes} bytes; its ranges hold others")
+            published = assembler.receive(version, sender, spans, fill)
+        except TransportError:
+            raise
+        except (ParameterServerError, ValueError):
+            _drain(conn, nbytes - consumed)  # keep the stream in step, then answer
+            raise
+        return wire.Ok() if published is None else wire.Published(published)
+
     @staticmethod
     def _pop(table: dict[int, L], lease_id: int) -> L:
         try:
@@ -229,3 +285,13 @@ class PSServer:
             raise ParameterServerError(
                 f"lease {lease_id} is not held by this connection; release each lease once"
             ) from None
+
+
+def _drain(conn: socket.socket, nbytes: int) -> None:
+    """Read and drop the ``nbytes`` of payload a refused request still has in flight."""
+    scratch = bytearray(min(nbytes, 1 << 20))
+    while nbytes > 0:
+        n = conn.recv_into(scratch, min(nbytes, len(scratch)))
+        if n == 0:
+            raise TransportError("peer closed the connection inside a refused PushShard")
+        nbytes -= n

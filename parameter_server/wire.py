@@ -158,6 +158,26 @@ class SendRanges(Message):
     ranges: tuple[tuple[int, int], ...]
 
 
+@dataclass(frozen=True)
+class DeclareShards(Message):
+    """A trainer's ranks will Push shards (``parameter_server.assemble.declaration``)."""
+
+    tag: ClassVar[int] = 18
+    source: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PushShard(Message):
+    """One sender's pieces of a sharded Push: ``nbytes`` raw bytes follow, the staging
+    byte ranges in order; answered by Ok, or by Published from the last sender."""
+
+    tag: ClassVar[int] = 19
+    version: int
+    sender: int
+    ranges: tuple[tuple[int, int], ...]
+    nbytes: int
+
+
 _TYPES: dict[int, type[Message]] = {
     cls.tag: cls
     for cls in (
@@ -178,6 +198,8 @@ _TYPES: dict[int, type[Message]] = {
         Failure,
         Shutdown,
         SendRanges,
+        DeclareShards,
+        PushShard,
     )
 }
 

@@ -5,23 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from staleness import BufferState, StalenessManager
-
-
-def _buffers_table(m: StalenessManager):
-    from rich.table import Table
-
-    colour = {BufferState.WAITING: "yellow", BufferState.READY: "green", BufferState.STUCK: "red"}
-    view = m.view()
-    table = Table(title=f"staleness buffers (trainer at version {view.version}, eta={view.eta})")
-    table.add_column("V_buf", justify="right")
-    table.add_column("state")
-    table.add_column("slots (O occupied, r reserved, . empty)")
-    for b in view.buffers:
-        slots = "".join("O" if e.kind == "occupied" else "r" for e in b.entries)
-        slots += "." * (b.capacity - len(b.entries))
-        table.add_row(str(b.version), f"[{colour[b.state]}]{b.state}[/]", slots)
-    return table
+from staleness import StalenessManager
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -29,13 +13,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rich.live import Live
 
     from staleflow.demo import run_demo
+    from staleflow.runtime.tables import buffers_table
 
     console = Console()
     live = Live(console=console, refresh_per_second=8, transient=False) if args.live else None
 
     def on_tick(tick: int, m: StalenessManager) -> None:
         if live is not None and tick % 5 == 0:
-            live.update(_buffers_table(m))
+            live.update(buffers_table(m.view()))
 
     if live is not None:
         live.start()
@@ -123,8 +108,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from staleflow.config import load_config
+    from staleflow.progress import LatestLine
     from staleflow.runtime.display import LaunchView, step_line, summary_table
-    from staleflow.runtime.launch import LaunchError, launch
+    from staleflow.runtime.launch import LaunchError, check_placement, launch
+    from staleflow.runtime.record import StepRecord
 
     overrides = list(args.overrides)
     for flag, key in (("eta", "eta"), ("steps", "steps"), ("address", "address")):
@@ -142,21 +129,47 @@ def cmd_launch(args: argparse.Namespace) -> int:
     _quiet_transformers()
     console = Console()
 
-    def on_record(rec: dict[str, float]) -> None:
+    def say(text: str) -> None:
+        console.print(f"[dim]{text}[/]", highlight=False)
+
+    if args.check:
+        try:
+            check_placement(cfg, say)
+        except LaunchError as exc:
+            console.print(f"[red]staleflow launch --check:[/] {exc}", highlight=False)
+            return 1
+        console.print("the cluster holds this placement", highlight=False)
+        return 0
+
+    dashboard = None
+    if cfg.dashboard:  # the runtime does not import the dashboard: it is handed in
+        from staleflow.dashboard.launch_hook import LaunchDashboard
+
+        dashboard = LaunchDashboard(cfg, say)
+
+    def on_phase(text: str) -> None:
+        say(text)
+        if dashboard is not None:
+            dashboard.phase(text)
+
+    def on_record(rec: StepRecord) -> None:
         console.print(step_line(rec, cfg.eta))
 
     try:
         # live bars and the buffers panel in a terminal, plain progress lines in a log
         with LaunchView(console, live=args.live) as view:
+            if dashboard is not None:  # the page shows the waits' progress too, once up
+                view.progress.add_renderer(LatestLine(dashboard.phase))
             result = launch(
                 cfg,
                 on_record=on_record,
                 on_tick=view.on_tick if view.terminal is not None else None,
-                on_phase=lambda text: console.print(f"[dim]{text}[/]"),
+                on_phase=on_phase,
+                on_started=dashboard,
                 progress=view.progress,
             )
     except LaunchError as exc:
-        console.print(f"[red]staleflow launch failed:[/] {exc}")
+        console.print(f"[red]staleflow launch failed:[/] {exc}", highlight=False)
         return 1
     result.summary["run_dir"] = str(result.run_dir)
     console.print(summary_table(result.summary, cfg.eta))
@@ -250,7 +263,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from staleflow.dashboard.profiling import overrides, profile_embedded, write_profile
+    from staleflow.engines.profiling import overrides, profile_embedded, write_profile
 
     console = Console()
     try:
@@ -365,7 +378,17 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--config", help="a YAML config file (overrides apply on top)")
     launch.add_argument("--eta", type=int, help="staleness bound (0 = synchronous on-policy)")
     launch.add_argument("--steps", type=int, help="training steps")
-    launch.add_argument("--address", help="join this Ray cluster instead of a local one")
+    launch.add_argument(
+        "--address",
+        help="run on this Ray cluster: auto (the one this node belongs to) or host:port "
+        "(default: start a local Ray); see docs/cluster.md",
+    )
+    launch.add_argument(
+        "--check",
+        action="store_true",
+        help="print the placement plan and where it would go on the cluster, then stop "
+        "(exit 1 naming what is missing when the cluster cannot hold it)",
+    )
     launch.add_argument(
         "--live",
         action=argparse.BooleanOptionalAction,

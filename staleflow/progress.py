@@ -5,7 +5,7 @@ A :class:`Progress` holds one :class:`Phase` per wait, in order, and tells its r
 when one starts, advances and finishes. Library code only reports (``phase.advance(loss=
 ...)``); what the user sees is the renderers' business: a live bar in a terminal
 (:class:`staleflow.runtime.display.TerminalProgress`), plain periodic lines when output
-is a log (:class:`PlainLines`), the dashboard reading :meth:`Progress.snapshot`. A library
+is a log (:class:`PlainLines`), the dashboard's phase line (:class:`LatestLine`). A library
 call given no ``Progress`` reports to :data:`SILENT`, a ``Progress`` that keeps no state
 and prints nothing. Standard library only, thread-safe (the dashboard reads from its own thread).
 """
@@ -174,8 +174,6 @@ class Progress:
         )
         if not self._keep:
             return Phase(None, state)
-        if not self._keep:
-            return Phase(None, state)
         phase = Phase(self, state)
         with self._lock:
             self._phases.append(phase)
@@ -340,3 +338,20 @@ class PlainLines:
     def _write(self, line: str) -> None:
         self.stream.write(line + "\n")
         self.stream.flush()
+
+
+class LatestLine:
+    """Hands ``show`` the line of whichever phase changed last (``staleflow launch`` gives
+    it the dashboard's phase field, so the page shows the same waits as the terminal)."""
+
+    def __init__(self, show: Callable[[str], None]) -> None:
+        self.show = show
+
+    def started(self, state: PhaseState) -> None:
+        self.show(progress_line(state))
+
+    def updated(self, state: PhaseState) -> None:
+        self.show(progress_line(state))
+
+    def finished(self, state: PhaseState) -> None:
+        self.show(progress_line(state))

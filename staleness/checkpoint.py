@@ -1,4 +1,10 @@
-"""Export / restore of the staleness manager's state (plain data, versioned format)."""
+"""Export / restore of the staleness manager's state (plain data, versioned format).
+
+Format 2 adds the aborted group ids (a straggler of an aborted group must still be
+discarded after a restore, and its id must take no new Reserve) and the consumed
+batches' staleness history. Format 1 states are refused: restoring one would forget the
+aborted groups.
+"""
 
 from __future__ import annotations
 
@@ -9,39 +15,43 @@ from staleness.errors import CorruptState
 from staleness.feasibility import AdmissionCounts
 from staleness.types import StalenessConfig
 
-FORMAT = 1
+FORMAT = 2
+PROTOCOL_KEYS = ("eta", "batch_size", "group_size", "batch_redundancy", "group_redundancy")
 
 
 @dataclass(frozen=True)
 class SavedState:
     config: StalenessConfig
     version: int
-    groups: list[dict[str, Any]]
+    groups: list[dict[str, Any]]  # ring by ring, in arrival order (see export_state)
+    aborted: list[int]  # remembered aborted group ids, oldest first
     consumed_batches: int
     aborted_groups: int
+    history: list[tuple[int, tuple[int, ...]]]  # (buffer version, staleness per group)
 
 
-def export_state(
-    config: StalenessConfig,
-    version: int,
-    groups: list[dict[str, Any]],
-    consumed_batches: int,
-    aborted_groups: int,
-) -> dict[str, Any]:
+def config_dict(config: StalenessConfig) -> dict[str, Any]:
+    """The protocol settings as plain data; a resumed run must use the same ones."""
+    return {key: getattr(config, key) for key in PROTOCOL_KEYS}
+
+
+def export_state(saved: SavedState) -> dict[str, Any]:
     return {
         "format": FORMAT,
-        "config": {
-            "eta": config.eta,
-            "batch_size": config.batch_size,
-            "group_size": config.group_size,
-            "batch_redundancy": config.batch_redundancy,
-            "group_redundancy": config.group_redundancy,
-        },
-        "version": version,
-        "groups": groups,
-        "consumed_batches": consumed_batches,
-        "aborted_groups": aborted_groups,
+        "config": config_dict(saved.config),
+        "version": saved.version,
+        "groups": saved.groups,
+        "aborted": list(saved.aborted),
+        "consumed_batches": saved.consumed_batches,
+        "aborted_groups": saved.aborted_groups,
+        "history": [[v, list(s)] for v, s in saved.history],
     }
+
+
+def _count(value: object, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CorruptState(f"staleness state {what} must be an int >= 0, got {value!r}")
+    return value
 
 
 def parse_state(state: Any) -> SavedState:
@@ -60,14 +70,16 @@ def parse_state(state: Any) -> SavedState:
             config,
             state["version"],
             list(state["groups"]),
-            int(state["consumed_batches"]),
-            int(state["aborted_groups"]),
+            list(state["aborted"]),
+            _count(state["consumed_batches"], "'consumed_batches'"),
+            _count(state["aborted_groups"], "'aborted_groups'"),
+            [(_count(v, "history version"), tuple(s)) for v, s in state["history"]],
         )
     except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, CorruptState):
+            raise
         raise CorruptState(f"staleness state is missing or has a bad field: {exc}") from exc
-    version, eta = saved.version, config.eta
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-        raise CorruptState(f"staleness state 'version' must be an int >= 0, got {version!r}")
+    version, eta = _count(saved.version, "'version'"), config.eta
     seen: set[int] = set()
     for i, g in enumerate(saved.groups):
         try:
@@ -92,6 +104,8 @@ def parse_state(state: Any) -> SavedState:
             raise CorruptState(f"group {gid}: version {v} is outside [{version - eta}, {version}]")
         if buffer is not None and not version <= buffer <= v + eta:
             raise CorruptState(f"group {gid}: buffer {buffer} is outside [{version}, {v + eta}]")
+    if len(set(saved.aborted)) != len(saved.aborted) or seen & set(saved.aborted):
+        raise CorruptState("staleness state 'aborted' must list distinct ids of untracked groups")
     return saved
 
 

@@ -12,7 +12,7 @@ class InvalidConfig(StalenessError, ValueError):
 
 
 class UnknownGroup(StalenessError, KeyError):
-    """The group id is not tracked (never reserved, or already consumed)."""
+    """The group id is not tracked (never reserved, or closed so long ago it was forgotten)."""
 
     def __str__(self) -> str:  # KeyError would print the repr of the message
         return str(self.args[0]) if self.args else "unknown group"

@@ -27,7 +27,10 @@ class AdmissionControl(Protocol):
         ...
 
     def verify(self, v_traj: int, group_id: GroupId | None = None) -> bool:
-        """Would ``reserve(group_id, _, v_traj)`` succeed? Pure; O(1) amortised."""
+        """Would ``reserve(group_id, _, v_traj)`` succeed? Pure; O(1) amortised.
+
+        A ``v_traj`` that is not an int >= 0 raises ``StalenessError``, as in ``reserve``.
+        """
         ...
 
     def reserve(self, group_id: GroupId, traj_id: TrajId, v_traj: int) -> Outcome:

@@ -20,20 +20,21 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from staleness import checkpoint
+from staleness.bounds import REDUNDANCY_HINT, redundancy_ok
 from staleness.errors import (
     DuplicateTrajectory,
     InvalidConfig,
     NotReady,
     NotReserved,
-    StalenessError,
     StalenessViolation,
     UnknownGroup,
 )
 from staleness.feasibility import AdmissionCounts
 from staleness.layout import canonical_buffers
-from staleness.sketch import CLOSED, Sketch, admits
+from staleness.sketch import CLOSED, Sketch, admits, check_v_traj
 from staleness.types import (
     ConsumedBatch,
     ConsumedGroup,
@@ -48,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 _EMPTY = Outcome()
 _READY = Outcome(ready=True)
-_REMEMBER_ABORTED = 1 << 16  # aborted ids kept to recognise late completions
+_REMEMBER_CLOSED = 1 << 16  # aborted and consumed ids kept to recognise late messages
 
 
 class _Group:
@@ -62,17 +63,21 @@ class _Group:
         self.buffer: int | None = None  # the buffer an occupied group is committed to
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is not a count
+
+
 def validate_config(config: StalenessConfig) -> None:
-    if not isinstance(config.eta, int) or config.eta < 0:
+    if not _is_int(config.eta) or config.eta < 0:
         raise InvalidConfig(f"eta must be an integer >= 0 (0 = synchronous), got {config.eta!r}")
-    if not isinstance(config.batch_size, int) or config.batch_size < 1:
+    if not _is_int(config.batch_size) or config.batch_size < 1:
         raise InvalidConfig(f"batch_size must be an integer >= 1, got {config.batch_size!r}")
-    if not isinstance(config.group_size, int) or config.group_size < 1:
+    if not _is_int(config.group_size) or config.group_size < 1:
         raise InvalidConfig(f"group_size must be an integer >= 1, got {config.group_size!r}")
     for name in ("batch_redundancy", "group_redundancy"):
         value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 10:
-            raise InvalidConfig(f"{name} must be a fraction in [0, 10], e.g. 0.0625; got {value!r}")
+        if not redundancy_ok(value):
+            raise InvalidConfig(f"{name}={value!r} is out of range: {REDUNDANCY_HINT}")
 
 
 class StalenessManager:
@@ -94,7 +99,9 @@ class StalenessManager:
         # Reserved group ids per version and occupied ones per buffer (rings, arrival order).
         self._reserved: list[dict[GroupId, None]] = [{} for _ in range(self._n)]
         self._pinned: list[dict[GroupId, None]] = [{} for _ in range(self._n)]
-        self._aborted: dict[GroupId, None] = {}
+        # Groups that left for good (aborted or consumed): a late message about one is
+        # discarded, and a Reserve for one refused, instead of tracking it anew.
+        self._closed: dict[GroupId, None] = {}
         self.consumed_batches = 0
         self.aborted_groups = 0
         self.history: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=4096)
@@ -146,7 +153,7 @@ class StalenessManager:
     def _sketch_lookup(self, group_id: GroupId) -> int | None:
         group = self._groups.get(group_id)
         if group is None:
-            return CLOSED if group_id in self._aborted else None
+            return CLOSED if group_id in self._closed else None
         if group.buffer is not None or len(group.members) >= self.group_capacity:
             return CLOSED
         return group.version
@@ -161,8 +168,7 @@ class StalenessManager:
         its ``V_traj`` and needs no Reserve.
         """
         with self._cond:
-            if isinstance(v_traj, bool) or not isinstance(v_traj, int) or v_traj < 0:
-                raise StalenessError(f"V_traj must be a non-negative int, got {v_traj!r}")
+            check_v_traj(v_traj)
             group = self._groups.get(group_id)
             if group is not None:
                 if traj_id in group.members:
@@ -180,8 +186,10 @@ class StalenessManager:
                         f"group {group_id} already has {self.group_capacity} trajectories "
                         "reserved (group_size x (1 + group_redundancy))"
                     )
-            elif group_id in self._aborted:
-                raise StalenessViolation(f"group {group_id} was aborted; drop trajectory {traj_id}")
+            elif group_id in self._closed:
+                raise StalenessViolation(
+                    f"group {group_id} was aborted or consumed; drop trajectory {traj_id}"
+                )
             if not self._verify(v_traj, group_id):
                 raise StalenessViolation(self._explain_rejection(v_traj))
             if group is None:
@@ -214,9 +222,9 @@ class StalenessManager:
         with self._cond:
             group = self._groups.get(group_id)
             if group is None:
-                if group_id in self._aborted:
-                    return Outcome(discarded=True, abort_trajectories=(traj_id,))
-                raise UnknownGroup(f"group {group_id} is not tracked (never reserved or consumed)")
+                if group_id in self._closed:
+                    return self._discarded((traj_id,))
+                raise UnknownGroup(f"group {group_id} is not tracked (never reserved here)")
             if traj_id not in group.members:
                 raise NotReserved(
                     f"trajectory {traj_id} of group {group_id} completed without a Reserve"
@@ -226,13 +234,18 @@ class StalenessManager:
                     f"trajectory {traj_id} of group {group_id} completed twice"
                 )
             if group.buffer is not None:  # a surplus member finishing after its group
-                return Outcome(discarded=True, abort_trajectories=(traj_id,))
+                return self._discarded((traj_id,))
             group.completed.append(traj_id)
             if len(group.completed) < self.group_size:
                 return _READY if self._counts.head_ready() else _EMPTY
             outcome = self._occupy(group_id, group)
         self._notify_if_ready(outcome.ready)
         return outcome
+
+    def _discarded(self, trajs: tuple[TrajId, ...]) -> Outcome:
+        """A late call about a group that is settled (aborted, or occupied without these
+        members): nothing changes, but the caller still learns whether training may go."""
+        return Outcome(discarded=True, abort_trajectories=trajs, ready=self._counts.head_ready())
 
     def _occupy(self, group_id: GroupId, group: _Group) -> Outcome:
         kept = tuple(group.completed)
@@ -292,9 +305,9 @@ class StalenessManager:
         with self._cond:
             group = self._groups.get(group_id)
             if group is None:
-                if group_id in self._aborted:
-                    return Outcome(discarded=True)
-                raise UnknownGroup(f"group {group_id} is not tracked (never reserved or consumed)")
+                if group_id in self._closed:
+                    return self._discarded(())
+                raise UnknownGroup(f"group {group_id} is not tracked (never reserved here)")
             # An occupied group's surplus members were already reported at Occupy.
             members = tuple(group.completed if group.buffer is not None else group.members)
             self._untrack(group_id, group)
@@ -313,9 +326,9 @@ class StalenessManager:
         with self._cond:
             group = self._groups.get(group_id)
             if group is None:
-                if group_id in self._aborted:
-                    return Outcome(discarded=True)
-                raise UnknownGroup(f"group {group_id} is not tracked (never reserved or consumed)")
+                if group_id in self._closed:
+                    return self._discarded(())
+                raise UnknownGroup(f"group {group_id} is not tracked (never reserved here)")
             if (
                 traj_id not in group.members
                 or traj_id in group.completed
@@ -364,6 +377,7 @@ class StalenessManager:
                 group = self._groups[gid]
                 self._unpin(gid, group)
                 del self._groups[gid]
+                self._close(gid)
                 picked.append(ConsumedGroup(gid, group.version, tuple(group.completed)))
             aborted = self._abort_expired(buffer_version)
             counts.advance()
@@ -437,10 +451,13 @@ class StalenessManager:
 
     def _forget(self, gid: GroupId) -> None:
         del self._groups[gid]
-        self._aborted[gid] = None
-        if len(self._aborted) > _REMEMBER_ABORTED:
-            del self._aborted[next(iter(self._aborted))]
+        self._close(gid)
         self.aborted_groups += 1
+
+    def _close(self, gid: GroupId) -> None:
+        self._closed[gid] = None
+        if len(self._closed) > _REMEMBER_CLOSED:
+            del self._closed[next(iter(self._closed))]
 
     def _repacked(self) -> list[int]:
         layout = self._counts.repack()
@@ -505,31 +522,49 @@ class StalenessManager:
                 aborted_groups=self.aborted_groups,
             )
 
-    def export_state(self) -> dict:
-        """Everything needed to resume, as plain data (msgpack/JSON friendly)."""
+    def export_state(self) -> dict[str, Any]:
+        """Everything needed to resume, as plain data (msgpack/JSON friendly).
+
+        Groups are listed ring by ring in arrival order (reserved ones by version, then
+        occupied ones by buffer): that order decides which reservation expires first and
+        which occupied group moves first, so the restored manager behaves identically.
+        """
         with self._cond:
+            n, v, eta = self._n, self.version, self.eta
+            order = [gid for k in range(n) for gid in self._reserved[(v - eta + k) % n]]
+            order += [gid for j in range(n) for gid in self._pinned[(v + j) % n]]
             groups = [
                 {
                     "id": gid,
                     "version": g.version,
                     "buffer": g.buffer,
-                    "members": [[t, v] for t, v in g.members.items()],
+                    "members": [[t, tv] for t, tv in g.members.items()],
                     "completed": list(g.completed),
                     "dropped": g.dropped,
                 }
-                for gid, g in self._groups.items()
+                for gid, g in ((gid, self._groups[gid]) for gid in order)
             ]
             return checkpoint.export_state(
-                self.config, self.version, groups, self.consumed_batches, self.aborted_groups
+                checkpoint.SavedState(
+                    self.config,
+                    v,
+                    groups,
+                    list(self._closed),
+                    self.consumed_batches,
+                    self.aborted_groups,
+                    [(bv, tuple(st)) for bv, st in self.history],
+                )
             )
 
     @classmethod
-    def restore(cls, state: dict) -> StalenessManager:
+    def restore(cls, state: dict[str, Any]) -> StalenessManager:
         """Rebuild a manager from ``export_state()``, validating it before trusting it."""
         parsed = checkpoint.parse_state(state)
         manager = cls(parsed.config, version=parsed.version)
         manager.consumed_batches = parsed.consumed_batches
         manager.aborted_groups = parsed.aborted_groups
+        manager._closed = dict.fromkeys(parsed.aborted[-_REMEMBER_CLOSED:])
+        manager.history.extend(parsed.history)
         for raw in parsed.groups:
             group = _Group(raw["version"])
             group.members = {t: v for t, v in raw["members"]}

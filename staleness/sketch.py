@@ -12,6 +12,12 @@ _EMPTY = Outcome()
 CLOSED = -1  # what ``parent_group`` reports for a group that takes no more members
 
 
+def check_v_traj(v_traj: object) -> None:
+    """The one argument check of ``verify`` and ``reserve``: versions are counts."""
+    if isinstance(v_traj, bool) or not isinstance(v_traj, int) or v_traj < 0:
+        raise StalenessError(f"V_traj must be a non-negative int, got {v_traj!r}")
+
+
 def admits(
     counts: AdmissionCounts,
     group_version: Callable[[GroupId], int | None],
@@ -23,6 +29,7 @@ def admits(
     ``group_version`` gives a tracked group's version, ``CLOSED`` for a group that takes no
     more members, or None for an unknown group.
     """
+    check_v_traj(v_traj)
     if v_traj > counts.version:
         raise StalenessError(
             f"V_traj={v_traj} is newer than the trainer's version {counts.version}: "

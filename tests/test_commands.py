@@ -41,10 +41,13 @@ def test_ci_runs_the_readmes_check_command_and_nothing_else_tests():
     assert "pytest" not in text and "ruff" not in text, "a check in .ci/run bypasses the README"
 
 
-def test_the_check_command_sets_up_lints_tests_and_drives_the_browser():
+def test_the_check_command_sets_up_lints_tests_vllm_and_drives_the_browser():
     check = (ROOT / "scripts" / "check").read_text()
     stages = re.findall(r"^stage (\S+) ", check, re.M)
-    assert stages[:3] == ["lint", "tests", "browser"]
+    assert stages == ["lint", "tests", "vllm", "browser"]
+    # the vLLM backend's tests in their own environment, the stage CI has always run
+    assert re.search(r"^stage vllm bash \.ci/vllm\b", check, re.M)
+    assert os.access(ROOT / ".ci" / "vllm", os.R_OK)
     assert '"$root/scripts/setup" dev' in check
     assert "ruff check . && ruff format --check ." in check
     assert f'-m "{SELECTION}"' in check

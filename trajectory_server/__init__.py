@@ -5,9 +5,12 @@ Ray (imported lazily) and ``trajectory_server.wire`` packs its array-heavy messa
 """
 
 from trajectory_server.errors import (
+    CorruptState,
+    GroupGone,
     InvalidConfig,
     InvalidPayload,
     InvalidTransition,
+    NotHolder,
     TrajectoryGone,
     TrajectoryServerError,
     UnknownGroup,
@@ -15,13 +18,16 @@ from trajectory_server.errors import (
     VersionConflict,
     WireError,
 )
-from trajectory_server.interface import PromptSource, SampleLike
+from trajectory_server.interface import PromptSource, ResumableSource, SampleLike
 from trajectory_server.server import TrajectoryServer
 from trajectory_server.types import (
     AbortedTrajectory,
     Completion,
+    FinishedTrajectory,
     GroupStatus,
+    LiveTrajectory,
     PartialTrajectory,
+    RewardTask,
     RoutableTrajectory,
     RoutedTrajectory,
     TrainingBatch,
@@ -30,17 +36,25 @@ from trajectory_server.types import (
     TrajectoryServerConfig,
     TrajState,
     TSStats,
+    WorkerId,
 )
 
 __all__ = [
     "AbortedTrajectory",
     "Completion",
+    "CorruptState",
+    "FinishedTrajectory",
+    "GroupGone",
     "GroupStatus",
     "InvalidConfig",
     "InvalidPayload",
     "InvalidTransition",
+    "LiveTrajectory",
+    "NotHolder",
     "PartialTrajectory",
     "PromptSource",
+    "ResumableSource",
+    "RewardTask",
     "RoutableTrajectory",
     "RoutedTrajectory",
     "SampleLike",
@@ -57,4 +71,5 @@ __all__ = [
     "UnknownTrajectory",
     "VersionConflict",
     "WireError",
+    "WorkerId",
 ]

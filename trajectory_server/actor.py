@@ -23,24 +23,33 @@ from trajectory_server.server import TrajectoryServer
 from trajectory_server.types import (
     AbortedTrajectory,
     Completion,
+    FinishedTrajectory,
     GroupStatus,
     InfoValue,
     InstanceId,
+    LiveTrajectory,
     PartialTrajectory,
+    RewardTask,
     RoutableTrajectory,
     RoutedTrajectory,
     TrainingBatch,
     TrajectoryServerConfig,
     TrajState,
     TSStats,
+    WorkerId,
 )
 
 
 class TrajectoryServerService:
     """Bytes-in, bytes-out facade of :class:`TrajectoryServer`; what the Ray actor runs."""
 
-    def __init__(self, config: TrajectoryServerConfig, source: PromptSource) -> None:
-        self._ts = TrajectoryServer(config, source)
+    def __init__(
+        self, config: TrajectoryServerConfig, source: PromptSource, state: Any = None
+    ) -> None:
+        if state is None:
+            self._ts = TrajectoryServer(config, source)
+        else:
+            self._ts = TrajectoryServer.restore(config, source, state)
         self._packed_view: tuple[Sequence[RoutableTrajectory], bytes] | None = None
 
     def route(self, request: bytes) -> bytes:
@@ -54,11 +63,39 @@ class TrajectoryServerService:
         return wire.pack(wire.RouteReply(routed))
 
     def interrupt_return(self, message: bytes) -> None:
-        self._ts.interrupt_return(wire.unpack(message, wire.InterruptReturn).partials)
+        msg = wire.unpack(message, wire.InterruptReturn)
+        self._ts.interrupt_return(msg.partials, instance_id=msg.instance_id)
 
     def complete(self, message: bytes) -> bytes:
         batch = wire.unpack(message, wire.CompletionBatch)
-        return wire.pack(wire.GroupStatusBatch(self._ts.complete_many(batch.completions)))
+        statuses = self._ts.complete_many(batch.completions, instance_id=batch.instance_id)
+        return wire.pack(wire.GroupStatusBatch(statuses))
+
+    def report_progress(self, message: bytes) -> tuple[int, ...]:
+        msg = wire.unpack(message, wire.ProgressReport)
+        return self._ts.report_progress(msg.partials, msg.instance_id)
+
+    def hand_to_reward(self, message: bytes) -> None:
+        msg = wire.unpack(message, wire.HandToReward)
+        self._ts.hand_to_reward(msg.finished, msg.worker_id, instance_id=msg.instance_id)
+
+    def reassign_rewards(self, from_worker: WorkerId | None, to_worker: WorkerId | None) -> bytes:
+        return wire.pack(wire.RewardTaskBatch(self._ts.reassign_rewards(from_worker, to_worker)))
+
+    def requeue(self, traj_ids: Sequence[int]) -> None:
+        self._ts.requeue(traj_ids)
+
+    def instance_lost(self, instance_id: InstanceId) -> tuple[int, ...]:
+        return self._ts.instance_lost(instance_id)
+
+    def routed_to(self, instance_id: InstanceId) -> tuple[int, ...]:
+        return self._ts.routed_to(instance_id)
+
+    def ledger(self) -> tuple[LiveTrajectory, ...]:
+        return self._ts.ledger()
+
+    def export_state(self) -> bytes:
+        return wire.pack_plain(self._ts.export_state())
 
     def take_batch(
         self, group_ids: Sequence[int], select: Mapping[int, Sequence[int]] | None
@@ -95,12 +132,16 @@ class TrajectoryServerService:
 
 
 def spawn_trajectory_server(
-    config: TrajectoryServerConfig, source: PromptSource, **actor_options: Any
+    config: TrajectoryServerConfig,
+    source: PromptSource,
+    state: Any = None,
+    **actor_options: Any,
 ) -> TrajectoryServerClient:
     """Start the TS as a Ray actor (``ray.init`` must have run) and return a client.
 
-    ``source`` is pickled into the actor. ``actor_options`` go to ``.options()``, e.g.
-    ``name="trajectory_server"``, ``num_cpus=1``.
+    ``source`` is pickled into the actor. ``state``: what ``export_state()`` saved, to
+    resume from (``source`` must then be at the saved position). ``actor_options`` go to
+    ``.options()``, e.g. ``name="trajectory_server"``, ``num_cpus=1``.
     """
     try:
         import ray
@@ -112,7 +153,7 @@ def spawn_trajectory_server(
         ) from exc
     remote_cls = ray.remote(TrajectoryServerService)
     options = {"num_cpus": 0, **actor_options}
-    handle = remote_cls.options(**options).remote(config, source)
+    handle = remote_cls.options(**options).remote(config, source, state)
     return TrajectoryServerClient(handle)
 
 
@@ -144,8 +185,11 @@ class TrajectoryServerClient:
         reply = self._call("route", wire.pack(req))
         return wire.unpack(reply, wire.RouteReply).trajectories
 
-    def interrupt_return(self, partials: Iterable[PartialTrajectory]) -> None:
-        self._call("interrupt_return", wire.pack(wire.InterruptReturn(tuple(partials))))
+    def interrupt_return(
+        self, partials: Iterable[PartialTrajectory], *, instance_id: InstanceId | None = None
+    ) -> None:
+        msg = wire.InterruptReturn(tuple(partials), instance_id)
+        self._call("interrupt_return", wire.pack(msg))
 
     def complete(
         self,
@@ -160,9 +204,50 @@ class TrajectoryServerClient:
         c = Completion(traj_id, tokens, logprobs, versions, reward, finish_reason, info or {})
         return self.complete_many((c,))[0]
 
-    def complete_many(self, completions: Iterable[Completion]) -> tuple[GroupStatus, ...]:
-        reply = self._call("complete", wire.pack(wire.CompletionBatch(tuple(completions))))
+    def complete_many(
+        self, completions: Iterable[Completion], *, instance_id: InstanceId | None = None
+    ) -> tuple[GroupStatus, ...]:
+        msg = wire.CompletionBatch(tuple(completions), instance_id)
+        reply = self._call("complete", wire.pack(msg))
         return wire.unpack(reply, wire.GroupStatusBatch).statuses
+
+    def report_progress(
+        self, partials: Iterable[PartialTrajectory], instance_id: InstanceId
+    ) -> tuple[int, ...]:
+        msg = wire.ProgressReport(tuple(partials), instance_id)
+        return self._call("report_progress", wire.pack(msg))
+
+    def hand_to_reward(
+        self,
+        finished: Iterable[FinishedTrajectory],
+        worker_id: WorkerId,
+        *,
+        instance_id: InstanceId | None = None,
+    ) -> None:
+        msg = wire.HandToReward(tuple(finished), worker_id, instance_id)
+        self._call("hand_to_reward", wire.pack(msg))
+
+    def reassign_rewards(
+        self, from_worker: WorkerId | None, to_worker: WorkerId | None
+    ) -> tuple[RewardTask, ...]:
+        reply = self._call("reassign_rewards", from_worker, to_worker)
+        return wire.unpack(reply, wire.RewardTaskBatch).tasks
+
+    def requeue(self, traj_ids: Iterable[int]) -> None:
+        self._call("requeue", tuple(traj_ids))
+
+    def instance_lost(self, instance_id: InstanceId) -> tuple[int, ...]:
+        return self._call("instance_lost", instance_id)
+
+    def routed_to(self, instance_id: InstanceId) -> tuple[int, ...]:
+        return self._call("routed_to", instance_id)
+
+    def ledger(self) -> tuple[LiveTrajectory, ...]:
+        return self._call("ledger")
+
+    def export_state(self) -> dict[str, Any]:
+        """The server's state (arrays travel packed as raw bytes, not pickled)."""
+        return wire.unpack_plain(self._call("export_state"))
 
     def take_batch(
         self, group_ids: Iterable[int], select: Mapping[int, Sequence[int]] | None = None

@@ -33,6 +33,11 @@ class UnknownGroup(TrajectoryServerError, KeyError):
         return str(self.args[0]) if self.args else "unknown group"
 
 
+class GroupGone(UnknownGroup):
+    """The group existed but was consumed by the trainer or aborted: like
+    :class:`TrajectoryGone`, a late message about it may be caught and dropped."""
+
+
 class InvalidTransition(TrajectoryServerError):
     """The trajectory is not in the state the call requires."""
 
@@ -41,8 +46,20 @@ class VersionConflict(InvalidTransition):
     """A route would change, or fail to set, a trajectory's ``V_traj``."""
 
 
+class NotHolder(InvalidTransition):
+    """A message about a trajectory from an instance that no longer holds it (it was
+    declared lost and the trajectory went back to the queue, or was routed elsewhere).
+
+    Expected after a recovery; callers may catch this and drop the late message.
+    """
+
+
 class InvalidPayload(TrajectoryServerError, ValueError):
     """Token, logprob or version arrays (or the reward) are malformed."""
+
+
+class CorruptState(TrajectoryServerError, ValueError):
+    """A saved trajectory server state that cannot be restored."""
 
 
 class WireError(TrajectoryServerError, ValueError):

@@ -42,3 +42,13 @@ class PromptSource(Protocol):
     def next_sample(self) -> SampleLike | None:
         """The next prompt, or None when the source is exhausted for good."""
         ...
+
+
+@runtime_checkable
+class ResumableSource(PromptSource, Protocol):
+    """A source whose position can be saved: the TS saves ``state()`` with its own state
+    (at the same instant), and a restored TS checks that its source is at that position."""
+
+    def state(self) -> dict[str, int | bool | None]:
+        """Plain data that identifies the position (e.g. samples drawn, seed)."""
+        ...

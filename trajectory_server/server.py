@@ -2,9 +2,17 @@
 
 Life of a trajectory::
 
-    refill ─► QUEUED ──route──► ROUTED ──complete──► COMPLETED ──take_batch──► consumed
-                 ▲                 │
-                 └─interrupt_return┘          abort / abort_group (any state) ─► aborted
+    refill ─► QUEUED ──route──► ROUTED ─────────complete──────────► COMPLETED ──take_batch──►
+                 ▲               │  │                               ▲            consumed
+                 ├─interrupt_return  └─hand_to_reward─► REWARDING ──┘
+                 └──requeue / instance_lost ┘           (reassign_rewards: another worker)
+
+    abort / abort_group (any state) ─► aborted
+
+While ROUTED, an instance may ``report_progress``: the TS keeps the longest response it
+knows, and a trajectory whose instance is lost goes back to the queue with it (keeping its
+``V_traj``; its reservation in the staleness manager is untouched). ``export_state`` /
+``restore`` (``persist.py``) checkpoint the whole server.
 
 Every public method validates its whole input before it changes anything, so a call that
 raises leaves the server as it was. Plain class, single-threaded; ``actor.py`` serves it
@@ -14,29 +22,39 @@ over Ray.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from trajectory_server import validate
+from trajectory_server import persist, validate
 from trajectory_server.errors import (
     InvalidPayload,
     InvalidTransition,
-    TrajectoryGone,
-    UnknownGroup,
-    UnknownTrajectory,
+    NotHolder,
     VersionConflict,
 )
 from trajectory_server.interface import PromptSource
-from trajectory_server.mlq import MultiLevelQueue
+from trajectory_server.records import (
+    COMPLETED,
+    QUEUED,
+    REWARDING,
+    ROUTED,
+    GroupRecord,
+    TrajRecord,
+    unique,
+)
+from trajectory_server.store import TrajectoryStore
 from trajectory_server.types import (
     AbortedTrajectory,
     Completion,
+    FinishedTrajectory,
     GroupStatus,
     InfoValue,
     InstanceId,
+    LiveTrajectory,
     PartialTrajectory,
+    RewardTask,
     RoutableTrajectory,
     RoutedTrajectory,
     TrainingBatch,
@@ -45,84 +63,20 @@ from trajectory_server.types import (
     TrajectoryServerConfig,
     TrajState,
     TSStats,
+    WorkerId,
 )
 
 logger = logging.getLogger(__name__)
 
-QUEUED, ROUTED, COMPLETED = TrajState.QUEUED, TrajState.ROUTED, TrajState.COMPLETED
+
+def _source_state(source: PromptSource) -> Any:
+    state = getattr(source, "state", None)
+    return state() if callable(state) else None
 
 
-def _empty(dtype: type) -> np.ndarray:
-    arr = np.empty(0, dtype=dtype)
-    arr.flags.writeable = False
-    return arr
-
-
-_NO_TOKENS, _NO_LOGPROBS = _empty(np.int32), _empty(np.float32)
-
-
-class _Group:
-    __slots__ = ("answer", "completed", "group_id", "members", "prompt", "sample_id")
-
-    def __init__(self, group_id: int, sample_id: int, answer: str, prompt: np.ndarray) -> None:
-        self.group_id = group_id
-        self.sample_id = sample_id
-        self.answer = answer
-        self.prompt = prompt
-        self.members: dict[int, _Traj] = {}
-        self.completed = 0
-
-
-class _Traj:
-    __slots__ = (
-        "finish_reason",
-        "group",
-        "info",
-        "instance_id",
-        "logprobs",
-        "reward",
-        "state",
-        "tokens",
-        "traj_id",
-        "v_traj",
-        "versions",
-    )
-
-    def __init__(self, traj_id: int, group: _Group) -> None:
-        self.traj_id = traj_id
-        self.group = group
-        self.state = QUEUED
-        self.v_traj: int | None = None
-        self.tokens = _NO_TOKENS
-        self.logprobs = _NO_LOGPROBS
-        self.versions = _NO_TOKENS
-        self.instance_id: InstanceId | None = None
-        self.reward = 0.0
-        self.finish_reason = ""
-        self.info: Mapping[str, InfoValue] = {}
-
-    def record(self) -> RoutableTrajectory:
-        prompt_len = len(self.group.prompt)
-        return RoutableTrajectory(
-            self.traj_id,
-            self.group.group_id,
-            self.v_traj,
-            prompt_len + len(self.tokens),
-            prompt_len,
-        )
-
-    def describe(self) -> str:
-        where = f" on instance {self.instance_id!r}" if self.state is ROUTED else ""
-        group = self.group.group_id
-        return f"trajectory {self.traj_id} (group {group}) is {self.state.name}{where}"
-
-
-def _unique(ids: Iterable[int], what: str) -> list[int]:
-    out = list(ids)
-    if len(set(out)) != len(out):
-        dup = next(i for i in out if out.count(i) > 1)
-        raise InvalidTransition(f"{what} lists id {dup} more than once")
-    return out
+def _check_holder_id(value: object, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise InvalidPayload(f"{name} must be an int or a str, got {value!r}")
 
 
 class TrajectoryServer:
@@ -140,16 +94,7 @@ class TrajectoryServer:
         self._source = source
         self._capacity = config.capacity
         self._per_group = config.trajectories_per_group
-        self._trajs: dict[int, _Traj] = {}
-        self._groups: dict[int, _Group] = {}
-        self._mlq = MultiLevelQueue()
-        # live trajectories per state and V_traj (None: initial), for stats() in O(levels)
-        self._counts: dict[TrajState, Counter[int | None]] = {s: Counter() for s in TrajState}
-        self._next_traj = 0
-        self._next_group = 0
-        self._consumed_trajs = self._aborted_trajs = 0
-        self._consumed_groups = self._aborted_groups = 0
-        self._exhausted = False
+        self._s = TrajectoryStore()
         if fill:
             self.refill()
 
@@ -161,41 +106,32 @@ class TrajectoryServer:
 
     def routing_view(self) -> Sequence[RoutableTrajectory]:
         """The QUEUED trajectories in MLQ order. O(1) when nothing changed since last call."""
-        return self._mlq.view()
+        return self._s.mlq.view()
 
     def state_of(self, traj_id: int) -> TrajState:
-        return self._lookup(traj_id).state
+        return self._s.lookup(traj_id).state
 
     def group_members(self, group_id: int) -> tuple[int, ...]:
         """Live trajectory ids of a group, in creation order."""
-        return tuple(self._group(group_id).members)
+        return tuple(self._s.group(group_id).members)
 
     def group_status(self, group_id: int) -> GroupStatus:
-        group = self._group(group_id)
+        group = self._s.group(group_id)
         return GroupStatus(group_id, group.completed, len(group.members))
 
-    def stats(self) -> TSStats:
-        def by_v(state: TrajState) -> dict[int, int]:
-            return dict(sorted((v, n) for v, n in self._counts[state].items() if v is not None))
-
-        return TSStats(
-            capacity_groups=self._capacity,
-            groups=len(self._groups),
-            queued=self._counts[QUEUED].total(),
-            routed=self._counts[ROUTED].total(),
-            completed=self._counts[COMPLETED].total(),
-            initial=self._counts[QUEUED][None],
-            queued_by_v=by_v(QUEUED),
-            routed_by_v=by_v(ROUTED),
-            completed_by_v=by_v(COMPLETED),
-            created_trajectories=self._next_traj,
-            consumed_trajectories=self._consumed_trajs,
-            aborted_trajectories=self._aborted_trajs,
-            created_groups=self._next_group,
-            consumed_groups=self._consumed_groups,
-            aborted_groups=self._aborted_groups,
-            dataset_exhausted=self._exhausted,
+    def ledger(self) -> tuple[LiveTrajectory, ...]:
+        """Every live trajectory with its state, ``V_traj`` and holder, by id (no payloads)."""
+        return tuple(
+            LiveTrajectory(t.traj_id, t.group.group_id, t.state, t.v_traj, t.holder, len(t.tokens))
+            for _, t in sorted(self._s.trajs.items())
         )
+
+    def routed_to(self, instance_id: InstanceId) -> tuple[int, ...]:
+        """Ids of the trajectories ROUTED to ``instance_id`` (for audits and recovery)."""
+        return self._s.routed_to(instance_id)
+
+    def stats(self) -> TSStats:
+        return self._s.stats(self._capacity)
 
     # ------------------------------------------------------------ transitions
 
@@ -205,15 +141,19 @@ class TrajectoryServer:
         Returns the new group ids.
         """
         new: list[int] = []
-        while len(self._groups) < self._capacity and not self._exhausted:
+        while len(self._s.groups) < self._capacity and not self._s.exhausted:
             sample = self._source.next_sample()
             if sample is None:
-                self._exhausted = True
-                logger.info("prompt source exhausted after %d groups", self._next_group)
+                self._s.exhausted = True
+                logger.info("prompt source exhausted after %d groups", self._s.next_group)
                 break
-            new.append(self._add_group(sample.sample_id, sample.answer, sample.prompt_ids))
+            new.append(
+                self._s.add_group(
+                    sample.sample_id, sample.answer, sample.prompt_ids, self._per_group
+                )
+            )
         if new:
-            logger.debug("refill: %d new groups, %d held", len(new), len(self._groups))
+            logger.debug("refill: %d new groups, %d held", len(new), len(self._s.groups))
         return tuple(new)
 
     def route(
@@ -234,20 +174,19 @@ class TrajectoryServer:
         or no longer QUEUED) instead of raising; a router whose view of the queue is a
         moment old uses it, and learns what it missed from the ids absent from the result.
         """
-        if isinstance(instance_id, bool) or not isinstance(instance_id, int | str):
-            raise InvalidPayload(f"instance_id must be an int or a str, got {instance_id!r}")
-        ids = _unique(traj_ids, "route")
+        _check_holder_id(instance_id, "instance_id")
+        ids = unique(traj_ids, "route")
         per_traj = v_traj if isinstance(v_traj, Mapping) else None
         if per_traj is not None and not set(per_traj) <= set(ids):
             extra = sorted(set(per_traj) - set(ids))
             raise VersionConflict(f"v_traj names trajectories {extra} that route was not given")
-        plan: list[tuple[_Traj, int]] = []
+        plan: list[tuple[TrajRecord, int]] = []
         for tid in ids:
             if skip_unavailable:
-                live = self._trajs.get(tid)
+                live = self._s.trajs.get(tid)
                 if live is None or live.state is not QUEUED:
                     continue
-            traj = self._lookup(tid)
+            traj = self._s.lookup(tid)
             if traj.state is not QUEUED:
                 raise InvalidTransition(
                     f"{traj.describe()}; route takes QUEUED trajectories only "
@@ -257,9 +196,9 @@ class TrajectoryServer:
             plan.append((traj, self._resolve_version(traj, v)))  # type: ignore[arg-type]
         out = []
         for traj, v in plan:
-            self._mlq.remove(traj.traj_id, traj.v_traj)
-            self._set_state(traj, ROUTED, v)
-            traj.instance_id = instance_id
+            self._s.mlq.remove(traj.traj_id, traj.v_traj)
+            self._s.set_state(traj, ROUTED, v)
+            traj.holder = instance_id
             g = traj.group
             out.append(
                 RoutedTrajectory(
@@ -276,21 +215,106 @@ class TrajectoryServer:
             )
         return tuple(out)
 
-    def interrupt_return(self, partials: Iterable[PartialTrajectory]) -> None:
+    def interrupt_return(
+        self, partials: Iterable[PartialTrajectory], *, instance_id: InstanceId | None = None
+    ) -> None:
         """Take back interrupted ROUTED trajectories (``PartialTrajectory``-like records
         with the whole response so far). They keep their ``V_traj`` and re-enter the back
-        of their MLQ level."""
+        of their MLQ level. With ``instance_id``, each must be ROUTED to that instance
+        (``NotHolder`` otherwise: a late message from an instance declared lost)."""
         items = list(partials)
-        _unique((p.traj_id for p in items), "interrupt_return")
+        unique((p.traj_id for p in items), "interrupt_return")
         plan = []
         for p in items:
-            traj = self._routed(p.traj_id, "interrupt_return")
+            traj = self._routed(p.traj_id, "interrupt_return", instance_id)
             plan.append((traj, self._check_response(traj, p.tokens, p.logprobs, p.versions)))
-        for traj, (tokens, logprobs, versions) in plan:
-            traj.tokens, traj.logprobs, traj.versions = tokens, logprobs, versions
-            traj.instance_id = None
-            self._set_state(traj, QUEUED, traj.v_traj)
-            self._mlq.push(traj.record())
+        for traj, response in plan:
+            self._store(traj, response)
+            self._s.requeue(traj)
+
+    def report_progress(
+        self, partials: Iterable[PartialTrajectory], instance_id: InstanceId
+    ) -> tuple[int, ...]:
+        """An instance reports the responses of trajectories it is still generating. The
+        TS keeps the longest one it knows, so that losing the instance costs only the
+        tokens generated since its last report. Report only tokens that will stay in the
+        response (each later report, interrupt or completion must start with them).
+
+        Reports about trajectories that are not ROUTED to ``instance_id`` any more (gone,
+        interrupted, requeued after a loss) are ignored; a malformed payload raises and
+        records nothing. Returns the ids whose progress was recorded.
+        """
+        plan = []
+        for p in partials:
+            traj = self._s.trajs.get(p.traj_id)
+            if traj is None or traj.state is not ROUTED or traj.holder != instance_id:
+                continue
+            if len(p.tokens) > len(traj.tokens):
+                plan.append((traj, self._check_response(traj, p.tokens, p.logprobs, p.versions)))
+        unique((traj.traj_id for traj, _ in plan), "report_progress")
+        for traj, response in plan:
+            self._store(traj, response)
+        return tuple(traj.traj_id for traj, _ in plan)
+
+    def requeue(self, traj_ids: Iterable[int]) -> None:
+        """Return ROUTED trajectories to the queue without their instance's cooperation
+        (it is gone), with the longest response the TS knows; ``V_traj`` is kept."""
+        trajs = [self._routed(tid, "requeue") for tid in unique(traj_ids, "requeue")]
+        for traj in trajs:
+            self._s.requeue(traj)
+
+    def instance_lost(self, instance_id: InstanceId) -> tuple[int, ...]:
+        """Every trajectory ROUTED to a lost instance goes back to the queue (see
+        ``requeue``). Returns their ids. Later messages from that instance about them
+        raise ``NotHolder`` when they name it (``instance_id=``)."""
+        ids = self.routed_to(instance_id)
+        self.requeue(ids)
+        if ids:
+            logger.info(
+                "instance %r lost: %d trajectories back in the queue", instance_id, len(ids)
+            )
+        return ids
+
+    def hand_to_reward(
+        self,
+        finished: Iterable[FinishedTrajectory],
+        worker_id: WorkerId,
+        *,
+        instance_id: InstanceId | None = None,
+    ) -> None:
+        """ROUTED trajectories finished generating and go to reward worker ``worker_id``:
+        the TS stores their whole response, so that another worker can score them if this
+        one is lost (``reassign_rewards``). The completion must carry the same response."""
+        _check_holder_id(worker_id, "worker_id")
+        items = list(finished)
+        unique((f.traj_id for f in items), "hand_to_reward")
+        plan = []
+        for f in items:
+            traj = self._routed(f.traj_id, "hand_to_reward", instance_id)
+            if not isinstance(f.finish_reason, str):
+                raise InvalidPayload(f"trajectory {f.traj_id}: finish_reason must be a str")
+            plan.append((traj, self._check_response(traj, f.tokens, f.logprobs, f.versions), f))
+        for traj, response, f in plan:
+            self._store(traj, response)
+            traj.finish_reason = f.finish_reason
+            traj.holder = worker_id
+            self._s.set_state(traj, REWARDING, traj.v_traj)
+
+    def reassign_rewards(
+        self, from_worker: WorkerId | None, to_worker: WorkerId | None
+    ) -> tuple[RewardTask, ...]:
+        """Move every REWARDING trajectory of ``from_worker`` (None: those no worker has,
+        e.g. after a restore) to ``to_worker`` (None: leave them waiting for one) and
+        return what a worker needs to score them. A lost worker's trajectories are
+        scored again elsewhere this way; nothing is regenerated."""
+        if to_worker is not None:
+            _check_holder_id(to_worker, "to_worker")
+        moved = [
+            t for t in self._s.trajs.values() if t.state is REWARDING and t.holder == from_worker
+        ]
+        for traj in moved:
+            traj.holder = to_worker
+        return tuple(self._reward_task(t) for t in moved)
 
     def complete(
         self,
@@ -306,13 +330,25 @@ class TrajectoryServer:
         c = Completion(traj_id, tokens, logprobs, versions, reward, finish_reason, info or {})
         return self.complete_many((c,))[0]
 
-    def complete_many(self, completions: Iterable[Completion]) -> tuple[GroupStatus, ...]:
+    def complete_many(
+        self, completions: Iterable[Completion], *, instance_id: InstanceId | None = None
+    ) -> tuple[GroupStatus, ...]:
+        """Store finished, rewarded trajectories: ROUTED ones (with ``instance_id``, each
+        must be ROUTED to it) or REWARDING ones (their response must be the stored one)."""
         items = list(completions)
-        _unique((c.traj_id for c in items), "complete_many")
+        unique((c.traj_id for c in items), "complete_many")
         plan = []
         for c in items:
-            traj = self._routed(c.traj_id, "complete")
+            traj = self._s.lookup(c.traj_id)
+            if traj.state is not REWARDING:
+                traj = self._routed(c.traj_id, "complete", instance_id)
             arrays = self._check_response(traj, c.tokens, c.logprobs, c.versions)
+            if traj.state is REWARDING and len(arrays[0]) != len(traj.tokens):
+                raise InvalidPayload(
+                    f"trajectory {c.traj_id}: the completion has {len(arrays[0])} tokens but "
+                    f"the finished response handed to reward has {len(traj.tokens)}; complete "
+                    "it with the response the TS stored (see reassign_rewards)"
+                )
             reward = validate.reward(c.traj_id, c.reward)
             if not isinstance(c.finish_reason, str):
                 raise InvalidPayload(f"trajectory {c.traj_id}: finish_reason must be a str")
@@ -328,8 +364,8 @@ class TrajectoryServer:
         for traj, (tokens, logprobs, versions), reward, finish_reason, info in plan:
             traj.tokens, traj.logprobs, traj.versions = tokens, logprobs, versions
             traj.reward, traj.finish_reason, traj.info = reward, finish_reason, info
-            traj.instance_id = None
-            self._set_state(traj, COMPLETED, traj.v_traj)
+            traj.holder = None
+            self._s.set_state(traj, COMPLETED, traj.v_traj)
             traj.group.completed += 1
             out.append(
                 GroupStatus(traj.group.group_id, traj.group.completed, len(traj.group.members))
@@ -344,18 +380,18 @@ class TrajectoryServer:
         """Hand the completed trajectories of consumed groups to the trainer and forget
         the groups. ``select`` restricts a group to the given completed trajectory ids.
         Members not taken are dropped and reported in ``TrainingBatch.dropped``."""
-        gids = _unique(group_ids, "take_batch")
+        gids = unique(group_ids, "take_batch")
         if select is not None and not set(select) <= set(gids):
             extra = sorted(set(select) - set(gids))
             raise InvalidTransition(f"select names groups {extra} that take_batch was not given")
-        plan: list[tuple[_Group, list[_Traj]]] = []
+        plan: list[tuple[GroupRecord, list[TrajRecord]]] = []
         for gid in gids:
-            group = self._group(gid)
+            group = self._s.group(gid)
             chosen = select.get(gid) if select is not None else None
             if chosen is None:
                 taken = [t for t in group.members.values() if t.state is COMPLETED]
             else:
-                taken = [self._member(group, tid) for tid in _unique(chosen, f"select[{gid}]")]
+                taken = [self._member(group, tid) for tid in unique(chosen, f"select[{gid}]")]
             if not taken:
                 raise InvalidTransition(
                     f"group {gid} has no completed trajectories to take; wait for them, or "
@@ -387,77 +423,60 @@ class TrajectoryServer:
                 )
             )
             for t in taken:
-                self._drop(t)
-            self._consumed_trajs += len(taken)
+                self._s.drop(t)
+            self._s.consumed_trajs += len(taken)
             for t in list(group.members.values()):
-                dropped.append(self._drop(t))
-            del self._groups[group.group_id]
-            self._consumed_groups += 1
-        self._aborted_trajs += len(dropped)
+                dropped.append(self._s.drop(t))
+            del self._s.groups[group.group_id]
+            self._s.consumed_groups += 1
+        self._s.aborted_trajs += len(dropped)
         self._after_groups_left()
-        return TrainingBatch(tuple(groups), tuple(dropped))
+        return TrainingBatch(tuple(groups), tuple(dropped), self.config.temperature)
 
     def abort(self, traj_ids: Iterable[int]) -> tuple[AbortedTrajectory, ...]:
         """Drop trajectories for good, in any state. A group left empty is removed."""
-        ids = _unique(traj_ids, "abort")
-        trajs = [self._lookup(tid) for tid in ids]
-        out = tuple(self._drop(t) for t in trajs)
-        self._aborted_trajs += len(out)
+        ids = unique(traj_ids, "abort")
+        trajs = [self._s.lookup(tid) for tid in ids]
+        out = tuple(self._s.drop(t) for t in trajs)
+        self._s.aborted_trajs += len(out)
         emptied = {t.group.group_id for t in trajs if not t.group.members}
         for gid in emptied:
-            del self._groups[gid]
-        self._aborted_groups += len(emptied)
+            del self._s.groups[gid]
+        self._s.aborted_groups += len(emptied)
         if emptied:
             self._after_groups_left()
         return out
 
     def abort_group(self, group_id: int) -> tuple[AbortedTrajectory, ...]:
         """Drop a whole group (e.g. batch-level redundancy surplus)."""
-        return self.abort(tuple(self._group(group_id).members))
+        return self.abort(tuple(self._s.group(group_id).members))
+
+    # ------------------------------------------------------------ checkpoints
+
+    def export_state(self) -> dict[str, Any]:
+        """Every live trajectory with its response, the group and id bookkeeping and the
+        prompt source's position (if it has ``state()``), as plain data with 1-D arrays
+        (see ``persist.py``). Consistent by construction: the server is single-threaded."""
+        return persist.export_state(self._s, self._config, _source_state(self._source))
+
+    @classmethod
+    def restore(
+        cls, config: TrajectoryServerConfig, source: PromptSource, state: Any
+    ) -> TrajectoryServer:
+        """A server holding what ``export_state()`` saved; trajectories that were ROUTED
+        are QUEUED again with their longest known response and ``V_traj``, REWARDING ones
+        wait for ``reassign_rewards(None, worker)``. ``source`` must be at the saved
+        position. Refills nothing: call ``refill()`` to top up to a larger capacity."""
+        server = cls(config, source, fill=False)
+        requeued = persist.load(server._s, config, state, _source_state(source))
+        if requeued:
+            logger.info("restored: %d routed trajectories are queued again", len(requeued))
+        return server
 
     # ---------------------------------------------------------------- helpers
 
-    def _add_group(self, sample_id: int, answer: str, prompt_ids: object) -> int:
-        prompt = np.asarray(prompt_ids)
-        if prompt.ndim != 1 or len(prompt) == 0 or prompt.dtype.kind not in "iu":
-            raise InvalidPayload(
-                f"sample {sample_id}: prompt_ids must be a non-empty 1-D integer array, got "
-                f"shape {prompt.shape} dtype {prompt.dtype}; fix the prompt source"
-            )
-        # shared by the group's trajectories and every payload, so it must not change
-        prompt = validate.frozen(prompt.astype(np.int32, copy=False))
-        group = _Group(self._next_group, int(sample_id), str(answer), prompt)
-        self._next_group += 1
-        self._groups[group.group_id] = group
-        for _ in range(self._per_group):
-            traj = _Traj(self._next_traj, group)
-            self._next_traj += 1
-            group.members[traj.traj_id] = traj
-            self._trajs[traj.traj_id] = traj
-            self._counts[QUEUED][None] += 1
-            self._mlq.push(traj.record())
-        return group.group_id
-
-    def _lookup(self, traj_id: int) -> _Traj:
-        traj = self._trajs.get(traj_id)
-        if traj is not None:
-            return traj
-        if isinstance(traj_id, int | np.integer) and 0 <= traj_id < self._next_traj:
-            raise TrajectoryGone(
-                f"trajectory {traj_id} was already consumed or aborted; drop this late message"
-            )
-        raise UnknownTrajectory(f"trajectory {traj_id!r} was never created by this server")
-
-    def _group(self, group_id: int) -> _Group:
-        group = self._groups.get(group_id)
-        if group is None:
-            gone = isinstance(group_id, int | np.integer) and 0 <= group_id < self._next_group
-            why = "was already consumed or aborted" if gone else "was never created by this server"
-            raise UnknownGroup(f"group {group_id!r} {why}")
-        return group
-
-    def _member(self, group: _Group, traj_id: int) -> _Traj:
-        traj = self._lookup(traj_id)
+    def _member(self, group: GroupRecord, traj_id: int) -> TrajRecord:
+        traj = self._s.lookup(traj_id)
         if traj.group is not group:
             raise InvalidTransition(
                 f"trajectory {traj_id} belongs to group {traj.group.group_id}, not {group.group_id}"
@@ -466,13 +485,36 @@ class TrajectoryServer:
             raise InvalidTransition(f"{traj.describe()}; take_batch takes COMPLETED ones only")
         return traj
 
-    def _routed(self, traj_id: int, call: str) -> _Traj:
-        traj = self._lookup(traj_id)
+    def _routed(self, traj_id: int, call: str, instance_id: InstanceId | None = None) -> TrajRecord:
+        traj = self._s.lookup(traj_id)
+        if instance_id is not None and (traj.state is not ROUTED or traj.holder != instance_id):
+            raise NotHolder(
+                f"{traj.describe()}, not on instance {instance_id!r}: {call} from an instance "
+                "that no longer holds it (it was declared lost); drop this late message"
+            )
         if traj.state is not ROUTED:
             raise InvalidTransition(f"{traj.describe()}; {call} takes ROUTED trajectories only")
         return traj
 
-    def _resolve_version(self, traj: _Traj, v: object) -> int:
+    def _store(self, traj: TrajRecord, response: validate.Response) -> None:
+        traj.tokens, traj.logprobs, traj.versions = response
+
+    def _reward_task(self, traj: TrajRecord) -> RewardTask:
+        g = traj.group
+        return RewardTask(
+            traj_id=traj.traj_id,
+            group_id=g.group_id,
+            v_traj=traj.v_traj,  # type: ignore[arg-type]  # REWARDING implies set
+            sample_id=g.sample_id,
+            answer=g.answer,
+            prompt=g.prompt,
+            tokens=traj.tokens,
+            logprobs=traj.logprobs,
+            versions=traj.versions,
+            finish_reason=traj.finish_reason,
+        )
+
+    def _resolve_version(self, traj: TrajRecord, v: object) -> int:
         if traj.v_traj is not None:
             if v is not None and v != traj.v_traj:
                 raise VersionConflict(
@@ -490,7 +532,7 @@ class TrajectoryServer:
         return int(v)
 
     def _check_response(
-        self, traj: _Traj, tokens: object, logprobs: object, versions: object
+        self, traj: TrajRecord, tokens: object, logprobs: object, versions: object
     ) -> validate.Response:
         return validate.response(
             traj.traj_id,
@@ -501,28 +543,6 @@ class TrajectoryServer:
             prefix_tokens=traj.tokens,
             prefix_versions=traj.versions,
         )
-
-    def _set_state(self, traj: _Traj, state: TrajState, v: int | None) -> None:
-        self._uncount(traj)
-        self._counts[state][v] += 1
-        traj.state, traj.v_traj = state, v
-
-    def _uncount(self, traj: _Traj) -> None:
-        counts = self._counts[traj.state]
-        counts[traj.v_traj] -= 1
-        if not counts[traj.v_traj]:
-            del counts[traj.v_traj]  # versions come and go; keep stats() O(live levels)
-
-    def _drop(self, traj: _Traj) -> AbortedTrajectory:
-        """Forget one trajectory (the caller does the consumed/aborted accounting)."""
-        if traj.state is QUEUED:
-            self._mlq.remove(traj.traj_id, traj.v_traj)
-        elif traj.state is COMPLETED:
-            traj.group.completed -= 1
-        self._uncount(traj)
-        del self._trajs[traj.traj_id]
-        del traj.group.members[traj.traj_id]
-        return AbortedTrajectory(traj.traj_id, traj.group.group_id, traj.state, traj.instance_id)
 
     def _after_groups_left(self) -> None:
         if self._config.auto_refill:

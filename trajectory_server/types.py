@@ -9,17 +9,20 @@ response grows each time it is routed, interrupted and routed again.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
 
+from staleness.bounds import REDUNDANCY_HINT, redundancy_ok
 from trajectory_server.errors import InvalidConfig
 
 TrajId = int
 GroupId = int
 InstanceId = int | str
+WorkerId = int | str  # a reward worker
 InfoValue = int | float | str
 
 
@@ -28,6 +31,7 @@ class TrajState(enum.StrEnum):
 
     QUEUED = "queued"  # in the TS and routable: initial, or an interrupted partial
     ROUTED = "routed"  # handed to a rollout instance (generating, or being rewarded)
+    REWARDING = "rewarding"  # finished; its whole response is in the TS; a worker scores it
     COMPLETED = "completed"  # finished and rewarded; waits for its group to be consumed
 
 
@@ -43,6 +47,8 @@ class TrajectoryServerConfig:
         ``(eta + 1) * floor(batch_size * (1 + r_b))`` groups, one per staleness-buffer entry.
     capacity_groups: overrides the default capacity (groups held at once, in any state).
     auto_refill: sample new prompts as soon as groups leave (consumed or aborted).
+    temperature: the rollout sampling temperature, handed to the trainer with every
+        :class:`TrainingBatch` (the logprobs the engines record are of ``softmax(logits / T)``).
     """
 
     eta: int = 1
@@ -52,8 +58,13 @@ class TrajectoryServerConfig:
     batch_redundancy: float = 0.0
     capacity_groups: int | None = None
     auto_refill: bool = True
+    temperature: float = 1.0
 
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise InvalidConfig(
+                f"temperature={self.temperature}; use the rollout's sampling temperature (> 0)"
+            )
         if self.eta < 0:
             raise InvalidConfig(f"eta={self.eta} is negative; use 0 for synchronous RL")
         if self.batch_size < 1:
@@ -62,8 +73,8 @@ class TrajectoryServerConfig:
             raise InvalidConfig(f"group_size={self.group_size}; it must be at least 1")
         for name in ("group_redundancy", "batch_redundancy"):
             value = getattr(self, name)
-            if not 0.0 <= value < 16.0:
-                raise InvalidConfig(f"{name}={value}; use a ratio in [0, 16), e.g. 1/16")
+            if not redundancy_ok(value):
+                raise InvalidConfig(f"{name}={value!r} is out of range: {REDUNDANCY_HINT}")
         if self.capacity_groups is not None and self.capacity_groups < 1:
             raise InvalidConfig(
                 f"capacity_groups={self.capacity_groups}; it must be at least 1, "
@@ -96,6 +107,17 @@ class RoutableTrajectory(NamedTuple):
     v_traj: int | None  # None: initial trajectory, not yet routed
     length: int  # prompt tokens + tokens generated so far
     prompt_len: int
+
+
+class LiveTrajectory(NamedTuple):
+    """Where one live trajectory is (``TrajectoryServer.ledger``), for audits and restores."""
+
+    traj_id: int
+    group_id: int
+    state: TrajState
+    v_traj: int | None
+    holder: int | str | None  # its instance (ROUTED) or reward worker (REWARDING)
+    tokens: int  # response tokens the TS holds
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -143,6 +165,34 @@ class Completion:
     reward: float
     finish_reason: str  # e.g. "stop" or "length", as the engine reported it
     info: Mapping[str, InfoValue] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class FinishedTrajectory:
+    """A trajectory that finished generating, handed to a reward worker: its whole
+    response, stored in the TS so that another worker can score it if this one is lost."""
+
+    traj_id: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RewardTask:
+    """Everything a reward worker needs to score one REWARDING trajectory again."""
+
+    traj_id: int
+    group_id: int
+    v_traj: int
+    sample_id: int
+    answer: str
+    prompt: np.ndarray
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    finish_reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,10 +248,15 @@ class TrainingBatch:
     ``dropped``: members of the taken groups that were not taken (not completed, or not
     selected); the TS forgot them, and those that were ROUTED must be aborted on their
     instances.
+
+    ``temperature``: the sampling temperature ``T`` of the trajectories. Their logprobs are
+    of ``softmax(logits / T)`` (before any top-p/top-k truncation), so the trainer scores
+    its policy under the same ``T`` for the importance ratios to compare one distribution.
     """
 
     groups: tuple[TrainingGroup, ...]
     dropped: tuple[AbortedTrajectory, ...] = ()
+    temperature: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +280,7 @@ class TSStats:
     consumed_groups: int
     aborted_groups: int
     dataset_exhausted: bool
+    rewarding: int = 0  # finished, with (or waiting for) a reward worker
 
     def metrics(self) -> dict[str, float]:
         """Flat metric keys, e.g. ``ts/queued``."""
@@ -236,6 +292,7 @@ class TSStats:
                 "queued",
                 "routed",
                 "completed",
+                "rewarding",
                 "initial",
                 "created_trajectories",
                 "consumed_trajectories",

@@ -25,8 +25,10 @@ from trajectory_server.errors import WireError
 from trajectory_server.types import (
     AbortedTrajectory,
     Completion,
+    FinishedTrajectory,
     GroupStatus,
     PartialTrajectory,
+    RewardTask,
     RoutableTrajectory,
     RoutedTrajectory,
     TrainingBatch,
@@ -127,11 +129,31 @@ class RouteReply:
 @dataclass(frozen=True, slots=True, eq=False)
 class InterruptReturn:
     partials: tuple[PartialTrajectory, ...]
+    instance_id: int | str | None = None  # set: refuse trajectories not held by it
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class CompletionBatch:
     completions: tuple[Completion, ...]
+    instance_id: int | str | None = None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ProgressReport:
+    partials: tuple[PartialTrajectory, ...]
+    instance_id: int | str
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class HandToReward:
+    finished: tuple[FinishedTrajectory, ...]
+    worker_id: int | str
+    instance_id: int | str | None = None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class RewardTaskBatch:
+    tasks: tuple[RewardTask, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +316,9 @@ MESSAGES: dict[str, type] = {
     "group_status_batch": GroupStatusBatch,
     "training_batch": TrainingBatch,
     "routing_columns": RoutingColumns,
+    "progress_report": ProgressReport,
+    "hand_to_reward": HandToReward,
+    "reward_task_batch": RewardTaskBatch,
     "aborted_trajectory": AbortedTrajectory,
     "training_group": TrainingGroup,
     "training_trajectory": TrainingTrajectory,
@@ -310,3 +335,22 @@ def pack(msg: object) -> bytes:
 def unpack(data: bytes, expect: type[T] | None = None) -> T:
     """Decode a message, dispatching on its tag; ``expect`` checks its type."""
     return _CODEC.unpack(data, expect)
+
+
+def pack_plain(tree: object) -> bytes:
+    """Encode plain data (dicts, lists, str, int, float, bool, None) with numpy arrays as
+    raw bytes, e.g. a saved state. Anything else is refused: no pickled objects."""
+    try:
+        return msgpack.packb(tree, default=_default, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise WireError(f"cannot pack this state: {exc}") from None
+
+
+def unpack_plain(data: bytes) -> Any:
+    """Decode what :func:`pack_plain` wrote; arrays come back read-only."""
+    try:
+        return msgpack.unpackb(data, ext_hook=_ext_hook, raw=False, strict_map_key=False)
+    except WireError:
+        raise
+    except Exception as exc:
+        raise WireError(f"not a packed state: {exc}") from None

@@ -17,6 +17,7 @@ from staleflow.config.io import (
     parse_override,
     save_config,
 )
+from staleflow.config.resources import ResourcesConfig
 from staleflow.config.run import RunConfig, config_warnings
 from staleflow.config.sections import (
     DataConfig,
@@ -36,6 +37,7 @@ __all__ = [
     "DataConfig",
     "ModelConfig",
     "PSConfig",
+    "ResourcesConfig",
     "RewardConfig",
     "RolloutConfig",
     "RunConfig",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from coordinator.config import ConfigError, CoordinatorConfig, CostModelConfig
+from staleflow.config.resources import ResourcesConfig
 from staleflow.config.sections import (
     FILE_TASKS,
     DataConfig,
@@ -22,8 +23,10 @@ from staleflow.config.sections import (
 )
 from staleflow.config.walk import check_types
 from staleflow.rewards.registry import resolve_reward_kind
+from staleness.bounds import REDUNDANCY_HINT, redundancy_ok
 
 if TYPE_CHECKING:
+    from staleness import StalenessConfig
     from trajectory_server.types import TrajectoryServerConfig
 
 # The embedded default (a few-million-parameter model on CPU) steps in milliseconds, so
@@ -57,7 +60,11 @@ class RunConfig:
     )
     name: str = field(default="", metadata=_help("run name, appended to its folder's name"))
     address: str = field(
-        default="", metadata=_help("Ray cluster address; '' = start a local Ray instance")
+        default="",
+        metadata=_help(
+            "Ray cluster to run on: auto (the cluster this node belongs to) | host:port | "
+            "ray://host:port; '' = start a local Ray instance"
+        ),
     )
     # 32 x 8: at 8 groups a step the default run's rollout idled three quarters of the
     # time and the gradient was too noisy to improve the tiny policy (docs/launch.md)
@@ -101,6 +108,7 @@ class RunConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     parameter_server: PSConfig = field(default_factory=PSConfig)
+    resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     coordinator: CoordinatorConfig = field(default_factory=_embedded_coordinator)
 
     def __post_init__(self) -> None:
@@ -112,12 +120,7 @@ class RunConfig:
         require_at_least("group_size", self.group_size, 1, "trajectory per group")
         for key in ("group_redundancy", "batch_redundancy"):
             value = getattr(self, key)
-            require(
-                0.0 <= value < 16.0,
-                key,
-                value,
-                "is out of range: use a ratio in [0, 16), e.g. 0.0625",
-            )
+            require(redundancy_ok(value), key, value, f"is out of range: {REDUNDANCY_HINT}")
         require_at_least("checkpoint_every", self.checkpoint_every, 0, "steps (0 = at the end)")
         require_at_least("eval_problems", self.eval_problems, 0, "problems (0 = off)")
         require(
@@ -162,17 +165,16 @@ class RunConfig:
                 f"data.tokenizer={data.tokenizer!r} replaces the tokenizer of model.checkpoint, "
                 "which is not set: set model.checkpoint too, or drop data.tokenizer"
             )
-        for key, backend, gpu in (
-            ("rollout.backend", rollout.backend, "sglang"),
-            ("trainer.backend", self.trainer.backend, "megatron"),
-        ):
+        # (a vLLM/SGLang rollout of the built-in policy loads it from the run folder; the
+        # megatron trainer builds its model from the policy's HF config, the built-in too)
+        if rollout.backend in ("embedded", "vllm"):  # both size their KV cache to it
             require(
-                backend != gpu or bool(model.checkpoint),
-                key,
-                backend,
-                f"needs a Hugging Face checkpoint: set model.checkpoint, or use {key}=embedded",
+                rollout.tensor_parallel == 1,
+                "rollout.tensor_parallel",
+                rollout.tensor_parallel,
+                "needs a tensor-parallel engine: the embedded engine runs in one process; "
+                "use rollout.tensor_parallel=1",
             )
-        if rollout.backend == "embedded":
             require(
                 rollout.kv_budget_tokens >= rollout.max_response_tokens + 1,
                 "rollout.kv_budget_tokens",
@@ -205,6 +207,18 @@ class RunConfig:
             return self
         return replace(self, reward=replace(self.reward, kind=kind))
 
+    def staleness_config(self) -> StalenessConfig:
+        """The staleness manager's configuration, from the top-level keys."""
+        from staleness import StalenessConfig
+
+        return StalenessConfig(
+            eta=self.eta,
+            batch_size=self.batch_size,
+            group_size=self.group_size,
+            batch_redundancy=self.batch_redundancy,
+            group_redundancy=self.group_redundancy,
+        )
+
     def trajectory_server_config(self) -> TrajectoryServerConfig:
         """The trajectory server's configuration, from the top-level keys."""
         from trajectory_server.types import TrajectoryServerConfig
@@ -215,6 +229,7 @@ class RunConfig:
             group_size=self.group_size,
             group_redundancy=self.group_redundancy,
             batch_redundancy=self.batch_redundancy,
+            temperature=self.rollout.temperature,
         )
 
 
@@ -229,7 +244,7 @@ def config_warnings(config: RunConfig) -> list[str]:
         )
     kv_budget = config.coordinator.cost_model.kv_budget
     if (
-        config.rollout.backend == "embedded"
+        config.rollout.backend in ("embedded", "vllm")
         and kv_budget is not None
         and kv_budget != config.rollout.kv_budget_tokens
     ):

@@ -7,6 +7,7 @@ The ``coordinator`` section is :class:`coordinator.config.CoordinatorConfig`.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,7 +19,8 @@ from staleflow.rewards.registry import AUTO, reward_names
 
 DATA_TASKS = ("arithmetic", "gsm8k", "dapo", "jsonl", "parquet")
 FILE_TASKS = DATA_TASKS[1:]
-ROLLOUT_BACKENDS = ("embedded", "sglang")
+ROLLOUT_BACKENDS = ("embedded", "vllm", "sglang")
+SGLANG_WEIGHT_SYNCS = ("tensor", "disk")  # staleflow.engines.sglang.config.WEIGHT_SYNCS
 TRAINER_BACKENDS = ("embedded", "megatron")
 OFF_POLICY_MODES = ("decoupled", "tis", "none")
 CAP_MODES = ("auto", "truncate", "mask")
@@ -26,6 +28,7 @@ ADVANTAGES = ("grpo", "dapo")
 # parameter_server.transport.TRANSPORT_NAMES, not imported: configuration stays
 # importable without the transports' modules
 TRANSPORTS = ("auto", "shm", "nixl", "socket")
+PUSH_TRANSPORTS = ("auto", "nixl", "socket")  # to another node: no shared memory there
 
 
 def _help(text: str) -> dict[str, str]:
@@ -174,15 +177,121 @@ class DataConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class VLLMOptions:
+    """rollout.backend=vllm: one in-process vLLM engine per instance (docs/engines.md)."""
+
+    KEY: ClassVar[str] = "rollout.vllm"
+
+    model_path: str = field(
+        default="",
+        metadata=_help(
+            "checkpoint folder vLLM loads the architecture from; empty: model.checkpoint, or "
+            "the built-in policy saved into the run folder"
+        ),
+    )
+    tensor_parallel_size: int = field(default=1, metadata=_help("GPUs per instance (1 on CPU)"))
+    gpu_memory_utilization: float = field(
+        default=0.9, metadata=_help("vLLM's share of each GPU's memory (ignored on CPU)")
+    )
+    dtype: str = field(
+        default="float32", metadata=_help("float32 | bfloat16 | float16 | auto (weights and KV)")
+    )
+    extra_args: str = field(
+        default="",
+        metadata=_help('more vllm.EngineArgs as a JSON object, e.g. {"enforce_eager": false}'),
+    )
+
+    def __post_init__(self) -> None:
+        check_types(self, self.KEY)
+        require_at_least(f"{self.KEY}.tensor_parallel_size", self.tensor_parallel_size, 1, "GPU")
+        require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"{self.KEY}.gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "is out of range: use (0, 1]",
+        )
+        require_choice(f"{self.KEY}.dtype", self.dtype, ("float32", "bfloat16", "float16", "auto"))
+        if self.extra_args:
+            try:
+                parsed = json.loads(self.extra_args)
+            except ValueError:
+                parsed = None
+            require(
+                isinstance(parsed, dict),
+                f"{self.KEY}.extra_args",
+                self.extra_args,
+                'is not a JSON object: write e.g. {"max_num_batched_tokens": 4096}',
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class SGLangOptions:
+    """rollout.backend=sglang: one sglang.launch_server per instance (docs/engines.md)."""
+
+    KEY: ClassVar[str] = "rollout.sglang"
+
+    model_path: str = field(
+        default="",
+        metadata=_help(
+            "checkpoint folder the servers load; empty: model.checkpoint, or the built-in "
+            "policy saved into the run folder"
+        ),
+    )
+    tp_size: int = field(default=1, metadata=_help("GPUs per server (tensor parallel)"))
+    mem_fraction_static: float = field(
+        default=0.0, metadata=_help("SGLang's --mem-fraction-static; 0 leaves SGLang's default")
+    )
+    weight_sync: str = field(
+        default="tensor",
+        metadata=_help(
+            "tensor (each TP rank pulls from the parameter server) | disk "
+            "(/update_weights_from_disk on a RAM folder)"
+        ),
+    )
+    disk_dir: str = field(
+        default="/dev/shm", metadata=_help("RAM-backed folder for weight_sync=disk")
+    )
+    python: str = field(
+        default="", metadata=_help("interpreter with sglang installed; empty: this one")
+    )
+    extra_server_args: str = field(
+        default="", metadata=_help("appended to each launch_server command line")
+    )
+    startup_timeout_s: float = field(
+        default=900.0, metadata=_help("how long a server may take to become healthy")
+    )
+
+    def __post_init__(self) -> None:
+        check_types(self, self.KEY)
+        require_at_least(f"{self.KEY}.tp_size", self.tp_size, 1, "GPU")
+        require(
+            0.0 <= self.mem_fraction_static < 1.0,
+            f"{self.KEY}.mem_fraction_static",
+            self.mem_fraction_static,
+            "is out of range: use [0, 1) (0: SGLang's default)",
+        )
+        require_choice(f"{self.KEY}.weight_sync", self.weight_sync, SGLANG_WEIGHT_SYNCS)
+        require_positive(f"{self.KEY}.startup_timeout_s", self.startup_timeout_s, "900")
+
+
+@dataclass(frozen=True, slots=True)
 class RolloutConfig:
     """The rollout instances and how they sample."""
 
     KEY: ClassVar[str] = "rollout"
 
     backend: str = field(
-        default="embedded", metadata=_help("embedded (CPU, in process) | sglang (GPU)")
+        default="embedded",
+        metadata=_help("embedded (CPU, in process) | vllm (in process; CPU or GPU) | sglang (GPU)"),
     )
     instances: int = field(default=2, metadata=_help("rollout instances"))
+    tensor_parallel: int = field(
+        default=1,
+        metadata=_help(
+            "TP ranks of one instance, all on one node (each asks resources.rollout's "
+            "cpus and gpus)"
+        ),
+    )
     temperature: float = field(default=1.0, metadata=_help("sampling temperature (> 0)"))
     top_p: float = field(default=1.0, metadata=_help("nucleus sampling mass, in (0, 1]"))
     max_response_tokens: int = field(
@@ -191,20 +300,22 @@ class RolloutConfig:
     kv_budget_tokens: int = field(
         default=16384,
         metadata=_help(
-            "KV-cache capacity of one embedded instance, in tokens (SGLang sizes its own)"
+            "KV-cache capacity of one instance, in tokens (vLLM's cache is sized to it; "
+            "SGLang sizes its own)"
         ),
     )
-    max_running: int = field(
-        default=64, metadata=_help("trajectories an embedded instance decodes at once")
-    )
+    max_running: int = field(default=64, metadata=_help("trajectories an instance decodes at once"))
     num_threads: int = field(
         default=1, metadata=_help("CPU threads of one embedded instance (torch)")
     )
+    vllm: VLLMOptions = field(default_factory=VLLMOptions)
+    sglang: SGLangOptions = field(default_factory=SGLangOptions)
 
     def __post_init__(self) -> None:
         check_types(self, self.KEY)
         require_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS)
         require_at_least("rollout.instances", self.instances, 1, "rollout instance")
+        require_at_least("rollout.tensor_parallel", self.tensor_parallel, 1, "rank")
         require_positive("rollout.temperature", self.temperature, "1.0 (RL needs sampling)")
         require(0.0 < self.top_p <= 1.0, "rollout.top_p", self.top_p, "is out of range: use (0, 1]")
         require_at_least("rollout.max_response_tokens", self.max_response_tokens, 1, "token")
@@ -249,16 +360,27 @@ class RewardConfig:
 
 @dataclass(frozen=True, slots=True)
 class TrainerConfig:
-    """The training workers: optimiser and the off-policy PPO-style loss."""
+    """The training workers: the optimiser, the off-policy PPO-style loss, and where it runs.
+
+    The one definition of the trainer's settings: every backend (``staleflow.trainers``)
+    receives this section as it is. What each rank reserves (CPUs, GPUs, node group) is
+    ``resources.trainer``; the number of ranks is 1 (embedded) or ``dp x tp x pp``.
+    """
 
     KEY: ClassVar[str] = "trainer"
 
     backend: str = field(
-        default="embedded", metadata=_help("embedded (PyTorch, CPU) | megatron (GPU)")
+        default="embedded",
+        metadata=_help(
+            "embedded (PyTorch, one process) | megatron (Megatron-core ranks: gloo on CPU, "
+            "NCCL on GPU)"
+        ),
     )
     # measured on the default run: 1e-4 and above destabilise the warmed tiny policy
     # (3e-4 collapses it to ~0 reward), 3e-5 barely moves it in 200 steps
     lr: float = field(default=5e-5, metadata=_help("AdamW learning rate"))
+    adam_beta1: float = field(default=0.9, metadata=_help("AdamW beta1, in [0, 1)"))
+    adam_beta2: float = field(default=0.999, metadata=_help("AdamW beta2, in [0, 1)"))
     weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
     max_grad_norm: float = field(default=1.0, metadata=_help("gradient-norm clipping bound"))
     eps_low: float = field(
@@ -291,13 +413,42 @@ class TrainerConfig:
         default="grpo", metadata=_help("grpo | dapo (group-relative advantages)")
     )
     micro_batch_size: int = field(
-        default=32, metadata=_help("trajectories per forward/backward pass")
+        default=32, metadata=_help("at most this many trajectories per forward/backward pass")
+    )
+    micro_batch_tokens: int = field(
+        default=8192,
+        metadata=_help(
+            "at most this many padded tokens per forward/backward pass (a longer sequence "
+            "gets one of its own)"
+        ),
     )
     updates_per_step: int = field(
         default=1,
         metadata=_help("optimizer updates per training step (PPO mini-batches of the batch)"),
     )
-    num_threads: int = field(default=1, metadata=_help("CPU threads of the embedded trainer"))
+    num_threads: int = field(default=1, metadata=_help("CPU threads of each trainer process"))
+    tp: int = field(
+        default=1,
+        metadata=_help("tensor-parallel size (megatron): must divide the attention and KV heads"),
+    )
+    pp: int = field(default=1, metadata=_help("pipeline-parallel size (megatron; 1 only, yet)"))
+    dp: int = field(
+        default=1,
+        metadata=_help("data-parallel size (megatron): each DP rank trains on its own groups"),
+    )
+    ranks: int = field(
+        default=0,
+        metadata=_help(
+            "trainer processes to start (megatron); 0 = dp x tp x pp, which it must equal"
+        ),
+    )
+    load: str = field(
+        default="",
+        metadata=_help(
+            "a Megatron distributed checkpoint folder (<run>/checkpoint/megatron) to start "
+            "from instead of the policy's weights; any tp"
+        ),
+    )
     stall_timeout_s: float = field(
         default=900.0,
         metadata=_help(
@@ -316,6 +467,11 @@ class TrainerConfig:
         )
         require_choice("trainer.backend", self.backend, TRAINER_BACKENDS)
         require_positive("trainer.lr", self.lr, "1e-4")
+        for key, beta in (
+            ("trainer.adam_beta1", self.adam_beta1),
+            ("trainer.adam_beta2", self.adam_beta2),
+        ):
+            require(0.0 <= beta < 1.0, key, beta, "is out of range: use [0, 1), e.g. 0.9")
         require(
             math.isfinite(self.weight_decay) and self.weight_decay >= 0,
             "trainer.weight_decay",
@@ -345,8 +501,52 @@ class TrainerConfig:
         require_choice("trainer.is_cap_mode", self.is_cap_mode, CAP_MODES)
         require_choice("trainer.advantage", self.advantage, ADVANTAGES)
         require_at_least("trainer.micro_batch_size", self.micro_batch_size, 1, "trajectory")
+        require_at_least("trainer.micro_batch_tokens", self.micro_batch_tokens, 1, "token")
         require_at_least("trainer.updates_per_step", self.updates_per_step, 1, "update")
         require_at_least("trainer.num_threads", self.num_threads, 1, "thread")
+        self._check_parallelism()
+
+    def _check_parallelism(self) -> None:
+        for key in ("tp", "pp", "dp"):
+            require_at_least(f"trainer.{key}", getattr(self, key), 1, "rank")
+        require_at_least("trainer.ranks", self.ranks, 0, "ranks (0 = dp x tp x pp)")
+        product = self.dp * self.tp * self.pp
+        if self.ranks:
+            fit = self.ranks // (self.tp * self.pp)
+            require(
+                self.ranks == product,
+                "trainer.ranks",
+                self.ranks,
+                f"does not equal trainer.dp x trainer.tp x trainer.pp = {self.dp} x {self.tp} "
+                f"x {self.pp} = {product}: "
+                + (
+                    f"set trainer.dp={fit}"
+                    if fit * self.tp * self.pp == self.ranks and fit >= 1
+                    else "set trainer.ranks=0 (= dp x tp x pp) or change tp, pp, dp"
+                ),
+            )
+        require(
+            self.pp == 1,
+            "trainer.pp",
+            self.pp,
+            "is not supported yet: use trainer.pp=1 and split the model with trainer.tp",
+        )
+        if self.backend != "megatron":
+            for key in ("tp", "dp", "ranks"):
+                value = getattr(self, key)
+                require(
+                    value in (0, 1),
+                    f"trainer.{key}",
+                    value,
+                    f"needs trainer.backend=megatron (the {self.backend} trainer is one "
+                    "process): set trainer.backend=megatron, or drop it",
+                )
+            require(
+                not self.load,
+                "trainer.load",
+                self.load,
+                "is a Megatron checkpoint: set trainer.backend=megatron, or drop it",
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,7 +558,15 @@ class PSConfig:
     transport: str = field(
         default="auto",
         metadata=_help(
-            "auto (shared memory on one host, else NIXL, else socket) | shm | nixl | socket"
+            "how an instance Pulls from the PS replica on its own node (and the trainer "
+            "Pushes to one on its node): auto (shared memory) | shm | nixl | socket"
+        ),
+    )
+    push_transport: str = field(
+        default="auto",
+        metadata=_help(
+            "how the trainer Pushes to a PS replica on another node: auto (NIXL when it "
+            "starts there, else socket) | nixl | socket (TCP)"
         ),
     )
     num_slots: int = field(
@@ -369,6 +577,7 @@ class PSConfig:
     def __post_init__(self) -> None:
         check_types(self, self.KEY)
         require_choice("parameter_server.transport", self.transport, TRANSPORTS)
+        require_choice("parameter_server.push_transport", self.push_transport, PUSH_TRANSPORTS)
         require_at_least(
             "parameter_server.num_slots",
             self.num_slots,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Mapping
 from importlib import resources
 from typing import Annotated, Any
 
@@ -30,6 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from staleflow.dashboard import prometheus, schemas
 from staleflow.dashboard.interface import ActionNotSupported, RunSource
+from staleflow.runtime.record import StepRecord
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ def _check_token(authorization: str | None, token: str) -> None:
         )
 
 
-def _last_record(source: RunSource) -> Mapping[str, float] | None:
+def _last_record(source: RunSource) -> StepRecord | None:
     total = source.records(0, 1).total  # a one-item page tells how many there are
     items = source.records(max(total - 1, 0), 1).items
     return items[0] if items else None

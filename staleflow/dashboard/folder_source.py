@@ -3,9 +3,9 @@ source, finished or still being written by ``staleflow launch``.
 
 A folder holds one record per training step and nothing between steps, so what the page
 draws from it is coarser than from a live run: instance load is the busy share of each
-step (from the cumulative ``rollout/idle_ratio/<inst>``), and Pulls and Pushes are dated
-by the step whose record first shows the new version (``staleflow.runtime.runfolder``,
-which the experiment scripts read finished run folders with too). Buffers, trajectory
+step (from the cumulative per-instance idle ratio), and Pulls and Pushes are dated by the
+step whose record first shows the new version (``staleflow.runtime.record``, which the
+experiment scripts read finished run folders with too). Buffers, trajectory
 counts and instance snapshots exist only while the run is alive: attach with
 ``--address`` for them.
 """
@@ -13,7 +13,6 @@ counts and instance snapshots exist only while the run is alive: attach with
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Mapping
@@ -32,13 +31,8 @@ from staleflow.dashboard.interface import (
 )
 from staleflow.dashboard.runconfig import read_run_config
 from staleflow.dashboard.timeline import SeqLog
-from staleflow.runtime.runfolder import (
-    instance_steps,
-    optional_int,
-    parse_record,
-    read_summary,
-    record_instances,
-)
+from staleflow.runtime.record import RecordError, StepRecord, instance_steps
+from staleflow.runtime.runfolder import optional_int, read_summary
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +62,13 @@ class FolderSource:
             )
         self.refresh_s = refresh_s
         self._lock = threading.Lock()
-        self._records: SeqLog[Mapping[str, float]] = SeqLog(maxlen=1_000_000)
+        self._records: SeqLog[StepRecord] = SeqLog(maxlen=1_000_000)
         self._load: SeqLog[LoadSample] = SeqLog(maxlen=1_000_000)
         self._events: SeqLog[RunEvent] = SeqLog(maxlen=1_000_000)
         self._offset = 0
         self._checked = float("-inf")
         self._bad_lines = 0
-        self._prev: Mapping[str, float] | None = None
+        self._prev: StepRecord | None = None
         self._last_pull: dict[int, float] = {}
         self._last_push: float | None = None
         self._summary: dict[str, Any] | None = None
@@ -108,14 +102,15 @@ class FolderSource:
             if not line.strip():
                 continue
             try:
-                rec = _usable(parse_record(line))
-            except ValueError:
+                rec = StepRecord.from_json(line)
+            except RecordError:
+                # a damaged line costs one chart point, not every request
                 self._bad_lines += 1
                 continue
             self._add(rec)
 
-    def _add(self, rec: dict[str, float]) -> None:
-        t = rec.get("time/elapsed_s", 0.0)
+    def _add(self, rec: StepRecord) -> None:
+        t = rec.elapsed_s
         prev = self._prev
         for row in instance_steps(rec, prev):
             if row.pulled and row.version is not None:
@@ -133,11 +128,11 @@ class FolderSource:
                     busy_ratio=row.busy_ratio,
                 )
             )
-        ps, ps_before = rec.get("ps/version"), prev.get("ps/version") if prev else None
+        ps, ps_before = rec.ps_version, prev.ps_version if prev else None
         if ps is not None and ps_before is not None and ps != ps_before:
-            self._events.append(RunEvent(t, "push", int(ps)))
+            self._events.append(RunEvent(t, "push", ps))
             self._last_push = t
-        self._events.append(RunEvent(t, "step", int(rec.get("version", 0)) + 1))
+        self._events.append(RunEvent(t, "step", rec.version + 1))
         self._records.append(rec)
         self._prev = rec
 
@@ -167,11 +162,11 @@ class FolderSource:
 
     def _instance_ids(self) -> list[int]:
         last = self._records.last()
-        return record_instances(last) if last else []
+        return last.instances if last else []
 
     def live(self) -> LiveView:
         self._refresh()
-        last = self._records.last() or {}
+        last = self._records.last()
         ids = self._instance_ids()
         info_n = optional_int(_section(self._config, "rollout").get("instances"))
         if not ids and info_n:
@@ -181,26 +176,26 @@ class FolderSource:
             instances=tuple(
                 InstanceDetail(
                     inst=i,
-                    version=optional_int(last.get(f"rollout/version/{i}")),
+                    version=last.instance_version.get(i) if last else None,
                     snapshot=None,
                     measured_tokens_per_s=None,
-                    idle_ratio=last.get(f"rollout/idle_ratio/{i}"),
+                    idle_ratio=last.instance_idle.get(i) if last else None,
                     pending_commands=None,
                     last_cycle_commands=None,
                 )
                 for i in ids
             ),
             ts=None,
-            ps_version=optional_int(last.get("ps/version")),
+            ps_version=last.ps_version if last else None,
             steps=len(self._records),
-            elapsed_s=last.get("time/elapsed_s", 0.0),
+            elapsed_s=last.elapsed_s if last else 0.0,
             finished=self._summary is not None,
-            cycles=optional_int(last.get("coordinator/cycles")),
-            discarded=optional_int(last.get("coordinator/discarded")),
+            cycles=last.cycles if last else None,
+            discarded=last.discarded if last else None,
             notes=(_FOLDER_NOTE,),
         )
 
-    def records(self, since: int, limit: int) -> Page[Mapping[str, float]]:
+    def records(self, since: int, limit: int) -> Page[StepRecord]:
         self._refresh()
         return self._records.page(since, limit)
 
@@ -213,9 +208,9 @@ class FolderSource:
         return self._events.page(since, limit)
 
     def ps(self) -> PSView:
-        last = self._records.last() or {}
+        last = self._records.last()
         return PSView(
-            latest=optional_int(last.get("ps/version")),
+            latest=last.ps_version if last else None,
             held=None,
             num_slots=optional_int(_section(self._config, "parameter_server").get("num_slots")),
             readers=None,
@@ -236,21 +231,6 @@ class FolderSource:
 
     def close(self) -> None:
         pass
-
-
-_WHOLE_KEYS = ("step", "version", "ps/version", "coordinator/cycles", "coordinator/discarded")
-_WHOLE_PREFIXES = ("rollout/version/", "staleness/hist/")
-
-
-def _usable(rec: dict[str, float]) -> dict[str, float]:
-    """``rec``, or ``ValueError`` when a step, version, count or time in it is NaN or
-    infinite (a damaged line): those become ints and axes, where they would fail every
-    request rather than one chart point."""
-    for key, value in rec.items():
-        whole = key in _WHOLE_KEYS or key.startswith(_WHOLE_PREFIXES)
-        if (whole or key == "time/elapsed_s") and not math.isfinite(value):
-            raise ValueError(f"{key!r} is {value}")
-    return rec
 
 
 def _section(cfg: Mapping[str, Any], name: str) -> Mapping[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from coordinator.cost_model import CostModel
 from coordinator.types import InstanceSnapshot
+from staleflow.runtime.record import StepRecord
 from staleness.types import ManagerView
 from trajectory_server.types import TSStats
 
@@ -44,6 +45,9 @@ class RunInfo:
     config: Mapping[str, Any] = field(default_factory=dict)  # resolved run config, if known
     actions: tuple[str, ...] = ()  # what :meth:`RunSource.act` accepts
     notes: tuple[str, ...] = ()
+    # live runs: nodes, where each actor runs, PS replicas, Pull routes and the Push plan
+    # (staleflow.runtime.fitting.Placement.as_dict plus "weights")
+    placement: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +80,9 @@ class LiveView:
     discarded: int | None = None  # snapshots rejected by Eq. 1
     pending_commands: int | None = None
     notes: tuple[str, ...] = ()
+    # what the launcher says it is doing ("training 20 steps with eta=3", "saving the
+    # checkpoint"...), for a source whose launcher tells it; None otherwise
+    phase: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +146,8 @@ class RunSource(Protocol):
 
     def live(self) -> LiveView: ...
 
-    def records(self, since: int, limit: int) -> Page[Mapping[str, float]]:
-        """Per-step metric records (``staleflow.runtime.metrics`` keys)."""
+    def records(self, since: int, limit: int) -> Page[StepRecord]:
+        """Per-step records (:class:`~staleflow.runtime.record.StepRecord`)."""
         ...
 
     def load(self, since: int, limit: int) -> Page[LoadSample]: ...

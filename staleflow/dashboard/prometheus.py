@@ -14,6 +14,7 @@ import re
 from collections.abc import Mapping
 
 from staleflow.dashboard.interface import LiveView, PSView, RunInfo
+from staleflow.runtime.record import StepRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _PREFIX = "staleflow_"
@@ -50,9 +51,7 @@ def metric_name(key: str) -> str:
     return name if name.startswith(_PREFIX) else _PREFIX + name
 
 
-def render(
-    info: RunInfo, live: LiveView, ps: PSView, last_record: Mapping[str, float] | None
-) -> str:
+def render(info: RunInfo, live: LiveView, ps: PSView, last_record: StepRecord | None) -> str:
     out = Exposition()
     out.gauge(
         "up", "1 while the run answers (0 once it finished or stopped)", 0 if live.finished else 1
@@ -86,8 +85,8 @@ def render(
                     state=state,
                     v_traj=str(v),
                 )
-    for key, value in sorted((last_record or {}).items()):
-        _record_gauge(out, key, value)
+    if last_record is not None:
+        _last_step(out, last_record)
     return out.render()
 
 
@@ -142,28 +141,41 @@ def _instances(out: Exposition, info: RunInfo, live: LiveView) -> None:
             )
 
 
-def _record_gauge(out: Exposition, key: str, value: float) -> None:
-    """The last step record: per-instance and per-staleness keys become labels."""
-    parts = key.split("/")
-    if len(parts) == 3 and parts[:2] == ["staleness", "hist"]:
+def _last_step(out: Exposition, rec: StepRecord) -> None:
+    """The last step record: per-staleness, per-instance and per-kind items as labels."""
+    for k, n in rec.staleness.items():
         out.gauge(
             "last_step_staleness_groups",
-            "groups of the last step by staleness",
-            value,
-            staleness=parts[2],
+            "trajectories of the last step's batch by staleness",
+            n,
+            staleness=str(k),
         )
-    elif len(parts) == 3 and parts[0] == "rollout" and parts[2].isdigit():
+    for i, ratio in rec.instance_idle.items():
         out.gauge(
-            f"last_step_instance_{parts[1]}",
-            f"{parts[0]}/{parts[1]} of each instance at the last step",
-            value,
-            instance=parts[2],
+            "last_step_instance_idle_ratio",
+            "share of its lifetime each rollout instance was idle, at the last step",
+            ratio,
+            instance=str(i),
         )
-    elif len(parts) == 3 and parts[1] == "time_share":
+    for i, version in rec.instance_version.items():
         out.gauge(
-            "last_step_rollout_time_share", "share of rollout time (Table 3)", value, phase=parts[2]
+            "last_step_instance_version",
+            "model version of each rollout instance at the last step",
+            version,
+            instance=str(i),
         )
-    else:
+    for kind, share in rec.time_shares().items():
+        out.gauge(
+            "last_step_rollout_time_share", "share of rollout time (Table 3)", share, phase=kind
+        )
+    for kind, seconds in rec.command_latency_s.items():
+        out.gauge(
+            "last_step_coordinator_latency_seconds",
+            "seconds the control plane spent on each command kind so far",
+            seconds,
+            command=kind,
+        )
+    for key, value in sorted(rec.scalars().items()):
         out.gauge(f"last_step_{key}", f"{key} of the last step", value)
 
 

@@ -32,7 +32,8 @@ from staleflow.dashboard.interface import (
     RunInfo,
 )
 from staleflow.dashboard.timeline import InstanceObservation, Recorder, SeqLog
-from staleflow.runtime.launch import ACTOR_NAMESPACE
+from staleflow.runtime.cluster import ACTOR_NAMESPACE, actor_name
+from staleflow.runtime.record import StepRecord, idle_ratio
 
 logger = logging.getLogger(__name__)
 
@@ -45,11 +46,6 @@ _PS_NOTE = (
 
 class AttachError(RuntimeError):
     """No run could be attached; the message says how to name one."""
-
-
-def actor_name(run: str, role: str) -> str:
-    """The Ray name of one actor of run ``run`` (the run folder's name)."""
-    return f"{run}/{role}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +64,7 @@ class _State:
     ps: Any = None  # parameter_server.store.StoreInfo
     finished: bool = False
     error: str = ""
+    phase: str | None = None
 
 
 class RaySource:
@@ -82,6 +79,7 @@ class RaySource:
         poll_s: float = 1.0,
         timeout_s: float = 10.0,
         notes: tuple[str, ...] = (),
+        placement: Mapping[str, Any] | None = None,
         ray: Any = None,  # the ray module; tests pass a fake
     ) -> None:
         if ray is None:
@@ -96,8 +94,9 @@ class RaySource:
         self.poll_s = poll_s
         self.timeout_s = timeout_s
         self._notes = notes
+        self._placement = dict(placement or {})
         self._recorder = Recorder()
-        self._records: SeqLog[Mapping[str, float]] = SeqLog(maxlen=1_000_000)
+        self._records: SeqLog[StepRecord] = SeqLog(maxlen=1_000_000)
         self._state = _State()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -120,6 +119,7 @@ class RaySource:
             config=config_to_dict(cfg),
             cost_model=cost_model_of(cfg),
             transport=cfg.parameter_server.transport,
+            placement=getattr(run, "placement_info", None),
             **kwargs,
         )
 
@@ -177,7 +177,13 @@ class RaySource:
             for n in names
             if n.startswith(prefix) and n[len(prefix) :].isdigit()
         }
-        handles = RayHandles(get("control"), get("ts"), get("ps"), dict(sorted(instances.items())))
+        # the first PS replica (a run has one per rollout node: ps/0, ps/1, ...)
+        ps = get("ps/0") or get("ps")
+        handles = RayHandles(get("control"), get("ts"), ps, dict(sorted(instances.items())))
+        try:
+            placement = ray.get(handles.control.placement.remote(), timeout=10)
+        except Exception:  # a run of an older staleflow, or one that is ending
+            placement = {}
         folder = Path(run_dir) if run_dir else Path("runs") / run
         config: dict[str, Any] = {}
         cost = None
@@ -200,6 +206,7 @@ class RaySource:
             cost_model=cost,
             transport=transport,
             notes=notes,
+            placement=placement,
             **kwargs,
         )
 
@@ -255,8 +262,13 @@ class RaySource:
             steps=live.steps,
         )
         with self._lock:
-            self._state = _State(live=live, ts=ts, times=times, ps=ps)
+            self._state = _State(live=live, ts=ts, times=times, ps=ps, phase=self._state.phase)
         return True
+
+    def set_phase(self, text: str | None) -> None:
+        """What the launcher is doing now (``LiveView.phase``); any thread."""
+        with self._lock:
+            self._state.phase = text
 
     def _failed(self, exc: BaseException) -> bool:
         errors = self._ray.exceptions
@@ -309,6 +321,7 @@ class RaySource:
             cost_model=self._cost,
             config=cfg,
             notes=self._notes,
+            placement=self._placement,
         )
 
     def _snapshot(self) -> _State:
@@ -320,21 +333,22 @@ class RaySource:
         notes = [st.error] if st.error else []
         live = st.live
         if live is None:
-            return LiveView(None, (), st.ts, None, 0, 0.0, st.finished, notes=tuple(notes))
+            return LiveView(
+                None, (), st.ts, None, 0, 0.0, st.finished, notes=tuple(notes), phase=st.phase
+            )
         snaps = {s.inst: s for s in live.instances}
         ids = sorted(set(snaps) | set(self.handles.instances))
         details = []
         for i in ids:
             t = st.times.get(i)
             snap = snaps.get(i)
-            busy = (t.idle_s + t.busy_s) if t is not None else 0.0
             details.append(
                 InstanceDetail(
                     inst=i,
                     version=snap.inst_version if snap is not None else None,
                     snapshot=snap,
                     measured_tokens_per_s=self._recorder.rates.get(i),
-                    idle_ratio=t.idle_s / busy if t is not None and busy > 0 else None,
+                    idle_ratio=idle_ratio(t.idle_s, t.busy_s) if t is not None else None,
                     pending_commands=live.pending.get(i, 0),
                     last_cycle_commands=None,
                     commands_total=dict(live.commands.get(i, {})),
@@ -354,9 +368,10 @@ class RaySource:
             discarded=live.discarded,
             pending_commands=sum(live.pending.values()),
             notes=tuple(notes),
+            phase=st.phase,
         )
 
-    def records(self, since: int, limit: int) -> Page[Mapping[str, float]]:
+    def records(self, since: int, limit: int) -> Page[StepRecord]:
         return self._records.page(since, limit)
 
     def load(self, since: int, limit: int) -> Page[LoadSample]:

@@ -20,6 +20,7 @@ from staleflow.dashboard.interface import (
     RunEvent,
     RunInfo,
 )
+from staleflow.runtime.record import ELAPSED, STEP, VERSION, StepRecord
 from trajectory_server.types import TSStats
 
 
@@ -68,7 +69,15 @@ class RunOut(BaseModel):
     discarded: int | None = Field(description="snapshots rejected by Eq. 1")
     pending_commands: int | None
     actions: list[str] = Field(description="POST /api/actions/{action} (needs the token)")
+    phase: str | None = Field(
+        None, description="what the launcher is doing now, when it tells the dashboard"
+    )
     notes: list[str]
+    placement: dict[str, Any] = Field(
+        default_factory=dict,
+        description="live runs: the nodes, the node of every actor, the PS replicas, each "
+        "instance's Pull route and the Push plan with its transports",
+    )
 
 
 class EntryOut(BaseModel):
@@ -181,7 +190,7 @@ class RecordsOut(PageOut):
 class StalenessRow(BaseModel):
     step: int
     version: int = Field(description="V_buf of the consumed buffer")
-    hist: dict[int, int] = Field(description="V_buf - V_group -> groups")
+    hist: dict[int, int] = Field(description="V_buf - V_traj -> trajectories")
     mean: float | None
     max: int | None
 
@@ -253,7 +262,9 @@ def run_out(info: RunInfo, live: LiveView) -> RunOut:
         discarded=live.discarded,
         pending_commands=live.pending_commands,
         actions=list(info.actions),
+        phase=live.phase,
         notes=[*info.notes, *live.notes],
+        placement=dict(info.placement),
     )
 
 
@@ -388,11 +399,12 @@ def _page(page: Page[Any]) -> dict[str, int]:
     return {"start": page.start, "next": page.next, "total": page.total, "first": page.first}
 
 
-def records_out(page: Page[Mapping[str, float]], prefix: str = "") -> RecordsOut:
+def records_out(page: Page[StepRecord], prefix: str = "") -> RecordsOut:
+    """The records in their flat form (the ``metrics.jsonl`` keys)."""
     keep = _keep_keys(prefix)
     return RecordsOut(
         **_page(page),
-        records=[{k: _finite(v) for k, v in r.items() if keep(k)} for r in page.items],
+        records=[{k: _finite(v) for k, v in r.to_flat().items() if keep(k)} for r in page.items],
     )
 
 
@@ -400,27 +412,23 @@ def _keep_keys(prefix: str) -> Any:
     if not prefix:
         return lambda key: True
     # a record without its step number is useless on a chart
-    return lambda key: key in ("step", "version", "time/elapsed_s") or key.startswith(prefix)
+    return lambda key: key in (STEP, VERSION, ELAPSED) or key.startswith(prefix)
 
 
-def staleness_out(page: Page[Mapping[str, float]]) -> StalenessOut:
-    rows = []
-    for r in page.items:
-        hist = {
-            int(k.rsplit("/", 1)[1]): int(v)
-            for k, v in r.items()
-            if k.startswith("staleness/hist/") and k.rsplit("/", 1)[1].isdigit()
-        }
-        rows.append(
+def staleness_out(page: Page[StepRecord]) -> StalenessOut:
+    return StalenessOut(
+        **_page(page),
+        buffers=[
             StalenessRow(
-                step=int(r.get("step", 0)),
-                version=int(r.get("version", 0)),
-                hist=dict(sorted(hist.items())),
-                mean=_finite(r.get("staleness/mean")),
-                max=max(hist) if hist else None,
+                step=r.step,
+                version=r.version,
+                hist=dict(r.staleness),
+                mean=_finite(r.staleness_mean),
+                max=r.staleness_max,
             )
-        )
-    return StalenessOut(**_page(page), buffers=rows)
+            for r in page.items
+        ],
+    )
 
 
 def load_out(page: Page[LoadSample]) -> LoadOut:

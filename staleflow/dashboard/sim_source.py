@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable
 from typing import Any
 
 from coordinator.commands import Command
@@ -31,7 +31,10 @@ from staleflow.dashboard.interface import (
     RunInfo,
 )
 from staleflow.dashboard.timeline import InstanceObservation, Recorder, SeqLog
+from staleflow.runtime.record import StepRecord, idle_ratio
 from staleflow.sim.cluster import ClusterConfig, SimCluster
+from staleflow.sim.engine import InstanceTimes
+from staleness.types import ConsumedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +66,13 @@ class SimSource:
         self.cluster = SimCluster(config)
         self._cost = config.coordinator.cost_model.build()
         self._recorder = Recorder(every_s=every_s)
-        self._records: SeqLog[Mapping[str, float]] = SeqLog()
+        self._records: SeqLog[StepRecord] = SeqLog()
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # a new frame was published
         self._stop = threading.Event()
         self._running = threading.Event()  # cleared while paused
         self._running.set()
+        self._parked = threading.Event()  # the simulation thread is held by a pause
         self._thread = threading.Thread(target=self._run, name="sim-dashboard", daemon=True)
         self._wall0 = 0.0
         self._failure: str | None = None
@@ -145,14 +150,22 @@ class SimSource:
             if self._stop.is_set():
                 raise _Stopped
             if not self._running.is_set():
-                paused_at = time.monotonic()
-                self._running.wait(0.2)
-                self._wall0 += time.monotonic() - paused_at  # pausing does not bank time
+                self._park()
                 continue
             left = self._wall0 + now / self.speed - time.monotonic()
             if left <= 0:
                 return
-            time.sleep(min(left, 0.1))
+            self._stop.wait(min(left, 0.1))  # close() ends the wait at once
+
+    def _park(self) -> None:
+        """Paused: publish the state the page keeps showing, then hold the simulation
+        until resume (or close, which sets ``_running`` too)."""
+        paused_at = time.monotonic()
+        self._publish(finished=False)
+        self._parked.set()
+        self._running.wait()
+        self._parked.clear()
+        self._wall0 += time.monotonic() - paused_at  # pausing does not bank time
 
     def _count(self) -> None:
         """Every cycle: load samples, markers and step records (counts only, cheap)."""
@@ -179,8 +192,9 @@ class SimSource:
 
     def _publish(self, *, finished: bool) -> None:
         frame = self._capture(finished=finished)
-        with self._lock:
+        with self._changed:
             self._frame = frame
+            self._changed.notify_all()
         self._next_frame = time.monotonic() + self.frame_s
 
     def _capture(self, *, finished: bool) -> LiveView:
@@ -197,9 +211,7 @@ class SimSource:
                 complete_trajs=tuple(snap.complete_trajs),
                 inst_version=snap.inst_version,
             )
-            t = inst.times
-            total = t.decode + t.prefill + t.pull + t.idle
-            details.append((i, snap, t.idle / total if total > 0 else None))
+            details.append((i, snap, _idle_ratio(inst.times)))
         notes = [self._failure] if self._failure else []
         pending = c.executor.pending_by_instance()
         if c.stalled:
@@ -238,46 +250,32 @@ class SimSource:
             self._records.append(self._step_record(k))
             self._recorded_steps += 1
 
-    def _step_record(self, k: int) -> dict[str, float]:
-        """Step ``k + 1``'s record, with the keys of ``staleflow.runtime.metrics``."""
+    def _step_record(self, k: int) -> StepRecord:
+        """Step ``k + 1``'s record (no reward fields: the simulator grades none)."""
         c, tr = self.cluster, self.cluster.trainer
         end = tr.step_ends[k]
         wall = end - (tr.step_ends[k - 1] if k else 0.0)
         tokens = tr.step_tokens[k]
         batch = c.batches[k]
-        busy = tr.costs.step_seconds(tokens)
-        rec: dict[str, float] = {
-            "step": float(k + 1),
-            "version": float(batch.version),
-            "time/elapsed_s": end,
-            "time/step_s": wall,
-            "throughput/tokens_per_s": sum(tr.step_tokens[: k + 1]) / max(end, 1e-9),
-            "throughput/step_tokens_per_s": tokens / max(wall, 1e-9),
-            "train/tokens": float(tokens),
-            "train/trajectories": float(sum(len(g.trajectories) for g in batch.groups)),
-            "trainer/idle_ratio": max(wall - busy, 0.0) / max(wall, 1e-9),
-            "ps/version": float(tr.ps_version),
-            "coordinator/cycles": float(c.coordinator.stats.cycles),
-            "coordinator/discarded": float(c.coordinator.stats.discarded),
-        }
-        hist = Counter(batch.staleness)
-        if hist:
-            total = sum(hist.values())
-            rec["staleness/mean"] = sum(s * n for s, n in hist.items()) / total
-            rec["staleness/max"] = float(max(hist))
-        for s, n in sorted(hist.items()):
-            rec[f"staleness/hist/{s}"] = float(n)
-        ratios = []
-        for i, inst in c.instances.items():
-            t = inst.times
-            total = t.decode + t.prefill + t.pull + t.idle
-            ratio = t.idle / total if total > 0 else 0.0
-            ratios.append(ratio)
-            rec[f"rollout/idle_ratio/{i}"] = ratio
-            rec[f"rollout/version/{i}"] = float(inst.version)
-        if ratios:
-            rec["rollout/idle_ratio"] = sum(ratios) / len(ratios)
-        return rec
+        busy = min(tr.costs.step_seconds(tokens), wall)
+        idle = {i: _idle_ratio(inst.times) for i, inst in c.instances.items()}
+        return StepRecord(
+            step=k + 1,
+            version=batch.version,
+            elapsed_s=end,
+            step_s=wall,
+            tokens_per_s=sum(tr.step_tokens[: k + 1]) / max(end, 1e-9),
+            step_tokens_per_s=tokens / max(wall, 1e-9),
+            tokens=int(tokens),
+            trajectories=sum(len(g.trajectories) for g in batch.groups),
+            trainer_idle_ratio=idle_ratio(wall - busy, busy),
+            ps_version=tr.ps_version,
+            cycles=c.coordinator.stats.cycles,
+            discarded=c.coordinator.stats.discarded,
+            staleness=_trajectory_staleness(batch),
+            instance_idle={i: r for i, r in idle.items() if r is not None},
+            instance_version={i: inst.version for i, inst in c.instances.items()},
+        )
 
     # -- RunSource ------------------------------------------------------------------------
 
@@ -313,7 +311,7 @@ class SimSource:
         with self._lock:
             return self._frame
 
-    def records(self, since: int, limit: int) -> Page[Mapping[str, float]]:
+    def records(self, since: int, limit: int) -> Page[StepRecord]:
         return self._records.page(since, limit)
 
     def load(self, since: int, limit: int) -> Page[LoadSample]:
@@ -348,13 +346,38 @@ class SimSource:
 
     @property
     def paused(self) -> bool:
+        """A pause was asked for (see :meth:`wait_paused` for when it took hold)."""
         return not self._running.is_set()
+
+    def wait_paused(self, timeout: float | None = None) -> bool:
+        """Block until the simulation is held by a pause, its state published; False on
+        timeout."""
+        return self._parked.wait(timeout)
+
+    def wait(self, predicate: Callable[[LiveView], bool], timeout: float | None = None) -> bool:
+        """Block until a published state satisfies ``predicate`` (checked at once, then at
+        every new state); False on timeout."""
+        with self._changed:
+            return self._changed.wait_for(lambda: predicate(self._frame), timeout)
 
     def close(self) -> None:
         self._stop.set()
         self._running.set()
         if self._thread.is_alive():
             self._thread.join(5.0)
+
+
+def _trajectory_staleness(batch: ConsumedBatch) -> dict[int, int]:
+    """``V_buf - V -> trajectories``, each member counted at its group's V (the minimum
+    of its members' V_traj, all the simulator keeps once a group is consumed)."""
+    hist: Counter[int] = Counter()
+    for g in batch.groups:
+        hist[g.staleness(batch.version)] += len(g.trajectories)
+    return dict(sorted(hist.items()))
+
+
+def _idle_ratio(t: InstanceTimes) -> float | None:
+    return idle_ratio(t.idle, t.decode + t.prefill + t.pull)
 
 
 def _frozen(t: Any) -> TrajRecord:

@@ -11,8 +11,7 @@ from rich.console import Group
 from rich.table import Table
 
 from staleflow.dashboard.interface import RunSource
-
-_COLOUR = {"waiting": "yellow", "ready": "green", "stuck": "red"}
+from staleflow.runtime.tables import buffers_table
 
 
 def status_view(source: RunSource, summary: Mapping[str, Any] | None = None) -> Group:
@@ -35,18 +34,13 @@ def status_view(source: RunSource, summary: Mapping[str, Any] | None = None) -> 
     ]
     if last is not None:
         rows += [
-            ("throughput", f"{last.get('throughput/tokens_per_s', 0.0):,.1f} tokens/s"),
-            ("mean reward (last step)", _num(last.get("rollout/reward_mean"), ".3f")),
-            ("trainer idle (last step)", _num(last.get("trainer/idle_ratio"), ".0%")),
-            ("rollout idle", _num(last.get("rollout/idle_ratio"), ".0%")),
+            ("throughput", f"{_num(last.tokens_per_s, ',.1f')} tokens/s"),
+            ("mean reward (last step)", _num(last.reward_mean, ".3f")),
+            ("trainer idle (last step)", _num(last.trainer_idle_ratio, ".0%")),
+            ("rollout idle", _num(last.rollout_idle_ratio, ".0%")),
             (
                 "staleness (last step)",
-                " ".join(
-                    f"{k.rsplit('/', 1)[1]}:{int(v)}"
-                    for k, v in sorted(last.items())
-                    if k.startswith("staleness/hist/")
-                )
-                or "-",
+                " ".join(f"{k}:{n}" for k, n in sorted(last.staleness.items())) or "-",
             ),
         ]
     if live.ts is not None:
@@ -58,7 +52,7 @@ def status_view(source: RunSource, summary: Mapping[str, Any] | None = None) -> 
         head.add_row(name, value)
     parts: list[Any] = [head]
     if live.buffers is not None:
-        parts.append(_buffers(live.buffers))
+        parts.append(buffers_table(live.buffers))
     if any(d.snapshot is not None or d.version is not None for d in live.instances):
         parts.append(_instances(live))
     if summary:
@@ -67,19 +61,6 @@ def status_view(source: RunSource, summary: Mapping[str, Any] | None = None) -> 
     if notes:
         parts.append("\n".join(f"[dim]note: {n}[/]" for n in dict.fromkeys(notes)))
     return Group(*parts)
-
-
-def _buffers(view: Any) -> Table:
-    table = Table(title=f"staleness buffers (trainer at v{view.version}, eta={view.eta})")
-    table.add_column("V_buf", justify="right")
-    table.add_column("state")
-    table.add_column("slots (O occupied, r reserved, . free)")
-    for b in view.buffers:
-        slots = "".join("O" if e.kind == "occupied" else "r" for e in b.entries)
-        slots += "." * max(b.capacity - len(b.entries), 0)
-        state = b.state.value
-        table.add_row(str(b.version), f"[{_COLOUR.get(state, 'white')}]{state}[/]", slots)
-    return table
 
 
 def _instances(live: Any) -> Table:

@@ -1,12 +1,15 @@
 """Deterministic prompt sampling: a fresh permutation per epoch, fixed by (seed, epoch).
 
-The sampler is the trajectory server's ``PromptSource``. Its whole state is the number of
-samples drawn, so a run resumes exactly with ``start=drawn``.
+The sampler is the trajectory server's ``PromptSource``. Its position is the number of
+samples drawn, so a run resumes exactly with ``start=drawn``; ``state()`` saves that
+with what must not change across a resume (seed, order, epochs, dataset size), and
+``from_state`` refuses a dataset or seed that would draw other prompts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -36,6 +39,34 @@ class PromptSampler:
         self._drawn = start
         self._order_epoch = -1
         self._order = np.empty(0, dtype=np.int64)
+
+    def state(self) -> dict[str, Any]:
+        """The position and the settings that fix the order (plain data)."""
+        return {
+            "drawn": self._drawn,
+            "seed": self._seed,
+            "shuffle": self._shuffle,
+            "max_epochs": self._max_epochs,
+            "dataset_size": len(self._dataset),
+        }
+
+    @classmethod
+    def from_state(cls, dataset: Sequence[Sample], state: Mapping[str, Any]) -> PromptSampler:
+        """A sampler at the saved position, over ``dataset`` (which must be the saved one's
+        size: another dataset would draw other prompts after the resume)."""
+        try:
+            drawn, size = state["drawn"], state["dataset_size"]
+            seed, shuffle, max_epochs = state["seed"], state["shuffle"], state["max_epochs"]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"a sampler state needs the field {exc} (from state())") from None
+        if size != len(dataset):
+            raise ValueError(
+                f"dataset_size: the run sampled from {size} prompts, this dataset has "
+                f"{len(dataset)}; resume with the run's own dataset"
+            )
+        if isinstance(drawn, bool) or not isinstance(drawn, int):
+            raise ValueError(f"drawn: must be an int, got {drawn!r}")
+        return cls(dataset, seed=seed, shuffle=shuffle, max_epochs=max_epochs, start=drawn)
 
     @property
     def drawn(self) -> int:

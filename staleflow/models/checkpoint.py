@@ -32,6 +32,13 @@ def save_pretrained(model: PreTrainedModel, tokenizer: Tokenizer, path: str | Pa
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
+    return out
+
+
+def save_tokenizer(tokenizer: Tokenizer, path: str | Path) -> None:
+    """Write ``tokenizer`` into checkpoint directory ``path`` (next to the weights)."""
+    out = Path(path)
     if isinstance(tokenizer, CharTokenizer):
         tokenizer.save(out / CHAR_TOKENIZER_FILE)
     elif isinstance(tokenizer, HFTokenizer):
@@ -39,7 +46,6 @@ def save_pretrained(model: PreTrainedModel, tokenizer: Tokenizer, path: str | Pa
         tokenizer._tok.save_pretrained(out)
     else:
         raise ModelError(f"cannot save a tokenizer of type {type(tokenizer).__name__}")
-    return out
 
 
 def _check_directory(p: Path) -> dict:

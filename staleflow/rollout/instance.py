@@ -118,6 +118,9 @@ class RolloutInstance:
             self._work.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        close = getattr(self._engine, "close", None)  # engines holding a server or threads
+        if close is not None:
+            close()
 
     def check(self) -> None:
         """Raise if the generation thread died (the error says why)."""
@@ -176,8 +179,17 @@ class RolloutInstance:
 
     def load_weights(self, weights: Mapping[str, object], version: int) -> None:
         """Load pulled weights; the completed list restarts (the coordinator's Pull)."""
+        self._pull(version, lambda: self._engine.load_weights(weights, version))
+
+    def load_version(self, version: int) -> None:
+        """Have a self-pulling engine (:class:`~staleflow.engines.base.SelfPullingEngine`)
+        fetch ``version`` from the parameter server itself; otherwise as ``load_weights``."""
+        self._pull(version, lambda: self._engine.load_version(version))  # type: ignore[attr-defined]
+
+    def _pull(self, version: int, load: Callable[[], None]) -> None:
         with self._lock:
             started = self._clock()
+            self.check()
             if self._meta:
                 # The coordinator interrupts an instance before it Pulls; whatever is still
                 # here keeps generating with the new weights (versions are per token), which
@@ -188,7 +200,7 @@ class RolloutInstance:
                     version,
                     len(self._meta),
                 )
-            self._engine.load_weights(weights, version)
+            load()
             self._completed.clear()
             elapsed = self._clock() - started
             self._load_s += elapsed

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from staleflow.runtime.interface import Rewarded
 from staleflow.runtime.reward_stage import CompletionSink, RewardStage
+
+if TYPE_CHECKING:
+    from staleflow.config import RewardConfig, RolloutConfig, TrainerConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,16 +35,17 @@ class ModelSpec:
 
 @dataclass(frozen=True, slots=True)
 class RolloutSpec:
+    """What a rollout instance builds its engine from: the ``rollout`` section, plus the
+    values the launcher derives from the dataset and the seed."""
+
     model: ModelSpec
-    transport: str
-    max_response: int
-    max_seq_len: int
-    kv_budget_tokens: int
-    max_running: int
-    temperature: float
-    top_p: float
-    num_threads: int
+    rollout: RolloutConfig
+    max_seq_len: int  # longest prompt + rollout.max_response_tokens
+    kv_budget_tokens: int  # rollout.kv_budget_tokens, raised to hold one whole trajectory
     seed: int
+    # rollout.vllm / rollout.sglang resolved by the driver (model folder, log folder);
+    # empty for the embedded engine
+    engine_options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def layout(self) -> dict[str, Any]:
@@ -49,25 +53,39 @@ class RolloutSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class EnginePlacement:
+    """Where an engine runs: its instance id, the instance's placement group and the
+    indices of its bundles beyond the first (which the instance's own actor holds, for TP
+    workers), and the route to the PS replica it Pulls from (engines whose TP ranks pull
+    their own shards need it)."""
+
+    placement_group: Any  # ray.util.placement_group.PlacementGroup
+    tp_bundles: tuple[int, ...] = ()
+    inst: int = 0
+    pull: Any = None  # parameter_server.replicas.ReplicaRoute
+
+
+@dataclass(frozen=True, slots=True)
 class RewardSpec:
-    kind: str  # resolved: arithmetic | exact | math_verify
-    timeout_s: float
+    reward: RewardConfig  # resolved: kind is arithmetic | exact | math_verify
     tokenizer: tuple[str, str]
 
 
 @dataclass(frozen=True, slots=True)
 class TrainerSpec:
     model: ModelSpec
-    transport: str
-    options: dict[str, Any] = field(default_factory=dict)  # EmbeddedTrainerConfig fields
-    num_threads: int = 1
-    consume_timeout_s: float | None = None
+    trainer: TrainerConfig
+    seed: int
     checkpoint_dir: str = ""  # with checkpoint_every > 0: save every N steps under it
     checkpoint_every: int = 0
 
     @property
     def layout(self) -> dict[str, Any]:
         return self.model.layout
+
+    @property
+    def consume_timeout_s(self) -> float | None:
+        return self.trainer.stall_timeout_s or None
 
 
 # -- tokenizers and models ---------------------------------------------------------------
@@ -119,33 +137,63 @@ def build_architecture(spec: ModelSpec, seed: int = 0) -> Any:
 # -- components --------------------------------------------------------------------------
 
 
-def build_engine(spec: RolloutSpec, seed: int) -> Any:
-    from staleflow.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+def engine_settings(spec: RolloutSpec, seed: int) -> Any:
+    """The settings every engine shares (capacity, sampling), from the rollout spec."""
+    from staleflow.engines.settings import EngineSettings
 
-    model = build_architecture(spec.model, seed)
-    config = EmbeddedEngineConfig(
+    r = spec.rollout
+    return EngineSettings(
         kv_budget_tokens=spec.kv_budget_tokens,
-        max_running=spec.max_running,
+        max_running=r.max_running,
         max_seq_len=spec.max_seq_len,
-        temperature=spec.temperature,
-        top_p=spec.top_p,
+        temperature=r.temperature,
+        top_p=r.top_p,
         eos_token_id=spec.model.eos_token_id,
         seed=seed,
-        num_threads=spec.num_threads,
     )
-    return EmbeddedEngine(model, config)
 
 
-def build_trainer(spec: TrainerSpec, weights: Mapping[str, np.ndarray]) -> Any:
+def build_embedded_engine(spec: RolloutSpec, seed: int, placement: EnginePlacement) -> Any:
+    """The ``embedded`` rollout backend (one CPU process; ``placement`` has no TP bundles)."""
+    from dataclasses import asdict
+
+    from staleflow.engines import engine_class
+    from staleflow.engines.embedded import EmbeddedEngineConfig
+
+    config = EmbeddedEngineConfig(
+        **asdict(engine_settings(spec, seed)), num_threads=spec.rollout.num_threads
+    )
+    return engine_class("embedded")(build_architecture(spec.model, seed), config)
+
+
+def build_served_engine(spec: RolloutSpec, seed: int, placement: EnginePlacement) -> Any:
+    """The ``vllm`` and ``sglang`` rollout backends: an engine over the model folder that
+    ``spec.engine_options`` names (resolved by the driver), imported only here."""
+    from staleflow.engines.factory import build_engine
+
+    pull = placement.pull
+    return build_engine(
+        spec.rollout.backend,
+        engine_settings(spec, seed),
+        spec.engine_options,
+        inst=placement.inst,
+        ps_endpoint=None if pull is None else pull.endpoint,
+        transport="auto" if pull is None else pull.intended,
+        layout=spec.layout,
+    )
+
+
+def build_embedded_trainer(spec: TrainerSpec, weights: Mapping[str, np.ndarray]) -> Any:
     from staleflow.models.state import load_policy_state
-    from staleflow.trainers.embedded import EmbeddedTrainer, EmbeddedTrainerConfig
+    from staleflow.trainers import trainer_class
 
     model = build_architecture(spec.model)
     load_policy_state(model, weights)
-    config = EmbeddedTrainerConfig(**spec.options)
     # the tokenizer goes into every checkpoint, so that model.checkpoint=<it> can resume
     tokenizer = tokenizer_from_spec(spec.model.tokenizer)
-    return EmbeddedTrainer(model, config, pad_id=spec.model.pad_token_id, tokenizer=tokenizer)
+    return trainer_class("embedded").from_section(
+        model, spec.trainer, pad_id=spec.model.pad_token_id, seed=spec.seed, tokenizer=tokenizer
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +208,8 @@ def build_reward_stage(
     from staleflow.rewards import RewardItem, RewardWorker
     from staleflow.rewards.worker import build_reward_fn
 
-    worker = RewardWorker(build_reward_fn(spec.kind, spec.timeout_s), name=spec.kind)
+    kind = spec.reward.kind
+    worker = RewardWorker(build_reward_fn(kind, spec.reward.timeout_s), name=kind)
     tokenizer = tokenizer_from_spec(spec.tokenizer)
 
     def score(items: Sequence[tuple[int, str, str]]) -> list[_Scored]:

@@ -1,18 +1,22 @@
-"""The control plane: the staleness manager and the coordinator, on one loop thread.
+"""The control plane: the shared control loop (``staleflow.control.loop``) on one thread,
+on wall time.
 
-Everything that decides lives here and runs on a single thread, so the manager and the
-coordinator never see concurrent calls from this side: other components (reward workers,
-the trainer) only post messages to the inbox, and the loop applies them in order. One
-iteration reads like §5.2 / Figure 9:
+Everything that decides runs on that thread, so the staleness manager and the coordinator
+never see concurrent calls from this side: other components (reward workers, the
+trainer) only post messages to the inbox, and each iteration (:meth:`ControlPlane.run_once`)
+reads like §5.2 / Figure 9:
 
-1. apply what arrived: rewarded trajectories are Occupied (``complete``); trajectories
-   the TS dropped are aborted on their instances;
+1. apply what arrived: rewarded trajectories are Occupied, with redundancy's surplus
+   dropped; trajectories the TS dropped are aborted on their instances;
 2. hand the trainer its buffer when it is Ready (Consume);
 3. run the coordinator's snapshot-command cycle when it is due, and carry the commands
-   out (Pulls and Routes of different instances concurrently, via ``run_round``).
+   out (Pulls and Routes of different instances concurrently, via ``run_round``); then
+   Consume again if the cycle made the buffer Ready.
 
-A failure on the loop stops the plane and is re-raised to every caller, so a dead
-instance surfaces as an error in the trainer and the launcher rather than a hang.
+The simulator drives the same loop in the same order on virtual time
+(``staleflow.sim.cluster``). A failure on the loop stops the plane and is re-raised to
+every caller, so a dead instance surfaces as an error in the trainer and the launcher
+rather than a hang.
 """
 
 from __future__ import annotations
@@ -25,29 +29,20 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from coordinator import Coordinator, CoordinatorConfig, InProcessExecutor, Snapshot
+from coordinator import CoordinatorConfig
 from coordinator.types import InstanceSnapshot
+from staleflow.control import ControlLoop, Decision, TrajectoryStore
 from staleflow.runtime.interface import InstanceHandle, Rewarded, StepReport
 from staleflow.runtime.metrics import StepMetrics
 from staleflow.runtime.planes import RuntimePlanes
-from staleness import ConsumedBatch, StalenessConfig, StalenessManager
+from staleflow.runtime.record import StepRecord
+from staleness import ConsumedBatch, StalenessConfig
 from staleness.types import ManagerView
-from trajectory_server.errors import TrajectoryServerError
-from trajectory_server.types import AbortedTrajectory, RoutableTrajectory, TSStats
+from trajectory_server.types import AbortedTrajectory, TSStats
 
 logger = logging.getLogger(__name__)
-
-
-class TrajectoryServerLike(Protocol):
-    def routing_view(self) -> Sequence[RoutableTrajectory]: ...
-
-    def abort(self, traj_ids: Iterable[int]) -> tuple[AbortedTrajectory, ...]: ...
-
-    def abort_group(self, group_id: int) -> tuple[AbortedTrajectory, ...]: ...
-
-    def stats(self) -> TSStats: ...
 
 
 class ControlPlaneError(RuntimeError):
@@ -84,46 +79,41 @@ class ControlPlane:
         self,
         config: ControlConfig,
         *,
-        ts: TrajectoryServerLike,
+        ts: TrajectoryStore,
         instances: Mapping[int, InstanceHandle],
         ps_version: Callable[[], int],
         gather: Callable[[], Sequence[InstanceSnapshot]] | None = None,
         run_round: Callable[[Sequence[Callable[[], None]]], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_decision: Callable[[Decision], None] | None = None,
     ) -> None:
         self.config = config
-        self.manager = StalenessManager(config.staleness)
-        self._ts = ts
         self._instances = instances
-        self._ps_version = ps_version
         self._gather = gather or (lambda: [h.snapshot() for h in instances.values()])
         self._clock = clock
-        self._group_of: dict[int, int] = {}
-        self.planes = RuntimePlanes(instances, self.manager, self._group_of.get)
-        self.executor = InProcessExecutor(
-            self.planes, self.planes, self.planes, self.manager, run_round=run_round
-        )
-        self.coordinator = Coordinator(
+        self.planes = RuntimePlanes(instances)
+        self.loop = ControlLoop(
+            config.staleness,
             config.coordinator,
-            snapshots=self,
-            trajectories=self,
-            parameters=self,
-            admission=self.manager,
-            executor=self.executor,
-            instances=dict.fromkeys(instances, 0),
+            ts=ts,
+            planes=self.planes,
+            snapshots=self._gather,
+            ps_version=ps_version,
+            instances=instances,
             clock=clock,
+            run_round=run_round,
+            on_decision=on_decision,
         )
+        self.manager = self.loop.manager
+        self.coordinator = self.loop.coordinator
+        self.executor = self.loop.executor
         self.metrics = StepMetrics(list(instances), clock())
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._consume: tuple[int, Future[ConsumedBatch]] | None = None
-        self._last_snapshot: tuple[InstanceSnapshot, ...] = ()
-        self._latest_version = 0
-        self._last_discard = ""
         self._failure: BaseException | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._records_lock = threading.Lock()
 
     # -- entry points (any thread) -----------------------------------------------------
 
@@ -136,9 +126,15 @@ class ControlPlane:
     def trained(self, report: StepReport) -> None:
         self._post("trained", report)
 
-    def consume(self, version: int, timeout_s: float | None = None) -> ConsumedBatch:
+    def request_consume(self, version: int) -> Future[ConsumedBatch]:
+        """Ask for buffer ``version``; the future completes once it was Consumed (or
+        fails). Cancel it to withdraw the request before it is served."""
         future: Future[ConsumedBatch] = Future()
         self._post("consume", (version, future))
+        return future
+
+    def consume(self, version: int, timeout_s: float | None = None) -> ConsumedBatch:
+        future = self.request_consume(version)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             left = 0.5 if deadline is None else min(0.5, max(deadline - time.monotonic(), 0.0))
@@ -156,7 +152,7 @@ class ControlPlane:
                         ) from None
                     return future.result()  # being consumed as we gave up: take it
 
-    def records(self, since: int = 0) -> list[dict[str, float]]:
+    def records(self, since: int = 0) -> list[StepRecord]:
         """Per-step metric records from index ``since`` on."""
         self.check()
         return self.metrics.records[since:]
@@ -165,15 +161,15 @@ class ControlPlane:
         self.check()
         return LiveState(
             buffers=self.manager.view(),
-            instances=self._last_snapshot,
+            instances=self.loop.last_snapshot,
             ts=None,
-            ps_version=self._latest_version,
+            ps_version=self.loop.latest_version(),
             steps=len(self.metrics.records),
             rewarded=self.metrics.rewarded_total,
             elapsed_s=self._clock() - self.metrics.started,
             cycles=self.coordinator.stats.cycles,
             discarded=self.coordinator.stats.discarded,
-            last_discard=self._last_discard,
+            last_discard=self.loop.last_discard,
             pending=self.executor.pending_by_instance(),
             commands=self.executor.issued,
         )
@@ -221,18 +217,11 @@ class ControlPlane:
                     future.set_exception(error)
 
     def run_once(self) -> None:
-        """One iteration (also what tests drive directly, without the thread)."""
+        """One iteration (also what tests and the simulator's runtime twin drive directly,
+        without the thread)."""
         self._drain_inbox()
         self._serve_consume()
-        now = self._clock()
-        if now >= self.coordinator.next_due:
-            self._latest_version = self._ps_version()
-            discarded = self.coordinator.stats.discarded
-            self.coordinator.step(now)
-            if self.coordinator.stats.discarded > discarded:
-                snapshot = Snapshot(self._last_snapshot)
-                self._last_discard = str(self.coordinator.speculative.mismatches(snapshot)[:2])
-            self.executor.run_until_idle()
+        if self.loop.cycle():
             self._serve_consume()
 
     def _post(self, kind: str, payload: Any) -> None:
@@ -247,14 +236,16 @@ class ControlPlane:
             except queue.Empty:
                 return
             if kind == "rewarded":
-                self._occupy(payload)
+                self.loop.occupy(payload)
+                for r in payload:
+                    self.metrics.on_rewarded(r)
             elif kind == "dropped":
-                self._abort_on_instances(t.traj_id for t in payload if t.instance_id is not None)
+                self.loop.forget(payload)
             elif kind == "trained":
                 self._record_step(payload)
             elif kind == "consume":
                 version, future = payload
-                if self._consume is not None:
+                if self._consume is not None and not self._consume[1].cancelled():
                     future.set_exception(RuntimeError("a Consume is already waiting"))
                 elif version != self.manager.version:
                     future.set_exception(
@@ -268,54 +259,24 @@ class ControlPlane:
                     self._consume = (version, future)
 
     def _serve_consume(self) -> None:
-        if self._consume is None or not self.manager.is_ready():
+        if self._consume is None:
+            return
+        if self._consume[1].cancelled():
+            self._consume = None  # the trainer gave up waiting
+            return
+        if not self.manager.is_ready():
             return
         _, future = self._consume
         self._consume = None
         if not future.set_running_or_notify_cancel():
             return  # the trainer gave up waiting; the buffer stays Ready for its retry
-        batch = self.manager.consume()
-        if batch.aborted_groups:
-            self._drop_groups(batch.aborted_groups)
+        try:
+            batch = self.loop.consume()
+        except BaseException as exc:
+            future.set_exception(exc)
+            raise
+        assert batch is not None  # Ready was checked on this thread
         future.set_result(batch)
-
-    # -- applying outcomes -------------------------------------------------------------
-
-    def _occupy(self, records: Sequence[Rewarded]) -> None:
-        for r in records:
-            outcome = self.manager.complete(r.group_id, r.traj_id)
-            self.metrics.on_rewarded(r)
-            # Redundancy surplus (§4.3): groups that can no longer fit, members no longer
-            # needed, or this very trajectory when its group was already settled.
-            if outcome.abort_groups:
-                self._drop_groups(outcome.abort_groups)
-            if outcome.abort_trajectories:
-                self._drop_trajectories(outcome.abort_trajectories)
-
-    def _drop_groups(self, groups: Iterable[int]) -> None:
-        """Groups the manager dropped (batch redundancy): forget them everywhere."""
-        gone: list[AbortedTrajectory] = []
-        for gid in groups:
-            try:
-                gone.extend(self._ts.abort_group(gid))
-            except TrajectoryServerError:
-                continue  # already consumed or aborted
-        self._abort_on_instances(t.traj_id for t in gone if t.instance_id is not None)
-
-    def _drop_trajectories(self, trajs: Iterable[int]) -> None:
-        """Group-redundancy surplus: members no longer needed once their group is full."""
-        gone: list[AbortedTrajectory] = []
-        for tid in trajs:
-            try:
-                gone.extend(self._ts.abort([tid]))
-            except TrajectoryServerError:
-                continue
-        self._abort_on_instances(t.traj_id for t in gone if t.instance_id is not None)
-
-    def _abort_on_instances(self, trajs: Iterable[int]) -> None:
-        ids = list(trajs)
-        if ids:
-            self.coordinator.request_abort(trajs=ids)
 
     def _record_step(self, report: StepReport) -> None:
         times = {i: h.times() for i, h in self._instances.items()}
@@ -325,28 +286,11 @@ class ControlPlane:
             instance_times=times,
             command_seconds=dict(self.planes.seconds),
             coordinator=self.coordinator.stats,
-            ps_version=self._latest_version,
+            ps_version=self.loop.latest_version(),
             # asked now, not read from the last cycle's snapshot: a whole step can fit in
             # one coordinator period, and the record would then miss the newest Pull
             instance_versions={s.inst: s.inst_version for s in self._gather()},
         )
-
-    # -- what the coordinator reads ----------------------------------------------------
-
-    def snapshot(self) -> Snapshot:
-        snaps = tuple(self._gather())
-        self._last_snapshot = snaps
-        return Snapshot(snaps, self._clock())
-
-    def routable(self) -> Sequence[RoutableTrajectory]:
-        view = self._ts.routing_view()
-        self._group_of.clear()  # only this cycle's Routes look trajectories up
-        for t in view:
-            self._group_of[t.traj_id] = t.group_id
-        return view
-
-    def latest_version(self) -> int:
-        return self._latest_version
 
     # -- diagnostics -------------------------------------------------------------------
 

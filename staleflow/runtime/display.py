@@ -24,51 +24,41 @@ from staleflow.progress import (
     metric_text,
     progress_line,
 )
-from staleness import BufferState
+from staleflow.runtime.record import StepRecord
+from staleflow.runtime.tables import buffers_table
 
-_COLOUR = {BufferState.WAITING: "yellow", BufferState.READY: "green", BufferState.STUCK: "red"}
 
-
-def step_line(rec: dict[str, float], eta: int) -> str:
+def step_line(rec: StepRecord, eta: int) -> str:
     """One short line per step (fits 100 columns)."""
-    hist = " ".join(
-        f"{k.rsplit('/', 1)[1]}:{int(v)}"
-        for k, v in sorted(rec.items())
-        if k.startswith("staleness/hist/")
-    )
-    reward = rec.get("rollout/reward_mean")
-    shown = "  -  " if reward is None else f"{reward:5.3f}"
+    hist = " ".join(f"{k}:{n}" for k, n in sorted(rec.staleness.items()))
+    shown = "  -  " if rec.reward_mean is None else f"{rec.reward_mean:5.3f}"
     return (
-        f"step {int(rec['step']):>4} v{int(rec['version'])}  reward {shown}  "
-        f"{rec['throughput/tokens_per_s']:7.1f} tok/s  "
-        f"idle trainer {rec['trainer/idle_ratio']:3.0%} rollout "
-        f"{rec.get('rollout/idle_ratio', 0.0):3.0%}  staleness [{hist}]"
+        f"step {rec.step:>4} v{rec.version}  reward {shown}  "
+        f"{rec.tokens_per_s or 0.0:7.1f} tok/s  "
+        f"idle trainer {rec.trainer_idle_ratio or 0.0:3.0%} rollout "
+        f"{rec.rollout_idle_ratio or 0.0:3.0%}  staleness [{hist}]"
     )
 
 
-def live_panel(live: Any) -> Table:
+def live_panel(live: Any) -> Group:
     """Buffers as rows of slots (Figure 7) and one row per instance."""
     view = live.buffers
-    table = Table(
+    buffers = buffers_table(
+        view,
         title=f"trainer at v{view.version} · PS v{live.ps_version} · eta={view.eta} · "
         f"{live.steps} steps · {live.rewarded} rewarded · {live.elapsed_s:.0f}s",
-        show_header=True,
     )
-    table.add_column("")
-    table.add_column("state")
-    table.add_column("slots (O occupied, r reserved, . free) / load")
-    for b in view.buffers:
-        slots = "".join("O" if e.kind == "occupied" else "r" for e in b.entries)
-        slots += "." * max(b.capacity - len(b.entries), 0)
-        table.add_row(f"buffer {b.version}", f"[{_COLOUR[b.state]}]{b.state}[/]", slots)
+    instances = Table(show_header=False)
+    for _ in range(3):
+        instances.add_column("")
     for s in live.instances:
-        table.add_row(
+        instances.add_row(
             f"instance {s.inst}",
             f"v{s.inst_version}",
             f"run {len(s.run_trajs)} · wait {len(s.wait_trajs)} · done {len(s.complete_trajs)} "
             f"· kv {s.kv_cache} tok",
         )
-    return table
+    return Group(buffers, instances)
 
 
 def summary_table(summary: dict[str, Any], eta: int) -> Table:
@@ -92,7 +82,9 @@ def summary_table(summary: dict[str, Any], eta: int) -> Table:
             f"held-out reward ({summary.get('eval_problems', 0)} problems), start → end",
             f"{fmt(summary.get('eval_reward_start'), '.3f')} → "
             f"{fmt(summary.get('eval_reward_end'), '.3f')}",
-        ),
+        )
+        if summary.get("eval_problems")  # scored only for the built-in task
+        else None,
         (
             "staleness (V_buf - V_traj: trajectories)",
             " ".join(f"{k}:{v}" for k, v in summary.get("staleness_hist", {}).items()),
@@ -109,8 +101,9 @@ def summary_table(summary: dict[str, Any], eta: int) -> Table:
         ),
         ("run folder", str(summary.get("run_dir", ""))),
     ]
-    for name, value in rows:
-        table.add_row(name, value)
+    for row in rows:
+        if row is not None:
+            table.add_row(*row)
     return table
 
 
@@ -182,6 +175,8 @@ class TerminalProgress:
     def started(self, state: PhaseState) -> None:
         with self._lock:
             self._running[state.key, state.started_s] = state
+        if self._live.is_started:  # drawn now, not at the next refresh: a wait shorter
+            self._live.refresh()  # than a refresh period (a quick first buffer) still shows
 
     def updated(self, state: PhaseState) -> None:
         with self._lock:

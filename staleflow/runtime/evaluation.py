@@ -9,9 +9,12 @@ samples. The driver runs it on the initial weights and on the final checkpoint.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from staleflow.progress import SILENT, Progress
+
+if TYPE_CHECKING:
+    from staleflow.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -21,7 +24,7 @@ EVAL_SEED_OFFSET = 1_000_003
 
 
 def held_out_reward(
-    cfg: Any, model: Any, tokenizer: Any, progress: Progress = SILENT, which: str = "initial"
+    cfg: RunConfig, model: Any, tokenizer: Any, progress: Progress = SILENT, which: str = "initial"
 ) -> float | None:
     """Mean reward of ``model`` on ``cfg.eval_problems`` held-out problems of the built-in
     task, one response each at ``rollout.temperature``; None when there is nothing to

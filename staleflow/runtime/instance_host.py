@@ -1,6 +1,9 @@
 """An :class:`~staleflow.runtime.interface.InstanceHandle` over a local rollout instance:
 the instance fetches routed trajectories from the TS, returns interrupted ones to it,
-and pulls weights from the PS itself, so payloads never pass through the control plane."""
+and pulls weights from the PS itself, so payloads never pass through the control plane.
+
+A partial whose trajectory redundancy (§4.3) aborted in the TS meanwhile is a late
+message: dropped, while the trajectory still counts as stopped here."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from coordinator.types import InstanceSnapshot
+from staleflow.control.late import return_live
 from staleflow.engines.base import RolloutEngine
 from staleflow.rollout.instance import Finished, InstanceTimes, RolloutInstance
 from staleflow.runtime.weights import PullSource
@@ -45,6 +49,7 @@ class InstanceHost:
         on_finished: Callable[[list[Finished]], None],
     ) -> None:
         self.inst = inst
+        self._engine = engine
         self._ts = ts
         self._weights = weights
         self.instance = RolloutInstance(
@@ -75,8 +80,9 @@ class InstanceHost:
             self.instance.submit(routed)
         except BaseException:
             # Never strand trajectories the TS believes are here.
-            self._ts.interrupt_return(
-                [PartialTrajectory(r.traj_id, r.tokens, r.logprobs, r.versions) for r in routed]
+            return_live(
+                self._ts,
+                [PartialTrajectory(r.traj_id, r.tokens, r.logprobs, r.versions) for r in routed],
             )
             raise
         return tuple(r.traj_id for r in routed)
@@ -85,14 +91,21 @@ class InstanceHost:
         partials = self.instance.interrupt(traj_ids)
         if partials:
             started = time.perf_counter()
-            self._ts.interrupt_return(list(partials.values()))
+            return_live(self._ts, list(partials.values()))
             self.instance.add_command_time("interrupt", time.perf_counter() - started)
+        # every trajectory stopped here, also one the TS had dropped: it left this instance
         return tuple(partials)
 
     def abort(self, traj_ids: Sequence[int]) -> tuple[int, ...]:
         return tuple(self.instance.abort(traj_ids))
 
     def pull(self, at_least: int) -> int:
+        if getattr(self._engine, "pulls_from_parameter_server", False):
+            # The engine's own workers fetch the weights (SGLang's TP ranks): only the
+            # version number passes through here.
+            version = self._weights.latest_version(at_least)  # type: ignore[attr-defined]
+            self.instance.load_version(version)
+            return version
         started = time.perf_counter()
         version, weights = self._weights.fetch(at_least)
         self.instance.add_command_time("pull", time.perf_counter() - started)

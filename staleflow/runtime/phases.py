@@ -7,20 +7,25 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from staleflow.progress import SILENT, Phase, Progress
 
-# What Run.start reports as it goes: Ray, PS, TS, control + rewards + instances, trainer.
-ACTOR_STAGES = 5
+if TYPE_CHECKING:
+    from staleflow.runtime.record import StepRecord
+
+# The pools Run.start builds, in order (Figure 6); it advances the phase once per pool.
+ACTOR_STAGES = ("control + TS", "PS", "reward", "rollout", "trainer")
 
 
-def actors_phase(progress: Progress, instances: int, reward_workers: int) -> Phase:
-    """The ``actors`` phase: ``Run.start`` advances it once per stage it has started."""
+def actors_phase(progress: Progress, cfg: Any, ps_replicas: int) -> Phase:
+    """The ``actors`` phase of a run with config ``cfg`` (``rollout.instances``,
+    ``reward.workers``): ``Run.start`` advances it once per pool it has started."""
     return progress.phase(
         "actors",
-        f"starting actors: {instances} rollout, {reward_workers} reward, trainer, TS, PS, control",
-        total=ACTOR_STAGES,
+        f"starting actors: {cfg.rollout.instances} rollout, {cfg.reward.workers} reward, "
+        f"trainer, TS, {ps_replicas} PS, control",
+        total=len(ACTOR_STAGES),
         unit="stages",
     )
 
@@ -72,16 +77,16 @@ class TrainingWaits:
         if self._on_tick is not None:
             self._on_tick(live)
 
-    def record(self, rec: dict[str, float]) -> None:
+    def record(self, rec: StepRecord) -> None:
         """A training step's record."""
         if self._first is not None:
             self._first.update(done=self._cfg.batch_size)
             self._first.finish()
             self._first = None
         if self._training is not None:
-            reward = rec.get("rollout/reward_mean")
+            reward = rec.reward_mean
             metrics = {} if reward is None else {"reward": reward}
-            self._training.update(done=int(rec["step"]), **metrics)
+            self._training.update(done=rec.step, **metrics)
 
     def __exit__(
         self,

@@ -3,16 +3,16 @@
 The executor takes trajectories from the TS before it Reserves them, but the TS assigns
 ``V_traj`` only when it routes. So ``take`` only *claims* trajectories of the routing
 view (nothing crosses the network); the instance fetches them from the TS itself on
-delivery, with the ``V_traj`` just Reserved, and trajectories the TS no longer holds are
-reported missed. Interrupted partials go from the instance to the TS directly, so the
-executor's ``give_back`` only has claims to release.
+delivery, with the ``V_traj`` just Reserved, and ``submit`` returns those the TS no
+longer held (the control loop gives their Reserves back). Interrupted partials go from
+the instance to the TS directly, so the executor's ``give_back`` only has claims to
+release.
 
 Every call is timed per command kind, for the Pull / Route / Interrupt shares of Table 3.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections import defaultdict
@@ -20,11 +20,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TypeVar
 
 from staleflow.runtime.interface import InstanceHandle
-from staleness.errors import StalenessError
-from staleness.manager import StalenessManager
 from staleness.types import TrajId
 
-logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -42,22 +39,15 @@ CLAIM, RETURNED = _Claim(), _Returned()
 
 
 class RuntimePlanes:
-    """``EnginePlane``, ``TrajectoryPlane`` and ``ParameterPlane`` at once.
-
-    ``group_of`` maps a trajectory to its group (from the routing view), so that a
-    Reserve whose trajectory the TS no longer had can be released again.
-    """
+    """``EnginePlane``, ``TrajectoryPlane`` and ``ParameterPlane`` at once (thread-safe:
+    the control plane runs a round of commands on a thread pool)."""
 
     def __init__(
         self,
         instances: Mapping[int, InstanceHandle],
-        admission: StalenessManager,
-        group_of: Callable[[TrajId], int | None],
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.instances = instances
-        self._admission = admission
-        self._group_of = group_of
         self._clock = clock
         self._lock = threading.Lock()
         self._claimed: set[TrajId] = set()
@@ -90,19 +80,12 @@ class RuntimePlanes:
         routed = set(self._timed("route", lambda: self.instances[inst].route(ids, dict(v_traj))))
         with self._lock:
             self._claimed.difference_update(ids)
+        # No longer QUEUED in the TS: a partial that finished before the Interrupt meant to
+        # migrate it reached it, or one whose group was consumed or aborted since the
+        # cycle's view.
         missed = [tid for tid in ids if tid not in routed]
-        for tid in missed:
-            # No longer QUEUED in the TS: a partial that finished before the Interrupt
-            # meant to migrate it reached it, or an initial one whose group was consumed or
-            # aborted since the cycle's view. Release a Reserve made for the latter so it
-            # cannot hold a buffer slot.
-            self.missed_routes += 1
-            group = self._group_of(tid)
-            if tid in v_traj and group is not None:
-                try:
-                    self._admission.abort_trajectory(group, tid)
-                except StalenessError:
-                    logger.debug("trajectory %d: nothing to release", tid)
+        with self._lock:
+            self.missed_routes += len(missed)
         return missed
 
     def interrupt(self, inst: int, trajs: Sequence[TrajId]) -> Mapping[TrajId, object]:

@@ -1,18 +1,23 @@
 """The reward path of one finished trajectory: score it, store it in the TS as completed,
 then tell the control plane (which Occupies its group). The TS write comes first so that
-a buffer never turns Ready before the trainer can fetch every trajectory in it."""
+a buffer never turns Ready before the trainer can fetch every trajectory in it.
+
+A trajectory that redundancy (§4.3) aborted while it was being scored is no longer in the
+TS: that completion is a late message, dropped (and not reported), while the rest of the
+batch goes through."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
 
+from staleflow.control.late import CompletionSink, complete_live
 from staleflow.rollout.instance import Finished
 from staleflow.runtime.interface import Rewarded
-from trajectory_server.types import Completion, GroupStatus
+from trajectory_server.types import Completion
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +36,6 @@ class Scorer(Protocol):
     def __call__(self, items: Sequence[tuple[int, str, str]]) -> Sequence[ScoredLike]: ...
 
 
-class CompletionSink(Protocol):
-    def complete_many(self, completions: Iterable[Completion]) -> tuple[GroupStatus, ...]: ...
-
-
 class RewardStage:
     def __init__(
         self,
@@ -46,6 +47,7 @@ class RewardStage:
         self._score, self._decode, self._ts, self._report = score, decode, ts, report
         self.processed = 0
         self.errors = 0
+        self.late = 0  # finished after redundancy had aborted them: dropped
 
     def process(self, finished: Sequence[Finished]) -> None:
         if not finished:
@@ -74,20 +76,22 @@ class RewardStage:
                     f.traj_id, f.tokens, f.logprobs, f.versions, r.reward, f.finish_reason, info
                 )
             )
-        self._ts.complete_many(completions)
+        stored = {c.traj_id for c in complete_live(self._ts, completions)}
         self.processed += len(finished)
-        self._report(
-            [
-                Rewarded(
-                    traj_id=f.traj_id,
-                    group_id=f.group_id,
-                    v_traj=f.v_traj,
-                    reward=r.reward,
-                    error=r.error,
-                    response_len=len(f.tokens),
-                    finish_reason=f.finish_reason,
-                    instance=f.instance,
-                )
-                for f, r in zip(finished, results, strict=True)
-            ]
-        )
+        self.late += len(finished) - len(stored)
+        rewarded = [
+            Rewarded(
+                traj_id=f.traj_id,
+                group_id=f.group_id,
+                v_traj=f.v_traj,
+                reward=r.reward,
+                error=r.error,
+                response_len=len(f.tokens),
+                finish_reason=f.finish_reason,
+                instance=f.instance,
+            )
+            for f, r in zip(finished, results, strict=True)
+            if f.traj_id in stored
+        ]
+        if rewarded:
+            self._report(rewarded)

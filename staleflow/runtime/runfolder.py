@@ -4,11 +4,12 @@
 per training step, keys in docs/launch.md) and, once the run has finished,
 ``summary.json``. The dashboard follows a folder while it is written
 (``staleflow.dashboard.folder_source``); the experiment scripts read finished ones
-(:func:`read_run_folder`). Both derive per-instance load from the same helpers here.
+(:func:`read_run_folder`). Both read the records and derive per-instance load with
+:mod:`staleflow.runtime.record`.
 
 A folder holds one record per training step and nothing between steps, so instance load
-is the busy share of each step (from the cumulative ``rollout/idle_ratio/<inst>``) and a
-Pull is dated by the step whose record first shows the new ``rollout/version/<inst>``.
+is the busy share of each step (from the cumulative per-instance idle ratio) and a Pull is
+dated by the step whose record first shows the instance's new version.
 
 This module needs only the standard library and PyYAML: no Ray, torch or FastAPI.
 """
@@ -16,12 +17,19 @@ This module needs only the standard library and PyYAML: no Ray, torch or FastAPI
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from staleflow.runtime.record import (
+    InstanceStep,
+    RecordError,
+    StepRecord,
+    instance_steps,
+    read_records,
+)
 
 CONFIG, METRICS, SUMMARY = "config.yaml", "metrics.jsonl", "summary.json"
 HOW_TO_MAKE = (
@@ -29,125 +37,9 @@ HOW_TO_MAKE = (
     "prints 'run folder runs/<time>-<name>'; experiments/launch_eta_sweep.py makes one per eta"
 )
 
-Record = dict[str, float]
-
 
 class RunFolderError(ValueError):
     """Not a usable run folder; the message names the file and what to do."""
-
-
-# -- one record --------------------------------------------------------------------------
-
-
-def parse_record(line: str | bytes) -> Record:
-    """One ``metrics.jsonl`` line as ``{key: float}``; ``ValueError`` if it is not a JSON
-    object of numbers."""
-    rec = json.loads(line)
-    if not isinstance(rec, dict):
-        raise ValueError(f"expected a JSON object, got {type(rec).__name__}")
-    try:
-        return {str(k): float(v) for k, v in rec.items()}
-    except (TypeError, ValueError):
-        bad = next(k for k, v in rec.items() if not _number(v))
-        raise ValueError(f"{bad!r} is not a number: {rec[bad]!r}") from None
-
-
-def _number(value: Any) -> bool:
-    try:
-        float(value)
-    except (TypeError, ValueError):
-        return False
-    return True
-
-
-def record_instances(rec: Mapping[str, float]) -> list[int]:
-    """The rollout instances a record reports (``rollout/idle_ratio/<inst>``)."""
-    prefix = "rollout/idle_ratio/"
-    out = []
-    for key in rec:
-        if key.startswith(prefix) and key[len(prefix) :].isdigit():
-            out.append(int(key[len(prefix) :]))
-    return sorted(out)
-
-
-def step_busy(
-    rec: Mapping[str, float], prev: Mapping[str, float] | None, inst: int
-) -> float | None:
-    """Busy share of one step: ``rollout/idle_ratio/<inst>`` is cumulative over the run
-    (idle seconds / lifetime), so the step's idle seconds are the difference of
-    ``ratio x elapsed``; clamped, since an instance lives slightly longer than the run's
-    clock."""
-    ratio = rec.get(f"rollout/idle_ratio/{inst}")
-    if ratio is None:
-        return None
-    t = rec.get("time/elapsed_s", 0.0)
-    t0 = prev.get("time/elapsed_s", 0.0) if prev else 0.0
-    before = prev.get(f"rollout/idle_ratio/{inst}", 0.0) if prev else 0.0
-    span = t - t0
-    if span <= 0:
-        return min(max(1.0 - ratio, 0.0), 1.0)
-    idle = (ratio * t - before * t0) / span
-    return min(max(1.0 - idle, 0.0), 1.0)
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceStep:
-    """One instance during one training step (Figure 17 from a run folder)."""
-
-    step: int
-    time: float  # time/elapsed_s at the end of the step
-    inst: int
-    version: int | None  # weights version held at the end of the step
-    busy_ratio: float | None  # share of the step the instance had something to generate
-    pulled: bool  # its version changed during the step (a Pull of ``version``)
-
-
-def instance_steps(
-    rec: Mapping[str, float], prev: Mapping[str, float] | None
-) -> list[InstanceStep]:
-    """Every instance of ``rec`` against the record before it (None for the first step:
-    instances start with version 0)."""
-    t = rec.get("time/elapsed_s", 0.0)
-    step = int(rec.get("step", 0))
-    out = []
-    for inst in record_instances(rec):
-        version = rec.get(f"rollout/version/{inst}")
-        before = prev.get(f"rollout/version/{inst}") if prev else 0.0
-        out.append(
-            InstanceStep(
-                step=step,
-                time=t,
-                inst=inst,
-                version=None if version is None else int(version),
-                busy_ratio=step_busy(rec, prev, inst),
-                pulled=version is not None and before is not None and version != before,
-            )
-        )
-    return out
-
-
-def staleness_hist(rec: Mapping[str, float]) -> dict[int, int]:
-    """``{V_buf - V_traj: trajectories}`` of one step's batch."""
-    prefix = "staleness/hist/"
-    out = {}
-    for key, n in rec.items():
-        if key.startswith(prefix) and key[len(prefix) :].isdigit():
-            out[int(key[len(prefix) :])] = int(n)
-    return dict(sorted(out.items()))
-
-
-def reward_mean(records: Sequence[Mapping[str, float]]) -> float | None:
-    """Mean reward of every trajectory rewarded during these steps (each step's mean
-    weighted by how many it rewarded: rewards arrive in bursts, not one batch a step)."""
-    n = sum(r.get("rollout/rewarded", 0.0) for r in records if "rollout/reward_mean" in r)
-    if not n:
-        return None
-    total = sum(
-        r["rollout/reward_mean"] * r["rollout/rewarded"]
-        for r in records
-        if "rollout/reward_mean" in r
-    )
-    return total / n
 
 
 # -- the files ---------------------------------------------------------------------------
@@ -176,28 +68,6 @@ def read_summary(folder: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def read_records(file: Path) -> list[Record]:
-    """Every record of a ``metrics.jsonl``; a malformed line is an error naming the file
-    and the line number."""
-    out = []
-    with file.open("rb") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                out.append(parse_record(line))
-            except ValueError as exc:
-                hint = (
-                    ""
-                    if line.endswith(b"\n")
-                    else " (an unfinished last line: is the run still writing?)"
-                )
-                raise RunFolderError(
-                    f"{file} line {number}: malformed metrics record: {exc}{hint}"
-                ) from None
-    return out
-
-
 @dataclass(frozen=True)
 class RunFolder:
     """A run folder read at once (see :func:`read_run_folder`)."""
@@ -205,7 +75,7 @@ class RunFolder:
     path: Path
     name: str  # the folder's name, unless a caller needs it told apart from another's
     config: dict[str, Any]
-    records: list[Record]
+    records: list[StepRecord]
     summary: dict[str, Any] | None = None
 
     @property
@@ -248,12 +118,13 @@ class RunFolder:
 
     @property
     def elapsed_s(self) -> float:
-        return self.records[-1].get("time/elapsed_s", 0.0) if self.records else 0.0
+        return self.records[-1].elapsed_s if self.records else 0.0
 
     @property
     def tokens_per_s(self) -> float:
         """Trained tokens per second since the start of training (the last record)."""
-        return self.records[-1].get("throughput/tokens_per_s", 0.0) if self.records else 0.0
+        last = self.records[-1].tokens_per_s if self.records else None
+        return last if last is not None else 0.0
 
     def steady_tokens_per_s(self) -> float | None:
         """Throughput after the warm-up, as the simulator defines it: tokens of the steps
@@ -262,17 +133,15 @@ class RunFolder:
         eta = self.eta
         if eta is None or len(self.records) <= eta + 1:
             return None
-        tail = self.records[eta + 1 :]
-        if any("train/tokens" not in r for r in tail):
+        tokens = [r.tokens for r in self.records[eta + 1 :]]
+        if any(n is None for n in tokens):
             return None
-        span = self.records[-1].get("time/elapsed_s", 0.0) - self.records[eta].get(
-            "time/elapsed_s", 0.0
-        )
-        return sum(r["train/tokens"] for r in tail) / span if span > 0 else None
+        span = self.records[-1].elapsed_s - self.records[eta].elapsed_s
+        return sum(n for n in tokens if n is not None) / span if span > 0 else None
 
     def staleness_per_step(self) -> list[tuple[int, dict[int, int]]]:
         """Figure 18: ``(V_buf, {staleness: trajectories})`` per training step."""
-        return [(int(r.get("version", i)), staleness_hist(r)) for i, r in enumerate(self.records)]
+        return [(r.version, dict(r.staleness)) for r in self.records]
 
     def staleness_total(self) -> dict[int, int]:
         total: dict[int, int] = {}
@@ -282,15 +151,14 @@ class RunFolder:
         return dict(sorted(total.items()))
 
     def time_shares(self) -> dict[str, float]:
-        """Table 3: shares of all rollout instance-seconds (the last record, cumulative)."""
-        prefix = "rollout/time_share/"
-        last = self.records[-1] if self.records else {}
-        return {k.removeprefix(prefix): v for k, v in last.items() if k.startswith(prefix)}
+        """Table 3: shares of all rollout instance-seconds (the last record, cumulative),
+        by kind, with ``commands`` (Pull + Route + Interrupt)."""
+        return self.records[-1].time_shares() if self.records else {}
 
     def instance_steps(self) -> list[InstanceStep]:
         """Figure 17: every instance at every step, in step order."""
         out: list[InstanceStep] = []
-        prev: Record | None = None
+        prev: StepRecord | None = None
         for rec in self.records:
             out += instance_steps(rec, prev)
             prev = rec
@@ -315,7 +183,10 @@ def read_run_folder(path: str | Path, *, need_steps: bool = True) -> RunFolder:
     config, problem = read_config(folder)
     if config is None:
         raise RunFolderError(f"{folder / CONFIG}: {problem.removeprefix(CONFIG + ' ')}")
-    records = read_records(folder / METRICS)
+    try:
+        records = read_records(folder / METRICS)
+    except RecordError as exc:
+        raise RunFolderError(str(exc)) from None
     if need_steps and not records:
         raise RunFolderError(
             f"{folder / METRICS} has no training step: the run stopped (or is still "

@@ -1,5 +1,12 @@
 """The trainer's loop (§3, step 6): wait for buffer ``v``, Consume it, fetch its
-trajectories from the TS, train, and Push version ``v+1`` while the next step runs."""
+trajectories from the TS, train, and Push version ``v+1`` while the next step runs.
+
+The loop drives a :class:`StepDriver`. An in-process trainer (the embedded one) gets the
+:class:`LocalStepDriver`: the loop's process takes the batch from the TS, trains on it
+and hands the new weights to a background pusher. A pool of ranks (Megatron) is its own
+driver: each data-parallel rank takes its part of the batch from the TS, and each rank
+Pushes its own shards; the loop only moves ids and metrics.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +14,13 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from staleflow.runtime.interface import ControlHandle, StepReport
-from trajectory_server.types import TrainingBatch
+from trajectory_server.types import AbortedTrajectory, TrainingBatch
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +40,7 @@ class BatchSource(Protocol):
 
 
 class PushHandleLike(Protocol):
-    def wait(self, timeout: float | None = None) -> int: ...
+    def wait(self, timeout: float | None = None) -> int | None: ...
 
 
 class Pusher(Protocol):
@@ -41,20 +49,115 @@ class Pusher(Protocol):
     ) -> PushHandleLike: ...
 
 
+@dataclass(frozen=True, slots=True)
+class BatchDigest:
+    """What the loop reports of a consumed batch, without its payloads."""
+
+    traj_ids: tuple[int, ...] = ()
+    staleness: Mapping[int, int] = field(default_factory=dict)  # per trajectory
+    token_staleness: Mapping[int, int] = field(default_factory=dict)  # per generated token
+    tokens: int = 0
+    dropped: tuple[AbortedTrajectory, ...] = ()
+
+    @classmethod
+    def of(cls, batch: TrainingBatch, version: int) -> BatchDigest:
+        trajs = [t for g in batch.groups for t in g.trajectories]
+        tokens: Counter[int] = Counter()
+        for t in trajs:
+            tokens.update((version - t.versions).tolist())
+        return cls(
+            traj_ids=tuple(t.traj_id for t in trajs),
+            staleness=dict(Counter(version - t.v_traj for t in trajs)),
+            token_staleness=dict(tokens),
+            tokens=int(sum(len(t.tokens) for t in trajs)),
+            dropped=tuple(batch.dropped),
+        )
+
+    @classmethod
+    def merge(cls, parts: Iterable[BatchDigest]) -> BatchDigest:
+        """The digest of a batch taken in parts (one per data-parallel rank)."""
+        parts = list(parts)
+        staleness: Counter[int] = Counter()
+        tokens: Counter[int] = Counter()
+        for p in parts:
+            staleness.update(p.staleness)
+            tokens.update(p.token_staleness)
+        return cls(
+            traj_ids=tuple(i for p in parts for i in p.traj_ids),
+            staleness=dict(staleness),
+            token_staleness=dict(tokens),
+            tokens=sum(p.tokens for p in parts),
+            dropped=tuple(d for p in parts for d in p.dropped),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TrainedStep:
+    metrics: Mapping[str, float]
+    digest: BatchDigest
+
+
+@runtime_checkable
+class StepDriver(Protocol):
+    """One trainer, in one process or a pool, as the loop drives it."""
+
+    @property
+    def version(self) -> int: ...
+
+    def train_consumed(self, select: Mapping[int, Sequence[int]]) -> TrainedStep:
+        """Take the consumed groups ``select`` (group id -> trajectory ids) from the TS,
+        train one step on them; :attr:`version` moves on by one."""
+        ...
+
+    def publish(self, version: int) -> PushHandleLike:
+        """Push the current weights as ``version`` (in the background); the handle waits
+        until the PS holds it."""
+        ...
+
+
+class LocalStepDriver:
+    """A :class:`StepDriver` for a trainer in this process."""
+
+    def __init__(self, trainer: TrainerLike, ts: BatchSource, pusher: Pusher) -> None:
+        self.trainer, self._ts, self._pusher = trainer, ts, pusher
+
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
+    def train_consumed(self, select: Mapping[int, Sequence[int]]) -> TrainedStep:
+        v = self.trainer.version
+        batch = self._ts.take_batch(list(select), select)
+        metrics = dict(self.trainer.train_step(batch))
+        return TrainedStep(metrics, BatchDigest.of(batch, v))
+
+    def publish(self, version: int) -> PushHandleLike:
+        return self._pusher.push_async(version, self.trainer.export_weights())
+
+
 class TrainingLoop:
+    """``trainer`` is a :class:`StepDriver`, or an in-process trainer with the ``ts`` and
+    ``pusher`` it needs."""
+
     def __init__(
         self,
-        trainer: TrainerLike,
+        trainer: StepDriver | TrainerLike,
         *,
         control: ControlHandle,
-        ts: BatchSource,
-        pusher: Pusher,
+        ts: BatchSource | None = None,
+        pusher: Pusher | None = None,
         consume_timeout_s: float | None = None,
         on_step: Callable[[StepReport], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        if isinstance(trainer, StepDriver):
+            self.driver: StepDriver = trainer
+        else:
+            if ts is None or pusher is None:
+                raise ValueError("an in-process trainer needs ts= and pusher=")
+            self.driver = LocalStepDriver(trainer, ts, pusher)
         self.trainer = trainer
-        self._control, self._ts, self._pusher = control, ts, pusher
+        self._control = control
         self._timeout = consume_timeout_s
         self._on_step = on_step
         self._clock = clock
@@ -66,20 +169,15 @@ class TrainingLoop:
         return reports
 
     def step(self) -> StepReport:
-        v = self.trainer.version
+        v = self.driver.version
         started = self._clock()
         consumed = self._control.consume(v, self._timeout)
         waited = self._clock() - started
         select = {g.group_id: g.trajectories for g in consumed.groups}
-        batch = self._ts.take_batch(list(select), select)
-        if batch.dropped:
-            self._control.dropped(batch.dropped)
-        trajs = [t for g in batch.groups for t in g.trajectories]
-        staleness = Counter(v - t.v_traj for t in trajs)
-        token_staleness: Counter[int] = Counter()
-        for t in trajs:
-            token_staleness.update((v - t.versions).tolist())
-        metrics = dict(self.trainer.train_step(batch))
+        trained_step = self.driver.train_consumed(select)
+        digest = trained_step.digest
+        if digest.dropped:
+            self._control.dropped(digest.dropped)
         trained = self._clock()
         push_wait = 0.0
         if self._pending is not None:
@@ -87,18 +185,18 @@ class TrainingLoop:
             # outruns its Pushes would only queue weight copies.
             self._pending.wait()
             push_wait = self._clock() - trained
-        self._pending = self._pusher.push_async(v + 1, self.trainer.export_weights())
+        self._pending = self.driver.publish(v + 1)
         report = StepReport(
             version=v,
             wait_s=waited,
             train_s=trained - started - waited,
             push_wait_s=push_wait,
-            trajectories=len(trajs),
-            tokens=int(sum(len(t.tokens) for t in trajs)),
-            staleness=dict(staleness),
-            metrics=metrics,
-            consumed_traj_ids=tuple(t.traj_id for t in trajs),
-            token_staleness=dict(token_staleness),
+            trajectories=len(digest.traj_ids),
+            tokens=digest.tokens,
+            staleness=dict(digest.staleness),
+            metrics=dict(trained_step.metrics),
+            consumed_traj_ids=digest.traj_ids,
+            token_staleness=dict(digest.token_staleness),
         )
         self._control.trained(report)
         if self._on_step is not None:

@@ -32,9 +32,20 @@ class TransportPullSource:
 
     def fetch(self, at_least: int) -> tuple[int, Mapping[str, np.ndarray]]:
         version = self._transport.pull(self._buffer)  # type: ignore[attr-defined]
-        if version < at_least:
-            raise RuntimeError(
-                f"the parameter server's latest version is {version}, but version {at_least} "
-                "or newer was asked for: the PS lost a Push or was restarted"
-            )
+        _check_at_least(version, at_least)
         return version, self._layout.views(self._buffer)
+
+    def latest_version(self, at_least: int) -> int:
+        """The newest version the PS holds, for engines that pull it themselves."""
+        latest = self._transport.info().latest  # type: ignore[attr-defined]
+        version = -1 if latest is None else int(latest)
+        _check_at_least(version, at_least)
+        return version
+
+
+def _check_at_least(version: int, at_least: int) -> None:
+    if version < at_least:
+        raise RuntimeError(
+            f"the parameter server's latest version is {version}, but version {at_least} "
+            "or newer was asked for: the PS lost a Push or was restarted"
+        )

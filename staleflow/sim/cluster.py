@@ -1,15 +1,18 @@
 """The discrete-event cluster: the real staleness manager, trajectory server and
 coordinator drive simulated rollout instances and a simulated trainer on a virtual clock.
 
-One period of the loop reads like §5.2 and Figure 9:
+The decisions are taken by the control loop the real control plane runs
+(``staleflow.control.loop``); this module only supplies its planes (``planes.py``) and
+its clock, and plays the rest of the system. One period reads like §5.2 and Figure 9,
+in the order the real control plane's ``run_once`` follows:
 
-1. the coordinator's snapshot-command cycle runs (``Coordinator.step``) and the
-   in-process executor carries its commands out at once (their costs land on the
-   instances' clocks: prefill, Pull);
+1. the loop's snapshot-command cycle runs, and its in-process executor carries the
+   commands out at once (their costs land on the instances' clocks: prefill, Pull);
 2. every instance decodes in whole steps up to the end of the period;
 3. completions, rewards, training steps and Pushes are processed in time order from a
-   heap: a rewarded trajectory is completed in the TS and the staleness manager (Occupy),
-   the trainer Consumes a Ready buffer, and the PS version advances when its Push lands.
+   heap: a rewarded trajectory is stored in the TS as completed and Occupied by the
+   loop (redundancy's surplus dropped), the idle trainer Consumes a Ready buffer, and the
+   PS version advances when its Push lands.
 
 The run is deterministic for a seed: every random draw comes from seeded generators, and
 every iteration order is fixed (instances by id, events by time then sequence number).
@@ -25,16 +28,18 @@ from typing import Any
 
 import numpy as np
 
-from coordinator import Coordinator, CoordinatorConfig, InProcessExecutor, Snapshot
+from coordinator import CoordinatorConfig, Snapshot
+from staleflow.control import ControlLoop
+from staleflow.control.late import complete_live
 from staleflow.sim.engine import EngineCosts, SimInstance, SimTrajectory
 from staleflow.sim.planes import SimPlanes
 from staleflow.sim.summary import Summary, summarise
 from staleflow.sim.trainer import SimTrainer, TrainerCosts
 from staleflow.sim.workload import SyntheticWorkload, TraceWorkload, WorkloadConfig
-from staleness import ConsumedBatch, Outcome, StalenessConfig, StalenessManager
+from staleness import ConsumedBatch, StalenessConfig
 from trajectory_server import TrajectoryServer, TrajectoryServerConfig, TrajState
 from trajectory_server.errors import TrajectoryServerError
-from trajectory_server.types import RoutableTrajectory
+from trajectory_server.types import Completion, RoutableTrajectory
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +67,10 @@ class ClusterConfig:
     stall_timeout_s: float = 7200.0
     seed: int = 0
     name: str = "staleflow"
+    # Redundant rollout (§4.3, App. C): extra groups per buffer / members per group, the
+    # surplus aborted once a buffer or group is full (validated by the staleness manager).
+    batch_redundancy: float = 0.0
+    group_redundancy: float = 0.0
 
     def __post_init__(self) -> None:
         if self.instances < 1 or self.steps < 1:
@@ -79,17 +88,17 @@ class SimCluster:
 
     def __init__(self, config: ClusterConfig, workload: TraceWorkload | None = None) -> None:
         self.config = config
-        members = config.group_size
-        self.workload = workload or SyntheticWorkload(config.workload, members, config.seed)
-        self.manager = StalenessManager(
-            StalenessConfig(eta=config.eta, batch_size=config.batch_size, group_size=members)
+        ts_config = TrajectoryServerConfig(
+            eta=config.eta,
+            batch_size=config.batch_size,
+            group_size=config.group_size,
+            group_redundancy=config.group_redundancy,
+            batch_redundancy=config.batch_redundancy,
         )
-        self.ts = TrajectoryServer(
-            TrajectoryServerConfig(
-                eta=config.eta, batch_size=config.batch_size, group_size=members
-            ),
-            self.workload,
+        self.workload = workload or SyntheticWorkload(
+            config.workload, ts_config.trajectories_per_group, config.seed
         )
+        self.ts = TrajectoryServer(ts_config, self.workload)
         cost = config.coordinator.cost_model.build()
         self.instances = {
             i: SimInstance(i, cost, config.engine, np.random.default_rng([config.seed, i]))
@@ -104,17 +113,25 @@ class SimCluster:
             lambda: self.trainer.ps_version,
             lambda: self.now,
         )
-        self.executor = InProcessExecutor(self.planes, self.planes, self.planes, self.manager)
-        self.coordinator = Coordinator(
+        self.loop = ControlLoop(
+            StalenessConfig(
+                eta=config.eta,
+                batch_size=config.batch_size,
+                group_size=config.group_size,
+                batch_redundancy=config.batch_redundancy,
+                group_redundancy=config.group_redundancy,
+            ),
             config.coordinator,
-            snapshots=self,
-            trajectories=self,
-            parameters=self,
-            admission=self.manager,
-            executor=self.executor,
-            instances=dict.fromkeys(self.instances, 0),
+            ts=self.ts,
+            planes=self.planes,
+            snapshots=lambda: [i.snapshot() for i in self.instances.values()],
+            ps_version=lambda: self.trainer.ps_version,
+            instances=self.instances,
             clock=lambda: self.now,
         )
+        self.manager = self.loop.manager
+        self.coordinator = self.loop.coordinator
+        self.executor = self.loop.executor
         self._events: list[tuple[float, int, str, Any]] = []
         self.stalled = False
         # Called once per cycle, after the commands were applied (state at ``now``): lets
@@ -130,13 +147,13 @@ class SimCluster:
         # (sample id, prompt length, response lengths) of every consumed group
         self.trained: list[tuple[int, int, tuple[int, ...]]] = []
 
-    # -- sources the coordinator reads ------------------------------------------------
+    # -- sources the coordinator reads (the control loop's) ---------------------------
 
     def snapshot(self) -> Snapshot:
-        return Snapshot(tuple(i.snapshot() for i in self.instances.values()), self.now)
+        return self.loop.snapshot()
 
     def routable(self) -> list[RoutableTrajectory]:
-        return list(self.ts.routing_view())
+        return list(self.loop.routable())
 
     def latest_version(self) -> int:
         return self.trainer.ps_version
@@ -145,7 +162,6 @@ class SimCluster:
 
     def run(self) -> Summary:
         c = self.config
-        period = c.coordinator.period_s
         while self.trainer.steps < c.steps and self.now < c.max_time_s:
             last = self.trainer.step_ends[-1] if self.trainer.step_ends else 0.0
             if self.now - last > c.stall_timeout_s:
@@ -157,20 +173,30 @@ class SimCluster:
                     self.trainer.steps,
                 )
                 break
-            self.coordinator.step(self.now)
-            self.executor.run_until_idle()
-            for observe in self.observers:
-                observe(self)
-            horizon = self.now + period
-            for inst in self.instances.values():
-                inst.advance(horizon, self._finished)
-            self._drain(horizon)
-            self.now = horizon
+            self.step()
         if self.trainer.steps < c.steps and not self.stalled:
             logger.warning(
                 "stopped at max_time_s=%s after %d steps", c.max_time_s, self.trainer.steps
             )
         return summarise(self)
+
+    def step(self) -> None:
+        """One coordinator period: the cycle at ``now``, then decoding and the events up
+        to ``now + period``."""
+        self._cycle()
+        for observe in self.observers:
+            observe(self)
+        horizon = self.now + self.config.coordinator.period_s
+        for inst in self.instances.values():
+            inst.advance(horizon, self._finished)
+        self._drain(horizon)
+        self.now = horizon
+
+    def _cycle(self) -> None:
+        """The control loop's snapshot-command cycle at ``now``; the trainer Consumes if
+        the cycle made its buffer Ready (the real control plane's order)."""
+        self.loop.cycle()
+        self._maybe_train(self.now)
 
     def _push(self, t: float, kind: str, data: Any) -> None:
         heapq.heappush(self._events, (t, self._seq, kind, data))
@@ -192,34 +218,35 @@ class SimCluster:
             self._maybe_train(t)
 
     def _reward(self, traj: SimTrajectory, version: int) -> None:
+        """A reward worker: store the finished trajectory in the TS as completed (unless
+        it was aborted meanwhile: a late message, dropped), then report it."""
         self.rewarding.pop(traj.traj_id)
         self.workload.forget(traj.traj_id)
-        if _state(self.ts, traj.traj_id) is not TrajState.ROUTED:
-            return  # aborted meanwhile
         tokens, logprobs, versions = traj.response(version)
         capped = traj.target - traj.prompt_len >= self.config.workload.max_response
-        self.ts.complete(
-            traj.traj_id, tokens, logprobs, versions, 1.0, "length" if capped else "stop"
-        )
-        self._handle(self.manager.complete(traj.group_id, traj.traj_id))
+        reason = "length" if capped else "stop"
+        completion = Completion(traj.traj_id, tokens, logprobs, versions, 1.0, reason, {})
+        if complete_live(self.ts, [completion]):
+            self._occupy(traj)
 
-    def _handle(self, outcome: Outcome) -> None:
-        """Redundancy surplus reported by the manager: drop it in the TS and on instances."""
-        if not (outcome.abort_trajectories or outcome.abort_groups):
-            return
-        self.ts.abort(t for t in outcome.abort_trajectories if _state(self.ts, t) is not None)
-        for g in outcome.abort_groups:
-            if _has_group(self.ts, g):
-                self.ts.abort_group(g)
-        self.coordinator.request_abort(outcome.abort_trajectories, outcome.abort_groups)
+    def _occupy(self, traj: SimTrajectory) -> None:
+        self.loop.occupy((traj,))
 
     def _maybe_train(self, t: float) -> None:
-        if self.trainer.busy or not self.manager.is_ready():
+        """The trainer, when idle, Consumes its buffer as soon as it is Ready."""
+        if self.trainer.busy:
             return
-        batch = self.manager.consume()
+        batch = self.loop.consume()
+        if batch is not None:
+            self._train(t, batch)
+
+    def _train(self, t: float, batch: ConsumedBatch) -> None:
+        """Fetch the consumed groups' kept trajectories from the TS and train on them."""
         self.batches.append(batch)
-        ids = [g.group_id for g in batch.groups]
-        taken = self.ts.take_batch(ids)
+        select = {g.group_id: g.trajectories for g in batch.groups}
+        taken = self.ts.take_batch(list(select), select)
+        if taken.dropped:
+            self._forget(taken.dropped)
         tokens = 0
         for group in taken.groups:
             lengths = tuple(len(tr.tokens) for tr in group.trajectories)
@@ -230,12 +257,10 @@ class SimCluster:
                 self.consumed.add(tr.traj_id)
                 tokens += len(group.prompt) + len(tr.tokens)
                 self.response_lengths.append(len(tr.tokens))
-        for gid in batch.aborted_groups:
-            if _has_group(self.ts, gid):
-                self.ts.abort_group(gid)
-        if batch.aborted_groups:
-            self.coordinator.request_abort(groups=batch.aborted_groups)
         self._push(self.trainer.start_step(t, tokens), TRAIN_DONE, None)
+
+    def _forget(self, dropped: Any) -> None:
+        self.loop.forget(dropped)
 
     # -- invariants -------------------------------------------------------------------
 
@@ -253,12 +278,19 @@ class SimCluster:
             if tid in seen:
                 problems.append(f"trajectory {tid} rewarding and on {seen[tid]}")
             seen[tid] = "reward"
-        for tid in seen:
-            if _state(self.ts, tid) is not TrajState.ROUTED:
-                problems.append(f"trajectory {tid} is on {seen[tid]} but not ROUTED in the TS")
+        routed = 0
+        for tid, where in seen.items():
+            state = _state(self.ts, tid)
+            if state is TrajState.ROUTED:
+                routed += 1
+            elif state is not None or tid in self.consumed:
+                problems.append(f"trajectory {tid} is on {where} but not ROUTED in the TS")
+            # else: dropped from the TS (redundancy surplus) and on its way out: the next
+            # valid cycle aborts it on its instance, and its reward arrives late and is
+            # dropped
         s = self.ts.stats()
-        if s.routed != len(seen):
-            problems.append(f"TS has {s.routed} ROUTED but instances + reward hold {len(seen)}")
+        if s.routed != routed:
+            problems.append(f"TS has {s.routed} ROUTED but instances + reward hold {routed}")
         total = s.queued + s.routed + s.completed + s.consumed_trajectories
         if total + s.aborted_trajectories != s.created_trajectories:
             problems.append(f"TS counts do not add up: {s}")
@@ -276,11 +308,3 @@ def _state(ts: TrajectoryServer, traj_id: int) -> TrajState | None:
         return ts.state_of(traj_id)
     except TrajectoryServerError:
         return None  # consumed or aborted
-
-
-def _has_group(ts: TrajectoryServer, group_id: int) -> bool:
-    try:
-        ts.group_status(group_id)
-    except TrajectoryServerError:
-        return False
-    return True

@@ -4,14 +4,16 @@ the real trajectory server.
 The executor takes trajectories from the TS before it Reserves them, but the real TS
 assigns ``V_traj`` only when it routes. So ``take`` only *claims* QUEUED trajectories; the
 TS routes them when the executor delivers them (``submit``), with the ``V_traj`` just
-Reserved. A claimed trajectory the manager refused is released by ``give_back``, which
-also takes interrupted partials back into the TS.
+Reserved; like the runtime's planes, ``submit`` returns the claimed trajectories the TS
+no longer held. A claimed trajectory the manager refused is released by ``give_back``,
+which also takes interrupted partials back into the TS (those it still holds).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 
+from staleflow.control.late import return_live
 from staleflow.sim.engine import SimInstance, SimTrajectory
 from staleness.types import TrajId
 from trajectory_server import TrajectoryServer, TrajState
@@ -70,16 +72,18 @@ class SimPlanes:
             else:
                 raise TypeError(f"trajectory {tid}: unexpected payload {type(payload).__name__}")
         if returned:
-            self.ts.interrupt_return(returned)
+            return_live(self.ts, returned)
 
     # -- EnginePlane ------------------------------------------------------------------
 
     def submit(
         self, inst: int, payloads: Mapping[TrajId, object], v_traj: Mapping[TrajId, int]
-    ) -> None:
+    ) -> list[TrajId]:
         ids = list(payloads)
         self.claimed.difference_update(ids)
-        routed = self.ts.route(ids, {t: v_traj[t] for t in ids if t in v_traj}, inst)
+        routed = self.ts.route(
+            ids, {t: v_traj[t] for t in ids if t in v_traj}, inst, skip_unavailable=True
+        )
         target = self.instances[inst]
         sims = [
             SimTrajectory(r, len(r.prompt) + self._target(r.sample_id, r.traj_id), target)
@@ -87,6 +91,10 @@ class SimPlanes:
         ]
         target.submit(sims, self._now())
         self.commands["route"] += 1
+        if len(routed) == len(ids):
+            return []
+        started = {r.traj_id for r in routed}
+        return [t for t in ids if t not in started]
 
     def interrupt(self, inst: int, trajs: Sequence[TrajId]) -> Mapping[TrajId, object]:
         self.commands["interrupt"] += 1

@@ -1,7 +1,8 @@
-"""Trainers: the embedded PyTorch GRPO trainer, and the registry the launcher picks from.
+"""Trainers: the embedded PyTorch trainer, the Megatron-core rank pool, and the registry
+the launcher picks from (``trainer.backend``).
 
-Importing this package does not import torch; :func:`create_trainer` imports the chosen
-backend on demand.
+Both run the one RL step of :mod:`staleflow.trainers.rl`. Importing this package does not
+import torch or megatron-core; :func:`create_trainer` imports the chosen backend on demand.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from staleflow.trainers.interface import METRIC_KEYS, Trainer
 
 TRAINERS: dict[str, str] = {
     "embedded": "staleflow.trainers.embedded:EmbeddedTrainer",
+    "megatron": "staleflow.trainers.megatron.pool:MegatronTrainer",
 }
 
 

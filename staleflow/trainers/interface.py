@@ -1,6 +1,9 @@
-"""The trainer contract: what the training loop drives, whatever the backend.
+"""The trainer contract of a trainer that lives in one process (the embedded one).
 
-Importable without torch; trainers exchange weights as numpy arrays.
+A pool of ranks (``staleflow.trainers.megatron.MegatronTrainer``) is driven through
+``staleflow.runtime.training.StepDriver`` instead: its ranks take their parts of the batch
+and Push their shards themselves. Both report :data:`METRIC_KEYS`. Importable without
+torch; trainers exchange weights as numpy arrays.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import numpy as np
 
 from trajectory_server.types import TrainingBatch
 
+# The trained-token count of a step, as the trainer's own metrics name it.
+TOKENS_METRIC = "train/tokens"
+
 # Metric keys every trainer reports from ``train_step``; backends may add more under
 # ``train/``.
 METRIC_KEYS: tuple[str, ...] = (
@@ -21,7 +27,7 @@ METRIC_KEYS: tuple[str, ...] = (
     "train/importance_weight_mean",
     "train/entropy",
     "train/kl_behav",
-    "train/tokens",
+    TOKENS_METRIC,
     "train/reward_mean",
     "train/response_len_mean",
 )

@@ -118,7 +118,7 @@ class FakeCluster:
 
     def submit(
         self, inst: int, payloads: Mapping[TrajId, object], v_traj: Mapping[TrajId, int]
-    ) -> None:
+    ) -> list[TrajId]:
         target = self.instances[inst]
         for tid, payload in payloads.items():
             assert isinstance(payload, TrajRecord)
@@ -129,6 +129,7 @@ class FakeCluster:
             else:
                 target.waiting.append(t)
         self.submitted.append((inst, tuple(payloads)))
+        return []
 
     def _remove(self, inst: int, trajs: Sequence[TrajId]) -> dict[TrajId, object]:
         target = self.instances[inst]

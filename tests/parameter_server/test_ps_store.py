@@ -55,12 +55,12 @@ def test_concurrent_pulls_never_see_a_mix_of_versions() -> None:
     """Two reader threads (latest, and the oldest held) race a writer. The race is counted,
     not hoped for: a Pull that saw `finished` = f before it began and `started` = s after
     it ended overlapped a Push when s > f, and the writer pushes until each reader has
-    made `overlaps` such Pulls over at least 4 versions (a deadline only for a hang)."""
+    made `overlaps` such Pulls over at least 4 versions (a hang is pytest-timeout's)."""
     layout = uniform_layout()
     store = VersionedStore(layout, num_slots=3)
     store.push(filled(layout, 0))
     pushes = {"started": 0, "finished": 0}  # one writer; readers only read them
-    overlaps, deadline = 10, time.monotonic() + 120
+    overlaps = 10
     stop = threading.Event()
     begin = threading.Barrier(3)
     overlapping = [0, 0]
@@ -94,14 +94,14 @@ def test_concurrent_pulls_never_see_a_mix_of_versions() -> None:
         t.start()
     begin.wait()
     v = 0
-    while not raced_enough() and time.monotonic() < deadline:
+    while not raced_enough():
         v += 1
         pushes["started"] = v
         store.push(filled(layout, v), v)
         pushes["finished"] = v
     stop.set()
     for t in readers:
-        t.join(10)
+        t.join()
     assert not failures, failures[:3]
     assert raced_enough(), f"overlapping Pulls {overlapping}, versions seen {seen}"
 
@@ -110,19 +110,12 @@ def test_pull_of_latest_does_not_wait_for_a_push_in_flight() -> None:
     layout = uniform_layout(1024)
     store = VersionedStore(layout, num_slots=2)
     store.push(filled(layout, 7), 7)
-    lease = store.begin_push(8)  # a Push stuck half way
+    lease = store.begin_push(8)  # a Push stuck half way, held by this very thread
     try:
         assert store.versions() == (7,)
-        done = threading.Event()
         dest = np.empty(layout.nbytes, np.uint8)
-
-        def pull() -> None:
-            assert store.pull(dest) == 7
-            done.set()
-
-        threading.Thread(target=pull).start()
-        # a liveness bound, not a timing: a Pull that waited for the Push would wait forever
-        assert done.wait(60), "Pull of the latest version waited for the Push"
+        # a Pull that waited for the Push would wait for this thread: it would never return
+        assert store.pull(dest) == 7
         assert (layout.views(dest)["big"] == 7).all()
         lease.view[:] = 0
     finally:
@@ -144,16 +137,15 @@ def test_push_waits_for_readers_of_the_slot_it_needs() -> None:
     threading.Thread(target=push).start()
     # wait until the Push is under way (it has retired v0 and holds the Push flag), then
     # it can only be waiting for the reader: it must not have finished or written
-    deadline = time.monotonic() + 60
-    while not store.info().pushing and time.monotonic() < deadline:
+    while not store.info().pushing:  # (a Push that never starts: pytest-timeout)
         time.sleep(0.001)
-    assert store.info().pushing and store.versions() == (1,)
+    assert store.versions() == (1,)
     assert not pushed.is_set(), "Push overwrote a slot that was being read"
     assert (reading.view.view(np.int32)[:1024] == 0).all()
     with pytest.raises(VersionNotHeldError):  # already retired: no new reader gets v0
         store.acquire_read(0)
     reading.release()
-    assert pushed.wait(60)
+    pushed.wait()
     assert store.versions() == (1, 2)
 
 
@@ -287,10 +279,9 @@ def test_push_lease_times_out_on_a_stuck_reader() -> None:
     store.push(filled(layout, 0))
     store.push(filled(layout, 1))
     stuck = store.acquire_read(0)
-    t0 = time.monotonic()
+    # the reader is never released while begin_push waits: ignoring the timeout would hang
     with pytest.raises(TimeoutError, match="num_slots"):
         store.begin_push(timeout=0.2)
-    assert time.monotonic() - t0 < 2
     assert store.versions() == (0, 1)  # a timed-out Push changes nothing
     stuck.release()
     assert store.push(filled(layout, 2)) == 2

@@ -140,7 +140,7 @@ def test_cli_dashboard_serves_a_simulated_run_until_interrupted():
             run = json.load(r)
         assert run["kind"] == "sim" and run["eta"] == 1 and run["instances"] == 4
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=20) == 0
+        assert proc.wait() == 0
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -47,7 +47,7 @@ def _texts() -> list[Path]:
         )
         for p in (ROOT / top).rglob("*.py")
     ]
-    docs = [*(ROOT / "docs").glob("*.md"), ROOT / "README.md", *(ROOT / "deploy").rglob("*.md")]
+    docs = [*(ROOT / "docs").glob("*.md"), ROOT / "README.md", *(ROOT / "deploy").rglob("*.*")]
     scripts = [*(ROOT / "scripts").glob("*"), ROOT / ".ci" / "run"]
     return [*code, *docs, *(ROOT / "experiments").glob("*.py"), *scripts]
 

@@ -39,7 +39,10 @@ W, R_, S = BufferState.WAITING, BufferState.READY, BufferState.STUCK
         ({"eta": -1}, "eta must be an integer >= 0"),
         ({"batch_size": 0}, "batch_size must be an integer >= 1"),
         ({"group_size": 0}, "group_size must be an integer >= 1"),
-        ({"batch_redundancy": -0.5}, "batch_redundancy must be a fraction"),
+        (
+            {"batch_redundancy": -0.5},
+            r"batch_redundancy=-0.5 is out of range: use a ratio in \[0, 16\)",
+        ),
         ({"eta": 1.5}, "eta must be an integer"),
     ],
 )
@@ -304,7 +307,7 @@ def test_wait_ready_blocks_without_polling_and_wakes_on_occupy():
     m.add_ready_listener(woke.append)
     t = threading.Thread(target=lambda: (time.sleep(0.05), m.complete(0, 0)))
     t.start()
-    assert m.wait_ready(timeout=5)
+    assert m.wait_ready()  # blocks until the thread's Occupy
     t.join()
     assert woke == [0]
 
@@ -339,3 +342,78 @@ def test_sketch_sees_its_own_reservations_and_never_touches_the_manager():
     tentative = sk.sketch()
     assert not tentative.verify(0)
     assert sk.verify(0, group_id=1)  # a member of a group the sketch reserved
+
+
+# -- fixes found by an independent randomized check (issue #15) ------------------------------
+
+
+def test_round_trip_remembers_aborted_groups():
+    """A straggler of a group aborted before the checkpoint is discarded after restore, and
+    the aborted id takes no new Reserve (as before the round trip)."""
+    m = StalenessManager(StalenessConfig(eta=1, batch_size=2, group_size=2))
+    m.reserve(4, 40, 0)
+    m.reserve(4, 41, 0)
+    m.abort(4)
+    restored = StalenessManager.restore(m.export_state())
+    for manager in (m, restored):
+        out = manager.complete(4, 40)
+        assert out.discarded and out.abort_trajectories == (40,)
+        assert not manager.verify(0, group_id=4)
+        with pytest.raises(StalenessViolation, match="was aborted"):
+            manager.reserve(4, 42, 0)
+    assert restored.export_state() == m.export_state()
+
+
+def test_round_trip_keeps_arrival_order_within_a_version():
+    """Which reservation is dropped first (the oldest of its version) and which occupied
+    group moves first survive the round trip: the rings are saved in arrival order."""
+    m = StalenessManager(StalenessConfig(eta=1, batch_size=2, group_size=2), version=1)
+    m.reserve(1, 10, 1)  # group 1 enters version 1 first ...
+    m.reserve(2, 20, 0)  # ... group 2 enters version 0 ...
+    m.reserve(1, 11, 0)  # ... then group 1 joins version 0 after group 2
+    restored = StalenessManager.restore(m.export_state())
+    assert restored.export_state() == m.export_state()
+    assert restored.view() == m.view()
+
+
+@pytest.mark.parametrize("bad", ["0", 1.0, None, True])
+def test_verify_rejects_a_non_int_version_with_a_typed_error(bad):
+    m = StalenessManager(StalenessConfig(eta=1, batch_size=2))
+    for check in (m.verify, m.sketch().verify):
+        with pytest.raises(StalenessError, match="V_traj must be a non-negative int"):
+            check(bad)
+
+
+def test_verify_and_reserve_agree_on_a_negative_version():
+    m = StalenessManager(StalenessConfig(eta=1, batch_size=2))
+    before = m.export_state()
+    for call in (lambda: m.verify(-1), lambda: m.reserve(0, 0, -1), lambda: m.sketch().verify(-1)):
+        with pytest.raises(StalenessError, match="V_traj must be a non-negative int"):
+            call()
+    assert m.export_state() == before
+
+
+def test_discarded_completions_report_a_ready_buffer():
+    # A straggler of an aborted group, while the trainer's buffer is Ready.
+    m = StalenessManager(StalenessConfig(eta=1, batch_size=1))
+    m.reserve(0, 0, 0)
+    m.reserve(1, 1, 0)
+    m.abort(1)
+    assert m.complete(0, 0).ready
+    out = m.complete(1, 1)
+    assert out.discarded and out.ready
+    assert m.abort(1).ready  # a second abort of the same group: discarded, still Ready
+    # A surplus member finishing after its group was occupied (group redundancy).
+    cfg = StalenessConfig(eta=1, batch_size=1, group_size=1, group_redundancy=1.0)
+    m = StalenessManager(cfg)
+    m.reserve(0, 0, 0)
+    m.reserve(0, 1, 0)
+    assert m.complete(0, 0).ready
+    out = m.complete(0, 1)
+    assert out.discarded and out.ready
+
+
+@pytest.mark.parametrize("key", ["eta", "batch_size", "group_size"])
+def test_config_refuses_a_bool_as_a_count(key):
+    with pytest.raises(InvalidConfig, match=f"{key} must be an integer"):
+        StalenessManager(StalenessConfig(**{key: True}))

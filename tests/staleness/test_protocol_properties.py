@@ -1,4 +1,9 @@
-"""Long random sequences of protocol operations against a bookkeeping model."""
+"""Long random sequences of protocol operations against a bookkeeping model.
+
+An export/restore round trip may happen at any point: from then on every call runs on the
+restored manager and on the original side by side (``Lockstep``), and their results,
+errors and exported states must stay equal.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +14,48 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from staleness import (
     EntryKind,
     StalenessConfig,
+    StalenessError,
     StalenessManager,
     StalenessViolation,
 )
 from tests.staleness.oracle import brute_lexmax_occupied, flow_feasible
+
+
+class Lockstep:
+    """Forwards each call to every manager; they must answer (or fail) identically.
+
+    The first manager is the one the machine restored last; the others are the managers
+    it replaced, which saw the same calls without any round trip.
+    """
+
+    def __init__(self, managers: list[StalenessManager]) -> None:
+        self.managers = managers
+
+    @property
+    def version(self) -> int:
+        versions = {m.version for m in self.managers}
+        assert len(versions) == 1, f"versions diverged after a round trip: {versions}"
+        return versions.pop()
+
+    def __getattr__(self, name: str):
+        def call(*args, **kwargs):
+            results = []
+            for m in self.managers:
+                try:
+                    results.append(("ok", getattr(m, name)(*args, **kwargs)))
+                except StalenessError as exc:
+                    results.append(("error", exc))
+            kinds = {(kind, type(r) if kind == "error" else None) for kind, r in results}
+            assert len(kinds) == 1, f"{name}{args}: managers diverged: {results}"
+            kind, first = results[0]
+            if kind == "error":
+                assert {str(r) for _, r in results} == {str(first)}
+                raise first
+            for _, other in results[1:]:
+                assert other == first, f"{name}{args}: {other} != {first} after a round trip"
+            return first
+
+        return call
 
 
 class ProtocolMachine(RuleBasedStateMachine):
@@ -25,7 +68,7 @@ class ProtocolMachine(RuleBasedStateMachine):
     )
     def setup(self, eta, batch, group, batch_red, group_red):
         cfg = StalenessConfig(eta, batch, group, batch_red, group_red)
-        self.m = StalenessManager(cfg)
+        self.m = Lockstep([StalenessManager(cfg)])
         self.cfg = cfg
         self.next_gid = 0
         self.next_tid = 0
@@ -34,6 +77,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.occupied: set[int] = set()
         self.gone: set[int] = set()  # consumed or aborted
         self.consumed: set[int] = set()
+        self.stragglers: set[tuple[int, int]] = set()  # (group, traj) settled without it
 
     # -- operations ---------------------------------------------------------------------
 
@@ -95,6 +139,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         out = self.m.complete(gid, tid)
         if out.discarded:
             assert gid in out.abort_groups
+            self.done[gid].append(tid)
             self._forget(gid)
         else:
             self.done[gid].append(tid)
@@ -105,6 +150,7 @@ class ProtocolMachine(RuleBasedStateMachine):
                 self.occupied.add(gid)
                 for t in out.abort_trajectories:
                     del self.members[gid][t]
+                    self.stragglers.add((gid, t))
             else:
                 assert len(self.done[gid]) < self.cfg.group_size
         for g in out.abort_groups:
@@ -112,12 +158,35 @@ class ProtocolMachine(RuleBasedStateMachine):
                 self._forget(g)
         assert out.ready == self.m.is_ready()
 
+    @precondition(lambda self: bool(self.stragglers))
+    @rule(data=st.data())
+    def straggler_completes(self, data):
+        """A member of an aborted group, or a surplus member, finishes late."""
+        gid, tid = data.draw(st.sampled_from(sorted(self.stragglers)))
+        self.stragglers.discard((gid, tid))
+        out = self.m.complete(gid, tid)
+        assert out.discarded and out.abort_trajectories == (tid,) and not out.occupied
+        assert out.ready == self.m.is_ready()
+        assert not self.m.verify(0, gid), "a settled group took a new member"
+
+    @rule(data=st.data())
+    def round_trip(self, data):
+        """Checkpoint and restore: the restored state equals the saved one field by field,
+        and from now on the restored manager must behave exactly like the original."""
+        state = self.m.export_state()
+        restored = StalenessManager.restore(state)
+        assert restored.export_state() == state
+        assert restored.view() == self.m.view()
+        # keep at most two twins: the newest restore and the manager that never restored
+        self.m = Lockstep([restored, self.m.managers[-1]])
+
     @precondition(lambda self: bool(self.members))
     @rule(data=st.data())
     def abort_group(self, data):
         gid = data.draw(st.sampled_from(sorted(self.members)))
         out = self.m.abort(gid)
         assert set(out.abort_trajectories) == set(self.members[gid])
+        assert out.ready == self.m.is_ready()
         self._forget(gid)
 
     @precondition(lambda self: self.m.is_ready())
@@ -133,6 +202,8 @@ class ProtocolMachine(RuleBasedStateMachine):
             assert g.group_id not in self.consumed
             self.consumed.add(g.group_id)
             self._forget(g.group_id)
+            # a consumed group is forgotten: its surplus members are dropped by the TS
+            self.stragglers = {(gid, t) for gid, t in self.stragglers if gid != g.group_id}
         for gid in batch.aborted_groups:
             assert self.cfg.batch_redundancy > 0
             self._forget(gid)
@@ -145,6 +216,8 @@ class ProtocolMachine(RuleBasedStateMachine):
         return [t for t in self.members[gid] if t not in self.done[gid]]
 
     def _forget(self, gid):
+        if gid in self.members:  # members still running finish late, if ever
+            self.stragglers.update((gid, t) for t in self._running(gid))
         self.members.pop(gid, None)
         self.done.pop(gid, None)
         self.occupied.discard(gid)

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from trajectory_server import (
+    FinishedTrajectory,
     InvalidTransition,
+    NotHolder,
     PartialTrajectory,
     TrajectoryGone,
     TrajectoryServerConfig,
@@ -33,7 +35,8 @@ def test_actor_round_trip():
     from trajectory_server.actor import spawn_trajectory_server
 
     dataset = synthetic_dataset(CharTokenizer(ALPHABET), size=50)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # address="local": a new instance even if another `ray start` runs on this machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         config = TrajectoryServerConfig(eta=1, batch_size=2, group_size=2)
         client = spawn_trajectory_server(config, PromptSampler(dataset, seed=3))
@@ -73,5 +76,24 @@ def test_actor_round_trip():
         assert (stats.groups, stats.consumed_trajectories, stats.aborted_trajectories) == (4, 2, 3)
         assert client.group_members(2) == (5,) and client.refill() == ()
         assert client.group_status(2).live == 1
+
+        # recovery calls and the checkpoint state over the actor
+        client.route([5, 6], 1, "inst-1")
+        ones = (tokens, np.zeros(4, np.float32), np.ones(4, np.int32))
+        assert client.report_progress([PartialTrajectory(5, *ones)], "inst-1") == (5,)
+        client.hand_to_reward([FinishedTrajectory(6, *ones, "stop")], "w0", instance_id="inst-1")
+        assert client.routed_to("inst-1") == (5,)
+        assert client.instance_lost("inst-1") == (5,)
+        with pytest.raises(NotHolder):
+            client.interrupt_return([PartialTrajectory(5, *ones)], instance_id="inst-1")
+        (task,) = client.reassign_rewards("w0", "w1")
+        assert task.traj_id == 6 and task.tokens.tolist() == tokens.tolist()
+        state = client.export_state()
+        assert state["trajectories"]["tokens"].dtype == np.int32
+        restored = spawn_trajectory_server(
+            config, PromptSampler.from_state(dataset, state["source"]), state
+        )
+        assert restored.routing_view() == client.routing_view()
+        assert restored.state_of(6) is TrajState.REWARDING
     finally:
         ray.shutdown()

@@ -3,7 +3,8 @@
 After each step: every trajectory id ever created is live in exactly one state (as the
 model says) or was consumed or aborted exactly once; the routing view is the model's MLQ
 (smaller V_traj first, initial last, FIFO within a level); the counters agree.
-Invalid calls must raise and change nothing.
+Invalid calls must raise and change nothing. The recovery calls (progress reports, a lost
+instance, a lost reward worker) and a checkpoint round trip may happen at any point.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from trajectory_server import (
+    FinishedTrajectory,
     InvalidPayload,
     InvalidTransition,
     PartialTrajectory,
@@ -27,8 +29,10 @@ from trajectory_server import (
     TrajState,
     VersionConflict,
 )
+from trajectory_server.wire import pack_plain, unpack_plain
 
-Q, R, C = TrajState.QUEUED, TrajState.ROUTED, TrajState.COMPLETED
+Q, R, W, C = TrajState.QUEUED, TrajState.ROUTED, TrajState.REWARDING, TrajState.COMPLETED
+INSTANCES, WORKERS = (0, 1, 2), ("w0", "w1")
 
 
 @dataclass(frozen=True)
@@ -55,13 +59,15 @@ class _Traj:
     v: int | None = None
     tokens: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    holder: int | str | None = None  # instance (ROUTED) or reward worker (REWARDING)
 
 
 class TrajectoryServerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         config = TrajectoryServerConfig(eta=1, batch_size=2, group_size=2, group_redundancy=0.5)
-        self.ts = TrajectoryServer(config, _Source())
+        self.source = _Source()
+        self.ts = TrajectoryServer(config, self.source)
         self.live: dict[int, _Traj] = {}
         self.fifo: dict[int | None, list[int]] = {None: []}
         self.consumed: set[int] = set()
@@ -127,14 +133,15 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
         for tid in chosen:
             v = self.live[tid].v
             versions[tid] = data.draw(st.integers(0, 3)) if v is None else v
-        payloads = self.ts.route(chosen, versions, instance_id=data.draw(st.integers(0, 2)))
+        instance = data.draw(st.sampled_from(INSTANCES))
+        payloads = self.ts.route(chosen, versions, instance_id=instance)
         assert [p.traj_id for p in payloads] == chosen
         for p in payloads:
             m = self.live[p.traj_id]
             assert p.v_traj == versions[p.traj_id] and p.tokens.tolist() == m.tokens
             assert p.group_id == m.group and len(p.prompt) == m.prompt_len
             self.fifo[m.v].remove(p.traj_id)
-            m.state, m.v = R, p.v_traj
+            m.state, m.v, m.holder = R, p.v_traj, instance
             self.fifo.setdefault(m.v, [])
 
     @precondition(lambda self: self.ids_in(R))
@@ -146,16 +153,22 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
         for p in partials:
             m = self.live[p.traj_id]
             m.state, m.tokens, m.versions = Q, p.tokens.tolist(), p.versions.tolist()
+            m.holder = None
             self.fifo[m.v].append(p.traj_id)
 
-    @precondition(lambda self: self.ids_in(R))
+    @precondition(lambda self: self.ids_in(R, W))
     @rule(data=st.data())
     def complete(self, data: st.DataObject) -> None:
-        tid = data.draw(st.sampled_from(self.ids_in(R)))
-        tokens, logprobs, versions = self.grow(data, tid)
-        status = self.ts.complete(tid, tokens, logprobs, versions, 1.0, "stop")
+        tid = data.draw(st.sampled_from(self.ids_in(R, W)))
         m = self.live[tid]
+        if m.state is R:
+            tokens, logprobs, versions = self.grow(data, tid)
+        else:  # REWARDING: the finished response, as stored
+            tokens, versions = np.array(m.tokens, np.int32), np.array(m.versions, np.int32)
+            logprobs = np.full(len(m.tokens), -1.0, dtype=np.float32)
+        status = self.ts.complete(tid, tokens, logprobs, versions, 1.0, "stop")
         m.state, m.tokens, m.versions = C, tokens.tolist(), versions.tolist()
+        m.holder = None
         members = [t for t, x in self.live.items() if x.group == m.group]
         assert status.live == len(members)
         assert status.completed == sum(self.live[t].state is C for t in members)
@@ -212,6 +225,72 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
             self.leave(tid, self.aborted)
         self.absorb_new()
 
+    # --------------------------------------------------------------- recovery
+
+    @precondition(lambda self: self.ids_in(R))
+    @rule(data=st.data())
+    def report_progress(self, data: st.DataObject) -> None:
+        """The reporter's own trajectories grow; reports from another instance and about
+        trajectories it does not hold are ignored."""
+        reporter = data.draw(st.sampled_from(INSTANCES))
+        chosen = data.draw(st.lists(st.sampled_from(self.ids_in(R)), min_size=1, unique=True))
+        partials = [PartialTrajectory(tid, *self.grow(data, tid)) for tid in chosen]
+        recorded = self.ts.report_progress(partials, reporter)
+        expected = [
+            p.traj_id
+            for p in partials
+            if self.live[p.traj_id].holder == reporter
+            and len(p.tokens) > len(self.live[p.traj_id].tokens)
+        ]
+        assert list(recorded) == expected
+        for p in partials:
+            if p.traj_id in expected:
+                m = self.live[p.traj_id]
+                m.tokens, m.versions = p.tokens.tolist(), p.versions.tolist()
+
+    @rule(instance=st.sampled_from(INSTANCES))
+    def instance_lost(self, instance: int) -> None:
+        held = {t for t in self.ids_in(R) if self.live[t].holder == instance}
+        returned = self.ts.instance_lost(instance)
+        assert set(returned) == held and len(returned) == len(held)
+        for tid in returned:  # the longest known response, V_traj kept, back of its level
+            m = self.live[tid]
+            m.state, m.holder = Q, None
+            self.fifo[m.v].append(tid)
+
+    @precondition(lambda self: self.ids_in(R))
+    @rule(data=st.data(), worker=st.sampled_from(WORKERS))
+    def hand_to_reward(self, data: st.DataObject, worker: str) -> None:
+        tid = data.draw(st.sampled_from(self.ids_in(R)))
+        finished = FinishedTrajectory(tid, *self.grow(data, tid), "stop")
+        self.ts.hand_to_reward([finished], worker)
+        m = self.live[tid]
+        m.state, m.holder = W, worker
+        m.tokens, m.versions = finished.tokens.tolist(), finished.versions.tolist()
+
+    @rule(lost=st.sampled_from([*WORKERS, None]), to=st.sampled_from([*WORKERS, None]))
+    def reassign_rewards(self, lost: str | None, to: str | None) -> None:
+        held = {t for t in self.ids_in(W) if self.live[t].holder == lost}
+        tasks = self.ts.reassign_rewards(lost, to)
+        assert {t.traj_id for t in tasks} == held and len(tasks) == len(held)
+        for task in tasks:
+            m = self.live[task.traj_id]
+            assert task.tokens.tolist() == m.tokens and task.v_traj == m.v
+            m.holder = to
+
+    @rule()
+    def checkpoint_round_trip(self) -> None:
+        """Export, pack as a checkpoint file would, restore: ROUTED ones are QUEUED again
+        (at the back of their level, in id order), reward workers are forgotten."""
+        state = unpack_plain(pack_plain(self.ts.export_state()))
+        self.ts = TrajectoryServer.restore(self.ts.config, self.source, state)
+        for tid in self.ids_in(R):
+            m = self.live[tid]
+            m.state, m.holder = Q, None
+            self.fifo[m.v].append(tid)
+        for tid in self.ids_in(W):
+            self.live[tid].holder = None
+
     # --------------------------------------------------------- invalid calls
 
     @precondition(lambda self: self.ids_in(R, C))
@@ -266,6 +345,20 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
         assert len(self.live) + len(self.consumed) + len(self.aborted) == created
         for tid, m in self.live.items():
             assert self.ts.state_of(tid) is m.state
+        for instance in INSTANCES:
+            held = [t for t in self.ids_in(R) if self.live[t].holder == instance]
+            assert sorted(self.ts.routed_to(instance)) == held
+        ledger = self.ts.ledger()
+        assert [e.traj_id for e in ledger] == sorted(self.live)
+        for e in ledger:
+            m = self.live[e.traj_id]
+            assert (e.group_id, e.state, e.v_traj, e.tokens) == (
+                m.group,
+                m.state,
+                m.v,
+                len(m.tokens),
+            )
+            assert e.holder == m.holder
 
     @invariant()
     def view_is_the_mlq(self) -> None:
@@ -281,7 +374,8 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
     @invariant()
     def counters_agree(self) -> None:
         s = self.ts.stats()
-        assert (s.queued, s.routed, s.completed) == tuple(len(self.ids_in(x)) for x in (Q, R, C))
+        got = (s.queued, s.routed, s.rewarding, s.completed)
+        assert got == tuple(len(self.ids_in(x)) for x in (Q, R, W, C))
         assert s.initial == len(self.fifo[None])
         assert (s.consumed_trajectories, s.aborted_trajectories) == (
             len(self.consumed),
@@ -298,7 +392,7 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
 
 TrajectoryServerMachine.TestCase.settings = settings(
     max_examples=60,
-    stateful_step_count=30,
+    stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

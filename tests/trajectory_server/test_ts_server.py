@@ -300,20 +300,20 @@ def test_routing_view_is_cached_until_a_change(ts, response):
     assert [r.traj_id for r in ts.routing_view()] == [0, 1, 2, 3, 4, 5, 6, 7]
 
 
-def test_routing_view_of_2048_is_cheap(make_ts, response):
-    import time
-
+def test_routing_view_of_2048_follows_one_change_per_cycle(make_ts, response):
+    """What a coordinator cycle sees (its cost is measured by
+    experiments/bench_trajectory_server.py, row routing_view)."""
     ts = make_ts(eta=3, batch_size=32, group_size=16)  # 128 groups x 16
     assert len(ts.routing_view()) == 2048
     ts.route(range(0, 2048, 2), 0, "i")
     ts.interrupt_return(PartialTrajectory(t, *response(3, 0)) for t in range(0, 1024, 2))
-    start = time.perf_counter()
     for n in range(100):
         ts.route([1 + 2 * n], 1, "i")  # one change per cycle, as the coordinator does
         view = ts.routing_view()
-    per_cycle = (time.perf_counter() - start) / 100
-    assert len(view) == 1024 + 512 - 100
-    assert per_cycle < 2e-3, f"routing view rebuild took {per_cycle * 1e3:.2f} ms"
+        ids = {r.traj_id for r in view}
+        assert len(view) == 1024 + 512 - n - 1 and 1 + 2 * n not in ids
+    partial = {r.traj_id: r.v_traj for r in view if r.traj_id % 2 == 0}
+    assert len(partial) == 512 and set(partial.values()) == {0}  # kept their V_traj
 
 
 def test_stats_metrics_are_flat(ts):

@@ -12,8 +12,10 @@ from hypothesis.extra import numpy as hnp
 from trajectory_server import (
     AbortedTrajectory,
     Completion,
+    FinishedTrajectory,
     GroupStatus,
     PartialTrajectory,
+    RewardTask,
     RoutableTrajectory,
     RoutedTrajectory,
     TrainingBatch,
@@ -79,6 +81,34 @@ def test_completion_partial_and_status_batches_round_trip():
     assert back.tokens.dtype == np.int32 and back.tokens.shape == (0,)
     statuses = wire.GroupStatusBatch((GroupStatus(1, 2, 3),))
     assert wire.unpack(wire.pack(statuses)) == statuses
+
+
+def test_recovery_messages_round_trip():
+    p = PartialTrajectory(8, *arrays(5))
+    report = wire.unpack(wire.pack(wire.ProgressReport((p,), "inst-1")), wire.ProgressReport)
+    assert report.instance_id == "inst-1" and same_arrays(report.partials[0].tokens, p.tokens)
+    back = wire.unpack(wire.pack(wire.InterruptReturn((p,), 3)), wire.InterruptReturn)
+    assert back.instance_id == 3
+    f = FinishedTrajectory(4, *arrays(3), "length")
+    hand = wire.unpack(wire.pack(wire.HandToReward((f,), "w0", 2)), wire.HandToReward)
+    assert (hand.worker_id, hand.instance_id, hand.finished[0].finish_reason) == ("w0", 2, "length")
+    task = RewardTask(4, 1, 0, 9, "42", np.arange(3, dtype=np.int32), *arrays(3), "stop")
+    (out,) = wire.unpack(wire.pack(wire.RewardTaskBatch((task,))), wire.RewardTaskBatch).tasks
+    assert (out.traj_id, out.group_id, out.v_traj, out.sample_id, out.answer) == (4, 1, 0, 9, "42")
+    assert same_arrays(out.prompt, task.prompt) and same_arrays(out.versions, task.versions)
+
+
+def test_plain_states_pack_arrays_as_bytes_and_refuse_objects():
+    t, lp, _ = arrays(1000)
+    tree = {"a": [1, "x", None, 2.5, True], "arrays": {"t": t, "lp": lp}, "n": {"k": [t[:3]]}}
+    back = wire.unpack_plain(wire.pack_plain(tree))
+    assert back["a"] == [1, "x", None, 2.5, True]
+    assert same_arrays(back["arrays"]["t"], t) and not back["arrays"]["t"].flags.writeable
+    assert len(wire.pack_plain({"t": t})) < t.nbytes + 64  # raw bytes, not a list of ints
+    with pytest.raises(WireError, match="cannot pack"):
+        wire.pack_plain({"x": object()})
+    with pytest.raises(WireError, match="not a packed state"):
+        wire.unpack_plain(b"\xc1")
 
 
 def test_routing_columns_round_trip():

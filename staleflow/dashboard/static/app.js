@@ -109,6 +109,7 @@ function renderHeader(run, ps) {
     ["time", fmt(run.elapsed_s, 0) + unit],
     ["cycles", run.cycles],
   ];
+  if (run.phase) facts.push(["phase", run.phase]);
   const dl = $("run-facts");
   dl.replaceChildren(...facts.map(([k, v]) => {
     const d = el("div");
@@ -358,7 +359,7 @@ function drawStaleness(canvas, run) {
   const shown = rows.slice(-120);
   const yMax = niceMax(Math.max(...shown.map((r) => Object.values(r.hist).reduce((a, b) => a + b, 0))));
   const box = { x: 48, y: 18, w: width - 60, h: height - 44 };
-  axes(ctx, box, shown[shown.length - 1].version, yMax, "consumed buffer V_buf", "groups");
+  axes(ctx, box, shown[shown.length - 1].version, yMax, "consumed buffer V_buf", "trajectories");
   const bw = box.w / shown.length;
   shown.forEach((r, i) => {
     let y = box.y + box.h;

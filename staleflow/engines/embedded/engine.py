@@ -51,6 +51,13 @@ from staleflow.engines.base import (
     GenerationRequest,
     StepTimes,
 )
+from staleflow.engines.checks import (
+    CheckedRequest,
+    RequestRecord,
+    check_request,
+    check_unique,
+    check_weights,
+)
 from staleflow.engines.embedded import sampling
 from staleflow.engines.embedded.config import EmbeddedEngineConfig
 from staleflow.engines.embedded.runner import ModelRunner
@@ -60,36 +67,15 @@ logger = logging.getLogger(__name__)
 _INT32 = np.iinfo(np.int32)
 
 
-class _Request:
-    """A trajectory inside the engine. The response grows as Python lists (cheap appends
-    per step) and becomes arrays only when the request leaves."""
+class _Request(RequestRecord):
+    __slots__ = ("admitted",)
 
-    __slots__ = ("admitted", "logprobs", "max_response", "prompt", "tokens", "traj_id", "versions")
-
-    def __init__(self, req: GenerationRequest, prompt: np.ndarray, tokens: np.ndarray) -> None:
-        self.traj_id = int(req.traj_id)
-        self.prompt = prompt
-        self.tokens: list[int] = tokens.tolist()
-        self.logprobs: list[float] = np.asarray(req.logprobs, dtype=np.float32).tolist()
-        self.versions: list[int] = np.asarray(req.versions, dtype=np.int32).tolist()
-        self.max_response = int(req.max_response)
+    def __init__(self, req: CheckedRequest) -> None:
+        super().__init__(req)
         self.admitted = -1  # admission sequence number while running
-
-    @property
-    def length(self) -> int:
-        return len(self.prompt) + len(self.tokens)
 
     def sequence(self) -> np.ndarray:
         return np.concatenate([self.prompt, np.asarray(self.tokens, dtype=np.int32)])
-
-    def output(self, finish_reason: str | None) -> EngineOutput:
-        return EngineOutput(
-            traj_id=self.traj_id,
-            tokens=np.asarray(self.tokens, dtype=np.int32),
-            logprobs=np.asarray(self.logprobs, dtype=np.float32),
-            versions=np.asarray(self.versions, dtype=np.int32),
-            finish_reason=finish_reason,
-        )
 
 
 class EmbeddedEngine:
@@ -150,49 +136,16 @@ class EmbeddedEngine:
     # ----------------------------------------------------------------- requests in / out
 
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
-        checked: list[_Request] = []
-        seen: set[int] = set()
-        for req in requests:
-            r = self._check(req)
-            if r.traj_id in self._known or r.traj_id in seen:
-                raise ValueError(f"trajectory {r.traj_id}: already in the engine (duplicate id)")
-            seen.add(r.traj_id)
-            checked.append(r)
-        for r in checked:
+        shape = self._runner.shape
+        checked = [
+            check_request(r, vocab_size=shape.vocab_size, max_seq_len=self.config.max_seq_len)
+            for r in requests
+        ]
+        check_unique(checked, self._known)
+        for c in checked:
+            r = _Request(c)
             self._waiting.append(r)
             self._known[r.traj_id] = r
-
-    def _check(self, req: GenerationRequest) -> _Request:
-        traj_id = req.traj_id
-        if not isinstance(traj_id, int | np.integer) or isinstance(traj_id, bool):
-            raise ValueError(f"trajectory {traj_id!r}: traj_id must be an int")
-        where = f"trajectory {traj_id}"
-        vocab = self._runner.shape.vocab_size
-        prompt = _ids(req.prompt, f"{where}: prompt", vocab)
-        tokens = _ids(req.tokens, f"{where}: tokens", vocab)
-        if len(prompt) == 0:
-            raise ValueError(f"{where}: empty prompt; give at least one token")
-        logprobs = _array(req.logprobs, f"{where}: logprobs", "f")
-        versions = _array(req.versions, f"{where}: versions", "iu")
-        if not len(tokens) == len(logprobs) == len(versions):
-            raise ValueError(
-                f"{where}: tokens, logprobs and versions must have one entry per token, got "
-                f"lengths {len(tokens)}, {len(logprobs)}, {len(versions)}"
-            )
-        max_response = req.max_response
-        if not isinstance(max_response, int | np.integer) or max_response < 1:
-            raise ValueError(f"{where}: max_response must be a positive int, got {max_response!r}")
-        if len(tokens) >= max_response:
-            raise ValueError(
-                f"{where}: the response already has {len(tokens)} tokens, max_response is "
-                f"{max_response}; it is finished, do not resubmit it"
-            )
-        if len(prompt) + max_response > self.config.max_seq_len:
-            raise ValueError(
-                f"{where}: prompt ({len(prompt)}) + max_response ({max_response}) exceeds "
-                f"max_seq_len={self.config.max_seq_len}; shorten the request or raise max_seq_len"
-            )
-        return _Request(req, prompt, tokens)
 
     def interrupt(self, traj_ids: Iterable[int]) -> dict[int, EngineOutput]:
         return {r.traj_id: r.output(None) for r in self._remove(traj_ids)}
@@ -354,27 +307,11 @@ class EmbeddedEngine:
         of any float dtype, cast to the parameter's). Unknown, missing, misshapen or
         non-float entries raise ``ValueError`` naming the parameter before anything is
         copied. Running requests keep their KV cache, computed by the older weights."""
-        missing = [n for n in self._params if n not in weights]
-        extra = [n for n in weights if n not in self._params]
-        if extra:
-            raise ValueError(
-                f"unknown parameter {extra[0]!r} (and {len(extra) - 1} more); expected the "
-                "names of weight_shapes()"
-            )
-        if missing:
-            raise ValueError(
-                f"parameter {missing[0]!r} is missing (and {len(missing) - 1} more); "
-                "load_weights takes every parameter of weight_shapes()"
-            )
-        tensors: dict[str, torch.Tensor] = {}
-        for name, value in weights.items():
-            param = self._params[name]
-            t = _as_tensor(value, name)
-            if tuple(t.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"parameter {name!r}: shape {tuple(t.shape)}, expected {tuple(param.shape)}"
-                )
-            tensors[name] = t
+        expected = {name: tuple(p.shape) for name, p in self._params.items()}
+        tensors = {
+            name: _as_tensor(value, name)
+            for name, value in check_weights(expected, weights).items()
+        }
         # Everything is checked before the first copy, so a bad update changes nothing.
         with torch.no_grad():
             for name, t in tensors.items():
@@ -390,7 +327,12 @@ class EmbeddedEngine:
             running=tuple((r.traj_id, r.length) for r in self._rows_by_admission()),
             waiting=tuple((r.traj_id, r.length) for r in self._waiting),
             version=self._version,
+            preemptions=self.preemptions,
+            kv_usage=sum(r.length for r in self._rows) / self.config.kv_budget_tokens,
         )
+
+    def close(self) -> None:
+        """Nothing to release: the model and cache are plain tensors of this process."""
 
     def _rows_by_admission(self) -> list[_Request]:
         return sorted(self._rows, key=lambda r: r.admitted)
@@ -410,25 +352,6 @@ class EmbeddedEngine:
     @property
     def version(self) -> int:
         return self._version
-
-
-def _array(values: object, what: str, kinds: str) -> np.ndarray:
-    if not isinstance(values, np.ndarray):
-        raise ValueError(f"{what} must be a numpy array, got {type(values).__name__}")
-    if values.ndim != 1:
-        raise ValueError(f"{what} must be 1-D, got shape {values.shape}")
-    if values.size and values.dtype.kind not in kinds:
-        raise ValueError(
-            f"{what} has dtype {values.dtype}; expected {'floats' if kinds == 'f' else 'integers'}"
-        )
-    return values
-
-
-def _ids(values: object, what: str, vocab: int) -> np.ndarray:
-    arr = _array(values, what, "iu")
-    if arr.size and (arr.min() < 0 or arr.max() >= vocab):
-        raise ValueError(f"{what} has token ids outside [0, {vocab}) of the model's vocabulary")
-    return arr.astype(np.int32, copy=True)
 
 
 def _as_tensor(value: object, name: str) -> torch.Tensor:

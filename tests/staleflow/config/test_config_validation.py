@@ -38,7 +38,10 @@ from staleflow.config import (
         (["data.task=csv"], "data.task='csv' is unknown: use one of arithmetic | gsm8k"),
         (["data.difficulty=9"], "data.difficulty=9 is out of range"),
         (["data.max_prompt_tokens=0"], "data.max_prompt_tokens=0"),
-        (["rollout.backend=vllm"], "rollout.backend='vllm' is unknown: use one of embedded"),
+        (
+            ["rollout.backend=tgi"],
+            "rollout.backend='tgi' is unknown: use one of embedded | vllm | sglang",
+        ),
         (["rollout.instances=0"], "rollout.instances=0 is too small: use at least 1"),
         (["rollout.temperature=0"], "rollout.temperature=0.0 must be > 0"),
         (["rollout.top_p=1.5"], "rollout.top_p=1.5 is out of range: use (0, 1]"),
@@ -70,8 +73,16 @@ from staleflow.config import (
         (["data.tokenizer=tok.json"], "data.tokenizer='tok.json' replaces the tokenizer"),
         (["data.task=jsonl", "data.path=d.parquet"], "data.path='d.parquet' does not end in"),
         (["data.path=train.jsonl"], "data.task=arithmetic does not read files"),
-        (["rollout.backend=sglang"], "rollout.backend='sglang' needs a Hugging Face checkpoint"),
-        (["trainer.backend=megatron"], "set model.checkpoint"),
+        (["rollout.vllm.extra_args=[1]"], "rollout.vllm.extra_args='[1]' is not a JSON object"),
+        (["rollout.sglang.weight_sync=nccl"], "rollout.sglang.weight_sync='nccl' is unknown"),
+        (["trainer.tp=2"], "trainer.tp=2 needs trainer.backend=megatron"),
+        (
+            ["trainer.backend=megatron", "trainer.tp=2", "trainer.ranks=8"],
+            "trainer.ranks=8 does not equal trainer.dp x trainer.tp x trainer.pp = 1 x 2 x 1 "
+            "= 2: set trainer.dp=4",
+        ),
+        (["trainer.backend=megatron", "trainer.pp=2"], "trainer.pp=2 is not supported yet"),
+        (["trainer.load=ckpt"], "trainer.load='ckpt' is a Megatron checkpoint"),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(overrides, expected):

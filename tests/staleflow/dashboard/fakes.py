@@ -10,7 +10,6 @@ Reserve / Occupy, snapshots are real ``InstanceSnapshot`` s, TS counts a real
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 from coordinator.cost_model import QWEN3_30B_A3B_H20
@@ -26,6 +25,7 @@ from staleflow.dashboard.interface import (
     RunInfo,
 )
 from staleflow.dashboard.timeline import SeqLog
+from staleflow.runtime.record import StepRecord
 from staleness import StalenessConfig, StalenessManager
 from trajectory_server.types import TSStats
 
@@ -73,7 +73,9 @@ def ts_stats() -> TSStats:
     )
 
 
-def record(step: int) -> dict[str, float]:
+def flat_record(step: int) -> dict[str, float]:
+    """Step ``step`` as a ``metrics.jsonl`` line holds it (written by hand: the format
+    earlier runs wrote must keep reading)."""
     rec = {
         "step": float(step),
         "version": float(step - 1),
@@ -82,7 +84,7 @@ def record(step: int) -> dict[str, float]:
         "throughput/step_tokens_per_s": 120.0,
         "trainer/idle_ratio": 0.25,
         "rollout/reward_mean": 0.1 * step,
-        "rollout/idle_ratio": 0.5,
+        "rollout/idle_ratio": 0.1,
         "staleness/hist/0": 3.0,
         "staleness/hist/1": 1.0,
         "staleness/mean": 0.25,
@@ -94,13 +96,17 @@ def record(step: int) -> dict[str, float]:
     return rec
 
 
+def record(step: int) -> StepRecord:
+    return StepRecord.from_flat(flat_record(step))
+
+
 class FakeSource:
     def __init__(self, steps: int = 5, *, actions: tuple[str, ...] = ("poke",)) -> None:
         self.manager = manager()
         self.actions = actions
         self.acted: list[str] = []
         self.closed = False
-        self._records: SeqLog[Mapping[str, float]] = SeqLog()
+        self._records: SeqLog[StepRecord] = SeqLog()
         self._records.extend(record(s) for s in range(1, steps + 1))
         self._load: SeqLog[LoadSample] = SeqLog()
         self._events: SeqLog[RunEvent] = SeqLog()
@@ -150,7 +156,7 @@ class FakeSource:
             discarded=1,
         )
 
-    def records(self, since: int, limit: int) -> Page[Mapping[str, float]]:
+    def records(self, since: int, limit: int) -> Page[StepRecord]:
         return self._records.page(since, limit)
 
     def load(self, since: int, limit: int) -> Page[LoadSample]:

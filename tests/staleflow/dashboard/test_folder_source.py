@@ -9,7 +9,7 @@ import pytest
 
 from staleflow.config import RunConfig, save_config
 from staleflow.dashboard.folder_source import FolderError, FolderSource
-from tests.staleflow.dashboard.fakes import INSTANCES, record
+from tests.staleflow.dashboard.fakes import INSTANCES, flat_record
 
 
 def _folder(tmp_path, steps: int = 3, *, summary: bool = False):
@@ -18,7 +18,7 @@ def _folder(tmp_path, steps: int = 3, *, summary: bool = False):
     save_config(RunConfig(eta=2, batch_size=4, group_size=2), run / "config.yaml")
     with (run / "metrics.jsonl").open("w") as f:
         for s in range(1, steps + 1):
-            f.write(json.dumps(record(s)) + "\n")
+            f.write(json.dumps(flat_record(s)) + "\n")
     if summary:
         (run / "summary.json").write_text(json.dumps({"steps": steps, "tokens_per_s": 1.0}))
     return run
@@ -31,7 +31,7 @@ def test_reads_records_config_and_cost_model(tmp_path):
     assert info.instances == 2  # rollout.instances of the config
     assert info.cost_model is not None and info.cost_model.kv_budget == 16384
     page = src.records(0, 10)
-    assert page.total == 3 and page.items[2]["step"] == 3.0
+    assert page.total == 3 and page.items[2].step == 3
     live = src.live()
     assert live.buffers is None and live.ts is None and not live.finished
     assert live.steps == 3 and live.ps_version == 3 and live.elapsed_s == 6.0
@@ -55,13 +55,13 @@ def test_follows_a_file_being_written(tmp_path):
     run = _folder(tmp_path, steps=1)
     src = FolderSource(run, refresh_s=0.0)
     with (run / "metrics.jsonl").open("a") as f:
-        f.write(json.dumps(record(2)) + "\n")
+        f.write(json.dumps(flat_record(2)) + "\n")
         f.write("{not json}\n")
-        f.write(json.dumps(record(3))[:20])  # the writer is mid-line
+        f.write(json.dumps(flat_record(3))[:20])  # the writer is mid-line
     assert src.records(0, 10).total == 2
     assert any("unreadable" in n for n in src.info().notes)
     with (run / "metrics.jsonl").open("a") as f:
-        f.write(json.dumps(record(3))[20:] + "\n")
+        f.write(json.dumps(flat_record(3))[20:] + "\n")
     assert src.records(0, 10).total == 3
     (run / "summary.json").write_text("{}")
     assert src.live().finished
@@ -107,15 +107,15 @@ def test_a_step_or_version_that_is_not_finite_skips_the_line_not_the_server(tmp_
 
     run = _folder(tmp_path, steps=1)
     damaged = [
-        {**record(2), "rollout/version/1": float("nan")},
-        {**record(2), "ps/version": float("inf")},
-        {**record(2), "staleness/hist/0": float("nan")},
-        {**record(2), "step": float("nan")},
+        {**flat_record(2), "rollout/version/1": float("nan")},
+        {**flat_record(2), "ps/version": float("inf")},
+        {**flat_record(2), "staleness/hist/0": float("nan")},
+        {**flat_record(2), "step": float("nan")},
     ]
     with (run / "metrics.jsonl").open("a") as f:
         for rec in damaged:
             f.write(json.dumps(rec) + "\n")  # json writes NaN and Infinity as such
-        f.write(json.dumps({**record(2), "rollout/reward_mean": float("nan")}) + "\n")
+        f.write(json.dumps({**flat_record(2), "rollout/reward_mean": float("nan")}) + "\n")
     src = FolderSource(run)
     assert src.records(0, 10).total == 2  # a NaN reward is a value, kept (null in JSON)
     assert any("4 unreadable lines" in n for n in src.info().notes)

@@ -26,6 +26,7 @@ def _free_port() -> int:
 
 def test_launch_serves_the_dashboard_of_the_live_run(tmp_path):
     from staleflow.config import load_config
+    from staleflow.dashboard.launch_hook import LaunchDashboard
     from staleflow.dashboard.ray_source import RaySource
     from staleflow.runtime.launch import launch
 
@@ -54,16 +55,27 @@ def test_launch_serves_the_dashboard_of_the_live_run(tmp_path):
         url = next(p.split()[-1] for p in phases if p.startswith("dashboard at "))
         with urllib.request.urlopen(url + "api/overview", timeout=10) as r:
             seen["overview"] = json.load(r)
+        seen["phase"] = forwarded[-1]
         attached = RaySource.attach("auto")  # ray is initialised: finds the named actors
         attached.poll_once()
         seen["attached"] = attached.live()
         seen["name"] = attached.name
         attached.close()
 
-    result = launch(cfg, on_record=on_record, on_phase=phases.append)
+    dashboard = LaunchDashboard(cfg, say=phases.append)
+
+    forwarded: list[str] = []
+
+    def on_phase(text: str) -> None:  # what staleflow launch does with its phases
+        phases.append(text)
+        forwarded.append(text)
+        dashboard.phase(text)
+
+    result = launch(cfg, on_record=on_record, on_phase=on_phase, on_started=dashboard)
     assert any(p.startswith("dashboard at http://127.0.0.1:") for p in phases), phases
     overview = seen["overview"]
     assert overview["run"]["kind"] == "live" and overview["buffers"]["available"]
+    assert overview["run"]["phase"] == seen["phase"]  # the launcher's latest phase
     assert len(overview["buffers"]["buffers"]) == 2
     assert len(overview["instances"]["instances"]) == 2
     assert overview["ts"]["available"] and overview["ps"]["latest"] is not None

@@ -82,6 +82,23 @@ def test_polls_state_records_markers_and_rates():
     assert info.kind == "live" and info.eta == 2 and info.instances == 2
 
 
+def test_the_launcher_phase_is_shown_and_kept_across_polls():
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from staleflow.dashboard.app import create_app
+
+    src = _source(_Run())
+    client = TestClient(create_app(src))
+    assert src.live().phase is None and client.get("/api/run").json()["phase"] is None
+    src.set_phase("training 3 steps with eta=2")  # before the first poll
+    assert src.poll_once()
+    assert src.live().phase == "training 3 steps with eta=2"
+    src.set_phase("saving the checkpoint")
+    assert src.poll_once()
+    assert client.get("/api/run").json()["phase"] == "saving the checkpoint"
+
+
 def test_a_dead_control_actor_ends_polling_and_keeps_the_last_state():
     run = _Run()
     src = _source(run)
@@ -94,11 +111,11 @@ def test_a_dead_control_actor_ends_polling_and_keeps_the_last_state():
 
 
 def test_actor_names_match_the_launcher():
-    from staleflow.runtime.launch import ACTOR_NAMESPACE, Run
+    from staleflow.runtime.cluster import ACTOR_NAMESPACE
+    from staleflow.runtime.pools import PoolContext
 
-    run = Run.__new__(Run)
-    run.run_dir = __import__("pathlib").Path("/tmp/20250101-000000-eta3")
-    assert run._named("control") == {
+    ctx = PoolContext(None, "20250101-000000-eta3", None, None, "", False, print)  # type: ignore[arg-type]
+    assert ctx.naming("control") == {
         "name": actor_name("20250101-000000-eta3", "control"),
         "namespace": ACTOR_NAMESPACE,
     }

@@ -1,35 +1,32 @@
-"""A simulated run as a source: the simulator's own thread, paced, sampled per cycle."""
+"""A simulated run as a source: the simulator's own thread, paced, sampled per cycle.
+
+Every wait is on the source's own events (a published state, the pause taking hold), never
+on a sleep or a deadline: pytest's timeout is the only guard against a hang."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
+from staleflow.dashboard.interface import ActionNotSupported
 from staleflow.dashboard.sim_source import SimSource
 from staleflow.sim import tiny
-
-
-def _wait(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def test_a_finished_simulation_is_fully_recorded():
     src = SimSource(tiny(eta=1, steps=3), speed=1e6).start()
     try:
-        _wait(lambda: src.live().finished)
+        assert src.wait(lambda live: live.finished)
         live = src.live()
         assert live.steps == 3 and live.buffers is not None and live.ts is not None
         assert len(live.buffers.buffers) == 2 and len(live.instances) == 4
         records = src.records(0, 100).items
-        assert [r["step"] for r in records] == [1.0, 2.0, 3.0]
+        assert [r.step for r in records] == [1, 2, 3]
         for r in records:
-            hist = {int(k.rsplit("/", 1)[1]) for k in r if k.startswith("staleness/hist/")}
-            assert hist and max(hist) <= 1
-            assert r["throughput/tokens_per_s"] > 0
+            assert r.staleness and max(r.staleness) <= 1
+            assert sum(r.staleness.values()) == r.trajectories
+            assert r.tokens_per_s is not None and r.tokens_per_s > 0
+            assert r.reward_mean is None  # the simulator grades no rewards: unknown, not 0
+            assert set(r.instance_version) == {0, 1, 2, 3}
         events = src.events(0, 1000).items
         pulls = [e for e in events if e.kind == "pull"]
         assert {e.inst for e in pulls} == {0, 1, 2, 3}
@@ -45,25 +42,35 @@ def test_a_finished_simulation_is_fully_recorded():
         src.close()
 
 
-def test_pause_resume_and_close():
-    src = SimSource(tiny(eta=1, steps=1000), speed=50.0, frame_s=0.0).start()
+def test_pause_holds_the_simulation_and_resume_goes_on():
+    src = SimSource(tiny(eta=1, steps=1000), speed=50.0).start()
     try:
-        _wait(lambda: src.live().elapsed_s > 0)
+        assert src.wait(lambda live: live.elapsed_s > 0)
         assert src.act("pause") == "paused" and src.paused
-        time.sleep(0.3)
-        frozen = src.live().elapsed_s
-        time.sleep(0.4)
-        assert src.live().elapsed_s == frozen
-        src.act("resume")
-        _wait(lambda: src.live().elapsed_s > frozen)
-        with pytest.raises(Exception, match="unknown action"):
+        assert src.wait_paused()
+        # parked after publishing: what the page shows is where the simulation stands
+        frozen = src.live()
+        assert frozen.elapsed_s == src.cluster.now and not frozen.finished
+        assert src.paused and src.wait_paused()  # still held: nothing moved in between
+        assert src.live() is frozen
+        assert src.act("resume") == "resumed" and not src.paused
+        assert src.wait(lambda live: live.elapsed_s > frozen.elapsed_s)
+        with pytest.raises(ActionNotSupported, match="unknown action"):
             src.act("explode")
     finally:
-        started = time.monotonic()
         src.close()
-        assert time.monotonic() - started < 3.0
-    assert not src._thread.is_alive()
-    assert src.live().finished
+    # close ends the simulation long before its 1000 steps, and says so
+    assert src.wait(lambda live: live.finished)
+    assert src.live().steps < 1000
+
+
+def test_close_while_paused_ends_the_simulation():
+    src = SimSource(tiny(eta=1, steps=1000), speed=50.0).start()
+    assert src.wait(lambda live: live.elapsed_s > 0)
+    src.act("pause")
+    assert src.wait_paused()
+    src.close()
+    assert src.wait(lambda live: live.finished)
 
 
 def test_bad_settings_are_clear_errors():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -41,10 +40,9 @@ def test_scores_in_the_child(limited):
 
 def test_a_hang_is_cut_at_the_limit_and_the_child_replaced(limited):
     first, restarts = limited.pid, limited.restarts
-    start = time.perf_counter()
+    # uncut, the child would answer after its 120 s sleep: no RewardTimeout
     with pytest.raises(RewardTimeout, match=r"timed out after 1s"):
         limited("hang", "19")
-    assert time.perf_counter() - start < 5.0
     assert limited.pid is None and limited.restarts == restarts + 1
     assert limited("19", "19") == 1.0  # a fresh child
     assert limited.pid not in (None, first)
@@ -72,8 +70,10 @@ def test_the_worker_records_timeouts(helpers_on_path):
     finally:
         worker.close()
     assert [r.reward for r in results] == [1.0, 0.0, 1.0]
-    assert results[1].error == "timed out after 0.5s" and results[1].seconds < 5.0
-    assert worker.stats()["reward/timeouts"] == 1 and worker.stats()["reward/errors"] == 1
+    assert results[1].error == "timed out after 0.5s"
+    stats = worker.stats()
+    assert stats["reward/timeouts"] == 1 and stats["reward/errors"] == 1
+    assert stats["reward/seconds"] == pytest.approx(sum(r.seconds for r in results))
 
 
 def test_a_function_that_cannot_be_built_fails_at_construction(helpers_on_path):

@@ -1,7 +1,8 @@
 """Fakes at the runtime's real boundaries, and only there.
 
 Faked: the rollout engine (:class:`ScriptedEngine` emits token ``7`` each step until a
-length fixed by the trajectory id, then EOS ``2``), the trainer (:class:`CountingTrainer`
+length fixed by the trajectory id, then EOS ``2``; trajectories it is told to ``hold``
+never advance, standing in for the long tail that redundant rollout cuts), the trainer (:class:`CountingTrainer`
 records batches and returns fixed weights), the PS (:class:`MemoryPS` holds versions in
 a dict) and the reward function (reward = response length parity). Everything else (the
 trajectory server, the staleness manager, the coordinator, the executor, the instance
@@ -11,7 +12,7 @@ wrapper, the reward stage and the training loop) is the real code.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,8 +43,15 @@ class _Req:
 class ScriptedEngine:
     """Deterministic continuous batching with a KV budget of whole trajectories."""
 
-    def __init__(self, target: int = 5, max_running: int = 4, spread: int = 4) -> None:
+    def __init__(
+        self,
+        target: int = 5,
+        max_running: int = 4,
+        spread: int = 4,
+        hold: Callable[[int], bool] | None = None,
+    ) -> None:
         self.target, self.max_running, self.spread = target, max_running, spread
+        self.hold = hold or (lambda traj_id: False)
         self._running: list[_Req] = []
         self._waiting: list[_Req] = []
         self._version = 0
@@ -75,6 +83,8 @@ class ScriptedEngine:
             self._running.append(self._waiting.pop(0))
         done = []
         for r in self._running:
+            if self.hold(r.traj_id):
+                continue
             finished = len(r.tokens) + 1 >= self._length(r.traj_id)
             r.tokens.append(EOS if finished else 7)
             r.logprobs.append(-0.5)
@@ -125,7 +135,8 @@ class ScriptedEngine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._running or self._waiting)
+        # held trajectories alone give the generation thread nothing to do (no busy loop)
+        return bool(self._waiting) or any(not self.hold(r.traj_id) for r in self._running)
 
 
 @dataclass

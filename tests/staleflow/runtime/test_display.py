@@ -12,6 +12,7 @@ from coordinator.types import InstanceSnapshot
 from staleflow.progress import Progress
 from staleflow.runtime.control import LiveState
 from staleflow.runtime.display import LaunchView, live_panel, step_line, summary_table
+from staleflow.runtime.record import StepRecord
 from staleness import StalenessConfig, StalenessManager
 
 
@@ -39,19 +40,19 @@ def test_live_panel_draws_each_buffer_as_slots_and_each_instance():
 
 
 def test_step_line_and_summary_carry_the_figures():
-    rec = {
-        "step": 7,
-        "version": 7,
-        "rollout/reward_mean": 0.375,
-        "throughput/tokens_per_s": 812.5,
-        "trainer/idle_ratio": 0.1,
-        "rollout/idle_ratio": 0.6,
-        "staleness/hist/0": 3,
-        "staleness/hist/2": 5,
-    }
+    rec = StepRecord(
+        step=7,
+        version=7,
+        elapsed_s=30.0,
+        reward_mean=0.375,
+        tokens_per_s=812.5,
+        trainer_idle_ratio=0.1,
+        instance_idle={0: 0.5, 1: 0.7},
+        staleness={0: 3, 2: 5},
+    )
     line = step_line(rec, eta=3)
     assert "step    7" in line and "0.375" in line and "812.5 tok/s" in line
-    assert "staleness [0:3 2:5]" in line
+    assert "staleness [0:3 2:5]" in line and "rollout 60%" in line
     summary = {
         "steps": 7,
         "tokens_per_s": 812.5,

@@ -5,7 +5,9 @@ and reward function (``fakes.py``). No Ray."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -13,6 +15,7 @@ import numpy as np
 import pytest
 
 from coordinator import CoordinatorConfig
+from staleflow.rollout.instance import Finished
 from staleflow.runtime.control import ControlConfig, ControlPlane
 from staleflow.runtime.instance_host import InstanceHost
 from staleflow.runtime.reward_stage import RewardStage
@@ -27,6 +30,7 @@ from tests.staleflow.runtime.fakes import (
     parity_scorer,
 )
 from trajectory_server import TrajectoryServer, TrajectoryServerConfig
+from trajectory_server.errors import TrajectoryGone
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,29 @@ class Wired:
     ps: MemoryPS
 
 
-def wire(eta: int, *, instances: int = 2, batch: int = 2, group: int = 2) -> Wired:
-    ts = Serialized(TrajectoryServer(TrajectoryServerConfig(eta, batch, group), _Prompts()))
+def wire(
+    eta: int,
+    *,
+    instances: int = 2,
+    batch: int = 2,
+    group: int = 2,
+    batch_redundancy: float = 0.0,
+    group_redundancy: float = 0.0,
+    hold: Callable[[int], bool] | None = None,
+    max_running: int = 3,
+) -> Wired:
+    ts = Serialized(
+        TrajectoryServer(
+            TrajectoryServerConfig(
+                eta,
+                batch,
+                group,
+                group_redundancy=group_redundancy,
+                batch_redundancy=batch_redundancy,
+            ),
+            _Prompts(),
+        )
+    )
     ps = MemoryPS()
     control_box: list[ControlPlane] = []
     stage = RewardStage(
@@ -72,7 +97,10 @@ def wire(eta: int, *, instances: int = 2, batch: int = 2, group: int = 2) -> Wir
         with lock:
             stage.process(finished)
 
-    engines = {i: ScriptedEngine(target=3 + i, max_running=3) for i in range(instances)}
+    engines = {
+        i: ScriptedEngine(target=3 + i, max_running=max_running, hold=hold)
+        for i in range(instances)
+    }
     hosts = {
         i: InstanceHost(i, engines[i], ts=ts, weights=ps, max_response=16, on_finished=on_finished)
         for i in range(instances)
@@ -80,7 +108,13 @@ def wire(eta: int, *, instances: int = 2, batch: int = 2, group: int = 2) -> Wir
     pool = ThreadPoolExecutor(4)
     control = ControlPlane(
         ControlConfig(
-            StalenessConfig(eta=eta, batch_size=batch, group_size=group),
+            StalenessConfig(
+                eta=eta,
+                batch_size=batch,
+                group_size=group,
+                batch_redundancy=batch_redundancy,
+                group_redundancy=group_redundancy,
+            ),
             CoordinatorConfig(period_s=0.005),
             idle_wait_s=0.002,
         ),
@@ -95,6 +129,23 @@ def wire(eta: int, *, instances: int = 2, batch: int = 2, group: int = 2) -> Wir
         trainer, control=control, ts=ts, pusher=SyncPusher(ps), consume_timeout_s=30
     )
     return Wired(control, ts, hosts, engines, loop, trainer, ps)
+
+
+def _assert_conserved(w: Wired) -> None:
+    """Every trajectory the TS created is in exactly one place: consumed, aborted, queued,
+    routed (on an instance or in the reward path) or completed; nothing the TS forgot is
+    still on an instance."""
+    stats = w.ts.stats()
+    assert stats.created_trajectories == (
+        stats.consumed_trajectories
+        + stats.aborted_trajectories
+        + stats.queued
+        + stats.routed
+        + stats.completed
+    )
+    for h in w.hosts.values():
+        for tid in h.held():
+            assert w.ts.state_of(tid).value == "routed", tid
 
 
 def run(w: Wired, steps: int) -> list:
@@ -127,26 +178,14 @@ def test_every_consumed_trajectory_is_within_eta_and_nothing_is_lost(eta):
                     assert (t.versions == r.version).all()
         assert max(r.staleness) <= eta
     assert max(seen.values()) == 1  # nothing consumed twice
-    # conservation: every live trajectory the TS holds as routed is on an instance or was
-    # handed to the reward path; nothing the TS forgot is still on an instance
-    stats = w.ts.stats()
-    assert stats.created_trajectories == (
-        stats.consumed_trajectories
-        + stats.aborted_trajectories
-        + stats.queued
-        + stats.routed
-        + stats.completed
-    )
-    held = set().union(*(h.held() for h in w.hosts.values()))
-    for tid in held:
-        assert w.ts.state_of(tid).value == "routed"
+    _assert_conserved(w)
     # instances saw the PS advance: the last buffer (version 5) admits only trajectories
     # of version >= 5 - eta, so some instance loaded at least that (more is timing: the
     # throughput sync Pulls only when routing needs it)
     assert max(max(e.loads) for e in w.engines.values()) >= 5 - eta
     records = w.control.records()
     assert len(records) == 6
-    assert all(rec["staleness/max"] <= eta for rec in records)
+    assert all(rec.staleness_max is not None and rec.staleness_max <= eta for rec in records)
 
 
 def test_consume_for_the_wrong_version_is_refused_with_a_clear_error():
@@ -227,3 +266,114 @@ def test_the_push_of_version_v_overlaps_the_training_of_the_next_step():
         "push 3",
         "wait 3",  # finish(): the PS holds the final version before the run ends
     ]
+
+
+# -- redundant rollout (§4.3, App. C) ------------------------------------------------------
+
+
+def _flush_aborts(w: Wired, deadline_s: float = 30.0) -> None:
+    """With rollout stopped, drive the control loop until a cycle validated its snapshot:
+    the Aborts of everything dropped so far have then been carried out."""
+    stats = w.control.coordinator.stats
+    valid = stats.cycles - stats.discarded
+    give_up = time.monotonic() + deadline_s
+    while stats.cycles - stats.discarded <= valid:
+        assert time.monotonic() < give_up, "no valid snapshot: the instances keep changing"
+        w.control.run_once()
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_redundancy_keeps_the_bound_aborts_the_surplus_and_loses_nothing(eta):
+    """Group redundancy: 3 members per group of 2, and the third member of every group is
+    the long tail: held until redundancy drops it (then it finishes at the engine's next
+    step, and its reward arrives late). Only aborting it as surplus lets its group
+    through. Batch redundancy: 3 entries per buffer of 2, and every fourth group is held
+    entirely: only dropping it lets the buffers fill. Members of group ``g`` are
+    trajectories 3g..3g+2."""
+
+    def tail(traj_id: int) -> bool:
+        return traj_id % 3 == 2 or traj_id // 3 % 4 == 3
+
+    w = wire(eta, batch_redundancy=0.5, group_redundancy=0.5, max_running=8)
+
+    def held(traj_id: int) -> bool:
+        if not tail(traj_id):
+            return False
+        try:
+            w.ts.state_of(traj_id)
+        except TrajectoryGone:
+            return False  # dropped: finish now (unless the Abort gets here first)
+        return True
+
+    for engine in w.engines.values():
+        engine.hold = held
+    reports = run(w, steps=6)
+    w.control.check()
+    assert [r.version for r in reports] == list(range(6))
+    consumed: Counter[int] = Counter()
+    for r, batch in zip(reports, w.trainer.batches, strict=True):
+        assert len(batch.groups) == 2 and all(len(g.trajectories) == 2 for g in batch.groups)
+        assert max(r.staleness) <= eta
+        for g in batch.groups:
+            for t in g.trajectories:
+                consumed[t.traj_id] += 1
+                assert r.version - t.v_traj <= eta
+                assert not tail(t.traj_id)
+    assert max(consumed.values()) == 1  # nothing consumed twice
+    # the surplus was aborted: one member of every consumed group, and the held groups
+    stats = w.ts.stats()
+    assert stats.aborted_trajectories >= 6 * 2
+    assert w.control.manager.aborted_groups >= 1
+    aborts = sum(kinds.get("abort", 0) for kinds in w.control.executor.issued.values())
+    assert aborts > 0, "no surplus was ever aborted on an instance"
+    # nothing lost: every trajectory is in exactly one place, and once the last drops
+    # reached the instances, nothing the TS forgot is still on one
+    _flush_aborts(w)
+    _assert_conserved(w)
+    assert w.ts.stats().consumed_trajectories == sum(consumed.values())
+
+
+def _routed_host(w: Wired, ids: list[int]) -> InstanceHost:
+    """Instance 0 with trajectories ``ids`` routed onto it (its thread not started)."""
+    host = w.hosts[0]
+    host.pull(0)
+    assert host.route(ids, dict.fromkeys(ids, 0)) == tuple(ids)
+    return host
+
+
+def test_an_interrupt_of_a_trajectory_redundancy_dropped_is_not_fatal():
+    """Redundancy aborted trajectory 1 in the TS while it still ran on its instance; a
+    Pull's Interrupt then stops it there: its partial is dropped, the others go back."""
+    w = wire(1, group_redundancy=0.5)
+    host = _routed_host(w, [0, 1, 2])
+    w.ts.abort([1])
+    assert set(host.interrupt([0, 1, 2])) == {0, 1, 2}  # all three left the instance
+    assert host.held() == set()
+    assert [t.traj_id for t in w.ts.routing_view()][:2] == [0, 2]
+    with pytest.raises(TrajectoryGone):
+        w.ts.state_of(1)
+
+
+def test_a_late_reward_of_a_trajectory_redundancy_dropped_is_not_fatal():
+    """Trajectory 1 finished while redundancy aborted it: the reward stage stores and
+    reports the others and drops it (it used to raise TrajectoryGone and stop the run)."""
+    w = wire(1, group_redundancy=0.5)
+    _routed_host(w, [0, 1, 2])
+    reported: list[int] = []
+    stage = RewardStage(
+        parity_scorer,
+        lambda tokens: "a" * len(tokens),
+        w.ts,
+        lambda records: reported.extend(r.traj_id for r in records),
+    )
+    w.ts.abort([1])
+    tokens = np.array([7, 2], np.int32)
+    finished = [
+        Finished(t, 0, 0, 1, "x", np.arange(3, dtype=np.int32), tokens,
+                 np.zeros(2, np.float32), np.zeros(2, np.int32), "stop", 0)
+        for t in (0, 1, 2)
+    ]  # fmt: skip
+    stage.process(finished)
+    assert reported == [0, 2]
+    assert stage.late == 1
+    assert w.ts.group_status(0).completed == 2

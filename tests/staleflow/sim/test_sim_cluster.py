@@ -9,6 +9,7 @@ import pytest
 
 from staleflow.sim import SimCluster, TrainerCosts, paper_6_5, system, tiny
 from staleflow.sim.presets import Layout
+from trajectory_server.errors import TrajectoryGone
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -16,16 +17,9 @@ from staleflow.sim.presets import Layout
 @pytest.mark.parametrize("name", ["staleflow", "vanilla"])
 def test_bound_and_conservation(name: str, eta: int, seed: int) -> None:
     cluster = SimCluster(system(name, tiny(eta=eta, steps=5, seed=seed)))
-    period = cluster.config.coordinator.period_s
     # Check conservation after every period, not only at the end.
     while cluster.trainer.steps < cluster.config.steps:
-        cluster.coordinator.step(cluster.now)
-        cluster.executor.run_until_idle()
-        horizon = cluster.now + period
-        for inst in cluster.instances.values():
-            inst.advance(horizon, cluster._finished)
-        cluster._drain(horizon)
-        cluster.now = horizon
+        cluster.step()
         assert cluster.check() == []
         assert cluster.now < 10_000, "the simulated run stalled"
     assert cluster.batches, "nothing was consumed"
@@ -114,3 +108,37 @@ def test_vanilla_routing_with_throughput_sync_does_not_stall() -> None:
     assert max(summary.staleness) <= 3 and cluster.check() == []
     off = config.with_(coordinator=replace(config.coordinator, phi_wait=10**6))
     assert SimCluster(off).run().stalled
+
+
+@pytest.mark.parametrize("eta", [0, 1, 3])
+def test_redundancy_keeps_the_bound_aborts_the_surplus_and_conserves(eta: int) -> None:
+    """Batch and group redundancy (§4.3, App. C): 5 groups run per buffer of 4 and 5
+    members per group of 4; once a group or buffer is full, the surplus is dropped from
+    the TS at once and Aborted on its instance at the next valid cycle."""
+    config = tiny(eta=eta, steps=5, seed=eta).with_(batch_redundancy=0.25, group_redundancy=0.25)
+    cluster = SimCluster(config)
+    stats = cluster.coordinator.stats
+    first_seen: dict[int, int] = {}  # dropped but still on an instance -> valid cycles then
+    while cluster.trainer.steps < config.steps:
+        cluster.step()
+        assert cluster.check() == []
+        valid = stats.cycles - stats.discarded
+        for inst in cluster.instances.values():
+            for tid in inst.holds():
+                try:
+                    cluster.ts.state_of(tid)
+                except TrajectoryGone:
+                    since = first_seen.setdefault(tid, valid)
+                    assert valid == since, f"trajectory {tid} outlived a valid cycle"
+        assert cluster.now < 10_000, "the simulated run stalled"
+    for batch in cluster.batches:
+        assert len(batch.groups) == config.batch_size
+        assert max(batch.staleness) <= eta
+        assert all(len(g.trajectories) == config.group_size for g in batch.groups)
+    consumed = [t for b in cluster.batches for g in b.groups for t in g.trajectories]
+    assert len(consumed) == len(set(consumed)) == len(cluster.consumed)
+    s = cluster.ts.stats()
+    # every consumed group left one of its five members behind, and some groups were dropped
+    assert s.aborted_trajectories >= len(consumed) // config.group_size
+    assert cluster.manager.aborted_groups > 0
+    assert first_seen and cluster.planes.commands["abort"] > 0

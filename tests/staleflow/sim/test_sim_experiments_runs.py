@@ -16,12 +16,8 @@ from typing import Any
 import pytest
 
 from staleflow.config import RunConfig, save_config
-from staleflow.runtime.runfolder import (
-    RunFolderError,
-    instance_steps,
-    read_run_folder,
-    step_busy,
-)
+from staleflow.runtime.record import StepRecord, instance_steps, step_busy
+from staleflow.runtime.runfolder import RunFolderError, read_run_folder
 
 pytest.importorskip("matplotlib")
 
@@ -148,14 +144,14 @@ def test_reader_derives_busy_share_pulls_and_steady_throughput(tmp_path: Path) -
 
 
 def test_step_busy_from_cumulative_idle_ratio() -> None:
-    prev = {"time/elapsed_s": 10.0, "rollout/idle_ratio/0": 0.5}
-    rec = {"time/elapsed_s": 20.0, "rollout/idle_ratio/0": 0.25}
+    prev = StepRecord(step=1, version=0, elapsed_s=10.0, instance_idle={0: 0.5})
+    rec = StepRecord(step=2, version=1, elapsed_s=20.0, instance_idle={0: 0.25})
     # idle 5 s of the first 10, 0 s of the next 10
     assert step_busy(rec, prev, 0) == pytest.approx(1.0)
     assert step_busy(rec, None, 0) == pytest.approx(0.75)
     assert step_busy(rec, prev, 1) is None
     # instances start with version 0: a first record at version 1 is a Pull
-    first = instance_steps({**rec, "rollout/version/0": 1.0}, None)
+    first = instance_steps(dataclasses.replace(rec, instance_version={0: 1}), None)
     assert first[0].pulled and first[0].version == 1
 
 

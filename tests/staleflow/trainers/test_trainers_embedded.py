@@ -14,14 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from staleflow.config import ConfigError, TrainerConfig  # noqa: E402
 from staleflow.models import build_arithmetic_model, load_pretrained, policy_state  # noqa: E402
 from staleflow.trainers import METRIC_KEYS, Trainer, create_trainer, trainer_class  # noqa: E402
-from staleflow.trainers.embedded import (  # noqa: E402
-    BatchError,
-    EmbeddedTrainer,
-    EmbeddedTrainerConfig,
-    config_from_dict,
-)
+from staleflow.trainers.embedded import BatchError, EmbeddedTrainer  # noqa: E402
 from trajectory_server.types import TrainingBatch, TrainingGroup, TrainingTrajectory  # noqa: E402
 
 PROMPT = "12+3="
@@ -32,7 +28,7 @@ def _setup(seed=0, **config):
     model, tokenizer = build_arithmetic_model("micro", seed=seed)
     trainer = EmbeddedTrainer(
         model,
-        EmbeddedTrainerConfig(**{"lr": 1e-2, **config}),
+        TrainerConfig(**{"lr": 1e-2, **config}),
         pad_id=tokenizer.pad_id,
         tokenizer=tokenizer,
     )
@@ -99,8 +95,8 @@ def test_several_updates_per_step_clip_against_the_weights_before_the_step(off_p
 
 
 def test_updates_per_step_must_be_positive():
-    with pytest.raises(ValueError, match="updates_per_step=0"):
-        EmbeddedTrainerConfig(updates_per_step=0)
+    with pytest.raises(ConfigError, match="updates_per_step=0"):
+        TrainerConfig(updates_per_step=0)
 
 
 def test_metrics():
@@ -247,25 +243,30 @@ def test_checkpoint_round_trip(tmp_path):
 @pytest.mark.parametrize(
     ("values", "match"),
     [
-        ({"lr": 0.0}, "lr=0.0"),
-        ({"off_policy": "ppo"}, "off_policy='ppo'"),
-        ({"advantage": "rloo"}, "advantage='rloo'"),
-        ({"is_cap": 0.0}, "is_cap=0.0"),
-        ({"is_cap_mode": "clip"}, "is_cap_mode"),
-        ({"eps_low": 1.5}, "eps_low=1.5"),
-        ({"micro_batch_tokens": 0}, "micro_batch_tokens=0"),
-        ({"betas": (0.9, 1.0)}, "betas"),
+        ({"lr": 0.0}, "trainer.lr=0.0"),
+        ({"off_policy": "ppo"}, "trainer.off_policy='ppo'"),
+        ({"advantage": "rloo"}, "trainer.advantage='rloo'"),
+        ({"is_cap": 0.5}, "trainer.is_cap=0.5"),
+        ({"is_cap_mode": "clip"}, "trainer.is_cap_mode"),
+        ({"eps_low": 1.5}, "trainer.eps_low=1.5"),
+        ({"micro_batch_tokens": 0}, "trainer.micro_batch_tokens=0"),
+        ({"adam_beta2": 1.0}, "trainer.adam_beta2=1.0"),
     ],
 )
-def test_config_validation(values, match):
-    with pytest.raises(ValueError, match=match):
-        EmbeddedTrainerConfig(**values)
+def test_settings_are_validated_where_they_are_defined(values, match):
+    """The trainer takes the run configuration's ``trainer`` section itself: one
+    definition of each setting, its default and its check."""
+    with pytest.raises(ConfigError, match=match):
+        TrainerConfig(**values)
 
 
-def test_config_from_dict_rejects_unknown_keys():
-    assert config_from_dict({"lr": 3e-4, "advantage": "dapo"}).advantage == "dapo"
-    with pytest.raises(ValueError, match=r"unknown trainer settings \['learning_rate'\]"):
-        config_from_dict({"learning_rate": 1e-3})
+def test_the_trainer_uses_the_sections_values():
+    model, tokenizer = build_arithmetic_model("micro")
+    section = TrainerConfig(lr=1e-3, adam_beta1=0.8, weight_decay=0.01, num_threads=2)
+    trainer = EmbeddedTrainer.from_section(model, section, pad_id=tokenizer.pad_id, seed=7)
+    group = trainer.optimizer.param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (1e-3, (0.8, 0.999), 0.01)
+    assert trainer.config is section and trainer.seed == 7 and trainer.num_threads == 2
 
 
 def test_registry_and_protocol():
@@ -273,13 +274,13 @@ def test_registry_and_protocol():
     model, tokenizer = build_arithmetic_model("micro")
     trainer = create_trainer("embedded", model, pad_id=tokenizer.pad_id, version=5)
     assert isinstance(trainer, Trainer) and trainer.version == 5
-    with pytest.raises(ValueError, match="unknown trainer 'megatron'"):
-        trainer_class("megatron")
+    with pytest.raises(ValueError, match="unknown trainer 'deepspeed'"):
+        trainer_class("deepspeed")
 
 
 def test_trainers_package_imports_without_torch():
     code = (
-        "import sys, staleflow.trainers as t; assert 'embedded' in t.TRAINERS; "
+        "import sys, staleflow.trainers as t; assert {'embedded', 'megatron'} <= set(t.TRAINERS); "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

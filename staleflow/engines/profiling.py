@@ -1,12 +1,13 @@
-"""``staleflow profile``: fit the cost model (Appendix B) of the embedded rollout engine on
-this machine and save it as a config snippet that ``staleflow launch --config`` reads.
+"""``staleflow profile``: fit the cost model (Appendix B) of a rollout engine on this
+machine and save it as a config snippet that ``staleflow launch --config`` reads.
 
 The coordinator plans with ``L(n, kv) = k1*kv + max(k2, k3*n) + k4`` seconds per decode
 step; the preset it ships with describes Qwen3-30B on an H20, whose ratios say nothing
 about a tiny model on a CPU. Here every grid point is ``n`` requests of ``length`` prompt
-tokens, decoded a few steps after their prefill; the mean decode-step time is one sample
-for :func:`coordinator.profiler.fit_cost_model`. (It sits with the operator's tools
-of the dashboard package; it only needs the engine and the model builder.)
+tokens, decoded a few steps after their prefill; the median decode-step time is one
+sample for :func:`coordinator.profiler.fit_cost_model`. :func:`profile_engine` times any
+:class:`~staleflow.engines.base.RolloutEngine`; :func:`profile_embedded` builds the
+embedded engine on a built-in model and fits it (what the command runs).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import yaml
 
 from coordinator.profiler import CostModelFit, LatencySample, fit_cost_model
+from staleflow.engines.base import GenerationRequest, RolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,6 @@ def profile_embedded(
     """Time decode steps of the embedded engine on the built-in model ``preset`` over the
     grid ``running x lengths`` (points that exceed ``max_running`` or the KV budget are
     skipped) and fit the cost model."""
-    from staleflow.engines.base import GenerationRequest
     from staleflow.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
     from staleflow.models.build import build_arithmetic_model
 
@@ -74,9 +75,52 @@ def profile_embedded(
         seed=seed,
         num_threads=num_threads,
     )
-    engine = EmbeddedEngine(model, config)
+    samples = profile_engine(
+        EmbeddedEngine(model, config),
+        vocab=tokenizer.vocab_size,
+        max_seq_len=max_seq_len,
+        kv_budget_tokens=config.kv_budget_tokens,
+        max_running=max_running,
+        running=running,
+        lengths=lengths,
+        steps=steps,
+        seed=seed,
+        on_sample=on_sample,
+    )
+    if len(samples) < 4:
+        raise ValueError(
+            f"only {len(samples)} grid points fit max_running={max_running} and "
+            f"kv_budget={kv_budget}: give more running counts or shorter lengths"
+        )
+    fit = fit_cost_model(samples, kv_budget=float(kv_budget))
+    return ProfileResult(
+        fit=fit,
+        samples=tuple(samples),
+        preset=preset,
+        max_running=max_running,
+        kv_budget=kv_budget,
+        seconds=time.perf_counter() - started,
+    )
+
+
+def profile_engine(
+    engine: RolloutEngine,
+    *,
+    vocab: int,
+    max_seq_len: int,
+    kv_budget_tokens: int,
+    max_running: int,
+    running: Sequence[int] = RUNNING,
+    lengths: Sequence[int] = LENGTHS,
+    steps: int = 4,
+    seed: int = 0,
+    on_sample: Callable[[LatencySample], None] | None = None,
+) -> list[LatencySample]:
+    """One latency sample per grid point ``running x lengths`` that fits the engine's
+    slots and KV budget: ``n`` random prompts, admitted and prefilled by one untimed
+    step, then ``steps`` timed decode steps (the engine's own decode clock). The engine
+    must not stop a request before ``steps + 2`` tokens (no EOS)."""
     rng = np.random.default_rng(seed)
-    vocab = tokenizer.vocab_size
     samples: list[LatencySample] = []
     next_id = 0
     for n in running:
@@ -84,7 +128,7 @@ def profile_embedded(
             # prompt + the tokens decoded here must fit a slot and, all together, the budget
             if n > max_running or length + steps + 2 > max_seq_len:
                 continue
-            if n * (length + steps + 2) > config.kv_budget_tokens:
+            if n * (length + steps + 2) > kv_budget_tokens:
                 continue
             ids = list(range(next_id, next_id + n))
             next_id += n
@@ -115,20 +159,7 @@ def profile_embedded(
             samples.append(sample)
             if on_sample is not None:
                 on_sample(sample)
-    if len(samples) < 4:
-        raise ValueError(
-            f"only {len(samples)} grid points fit max_running={max_running} and "
-            f"kv_budget={kv_budget}: give more running counts or shorter lengths"
-        )
-    fit = fit_cost_model(samples, kv_budget=float(kv_budget))
-    return ProfileResult(
-        fit=fit,
-        samples=tuple(samples),
-        preset=preset,
-        max_running=max_running,
-        kv_budget=kv_budget,
-        seconds=time.perf_counter() - started,
-    )
+    return samples
 
 
 def cost_model_section(result: ProfileResult) -> dict[str, dict[str, Any]]:

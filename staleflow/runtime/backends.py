@@ -1,0 +1,121 @@
+"""Where a rollout or trainer backend plugs into ``staleflow launch``: one hook per name.
+
+The engine and trainer classes live in their lazy registries
+(:data:`staleflow.engines.BACKENDS`, :data:`staleflow.trainers.TRAINERS`). What ``launch``
+needs besides the class is how to build it from the run's typed sections, and for a
+trainer how many ranks (placement bundles) it takes. That is one entry here per backend,
+named by ``rollout.backend`` / ``trainer.backend``:
+
+- :data:`ENGINE_BUILDERS`: ``"module:function"`` with the signature of
+  :func:`staleflow.runtime.components.build_embedded_engine`:
+  ``build(spec: RolloutSpec, seed: int, placement: EnginePlacement) -> RolloutEngine``,
+  called inside the instance's Ray actor (which holds the first bundle of the instance's
+  placement group; ``placement`` names the others, for TP workers).
+- :data:`TRAINER_POOLS`: a :class:`TrainerBackend`: ``pool`` is ``"module:function"``
+  with the signature of :func:`staleflow.runtime.pools.trainer.build_embedded_pool`,
+  returning a :class:`staleflow.runtime.pools.trainer.TrainerPool`; ``ranks`` says how
+  many bundles the trainer gang needs, from the ``trainer`` section alone (no imports);
+  ``check`` (optional, ``"module:function"``) takes the whole :class:`RunConfig` and
+  raises a ``ValueError`` naming the key and the fix for settings the backend cannot run
+  (it runs in :func:`check_backends`, before Ray is joined or a model loaded).
+
+Importing this module imports no backend. A backend absent here is refused by
+:func:`check_backends` before anything starts, never replaced by another one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from staleflow.runtime.errors import LaunchError
+
+if TYPE_CHECKING:
+    from staleflow.config import RunConfig, TrainerConfig
+
+
+def _one_rank(trainer: TrainerConfig) -> int:
+    return 1
+
+
+def _parallel_ranks(trainer: TrainerConfig) -> int:
+    return trainer.dp * trainer.tp * trainer.pp
+
+
+@dataclass(frozen=True)
+class TrainerBackend:
+    pool: str  # "module:function" building the trainer pool
+    ranks: Callable[[TrainerConfig], int] = _one_rank
+    check: str = ""  # "module:function" refusing settings the backend cannot run
+
+
+ENGINE_BUILDERS: dict[str, str] = {
+    "embedded": "staleflow.runtime.components:build_embedded_engine",
+    "vllm": "staleflow.runtime.components:build_served_engine",
+    "sglang": "staleflow.runtime.components:build_served_engine",
+}
+TRAINER_POOLS: dict[str, TrainerBackend] = {
+    "embedded": TrainerBackend("staleflow.runtime.pools.trainer:build_embedded_pool"),
+    "megatron": TrainerBackend(
+        "staleflow.runtime.pools.megatron:build_megatron_pool",
+        ranks=_parallel_ranks,
+        check="staleflow.trainers.megatron.checks:check_run",
+    ),
+}
+
+
+def load_hook(path: str) -> Any:
+    """The object at ``"module:attribute"``, imported now."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _registered(kind: str, name: str) -> bool:
+    """Whether the backend's own registry lists ``name`` with an implementation."""
+    if kind == "rollout":
+        from staleflow.engines import BACKENDS
+
+        return BACKENDS.get(name) is not None
+    from staleflow.trainers import TRAINERS
+
+    return name in TRAINERS
+
+
+def check_backends(cfg: RunConfig) -> None:
+    """Refuse a backend ``launch`` cannot build, rather than quietly running another one
+    in its place (the config accepts every name it knows)."""
+    for kind, key, value, hooks in (
+        ("rollout", "rollout.backend", cfg.rollout.backend, ENGINE_BUILDERS),
+        ("trainer", "trainer.backend", cfg.trainer.backend, TRAINER_POOLS),
+    ):
+        if value not in hooks or not _registered(kind, value):
+            built = " | ".join(n for n in hooks if _registered(kind, n))
+            raise LaunchError(
+                f"{key}={value} is not implemented in staleflow launch yet (it builds: "
+                f"{built}): use {key}={next(iter(hooks))}"
+            )
+    # The engine's own settings (installed? model folder? TP vs GPUs?), by key and fix.
+    from staleflow.engines.preflight import BackendSettingError, check_rollout_backend
+
+    try:
+        check_rollout_backend(cfg)
+    except BackendSettingError as exc:
+        raise LaunchError(str(exc)) from None
+    # The trainer's (installed? does its parallelism split this model?), the same way.
+    check = trainer_backend(cfg.trainer.backend).check
+    if check:
+        try:
+            load_hook(check)(cfg)
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from None
+
+
+def engine_builder(backend: str) -> str:
+    """The build hook of rollout backend ``backend`` (``"module:function"``)."""
+    return ENGINE_BUILDERS[backend]
+
+
+def trainer_backend(backend: str) -> TrainerBackend:
+    return TRAINER_POOLS[backend]

@@ -1,0 +1,364 @@
+"""The actors of one run, started pool by pool in the order of Figure 6: the control
+plane (staleness manager and coordinator) with the trajectory server, the parameter
+server, the reward workers, the rollout instances, the trainer. Each pool's builder
+gets its own typed section; :meth:`Run.train` then only watches."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from staleflow.config import RunConfig
+from staleflow.progress import SILENT_PHASE, Phase
+from staleflow.runtime.errors import LaunchError
+
+if TYPE_CHECKING:
+    from staleflow.data import PromptDataset
+    from staleflow.runtime.cluster import RayCluster, Reservation
+    from staleflow.runtime.components import ModelSpec, RolloutSpec, TrainerSpec
+    from staleflow.runtime.control import ControlConfig
+    from staleflow.runtime.fitting import Placement
+    from staleflow.runtime.pools.control import ControlPool
+    from staleflow.runtime.pools.parameter_server import PSPool
+    from staleflow.runtime.pools.trainer import TrainerPool
+    from staleflow.runtime.record import StepRecord
+
+logger = logging.getLogger(__name__)
+
+
+def cause(exc: BaseException) -> str:
+    """The innermost message of a Ray error chain, which names what really failed."""
+    text = str(exc).strip().splitlines()
+    tail = [line for line in text if line.strip()][-3:]
+    return " / ".join(tail) if tail else repr(exc)
+
+
+# -- each component's section ----------------------------------------------------------------
+
+
+def control_config(cfg: RunConfig) -> ControlConfig:
+    """The staleness manager's and the coordinator's sections; the coordinator plans with
+    the engines' real KV budget unless the config names one."""
+    from coordinator.config import CostModelConfig
+    from staleflow.runtime.control import ControlConfig
+
+    coordinator = cfg.coordinator
+    cost = coordinator.cost_model
+    if isinstance(cost, CostModelConfig) and cost.kv_budget is None:
+        budget = float(cfg.rollout.kv_budget_tokens)
+        coordinator = replace(coordinator, cost_model=replace(cost, kv_budget=budget))
+    return ControlConfig(cfg.staleness_config(), coordinator)
+
+
+def rollout_spec(
+    cfg: RunConfig,
+    model: ModelSpec,
+    dataset: PromptDataset,
+    *,
+    run_dir: Path,
+    policy: Any = None,
+    tokenizer: Any = None,
+) -> RolloutSpec:
+    """The rollout pool's spec; for vLLM / SGLang it resolves their options once, here in
+    the driver (the model folder they load: ``model.checkpoint``, or ``policy`` saved into
+    the run folder; the folder for their logs)."""
+    from staleflow.runtime.components import RolloutSpec
+
+    r = cfg.rollout
+    longest = int(dataset.prompt_lengths.max()) + r.max_response_tokens
+    options: dict[str, Any] = {}
+    if r.backend != "embedded":
+        from staleflow.engines.factory import engine_options
+
+        options = engine_options(
+            r, checkpoint=cfg.model.checkpoint, run_dir=run_dir, model=policy, tokenizer=tokenizer
+        )
+    return RolloutSpec(
+        model=model,
+        rollout=r,
+        max_seq_len=longest,
+        kv_budget_tokens=max(r.kv_budget_tokens, longest),
+        seed=cfg.seed,
+        engine_options=options,
+    )
+
+
+def trainer_spec(cfg: RunConfig, model: ModelSpec, run_dir: Path) -> TrainerSpec:
+    from staleflow.runtime.components import TrainerSpec
+
+    return TrainerSpec(
+        model=model,
+        trainer=cfg.trainer,
+        seed=cfg.seed,
+        checkpoint_dir=str(run_dir / "checkpoints"),
+        checkpoint_every=cfg.checkpoint_every,
+    )
+
+
+# -- the run -----------------------------------------------------------------------------------
+
+
+class Run:
+    """The actors of one run; :meth:`start`, :meth:`train`, :meth:`shutdown`.
+
+    Given no ``cluster``, :meth:`start` joins or starts one and fits the placement itself
+    (and :meth:`shutdown` leaves it as it found it).
+    """
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        run_dir: Path,
+        *,
+        cluster: RayCluster | None = None,
+        placement: Placement | None = None,
+        phase: Callable[[str], None] | None = None,
+    ) -> None:
+        self.cfg = cfg.resolved()
+        self.run_dir = run_dir
+        self.cluster = cluster
+        self.placement = placement
+        self._own_cluster = cluster is None
+        self._phase = phase or (lambda text: logger.info("%s", text))
+        self.reservation: Reservation | None = None
+        self.control: ControlPool | None = None
+        self.ps: PSPool | None = None
+        self.rewards: list[Any] = []
+        self.instances: dict[int, Any] = {}
+        self.trainer: TrainerPool | None = None
+        self.placement_info: dict[str, Any] = {}
+
+    @property
+    def actors(self) -> dict[str, Any]:
+        """Every actor by role; ``ps`` is the first replica (dashboard and status)."""
+        out: dict[str, Any] = {}
+        if self.control is not None:
+            out["control"] = self.control.control
+            out["ts"] = self.control.ts.handle
+        if self.ps is not None:
+            out["ps"] = self.ps.first
+            out["ps_replicas"] = dict(self.ps.actors)
+        if self.rewards:
+            out["rewards"] = list(self.rewards)
+        if self.instances:
+            out["instances"] = dict(self.instances)
+        if self.trainer is not None:
+            out["trainer"] = self.trainer.handles()
+        return out
+
+    # -- start -------------------------------------------------------------------------
+
+    def start(
+        self, model: Any, tokenizer: Any, dataset: PromptDataset, stages: Phase = SILENT_PHASE
+    ) -> None:
+        """Build the pools; ``stages`` (the launch's ``actors`` phase) advances once per
+        pool (``staleflow.runtime.phases.ACTOR_STAGES``)."""
+        from parameter_server import Layout
+        from parameter_server.torch_compat import state_dict_to_numpy
+        from staleflow.data import PromptSampler
+        from staleflow.models.state import policy_state
+        from staleflow.runtime.components import RewardSpec, model_spec
+        from staleflow.runtime.pools import PoolContext
+        from staleflow.runtime.pools.control import build_control
+        from staleflow.runtime.pools.parameter_server import build_parameter_server
+        from staleflow.runtime.pools.rewards import build_rewards
+        from staleflow.runtime.pools.rollout import build_rollout
+        from staleflow.runtime.pools.trainer import build_trainer
+
+        cfg = self.cfg
+        if self.cluster is None or self.placement is None:
+            from staleflow.runtime.launch import place
+
+            self.cluster, self.placement = place(cfg, self._phase)
+        cluster, placement = self.cluster, self.placement
+        self.reservation = cluster.reserve(
+            placement, self.run_dir.name, cfg.resources.placement_timeout_s
+        )
+        ctx = PoolContext(
+            ray=cluster.ray,
+            run=self.run_dir.name,
+            placement=placement,
+            reservation=self.reservation,
+            driver_node=cluster.driver_node(),
+            multi_node=bool(cfg.address) or len(placement.nodes) > 1,
+            phase=self._phase,
+        )
+        spec = model_spec(model, tokenizer)
+        sampler = PromptSampler(dataset, seed=cfg.seed)
+        self.control = build_control(
+            ctx, control_config(cfg), cfg.trajectory_server_config(), sampler
+        )
+        stages.advance(detail="control plane and TS up")
+        weights = state_dict_to_numpy(policy_state(model))
+        self.ps = build_parameter_server(
+            ctx, cfg.parameter_server, Layout.from_dict(spec.layout), weights
+        )
+        stages.advance(detail="PS up")
+        self.rewards = build_rewards(ctx, RewardSpec(cfg.reward, spec.tokenizer), self.control)
+        stages.advance(detail="reward workers up")
+        self.instances = build_rollout(
+            ctx,
+            rollout_spec(
+                cfg, spec, dataset, run_dir=self.run_dir, policy=model, tokenizer=tokenizer
+            ),
+            self.ps,
+            self.control,
+            self.rewards,
+        )
+        ray = cluster.ray
+        ray.get(self.control.control.attach.remote(self.instances, dict(self.ps.endpoints)))
+        stages.advance(detail="rollout instances up")
+        self.trainer = build_trainer(
+            ctx, trainer_spec(cfg, spec, self.run_dir), self.ps, self.control
+        )
+        stages.advance(detail="trainer up")
+        self._report_weights(Layout.from_dict(spec.layout))
+
+    def _report_weights(self, layout: Any) -> None:
+        """Print the replicas, the Pulls and the Push plan with the transports chosen, and
+        hand them to the control actor, where the dashboard and status read them."""
+        from staleflow.runtime.pools.parameter_server import describe_weights
+
+        assert self.ps is not None and self.trainer is not None and self.control is not None
+        assert self.cluster is not None and self.placement is not None
+        ray = self.cluster.ray
+        pulls = dict(
+            zip(
+                [f"instance/{i}" for i in self.instances],
+                ray.get([h.pull_route.remote() for h in self.instances.values()]),
+                strict=True,
+            )
+        )
+        pushes = self.trainer.push_transports()
+        trainer_nodes = {rank: self.placement.node_of(rank) for rank in pushes}
+        lines, weights = describe_weights(
+            self.ps, pulls, pushes, layout, trainer_nodes, self.trainer.push_bytes()
+        )
+        for line in lines:
+            self._phase(line)
+        self.placement_info = {**self.placement.as_dict(), "weights": weights}
+        ray.get(self.control.control.set_placement.remote(self.placement_info))
+
+    # -- watch -------------------------------------------------------------------------
+
+    def train(
+        self,
+        steps: int,
+        on_record: Callable[[StepRecord], None],
+        on_tick: Callable[[Any], None] | None = None,
+        poll_s: float = 0.5,
+    ) -> list[Any]:
+        """Run ``steps`` training steps; stream records; return the trainer's reports."""
+        assert self.control is not None and self.trainer is not None and self.cluster is not None
+        ray = self.cluster.ray
+        control = self.control.control
+        done_ref = self.trainer.run(steps)
+        seen = 0
+        while True:
+            ready, _ = ray.wait([done_ref], timeout=poll_s)
+            try:
+                new = ray.get(control.records.remote(seen))
+                live = ray.get(control.live.remote()) if on_tick is not None else None
+            except Exception as exc:  # named for the user below
+                raise LaunchError(f"the control plane stopped: {cause(exc)}") from exc
+            for rec in new:
+                on_record(rec)
+            seen += len(new)
+            if on_tick is not None:
+                on_tick(live)
+            if ready:
+                break
+        try:
+            reports = ray.get(done_ref)
+        except Exception as exc:
+            raise LaunchError(f"the trainer stopped: {cause(exc)}") from exc
+        ray.get(control.stop.remote())  # flushes the last step's record
+        for rec in ray.get(control.records.remote(seen)):
+            on_record(rec)
+        return reports
+
+    def audit(self) -> dict[str, Any]:
+        """After training: stop routing, call every trajectory back to the TS and wait for
+        the reward path, then count. Every trajectory ever created must be consumed,
+        aborted, queued or completed in the TS, none left routed or on an instance; and
+        every PS replica must hold the trainer's last version (``ps_latest``)."""
+        assert self.control is not None and self.cluster is not None and self.ps is not None
+        ray = self.cluster.ray
+        ray.get(self.control.control.stop.remote())
+        for h in self.instances.values():
+            held = ray.get(h.held.remote())
+            ray.get(h.interrupt.remote(sorted(held)))
+        ray.get([h.drain.remote() for h in self.instances.values()])
+        left = sum(len(ray.get(h.held.remote())) for h in self.instances.values())
+        stats = ray.get(self.control.ts.handle.stats.remote())
+        replicas = self.ps.actors
+        infos = ray.get([h.info.remote() for h in replicas.values()])
+        return {
+            "ps_latest": {role: info.latest for role, info in zip(replicas, infos, strict=True)},
+            "created": stats.created_trajectories,
+            "consumed": stats.consumed_trajectories,
+            "aborted": stats.aborted_trajectories,
+            "queued": stats.queued,
+            "routed": stats.routed,
+            "completed": stats.completed,
+            "on_instances": left,
+        }
+
+    def save_checkpoint(self, path: Path) -> None:
+        assert self.trainer is not None
+        self.trainer.save_checkpoint(str(path))
+
+    # -- stop --------------------------------------------------------------------------
+
+    def _teardown(self, what: str, step: Callable[[], object]) -> None:
+        """One best-effort teardown step: a failure is logged, and the rest goes on."""
+        try:
+            step()
+        except Exception as exc:
+            logger.warning("teardown: could not %s: %s", what, cause(exc))
+
+    def shutdown(self) -> None:
+        cluster = self.cluster
+        if cluster is None:
+            return
+        ray = cluster.ray
+        if self.control is not None:
+            control = self.control.control
+            self._teardown(
+                "stop the control plane", lambda: ray.get(control.stop.remote(), timeout=10)
+            )
+        for i, h in self.instances.items():
+            self._teardown(f"stop instance/{i}", lambda h=h: ray.get(h.stop.remote(), timeout=10))
+        if self.trainer is not None:
+            self._teardown("stop the trainer", self.trainer.stop)
+        if self.ps is not None:
+            for role, h in self.ps.actors.items():
+                self._teardown(f"stop {role}", lambda h=h: ray.get(h.stop.remote(), timeout=10))
+        for role, handle in _handles(self.actors):
+            self._teardown(f"kill {role}", lambda handle=handle: ray.kill(handle))
+        self.control, self.ps, self.rewards, self.instances, self.trainer = None, None, [], {}, None
+        if self.reservation is not None:
+            self.reservation.remove()
+            self.reservation = None
+        if self._own_cluster:
+            cluster.shutdown()
+            self.cluster = None
+
+
+def _handles(actors: dict[str, Any]) -> list[tuple[str, Any]]:
+    out = []
+    for role, value in actors.items():
+        if role == "ps":
+            continue  # also in ps_replicas
+        items = (
+            value.items()
+            if isinstance(value, dict)
+            else enumerate(value)
+            if isinstance(value, list)
+            else [("", value)]
+        )
+        out.extend((f"{role}/{k}" if k != "" else role, h) for k, h in items)
+    return out

@@ -1,0 +1,90 @@
+"""Run a function on ``world`` local processes joined in one process group, without Ray.
+
+For tests and benchmarks of Megatron ranks on one machine: each child gets its rank, the
+world size and rank 0's rendezvous address (for
+:func:`staleflow.trainers.megatron.rank.init_distributed`), and rank 0's return value
+comes back. A child that raises has its traceback reported by the parent; a child that
+hangs is killed after ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+class LocalRunError(RuntimeError):
+    """A rank failed or hung; the message holds its traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_local(
+    world: int,
+    fn: Callable[[int, int, str, Any], Any],
+    payload: Any,
+    *,
+    timeout_s: float = 600.0,
+) -> Any:
+    """``fn(rank, world, address, payload)`` on ``world`` spawned processes (``fn`` must be
+    importable by name); returns rank 0's result."""
+    address = f"127.0.0.1:{_free_port()}"
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="staleflow-ranks-") as tmp:
+        out = Path(tmp)
+        # not daemonic: Megatron's checkpoint writer starts processes of its own
+        procs = [
+            ctx.Process(target=_child, args=(fn, rank, world, address, payload, str(out)))
+            for rank in range(world)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout_s)
+        hung = [i for i, p in enumerate(procs) if p.is_alive()]
+        for i in hung:
+            procs[i].kill()
+            procs[i].join(10)
+        errors = sorted(out.glob("error-*.txt"))
+        if errors:
+            raise LocalRunError("\n".join(e.read_text() for e in errors))
+        if hung or any(p.exitcode for p in procs):
+            raise LocalRunError(
+                f"ranks {hung} hung for {timeout_s}s; exit codes {[p.exitcode for p in procs]}"
+            )
+        with open(out / "result.pkl", "rb") as f:
+            return pickle.load(f)
+
+
+def _child(
+    fn: Callable[[int, int, str, Any], Any],
+    rank: int,
+    world: int,
+    address: str,
+    payload: Any,
+    out: str,
+) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # one GPU per rank where there are GPUs (a Ray actor gets this from Ray)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(world)]
+    os.environ["CUDA_VISIBLE_DEVICES"] = devices[rank % len(devices)]
+    try:
+        result = fn(rank, world, address, payload)
+        if rank == 0:
+            with open(os.path.join(out, "result.pkl"), "wb") as f:
+                pickle.dump(result, f)
+    except BaseException:
+        Path(out, f"error-{rank}.txt").write_text(f"rank {rank}:\n{traceback.format_exc()}")
+        raise

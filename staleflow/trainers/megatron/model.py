@@ -1,0 +1,122 @@
+"""A Megatron-core ``GPTModel`` built from the policy's Hugging Face config.
+
+Llama, Qwen2 and Qwen3 decoders map onto Megatron's GPT layer with the local (non-
+Transformer-Engine) spec: RMSNorm, rotary embeddings without interleaving, SwiGLU,
+grouped-query attention; Qwen2 adds a QKV bias, Qwen3 per-head q/k RMSNorms. The shape
+and the weight names are those of :func:`parameter_server.convert_megatron.gpt_config_from_hf`,
+so the same converter moves weights both ways. Checked against ``transformers`` logits to
+1e-7 at TP = 1 and 2 (tests/staleflow/trainers/test_megatron_equivalence.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from parameter_server.convert_megatron import GPTConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"dtype {name!r}: the Megatron trainer runs {sorted(_DTYPES)}") from None
+
+
+def rope_theta(hf: Mapping[str, Any]) -> float:
+    rope = hf.get("rope_parameters") or {}
+    return float(rope.get("rope_theta") or hf.get("rope_theta") or 10_000.0)
+
+
+def build_gpt(hf: Mapping[str, Any], gpt: GPTConfig, *, tp: int, dtype: str, cpu: bool) -> Any:
+    """The model of this rank (its TP shard), uninitialised: the weights are loaded next.
+
+    ``calculate_per_token_loss`` tells Megatron's data-parallel wrapper (GPU path) to sum
+    gradients over ranks instead of averaging them: the loss is already divided by the
+    global token count (:func:`staleflow.trainers.rl.train_step`).
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    params_dtype = torch_dtype(dtype)
+    config = TransformerConfig(
+        num_layers=gpt.num_layers,
+        hidden_size=gpt.hidden_size,
+        num_attention_heads=gpt.num_attention_heads,
+        num_query_groups=gpt.num_query_groups,
+        ffn_hidden_size=gpt.ffn_hidden_size,
+        kv_channels=gpt.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=float(hf.get("rms_norm_eps", 1e-6)),
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=gpt.qkv_bias,
+        qk_layernorm=gpt.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        pipeline_dtype=params_dtype,
+        use_cpu_initialization=cpu,
+        # the weights come from the checkpoint, but Megatron marks its tensor-parallel
+        # weights (partition_dim, ...) only while initialising them: the TP-aware clip
+        # and the checkpoint sharding read those marks
+        perform_initialization=True,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        calculate_per_token_loss=True,
+    )
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=gpt.qk_layernorm)
+    return GPTModel(
+        config,
+        spec,
+        vocab_size=gpt.vocab_size,
+        max_sequence_length=int(hf.get("max_position_embeddings", 4096)),
+        position_embedding_type="rope",
+        rotary_base=int(rope_theta(hf)),
+        share_embeddings_and_output_weights=gpt.tie_word_embeddings,
+        parallel_output=True,
+    )
+
+
+def parameters_by_name(model: Any) -> dict[str, torch.nn.Parameter]:
+    """The model's parameters by state-dict name (what the converter calls them)."""
+    return dict(model.named_parameters())
+
+
+def load_shard(model: Any, shard: Mapping[str, Any]) -> None:
+    """Copy this rank's converted shard (numpy arrays or tensors by Megatron name) into
+    the model; every parameter must be given, with its shape."""
+    from parameter_server.torch_compat import from_numpy
+
+    params = parameters_by_name(model)
+    missing = sorted(set(params) - set(shard))
+    extra = sorted(set(shard) - set(params))
+    if missing or extra:
+        raise ValueError(
+            f"the converted shard does not match the Megatron model: missing {missing[:3]}, "
+            f"unexpected {extra[:3]}"
+        )
+    with torch.no_grad():
+        for name, param in params.items():
+            value = shard[name]
+            if not isinstance(value, torch.Tensor):
+                # the PS carries bfloat16 as its uint16 bits
+                value = from_numpy(value, "bfloat16" if value.dtype.name == "uint16" else "")
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"{name}: shape {tuple(value.shape)}, the model has {tuple(param.shape)}"
+                )
+            param.copy_(value)

@@ -1,0 +1,249 @@
+"""``trainer.backend=megatron``: the trainer as a Ray actor pool of Megatron-core ranks.
+
+:class:`RankActor` is the body of one rank's actor; the launcher's pool builder
+(:func:`staleflow.runtime.pools.megatron.build_megatron_pool`) starts ``dp x tp x pp`` of
+them in the trainer gang's placement-group bundles and :func:`start_ranks` joins them in
+one process group. :class:`MegatronTrainer` is the training loop's
+:class:`~staleflow.runtime.training.StepDriver` over the started ranks (plain data: rank
+handles and ids, so it travels to the loop's actor):
+
+- ``train_consumed``: the consumed groups are split over the data-parallel ranks
+  (:func:`~staleflow.trainers.megatron.split.assign_groups`); each replica's data leader
+  takes its groups from the trajectory server itself, so payloads never pass through the
+  driver or another replica; all ranks step together and rank 0 returns the metrics.
+- ``publish``: each rank started Pushing its own shards to every PS replica at the end of
+  its step; the handle waits until every rank's Push of that version is done.
+
+Ray and megatron-core are imported inside the rank processes only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from staleflow.trainers.megatron.split import assign_groups
+
+if TYPE_CHECKING:
+    from parameter_server.replicas import ReplicaRoute
+
+logger = logging.getLogger(__name__)
+
+MEGATRON_DIR = "megatron"  # the distributed checkpoint inside a checkpoint folder
+
+
+class RankActor:
+    """The body of one rank's Ray actor (made remote by the pool builder)."""
+
+    def __init__(self, spec: Any, rank: int) -> None:
+        import torch
+
+        torch.set_num_threads(spec.section.num_threads)
+        self._spec, self._rank_id = spec, rank
+        self._rank: Any = None
+        self._ts: Any = None
+
+    def rendezvous(self) -> str:
+        """``host:port`` where rank 0 waits for the others."""
+        from staleflow.trainers.megatron.rank import free_port, host_address
+
+        return f"{host_address()}:{free_port()}"
+
+    def start(
+        self,
+        address: str,
+        routes: Mapping[int, Sequence[ReplicaRoute]],
+        ts_handle: Any,
+        load: str,
+    ) -> int:
+        """Join the group, build the model, load the weights (version 0 from the PS, or the
+        distributed checkpoint ``load``), connect the sharded Push to every PS replica
+        (``routes``: every rank's routes to them); returns the version of the weights."""
+        from staleflow.trainers.megatron.rank import MegatronRank, init_distributed
+
+        init_distributed(self._rank_id, self._spec.world, address)
+        rank = MegatronRank(self._spec)
+        mine = routes[self._rank_id]
+        if load:
+            from staleflow.trainers.megatron.checkpoint import load_checkpoint
+
+            # weights and optimizer state from the checkpoint; the run's versions are the
+            # PS's (its version 0 is the HF folder written beside the checkpoint)
+            load_checkpoint(rank, load)
+            rank.version = _ps_version(mine)
+        else:
+            rank.version = self._load_from_ps(rank, mine)
+        rank.attach_push(routes)
+        if ts_handle is not None and rank.is_data_leader:
+            from trajectory_server.actor import TrajectoryServerClient
+
+            self._ts = TrajectoryServerClient(ts_handle)
+        self._rank = rank
+        return rank.version
+
+    def _load_from_ps(self, rank: Any, routes: Sequence[ReplicaRoute]) -> int:
+        """The newest version all replicas hold, pulled from the nearest ones."""
+        import numpy as np
+
+        from parameter_server.replicas import replica_group
+
+        with replica_group(routes, receiver=f"rank{self._rank_id}") as group:
+            buffer = np.empty(group.layout.nbytes, dtype=np.uint8)
+            version = group.pull(buffer)
+            rank.load_hf(group.layout.views(buffer))
+        return version
+
+    def push_routes(self) -> dict[str, tuple[str, int]]:
+        """Per PS replica: the transport of this rank's Push and its bytes per version
+        (the pieces travel over the replica's socket)."""
+        return {replica: ("socket", n) for replica, n in self._rank.push_bytes().items()}
+
+    def step(self, select: Mapping[int, Sequence[int]] | None) -> tuple[dict[str, float], Any]:
+        """One training step; a data leader takes its ``select``ed groups from the TS.
+        Returns the metrics and (data leaders) the digest of the part it trained."""
+        from staleflow.runtime.training import BatchDigest
+        from trajectory_server.types import TrainingBatch
+
+        rank = self._rank
+        part = digest = None
+        if rank.is_data_leader:
+            select = select or {}
+            part = self._ts.take_batch(list(select), select) if select else TrainingBatch(())
+            digest = BatchDigest.of(part, rank.version)
+        metrics = rank.train_step(part)
+        rank.start_push()
+        return metrics, digest
+
+    def wait_push(self, version: int) -> None:
+        """Return once this rank's Push of ``version`` is done (at once if it was fenced)."""
+        if self._rank.version == version:
+            self._rank.wait_push()
+
+    def save_checkpoint(self, path: str) -> None:
+        from staleflow.trainers.megatron.checkpoint import export_hf, save_checkpoint
+
+        rank = self._rank
+        save_checkpoint(rank, str(Path(path) / MEGATRON_DIR))
+        weights = rank.gather_hf()
+        if weights is not None:
+            spec = self._spec
+            export_hf(
+                weights,
+                spec.hf_config,
+                path,
+                dtype=spec.dtype,
+                save_tokenizer=_tokenizer_saver(spec.tokenizer),
+            )
+
+    def close(self) -> None:
+        if self._rank is not None:
+            self._rank.close()
+
+
+def _ps_version(routes: Sequence[ReplicaRoute]) -> int:
+    from parameter_server.replicas import ReplicaVersions
+
+    versions = ReplicaVersions({r.replica: r.endpoint for r in routes}, client="rank")
+    try:
+        return int(versions.latest() or 0)
+    finally:
+        versions.close()
+
+
+def start_ranks(
+    ray: Any,
+    ranks: Sequence[Any],
+    routes: Mapping[int, Sequence[ReplicaRoute]],
+    ts_handle: Any,
+    load: str,
+) -> int:
+    """Join the started :class:`RankActor` handles ``ranks`` (global rank order) in one
+    process group and load their weights; returns the version they start from."""
+    address = ray.get(ranks[0].rendezvous.remote())
+    versions = ray.get([r.start.remote(address, routes, ts_handle, load) for r in ranks])
+    if len(set(versions)) != 1:
+        raise RuntimeError(f"the ranks loaded different versions {versions}")
+    return int(versions[0])
+
+
+def _tokenizer_saver(tokenizer: Any) -> Any:
+    if tokenizer is None:
+        return None
+    from staleflow.models.checkpoint import save_tokenizer
+
+    return lambda out: save_tokenizer(tokenizer, out)
+
+
+@dataclass
+class _PoolPush:
+    """The publish handle of the pool: every rank's Push of ``version``."""
+
+    ranks: list[Any]
+    version: int
+
+    def wait(self, timeout: float | None = None) -> int:
+        import ray
+
+        ray.get([r.wait_push.remote(self.version) for r in self.ranks], timeout=timeout)
+        return self.version
+
+
+class MegatronTrainer:
+    """The pool as the training loop drives it; see the module docstring. ``spec`` is a
+    :class:`~staleflow.trainers.megatron.rank.RankSpec`, ``ranks`` the started rank actors
+    in global rank order, ``version`` the one they start from (:func:`start_ranks`)."""
+
+    def __init__(self, spec: Any, ranks: Sequence[Any], version: int) -> None:
+        s = spec.section
+        if len(ranks) != spec.world:
+            raise ValueError(f"{len(ranks)} rank actors for dp x tp x pp = {spec.world}")
+        self.spec = spec
+        self.ranks = list(ranks)
+        self._version = int(version)
+        # global rank g is TP rank g % tp of replica g // tp (Megatron's tp-first order)
+        self._leaders = {g // s.tp: g for g in range(spec.world) if g % s.tp == 0}
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def train_consumed(self, select: Mapping[int, Sequence[int]]) -> Any:
+        import ray
+
+        from staleflow.runtime.training import BatchDigest, TrainedStep
+
+        parts = assign_groups({g: len(ids) for g, ids in select.items()}, self.spec.section.dp)
+        calls = []
+        for g, rank in enumerate(self.ranks):
+            replica = g // self.spec.section.tp
+            mine = None
+            if self._leaders.get(replica) == g:
+                mine = {gid: tuple(select[gid]) for gid in parts[replica]}
+            calls.append(rank.step.remote(mine))
+        results = ray.get(calls)
+        self._version += 1
+        metrics = results[0][0]
+        digest = BatchDigest.merge(d for _, d in results if d is not None)
+        return TrainedStep(metrics, digest)
+
+    def publish(self, version: int) -> _PoolPush:
+        if version != self._version:
+            raise ValueError(f"the pool holds version {self._version}, not {version}")
+        return _PoolPush(self.ranks, version)
+
+    def save_checkpoint(self, path: str | Path) -> None:
+        """A distributed checkpoint in ``path/megatron`` (loadable at any TP with
+        ``trainer.load``) and the HF folder at ``path`` (``model.checkpoint=<path>``)."""
+        import ray
+
+        ray.get([r.save_checkpoint.remote(str(path)) for r in self.ranks])
+
+    def close(self) -> None:
+        """Finish every rank's Push in flight and disconnect it from the PS (the pool's
+        owner kills the actors)."""
+        import ray
+
+        ray.get([r.close.remote() for r in self.ranks], timeout=60)

@@ -1,0 +1,297 @@
+"""One Megatron-core training rank: a process of the trainer pool.
+
+A rank joins the pool's torch.distributed group (gloo on CPU, NCCL on GPU) and Megatron's
+parallel state (TP x DP; ranks are numbered TP-fastest, Megatron's ``tp-cp-ep-dp-pp``
+order), builds its shard of the model from the policy's HF config, loads its shard of the
+HF weights through :class:`~parameter_server.convert_megatron.MegatronToHF`, and trains
+with the step shared with the embedded trainer (:func:`staleflow.trainers.rl.train_step`).
+
+Data: the first rank of each data-parallel replica (its TP rank 0) receives the replica's
+groups straight from the trajectory server and broadcasts them to its TP peers, so no
+rank ever holds another replica's trajectories.
+
+Push: after each step every rank sends its own pieces of the new weights to every PS
+replica (:class:`~parameter_server.shard_push.ShardPushGroup`) in the background, reading the
+live parameters while the next step's forward and backward passes run; the next update
+waits for it first (:mod:`staleflow.trainers.megatron.optim`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from parameter_server.convert_megatron import MegatronToHF, gpt_config_from_hf
+from staleflow.config.sections import TrainerConfig
+from staleflow.trainers.megatron.backend import VocabParallelBackend
+from staleflow.trainers.megatron.cpu_patches import apply_cpu_patches
+from staleflow.trainers.megatron.model import build_gpt, load_shard, parameters_by_name
+from staleflow.trainers.megatron.optim import CpuUpdate, MegatronUpdate
+from staleflow.trainers.rl import train_step
+from trajectory_server.types import TrainingBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """What every rank of a pool is built from (plain data: it travels to Ray actors)."""
+
+    hf_config: dict[str, Any]  # the policy's config.json
+    section: TrainerConfig = field(default_factory=TrainerConfig)
+    pad_id: int = 0
+    seed: int = 0
+    dtype: str = "float32"  # of the weights the PS serves (and the rank trains, on CPU)
+    tokenizer: Any = None  # saved into HF exports, so that they load as a policy
+
+    @property
+    def world(self) -> int:
+        s = self.section
+        return s.tp * s.pp * s.dp
+
+
+def init_distributed(rank: int, world: int, address: str, *, timeout_s: float = 600.0) -> str:
+    """Join the pool's process group at ``address`` (``host:port`` of rank 0)."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(0)  # Ray gives each rank its own GPU as device 0
+    from datetime import timedelta
+
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{address}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    return backend
+
+
+class MegatronRank:
+    """The model, optimizer and Push of one rank; call in the order a step needs them."""
+
+    def __init__(self, spec: RankSpec, *, version: int = 0) -> None:
+        from megatron.core import parallel_state as ps
+
+        if not dist.is_initialized():
+            raise RuntimeError("call init_distributed() before building a MegatronRank")
+        s = spec.section
+        if dist.get_world_size() != spec.world:
+            raise ValueError(
+                f"{dist.get_world_size()} processes joined, but trainer.dp x trainer.tp x "
+                f"trainer.pp = {spec.world}"
+            )
+        self.spec = spec
+        self.cpu = apply_cpu_patches()
+        self.device = torch.device("cpu") if self.cpu else torch.device("cuda", 0)
+        if not ps.model_parallel_is_initialized():
+            ps.initialize_model_parallel(tensor_model_parallel_size=s.tp)
+        elif ps.get_tensor_model_parallel_world_size() != s.tp:
+            raise ValueError("this process's Megatron parallel state has another TP size")
+        self._ps = ps
+        if not self.cpu:
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(spec.seed)
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.gpt = gpt_config_from_hf(spec.hf_config, s.tp, dtype=spec.dtype)
+        self.converter = MegatronToHF(self.gpt, s.tp)
+        self.model = build_gpt(spec.hf_config, self.gpt, tp=s.tp, dtype=spec.dtype, cpu=self.cpu)
+        if not self.cpu:
+            self.model = self.model.to(self.device)
+        self.version = int(version)
+        self._pending: Any = None  # the background Push in flight
+        self._pusher: Any = None
+        self._client: Any = None
+        self.push_wait_s = 0.0
+        if self.cpu:
+            self.update: Any = CpuUpdate(
+                self.model,
+                s,
+                dp_group=ps.get_data_parallel_group(),
+                mp_group=ps.get_model_parallel_group(),
+                before_update=self._fence,
+            )
+            forward = self.model
+        else:
+            self.update = MegatronUpdate(self.model, s, before_update=self._fence)
+            forward = self.update.model
+        self.backend = VocabParallelBackend(
+            lambda ids, pos: forward(ids, pos, None),
+            vocab_size=int(spec.hf_config["vocab_size"]),
+            padded_vocab=self.gpt.vocab_size,
+            tp_rank=self.tp_rank,
+            tp_size=s.tp,
+            tp_group=ps.get_tensor_model_parallel_group(),
+            dp_group=ps.get_data_parallel_group(),
+            device=self.device,
+            update=self.update,
+        )
+
+    # -- roles --------------------------------------------------------------------------
+
+    @property
+    def is_data_leader(self) -> bool:
+        """Receives its replica's groups from the TS (and broadcasts them to its peers)."""
+        return self.tp_rank == 0
+
+    @property
+    def tp_ranks(self) -> list[int]:
+        """The TP rank of every global rank (TP-fastest numbering)."""
+        tp = self.spec.section.tp
+        return [g % tp for g in range(self.spec.world)]
+
+    # -- weights ------------------------------------------------------------------------
+
+    def load_hf(self, weights: Mapping[str, np.ndarray]) -> None:
+        """Load this rank's shard of HF-named ``weights`` (a PS version or a checkpoint)."""
+        load_shard(self.model, self.converter.shard(weights, self.tp_rank))
+
+    def local_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters by Megatron name: live, no copy."""
+        return {n: p.detach() for n, p in parameters_by_name(self.model).items()}
+
+    def gather_hf(self) -> dict[str, np.ndarray] | None:
+        """The whole model in HF names on global rank 0 (None elsewhere): the TP shards of
+        the first replica, gathered and converted."""
+        shard = {n: _host_array(t, self.spec.dtype) for n, t in self.local_weights().items()}
+        group = self._ps.get_tensor_model_parallel_group()
+        if self.dp_rank != 0:
+            return None
+        gathered: list[Any] = [None] * self.spec.section.tp
+        dist.all_gather_object(gathered, shard, group=group)
+        if dist.get_rank() != 0:
+            return None
+        return self.converter.convert(gathered)
+
+    # -- training -----------------------------------------------------------------------
+
+    def receive(self, part: TrainingBatch | None) -> TrainingBatch:
+        """This replica's part of the batch: the data leader's ``part``, broadcast over the
+        TP group to its peers (which pass None)."""
+        if self.spec.section.tp == 1:
+            if part is None:
+                raise ValueError("a TP = 1 rank is its replica's data leader; give it its part")
+            return part
+        box = [part]
+        group = self._ps.get_tensor_model_parallel_group()
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        if box[0] is None:
+            raise ValueError("the data leader of this replica got no part of the batch")
+        return box[0]
+
+    def train_step(self, part: TrainingBatch | None) -> dict[str, float]:
+        """One step on this replica's part of the batch (None on non-leaders); returns the
+        metrics, reduced over the replicas (equal on every rank)."""
+        start = time.perf_counter()
+        batch = self.receive(part)
+        self.push_wait_s = 0.0
+        self.model.eval()  # dropout is 0 anyway; eval keeps any stochastic layer off
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.spec.seed * 1_000_003 + self.version)
+            metrics, _ = train_step(
+                self.backend,
+                batch,
+                self.spec.section,
+                version=self.version,
+                pad_id=self.spec.pad_id,
+                allow_empty=self.spec.section.dp > 1,
+            )
+        self.version += 1
+        metrics["train/lr"] = float(self.spec.section.lr)
+        metrics["train/step_time_s"] = time.perf_counter() - start
+        metrics["train/push_wait_s"] = self.push_wait_s
+        return metrics
+
+    # -- Push ---------------------------------------------------------------------------
+
+    def attach_push(self, target: Any) -> int:
+        """Connect for sharded Pushes: ``target`` is one PS worker's endpoint, or every
+        rank's routes to the PS replicas (``{global rank: [ReplicaRoute, ...]}``, the same
+        on every rank), each of which then receives the whole model. Returns the bytes this
+        rank sends per version."""
+        from parameter_server.push import BackgroundPusher
+        from parameter_server.replicas import ReplicaRoute
+        from parameter_server.shard_push import ShardPushGroup
+        from parameter_server.transport.base import Endpoint
+
+        routes = (
+            {g: [ReplicaRoute("ps", target, same_node=True)] for g in range(self.spec.world)}
+            if isinstance(target, Endpoint)
+            else target
+        )
+        self._client = ShardPushGroup(
+            self.converter, rank=dist.get_rank(), tp_ranks=self.tp_ranks, routes=routes
+        )
+        self._pusher = BackgroundPusher(self._client, name=f"push-rank{dist.get_rank()}")
+        return self._client.nbytes
+
+    def push_bytes(self) -> dict[str, int]:
+        """Bytes this rank sends each PS replica per version."""
+        return {} if self._client is None else self._client.sent_bytes()
+
+    def start_push(self) -> Any:
+        """Push the current weights as :attr:`version` in the background; returns its
+        :class:`~parameter_server.push.PushHandle` (timing filled in once done)."""
+        if self._pusher is None:
+            raise RuntimeError("attach_push() first")
+        self._pending = self._pusher.push_async(self.version, self.local_weights())
+        return self._pending
+
+    def wait_push(self, timeout: float | None = None) -> int | None:
+        """Wait for the Push in flight (its version if this rank completed it)."""
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.wait(timeout)
+
+    def _fence(self) -> None:
+        if self._pending is not None:
+            started = time.perf_counter()
+            self.wait_push()
+            self.push_wait_s += time.perf_counter() - started
+
+    def close(self) -> None:
+        try:
+            self.wait_push(timeout=60)
+        finally:
+            if self._pusher is not None:
+                self._pusher.close(timeout=30)
+            if self._client is not None:
+                self._client.close()
+
+
+def _host_array(t: torch.Tensor, dtype: str) -> np.ndarray:
+    from parameter_server.torch_compat import to_numpy
+
+    if dtype == "bfloat16":
+        t = t.to(torch.bfloat16)
+    return to_numpy(t).copy()
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for rank 0's rendezvous)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def host_address() -> str:
+    """An address of this host other ranks can reach (Ray's node IP when Ray is here)."""
+    try:
+        import ray
+
+        if ray.is_initialized():
+            return str(ray.util.get_node_ip_address())
+    except ImportError:
+        pass
+    return os.environ.get("MASTER_ADDR", "127.0.0.1")

@@ -1,0 +1,251 @@
+"""The rollout-engine contract (``staleflow/engines/base.py``), one suite for every backend.
+
+Backends and where each runs: see ``backends.py``. One engine per backend for the whole
+module (vLLM takes 10-60 s to start); each test leaves it empty.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from staleflow.engines.base import FINISH_LENGTH, FINISH_STOP, GenerationRequest
+from tests.staleflow.engines.backends import (
+    MAX_SEQ,
+    PARAMS,
+    VOCAB,
+    Backend,
+    backend_fixture,
+    build_model,
+    drain,
+    model_folder,  # noqa: F401  (fixture)
+    teacher_forced,
+)
+
+TOL = 2e-5  # float32 logprobs of a 2-layer model: measured errors are ~5e-7
+_ids = itertools.count(1000)
+_versions = itertools.count(1)
+
+
+@pytest.fixture(scope="module", params=PARAMS)
+def backend(request, model_folder, tmp_path_factory) -> Iterator[Backend]:  # noqa: F811
+    yield from backend_fixture(request, model_folder, tmp_path_factory)
+
+
+@pytest.fixture
+def eng(backend: Backend):
+    yield backend.engine
+    leftover = [t for t, _ in (*backend.engine.state().running, *backend.engine.state().waiting)]
+    backend.engine.abort(leftover)
+    drain(backend.engine)
+
+
+def request(
+    prompt_len: int = 8,
+    max_response: int = 24,
+    *,
+    seed: int | None = None,
+    traj_id: int | None = None,
+    prefix: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+    prompt: np.ndarray | None = None,
+) -> GenerationRequest:
+    tid = next(_ids) if traj_id is None else traj_id
+    rng = np.random.default_rng(tid if seed is None else seed)
+    if prompt is None:
+        prompt = rng.integers(0, VOCAB, size=prompt_len, dtype=np.int32)
+    if prefix is None:
+        e_i, e_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
+        prefix = (e_i, e_f, e_i)
+    return GenerationRequest(tid, prompt, *prefix, max_response)
+
+
+def check_output(out, req: GenerationRequest, eos: int) -> None:
+    assert out.tokens.dtype == np.int32 and out.logprobs.dtype == np.float32
+    assert out.versions.dtype == np.int32
+    assert len(out.tokens) == len(out.logprobs) == len(out.versions) <= req.max_response
+    body = out.tokens[:-1].tolist()
+    assert eos not in body, "a response went on past its stop token"
+    if out.finish_reason == FINISH_STOP:
+        assert out.tokens[-1] == eos
+    else:
+        assert out.finish_reason == FINISH_LENGTH
+        assert len(out.tokens) == req.max_response
+
+
+def check_logprobs(model, req: GenerationRequest, out, start: int = 0) -> None:
+    ref = teacher_forced(model, req.prompt, out.tokens)
+    np.testing.assert_allclose(out.logprobs[start:], ref[start:], atol=TOL, rtol=0)
+
+
+def test_weight_shapes_are_the_hf_parameters(eng) -> None:
+    model = build_model(0)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    assert {n: s for n, (s, _) in eng.weight_shapes().items()} == shapes
+
+
+def test_generates_from_token_ids_with_the_logprob_convention(backend, eng) -> None:
+    reqs = [request(prompt_len=3 + i) for i in range(12)]
+    eng.submit(reqs)
+    done = drain(eng)
+    assert sorted(done) == sorted(r.traj_id for r in reqs)
+    for r in reqs:
+        out = done[r.traj_id]
+        check_output(out, r, backend.eos)
+        assert set(out.versions.tolist()) == {eng.state().version}
+        check_logprobs(backend.reference, r, out)
+    reasons = {o.finish_reason for o in done.values()}
+    assert FINISH_STOP in reasons, "no response stopped at the stop token"
+
+
+def test_a_resubmitted_prefix_is_kept_and_continued(backend, eng) -> None:
+    first = request(max_response=20)
+    eng.submit([first])
+    whole = drain(eng)[first.traj_id]
+    k = max(1, len(whole.tokens) // 2)
+    fake_versions = np.full(k, -7, np.int32)  # the engine must keep what it was given
+    resumed = request(
+        max_response=20,
+        prompt=first.prompt,
+        prefix=(whole.tokens[:k].copy(), whole.logprobs[:k].copy(), fake_versions),
+    )
+    eng.submit([resumed])
+    out = drain(eng)[resumed.traj_id]
+    np.testing.assert_array_equal(out.tokens[:k], whole.tokens[:k])
+    np.testing.assert_array_equal(out.logprobs[:k], whole.logprobs[:k])
+    assert out.versions[:k].tolist() == [-7] * k
+    check_output(out, resumed, backend.eos)
+    check_logprobs(backend.reference, resumed, out, start=k)
+
+
+def test_interrupt_returns_the_partial_response_and_forgets_it(backend, eng) -> None:
+    reqs = [request(max_response=MAX_SEQ - 10) for _ in range(4)]
+    eng.submit(reqs)
+    early = {o.traj_id: o for o in eng.step()}
+    target = reqs[0].traj_id
+    parts = eng.interrupt([target, 424242])
+    finished = {**early, **drain(eng)}
+    if target in parts:
+        part = parts[target]
+        assert part.finish_reason is None
+        assert len(part.tokens) == len(part.logprobs) == len(part.versions) < reqs[0].max_response
+        if len(part.tokens):
+            check_logprobs(backend.reference, reqs[0], part)
+        assert target not in finished
+    else:  # it finished before the interrupt: then it is a completion, reported once
+        assert target in finished
+    assert set(finished) | set(parts) == {r.traj_id for r in reqs}
+    assert eng.interrupt([target]) == {}
+
+
+def test_abort_drops_requests_for_good(eng) -> None:
+    reqs = [request() for _ in range(3)]
+    eng.submit(reqs)
+    dropped = eng.abort([reqs[0].traj_id, reqs[1].traj_id, 424242])
+    assert sorted(dropped) == sorted([reqs[0].traj_id, reqs[1].traj_id])
+    assert set(drain(eng)) == {reqs[2].traj_id}
+
+
+def test_state_lists_every_request_with_its_length(eng) -> None:
+    reqs = [request(prompt_len=5 + i, max_response=30) for i in range(5)]
+    eng.submit(reqs)
+    state = eng.state()
+    listed = dict((*state.running, *state.waiting))
+    assert set(listed) == {r.traj_id for r in reqs}
+    for r in reqs:
+        assert listed[r.traj_id] >= len(r.prompt)
+    assert state.kv_tokens == sum(n for _, n in state.running)
+    assert state.preemptions >= 0
+    assert state.kv_usage is None or 0.0 <= state.kv_usage <= 1.0
+    eng.step()
+    state = eng.state()
+    assert len({t for t, _ in (*state.running, *state.waiting)}) == len(state.running) + len(
+        state.waiting
+    )
+
+
+def test_weights_load_between_steps_without_dropping_requests(backend, eng) -> None:
+    reqs = [request(max_response=40) for _ in range(6)]
+    before = eng.times().decode_tokens
+    backend.hold()
+    eng.submit(reqs)
+    early = {o.traj_id: o for o in backend.advance(len(reqs))}  # running, a token each
+    old = eng.state().version
+    version = next(_versions) + old
+    new_model = build_model(version)
+    backend.load(new_model, version)
+    backend.release()
+    assert eng.state().version == version
+    done = {**early, **drain(eng)}
+    assert sorted(done) == sorted(r.traj_id for r in reqs), "a request was dropped by the load"
+    for r in reqs:
+        out = done[r.traj_id]
+        check_output(out, r, backend.eos)
+        vs = out.versions.tolist()
+        assert vs == sorted(vs) and set(vs) <= {old, version}
+    if backend.can_hold:  # some request was running across the load
+        assert any(old in o.versions and version in o.versions for o in done.values())
+    assert eng.times().decode_tokens >= before + sum(len(o.tokens) for o in done.values()) - 6
+    # fresh requests follow the new weights exactly
+    fresh = [request() for _ in range(4)]
+    eng.submit(fresh)
+    after = drain(eng)
+    for r in fresh:
+        assert set(after[r.traj_id].versions.tolist()) == {version}
+        check_logprobs(backend.reference, r, after[r.traj_id])
+
+
+def test_no_stale_prefix_is_reused_after_a_weight_load(backend, eng) -> None:
+    prompt = np.random.default_rng(7).integers(0, VOCAB, size=70, dtype=np.int32)
+    first = request(prompt=prompt, max_response=4)
+    eng.submit([first])
+    drain(eng)  # the prompt's KV now sits in any prefix cache
+    version = eng.state().version + next(_versions)
+    backend.load(build_model(version), version)
+    again = request(prompt=prompt, max_response=4)
+    eng.submit([again])
+    out = drain(eng)[again.traj_id]
+    check_logprobs(backend.reference, again, out)
+
+
+def test_bad_requests_are_refused_by_trajectory_and_change_nothing(eng) -> None:
+    good = request()
+    e_i, e_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
+    cases = [
+        ([good, request(traj_id=good.traj_id)], "duplicate"),
+        (
+            [good, GenerationRequest(5, np.array([VOCAB + 3], np.int32), e_i, e_f, e_i, 4)],
+            "vocabulary",
+        ),
+        ([good, request(prompt_len=MAX_SEQ, max_response=8)], "max_seq_len"),
+        (
+            [
+                good,
+                GenerationRequest(6, np.array([1], np.int32), np.array([2], np.int32), e_f, e_i, 4),
+            ],
+            "one entry per token",
+        ),
+    ]
+    for batch, match in cases:
+        with pytest.raises(ValueError, match=match):
+            eng.submit(batch)
+        assert not eng.has_work
+        assert eng.state().waiting == () and eng.state().running == ()
+
+
+def test_bad_weights_are_refused_by_name_and_change_nothing(backend, eng) -> None:
+    version = eng.state().version
+    weights = {n: p.detach().numpy() for n, p in build_model(99).named_parameters()}
+    name = next(iter(weights))
+    missing = {k: v for k, v in weights.items() if k != name}
+    with pytest.raises(ValueError, match=name):
+        eng.load_weights(missing, version + 1)
+    wrong = dict(weights, **{name: np.zeros((3, 3), np.float32)})
+    with pytest.raises(ValueError, match=name):
+        eng.load_weights(wrong, version + 1)
+    assert eng.state().version == version
+    r = request()
+    eng.submit([r])
+    check_logprobs(backend.reference, r, drain(eng)[r.traj_id])

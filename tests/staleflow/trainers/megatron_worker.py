@@ -1,0 +1,140 @@
+"""Runs real Megatron-core ranks in child processes (gloo, one process per rank) for the
+equivalence tests: nothing is faked. Each child builds a :class:`MegatronRank` from HF
+weights and follows a short script; rank 0 returns what it saw."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from staleflow.trainers.megatron.local import run_local
+
+
+@dataclass(frozen=True)
+class Script:
+    """What every rank does: load ``hf`` (HF-named arrays), train ``steps`` steps on
+    ``batch`` (split over DP ranks), optionally save or first load a distributed
+    checkpoint, and gather the HF weights at the end."""
+
+    spec: Any  # RankSpec
+    hf: dict[str, np.ndarray]
+    batch: Any = None  # TrainingBatch
+    steps: int = 1
+    save: str = ""
+    load: str = ""
+    push_endpoint: Any = None
+    logits_of: np.ndarray | None = None  # also report the gathered logits of these ids
+    # hold each background Push until the next step's update waits for it (or, with no
+    # fence, has changed the weights): the Push overlaps the next step for certain
+    hold_push: bool = False
+    # more models built in the same ranks: (RankSpec, HF weights) -> their logits_of
+    others: list[tuple[Any, dict[str, np.ndarray]]] = field(default_factory=list)
+
+
+def run(script: Script, timeout_s: float = 300.0) -> dict[str, Any]:
+    """Run ``script`` on ``spec.world`` child processes; rank 0's result."""
+    return run_local(script.spec.world, _script, script, timeout_s=timeout_s)
+
+
+def _script(rank: int, world: int, address: str, script: Script) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)
+    from staleflow.trainers.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from staleflow.trainers.megatron.rank import MegatronRank, init_distributed
+    from staleflow.trainers.megatron.split import split_batch
+
+    init_distributed(rank, world, address)
+    r = MegatronRank(script.spec)
+    result: dict[str, Any] = {"names": sorted(r.local_weights()), "metrics": []}
+    if script.load:
+        load_checkpoint(r, script.load)
+    else:
+        r.load_hf(script.hf)
+    result["loaded"] = r.gather_hf()
+    if script.logits_of is not None:
+        result["logits"] = _gathered_logits(r, script.logits_of)
+        result["other_logits"] = []
+        for spec, hf in script.others:
+            other = MegatronRank(spec)
+            other.load_hf(hf)
+            result["other_logits"].append(_gathered_logits(other, script.logits_of))
+    if script.push_endpoint is not None:
+        result["push_bytes"] = r.attach_push(script.push_endpoint)
+        if script.hold_push:
+            _hold_pushes(r, last=script.steps)
+    for _ in range(script.steps):
+        part = None
+        if r.is_data_leader:
+            part = split_batch(script.batch, script.spec.section.dp)[r.dp_rank]
+        result["metrics"].append(r.train_step(part))
+        if script.push_endpoint is not None:
+            r.start_push()
+        result.setdefault("after", []).append(r.gather_hf())
+    if script.push_endpoint is not None:
+        result["pushed"] = r.wait_push(timeout=120)
+        r.close()
+    if script.save:
+        save_checkpoint(r, script.save)
+    result["final"] = result["after"][-1] if script.steps else r.gather_hf()
+    result["version"] = r.version
+    return result
+
+
+def _gathered_logits(r: Any, ids: np.ndarray) -> np.ndarray:
+    import torch
+    import torch.distributed as dist
+
+    with torch.no_grad():
+        local = r.backend.logits(torch.from_numpy(ids))
+    parts = [torch.empty_like(local) for _ in range(r.spec.section.tp)]
+    dist.all_gather(parts, local, group=r._ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, -1).numpy()
+
+
+def _hold_pushes(r: Any, last: int) -> None:
+    """Hold each background Push (but the ``last`` version's: no step follows it) until
+    the next step's update either waits for it (the fence) or has changed the weights
+    (no fence): the Push then certainly overlaps the next step's forward and backward
+    passes, and a missing fence would Push the changed weights. Conditions, no sleeps."""
+    import threading
+
+    state = {"waited": 0, "stepped": 0}
+    changed = threading.Condition()
+    client, pusher, optimizer = r._client, r._pusher, r.update.optimizer
+    push, push_async, step = client.push, pusher.push_async, optimizer.step
+
+    def mark(key: str) -> None:
+        with changed:
+            state[key] += 1
+            changed.notify_all()
+
+    def held_push(weights: Any, version: int | None = None) -> Any:
+        if version is not None and version < last:
+            with changed:
+                seen = dict(state)
+                if not changed.wait_for(lambda: state != seen, timeout=120):
+                    raise TimeoutError("the next step neither waited for the Push nor updated")
+        return push(weights, version)
+
+    def watched_push_async(version: Any, weights: Any) -> Any:
+        handle = push_async(version, weights)
+        wait = handle.wait
+
+        def watched_wait(timeout: float | None = None) -> Any:
+            mark("waited")
+            return wait(timeout)
+
+        handle.wait = watched_wait
+        return handle
+
+    def watched_step(*args: Any, **kwargs: Any) -> Any:
+        out = step(*args, **kwargs)
+        mark("stepped")
+        return out
+
+    client.push = held_push
+    pusher.push_async = watched_push_async
+    optimizer.step = watched_step
