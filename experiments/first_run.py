@@ -9,7 +9,8 @@ checks that the dashboard it prints serves ``/api/overview``, and stops the run 
 lets it finish).
 
 ``check``: ``scripts/check`` in a fresh clone: the time of each stage, the total, and
-every test pytest skipped, with its reason.
+every test pytest skipped, with its reason (``--stages lint tests``: only those; the
+``vllm`` stage alone installs vLLM for about a quarter of an hour).
 
 Installs go through pip as the scripts do: pip's own cache (or a local index) is what
 makes a "warm package cache". The load average is printed with the figures, since other
@@ -93,7 +94,7 @@ def measure_run(clone: Path, workdir: Path, full: bool, stop_timeout_s: float) -
             marks.setdefault("install_start", now)
         elif line == "setup: done":
             marks["install_end"] = now
-        elif line.startswith("run folder "):
+        elif line.startswith("placed on "):  # Ray started, the placement plan fitted
             marks.setdefault("launch_start", now)
         elif line.startswith("dashboard at ") and dashboard["url"] is None:
             dashboard["url"] = line.split()[-1]
@@ -129,10 +130,10 @@ def _serves(url: str) -> bool:
         return False
 
 
-def measure_check(clone: Path, workdir: Path) -> dict[str, Any]:
+def measure_check(clone: Path, workdir: Path, stages: list[str]) -> dict[str, Any]:
     start = time.monotonic()
     done = subprocess.run(
-        ["scripts/check"],
+        ["scripts/check", *stages],
         cwd=clone,
         env=_env(workdir),
         stdin=subprocess.DEVNULL,
@@ -160,7 +161,7 @@ def print_run(result: dict[str, Any]) -> None:
         rows.append(("install (scripts/setup)", marks["install_end"] - marks["install_start"]))
     if "launch_start" in marks:
         begun = marks.get("install_end", 0.0)
-        rows.append(("launcher start (imports, run folder)", marks["launch_start"] - begun))
+        rows.append(("launcher start (imports, Ray, placement)", marks["launch_start"] - begun))
     rows += list(result["phases"].items())
     print(f"\n{'phase':<40} {'seconds':>8}")
     for name, seconds in rows:
@@ -179,6 +180,9 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep the clone and its .venv")
     parser.add_argument("--json", help="also write the figures to this JSON file")
     parser.add_argument("--stop-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--stages", nargs="*", default=[], help="scripts/check's stages to run (default: all)"
+    )
     args = parser.parse_args()
 
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="staleflow-first-run-"))
@@ -192,7 +196,7 @@ def main() -> int:
             print_run(out["run"])
         if args.what in ("check", "both"):
             clone = fresh_clone(workdir / "check")
-            out["check"] = measure_check(clone, workdir / "check")
+            out["check"] = measure_check(clone, workdir / "check", args.stages)
             out["check"]["load_after"] = load()
             print(
                 f"\nscripts/check: exit {out['check']['exit_code']} in {out['check']['seconds']}s"

@@ -10,6 +10,7 @@ import pytest
 
 from staleflow.progress import (
     SILENT,
+    LatestLine,
     PhaseState,
     PlainLines,
     Progress,
@@ -135,3 +136,21 @@ def test_phases_without_a_total_and_concurrent_updates():
 )
 def test_durations(seconds, text):
     assert duration(seconds) == text
+
+
+def test_a_renderer_added_later_hands_on_the_line_of_each_change():
+    # what `staleflow launch` gives the dashboard once it is up: the page's phase field
+    clock, shown = Clock(), []
+    progress = Progress(clock=clock)
+    before = progress.phase("warmup", "warming up", total=10, unit="steps")
+    before.finish()
+    progress.add_renderer(LatestLine(shown.append))
+    assert shown == []  # a wait that ended before the page was up is not replayed
+    with progress.phase(
+        "first_buffer", "waiting for the first buffer", total=4, unit="groups"
+    ) as p:
+        assert shown == ["waiting for the first buffer: 0/4 groups, 0s elapsed"]
+        clock.now += 2
+        p.update(done=1)
+        assert shown[-1] == "waiting for the first buffer: 1/4 groups (25%), 2s elapsed, ~6s left"
+    assert shown[-1].startswith("waiting for the first buffer: done in 2s, 1/4 groups")
