@@ -48,9 +48,21 @@ def test_the_check_command_sets_up_lints_tests_vllm_and_drives_the_browser():
     # the vLLM backend's tests in their own environment, the stage CI has always run
     assert re.search(r"^stage vllm bash \.ci/vllm\b", check, re.M)
     assert os.access(ROOT / ".ci" / "vllm", os.R_OK)
+    listed = re.search(r"^stages=\((.*?)\)", check, re.M)
+    assert listed and listed.group(1).split() == stages  # what --help and the check name
     assert '"$root/scripts/setup" dev' in check
     assert "ruff check . && ruff format --check ." in check
     assert f'-m "{SELECTION}"' in check
+
+
+def test_the_check_command_names_its_stages_before_setting_anything_up(tmp_path):
+    env = {**os.environ, "STALEFLOW_VENV": str(tmp_path / "venv")}
+    check = str(ROOT / "scripts" / "check")
+    shown = subprocess.run([check, "--help"], env=env, capture_output=True, text=True)
+    assert shown.returncode == 0 and "stages: lint tests vllm browser" in shown.stderr
+    wrong = subprocess.run([check, "test"], env=env, capture_output=True, text=True)
+    assert wrong.returncode != 0 and "no stage 'test'" in wrong.stderr
+    assert not (tmp_path / "venv").exists()  # neither call set anything up
 
 
 def test_the_default_test_selection_is_written_once():
