@@ -1,8 +1,8 @@
 """Building a vLLM or SGLang engine for one rollout instance, from plain picklable data.
 
-``launch`` resolves each backend's options into a dict (:func:`engine_options`, in the
-driver: the model folder, the run folder for logs), ships it inside the rollout spec, and
-each instance's actor calls :func:`build_engine` with it. The embedded engine is built by
+``launch`` resolves each backend's section (:func:`engine_options`, in the driver: the
+model folder, the run folder for logs), ships it inside the rollout spec, and each
+instance's actor calls :func:`build_engine` with it. The embedded engine is built by
 ``staleflow.runtime.components``; this module imports no engine until it builds one.
 """
 
@@ -10,38 +10,53 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from staleflow.config.sections import RolloutConfig, SGLangOptions, VLLMOptions
 from staleflow.engines.settings import EngineSettings
 
 ENGINE_MODEL_DIR = "engine_model"  # the built-in policy, saved for the engines to load
 
 
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """A served backend's section with its model folder resolved, and where its logs go."""
+
+    section: VLLMOptions | SGLangOptions  # model_path is never empty here
+    log_dir: str
+
+
 def engine_options(
-    rollout: Any, *, checkpoint: str, run_dir: Path, model: Any = None, tokenizer: Any = None
-) -> dict[str, Any]:
-    """``rollout.<backend>`` as a dict, with ``model_path`` resolved (the backend's own
-    setting, else ``model.checkpoint``, else ``model`` saved under the run folder) and
-    ``log_dir`` set to the run folder."""
-    options = dataclasses.asdict(getattr(rollout, rollout.backend))
-    if not options.get("model_path"):
+    rollout: RolloutConfig,
+    *,
+    checkpoint: str,
+    run_dir: Path,
+    model: Any = None,
+    tokenizer: Any = None,
+) -> EngineOptions:
+    """``rollout.<backend>`` with ``model_path`` resolved (the backend's own setting, else
+    ``model.checkpoint``, else ``model`` saved under the run folder), logging into the run
+    folder."""
+    section: VLLMOptions | SGLangOptions = getattr(rollout, rollout.backend)
+    if not section.model_path:
         if checkpoint:
-            options["model_path"] = str(checkpoint)
+            path = str(checkpoint)
         else:
             from staleflow.models.checkpoint import save_pretrained
 
             folder = Path(run_dir) / ENGINE_MODEL_DIR
             save_pretrained(model, tokenizer, folder)
-            options["model_path"] = str(folder)
-    options["log_dir"] = str(run_dir)
-    return options
+            path = str(folder)
+        section = dataclasses.replace(section, model_path=path)
+    return EngineOptions(section=section, log_dir=str(run_dir))
 
 
 def build_engine(
     backend: str,
     settings: EngineSettings,
-    options: dict[str, Any],
+    options: EngineOptions,
     *,
     inst: int,
     ps_endpoint: Any = None,
@@ -50,20 +65,21 @@ def build_engine(
 ) -> Any:
     """A started engine of ``backend`` (``vllm`` or ``sglang``) for instance ``inst``."""
     common = {f.name: getattr(settings, f.name) for f in dataclasses.fields(EngineSettings)}
-    if backend == "vllm":
+    o = options.section
+    if backend == "vllm" and isinstance(o, VLLMOptions):
         from staleflow.engines.vllm import VLLMEngine, VLLMEngineConfig
 
         return VLLMEngine(
             VLLMEngineConfig(
                 **common,
-                model_path=options["model_path"],
-                tensor_parallel_size=options["tensor_parallel_size"],
-                gpu_memory_utilization=options["gpu_memory_utilization"],
-                dtype=options["dtype"],
-                extra_args=json.loads(options["extra_args"] or "{}"),
+                model_path=o.model_path,
+                tensor_parallel_size=o.tensor_parallel_size,
+                gpu_memory_utilization=o.gpu_memory_utilization,
+                dtype=o.dtype,
+                extra_args=json.loads(o.extra_args or "{}"),
             )
         )
-    if backend == "sglang":
+    if backend == "sglang" and isinstance(o, SGLangOptions):
         from staleflow.engines.sglang import (
             ParameterServerSource,
             ServerSpec,
@@ -73,22 +89,25 @@ def build_engine(
 
         config = SGLangEngineConfig(
             **common,
-            model_path=options["model_path"],
-            tp_size=options["tp_size"],
-            weight_sync=options["weight_sync"],
-            disk_dir=options["disk_dir"],
+            model_path=o.model_path,
+            tp_size=o.tp_size,
+            weight_sync=o.weight_sync,
+            disk_dir=o.disk_dir,
         )
         spec = ServerSpec(
-            model_path=options["model_path"],
-            log_path=str(Path(options["log_dir"]) / "sglang" / f"instance-{inst}.log"),
-            tp_size=options["tp_size"],
-            mem_fraction_static=options["mem_fraction_static"] or None,
-            python=options["python"],
-            extra_args=options["extra_server_args"],
-            startup_timeout_s=options["startup_timeout_s"],
+            model_path=o.model_path,
+            log_path=str(Path(options.log_dir) / "sglang" / f"instance-{inst}.log"),
+            tp_size=o.tp_size,
+            mem_fraction_static=o.mem_fraction_static or None,
+            python=o.python,
+            extra_args=o.extra_server_args,
+            startup_timeout_s=o.startup_timeout_s,
         )
         source = None
         if ps_endpoint is not None and layout is not None:
             source = ParameterServerSource(dataclasses.asdict(ps_endpoint), transport, layout)
         return start_sglang_engine(spec, config, parameter_server=source)
-    raise ValueError(f"build_engine builds vllm or sglang engines, not {backend!r}")
+    raise ValueError(
+        f"build_engine builds vllm or sglang engines from their own section, not {backend!r} "
+        f"with {type(o).__name__}"
+    )

@@ -9,7 +9,7 @@ here, lazily, by name.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -19,6 +19,7 @@ from staleflow.runtime.reward_stage import CompletionSink, RewardStage
 
 if TYPE_CHECKING:
     from staleflow.config import RewardConfig, RolloutConfig, TrainerConfig
+    from staleflow.engines.factory import EngineOptions
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +46,7 @@ class RolloutSpec:
     seed: int
     # rollout.vllm / rollout.sglang resolved by the driver (model folder, log folder);
     # empty for the embedded engine
-    engine_options: dict[str, Any] = field(default_factory=dict)
+    engine_options: EngineOptions | None = None
 
     @property
     def layout(self) -> dict[str, Any]:
@@ -171,6 +172,8 @@ def build_served_engine(spec: RolloutSpec, seed: int, placement: EnginePlacement
     ``spec.engine_options`` names (resolved by the driver), imported only here."""
     from staleflow.engines.factory import build_engine
 
+    if spec.engine_options is None:
+        raise ValueError(f"rollout.backend={spec.rollout.backend} needs resolved engine options")
     pull = placement.pull
     return build_engine(
         spec.rollout.backend,

@@ -69,7 +69,7 @@ def rollout_spec(
 
     r = cfg.rollout
     longest = int(dataset.prompt_lengths.max()) + r.max_response_tokens
-    options: dict[str, Any] = {}
+    options = None
     if r.backend != "embedded":
         from staleflow.engines.factory import engine_options
 

@@ -29,6 +29,7 @@ from staleflow.trainers.megatron.split import assign_groups
 
 if TYPE_CHECKING:
     from parameter_server.replicas import ReplicaRoute
+    from staleflow.trainers.megatron.rank import RankSpec
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ MEGATRON_DIR = "megatron"  # the distributed checkpoint inside a checkpoint fold
 class RankActor:
     """The body of one rank's Ray actor (made remote by the pool builder)."""
 
-    def __init__(self, spec: Any, rank: int) -> None:
+    def __init__(self, spec: RankSpec, rank: int) -> None:
         import torch
 
         torch.set_num_threads(spec.section.num_threads)
@@ -196,7 +197,7 @@ class MegatronTrainer:
     :class:`~staleflow.trainers.megatron.rank.RankSpec`, ``ranks`` the started rank actors
     in global rank order, ``version`` the one they start from (:func:`start_ranks`)."""
 
-    def __init__(self, spec: Any, ranks: Sequence[Any], version: int) -> None:
+    def __init__(self, spec: RankSpec, ranks: Sequence[Any], version: int) -> None:
         s = spec.section
         if len(ranks) != spec.world:
             raise ValueError(f"{len(ranks)} rank actors for dp x tp x pp = {spec.world}")
