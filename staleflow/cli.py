@@ -171,6 +171,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
     except LaunchError as exc:
         console.print(f"[red]staleflow launch failed:[/] {exc}", highlight=False)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: launch's teardown has run; no traceback
+        console.print("[yellow]staleflow launch: interrupted, the actors stopped[/]")
+        return 130
     result.summary["run_dir"] = str(result.run_dir)
     console.print(summary_table(result.summary, cfg.eta))
     return 0
