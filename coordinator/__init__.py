@@ -10,7 +10,7 @@ from coordinator.commands import (
     Reservation,
     Route,
 )
-from coordinator.config import ConfigError, CoordinatorConfig, CostModelConfig
+from coordinator.config import ConfigError, CoordinatorConfig, CostModelConfig, SeerConfig
 from coordinator.cost_model import PRESETS, QWEN3_30B_A3B_H20, CostModel
 from coordinator.cycle import Coordinator, CycleStats, plan_cycle
 from coordinator.executor import InProcessExecutor
@@ -56,6 +56,7 @@ __all__ = [
     "Pull",
     "Reservation",
     "Route",
+    "SeerConfig",
     "Snapshot",
     "SnapshotSource",
     "SpeculativeState",

@@ -10,6 +10,9 @@ STRATEGY_NAMES = ("throughput", "vanilla")
 # Synchronisation has one more: "drain", the one-step-overlap baseline's global Pull after a
 # full drain (coordinator/drain_sync.py). It has no routing or migration counterpart.
 SYNC_NAMES = (*STRATEGY_NAMES, "drain")
+# Routing has one more: "sticky", least-loaded routing where a trajectory keeps its first
+# instance (the in-flight-limited systems' fixed assignment, coordinator/vanilla_routing.py).
+ROUTING_NAMES = (*STRATEGY_NAMES, "sticky")
 
 
 class ConfigError(ValueError):
@@ -51,11 +54,50 @@ class CostModelConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SeerConfig:
+    """Seer's divided rollout and context-aware scheduling (coordinator/seer.py)."""
+
+    enabled: bool = field(
+        default=False,
+        metadata={
+            "help": "routes hand out chunks of chunk_tokens; each group's first member is a "
+            "probe routed shortest-generated-first, the others longest-estimated-first, "
+            "within each MLQ level (seer.md Algorithm 1)"
+        },
+    )
+    chunk_tokens: int = field(
+        default=8192,
+        metadata={
+            "help": "response tokens one route may add before the trajectory returns to the "
+            "TS to be re-placed (Seer: 8K); only used when enabled"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"coordinator.seer.enabled={self.enabled!r} must be true or false")
+        if (
+            isinstance(self.chunk_tokens, bool)
+            or not isinstance(self.chunk_tokens, int)
+            or self.chunk_tokens < 1
+        ):
+            raise ConfigError(
+                f"coordinator.seer.chunk_tokens={self.chunk_tokens!r} must be an integer >= 1 "
+                "(response tokens per chunk, e.g. 8192)"
+            )
+
+    @property
+    def chunk(self) -> int | None:
+        """The chunk size routes hand out, None when divided rollout is off."""
+        return self.chunk_tokens if self.enabled else None
+
+
+@dataclass(frozen=True, slots=True)
 class CoordinatorConfig:
     """Strategies (§5.3 or their §6.5 vanilla counterparts), their hyper-parameters and the
     cycle period. Each strategy is chosen independently."""
 
-    routing: str = field(default="throughput", metadata={"help": "throughput | vanilla"})
+    routing: str = field(default="throughput", metadata={"help": "throughput | vanilla | sticky"})
     synchronization: str = field(
         default="throughput", metadata={"help": "throughput | vanilla | drain"}
     )
@@ -70,18 +112,67 @@ class CoordinatorConfig:
     )
     period_s: float = field(default=1.0, metadata={"help": "seconds between snapshot cycles"})
     cost_model: CostModelConfig = field(default_factory=CostModelConfig)
+    estimation: bool = field(
+        default=True,
+        metadata={
+            "help": "learn each instance's speed online from its snapshots and use it in "
+            "routing, synchronisation and migration (coordinator/estimation.py); false: "
+            "every instance follows the profiled cost model, as in the paper"
+        },
+    )
+    fill_steps: int | None = field(
+        default=2000,
+        metadata={
+            "help": "throughput routing places every admissible new trajectory on an instance "
+            "whose KV cache, with it, still holds this many decode steps of the whole "
+            "batch, whatever mu says (coordinator/gains.py spare()); null: mu decides "
+            "everywhere, as in the paper"
+        },
+    )
+
+    pull_kv: float | None = field(
+        default=0.25,
+        metadata={
+            "help": "throughput synchronisation Pulls a lagging instance only once the KV "
+            "cache of what it runs is at most this share of the budget: a Pull interrupts "
+            "and re-prefills all of it (coordinator/sync.py); with the throughput routing "
+            "only (least-loaded routing keeps caches full); null: Algorithm 4 as written"
+        },
+    )
+    improving_moves: bool = field(
+        default=True,
+        metadata={
+            "help": "migration case 2 moves only the trajectories whose move raises the "
+            "estimated throughput by mu x an idle instance's gain (coordinator/migration.py); "
+            "false: every trajectory of the highest-throughput instance, as in the paper"
+        },
+    )
+    critical_speedup: float | None = field(
+        default=1.5,
+        metadata={
+            "help": "move a trajectory of the oldest buffer's tail to the instance where its "
+            "steps are at least this many times faster (coordinator/critical.py); null: "
+            "off, as in the paper"
+        },
+    )
+
+    seer: SeerConfig = field(default_factory=SeerConfig)
 
     def __post_init__(self) -> None:
         for name in ("routing", "synchronization", "migration"):
             value = getattr(self, name)
-            if value in STRATEGY_NAMES or (name == "synchronization" and value in SYNC_NAMES):
+            if (
+                value in STRATEGY_NAMES
+                or (name == "synchronization" and value in SYNC_NAMES)
+                or (name == "routing" and value in ROUTING_NAMES)
+            ):
                 continue
-            extra = (
-                ", or 'drain' (Pull all instances together once all are empty: one-step "
-                "overlap without partial rollout, VeRL-Pipeline)"
-                if name == "synchronization"
-                else ""
-            )
+            extra = {
+                "synchronization": ", or 'drain' (Pull all instances together once all are "
+                "empty: one-step overlap without partial rollout, VeRL-Pipeline)",
+                "routing": ", or 'sticky' (least-loaded, and a trajectory keeps its first "
+                "instance: the fixed assignment of VeRL-Async / AReaL / ROLL Flash)",
+            }.get(name, "")
             raise ConfigError(
                 f"coordinator.{name}={value!r} is unknown: use 'throughput' (the paper's "
                 f"strategy) or 'vanilla' (its §6.5 ablation counterpart){extra}"
@@ -104,10 +195,40 @@ class CoordinatorConfig:
                 "ratio of the highest to the lowest instance throughput, so use >= 1 "
                 "(paper: 5)"
             )
+        if self.fill_steps is not None and (
+            isinstance(self.fill_steps, bool)
+            or not isinstance(self.fill_steps, int)
+            or self.fill_steps < 0
+        ):
+            raise ConfigError(
+                f"coordinator.fill_steps={self.fill_steps!r} must be an integer >= 0 (decode "
+                "steps of headroom, e.g. 2000), or null to let mu decide everywhere"
+            )
+        if self.pull_kv is not None and (
+            isinstance(self.pull_kv, bool) or not 0.0 <= self.pull_kv <= 1.0
+        ):
+            raise ConfigError(
+                f"coordinator.pull_kv={self.pull_kv!r} is out of range: use a fraction of the "
+                "KV budget in [0, 1] (e.g. 0.25), or null for Algorithm 4 as written"
+            )
+        if self.critical_speedup is not None and (
+            isinstance(self.critical_speedup, bool) or not self.critical_speedup > 1.0
+        ):
+            raise ConfigError(
+                f"coordinator.critical_speedup={self.critical_speedup!r} must be > 1 (e.g. "
+                "1.5: move a critical trajectory where its steps are 1.5x faster), or null"
+            )
+        for name in ("estimation", "improving_moves"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    f"coordinator.{name}={getattr(self, name)!r} must be true or false"
+                )
         if not self.period_s > 0.0:
             raise ConfigError(
                 f"coordinator.period_s={self.period_s} must be > 0 seconds (e.g. 1.0)"
             )
+        if not isinstance(self.seer, SeerConfig):
+            raise ConfigError("coordinator.seer must be a SeerConfig")
         if not isinstance(self.cost_model, CostModelConfig):
             raise ConfigError("coordinator.cost_model must be a CostModelConfig")
         self.cost_model.build()  # fail now, not at the first cycle

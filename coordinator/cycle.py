@@ -39,6 +39,23 @@ def plan_cycle(
 ) -> list[Command]:
     """Algorithm 1 on a validated snapshot. Routes are Reserved in ``sketch`` only."""
     S = Fleet(snapshot)
+    if strategies.estimator is not None:
+        strategies.estimator.observe(snapshot)
+        S.speed = strategies.estimator.factors(S.ids)
+    commands = _decide(S, ts_trajs, ps_version, sketch, strategies, aborts)
+    if strategies.estimator is not None:
+        strategies.estimator.note(commands)
+    return commands
+
+
+def _decide(
+    S: Fleet,
+    ts_trajs: Sequence[TrajectoryView],
+    ps_version: int,
+    sketch: AdmissionSketch,
+    strategies: Strategies,
+    aborts: AbortRequests | None,
+) -> list[Command]:
     commands: list[Command] = []
     if aborts:
         for pos, trajs in aborts.on_instances(S):
@@ -62,9 +79,34 @@ def plan_cycle(
         ts.add(trajs)
     if strategies.hold is not None and strategies.hold.holds_routing(S, ps_version):
         return commands  # instances drain before a global Pull (drain_sync.py)
-    placements = strategies.routing.route(S, ts, sketch)  # lines 13-14
+    placements: list[Placement] = []
+    if strategies.critical is not None:  # the oldest buffer's tail first (critical.py)
+        placements = _critical_moves(S, ts, ps_version, strategies, commands)
+    placements += strategies.routing.route(S, ts, sketch)  # lines 13-14
     commands.extend(_routes(S.ids, placements))
     return commands
+
+
+def _critical_moves(
+    S: Fleet, ts: TrajectoryPool, ps_version: int, strategies: Strategies, commands: list[Command]
+) -> list[Placement]:
+    """Interrupt the critical trajectories the rule moves and place them where it chose."""
+    assert strategies.critical is not None
+    k5 = strategies.cost.k5
+    moves = strategies.critical.select(S, ts, ps_version)
+    by_source: dict[int, list[TrajectoryView]] = {}
+    for pos, t, _ in moves:
+        by_source.setdefault(pos, []).append(t)
+    for pos, trajs in by_source.items():
+        commands.append(Interrupt(S.ids[pos], _ids(trajs)))
+        S.discard(pos, tuple(trajs), k5)
+    out = []
+    for _, t, dest in moves:
+        S.n_run[dest] += 1.0
+        S.kv[dest] += k5 * t.length
+        assert t.v_traj is not None  # on an instance, so routed before
+        out.append(Placement(dest, t, t.v_traj, False))
+    return out
 
 
 def _ids(trajs: Iterable[TrajectoryView]) -> tuple[TrajId, ...]:

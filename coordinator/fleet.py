@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
+from coordinator.cost_model import CostModel
 from coordinator.types import InstanceId, Snapshot, TrajectoryView
 
 
@@ -17,7 +18,7 @@ class Fleet:
     """``S`` of Algorithm 1 for one cycle: versions, loads and the trajectories on each
     instance. The snapshot itself is never modified."""
 
-    __slots__ = ("ids", "kv", "n_run", "n_wait", "run", "version", "wait")
+    __slots__ = ("ids", "kv", "n_run", "n_wait", "run", "speed", "version", "wait")
 
     ids: list[InstanceId]
     version: npt.NDArray[np.int64]
@@ -26,6 +27,9 @@ class Fleet:
     n_wait: npt.NDArray[np.int64]
     run: list[tuple[TrajectoryView, ...]]
     wait: list[tuple[TrajectoryView, ...]]
+    # Step-latency multiplier per instance (coordinator.estimation): the instance's cost
+    # model is the profiled one times this. Ones unless an estimator sets it.
+    speed: npt.NDArray[np.float64]
 
     def __init__(self, snapshot: Snapshot | None = None) -> None:
         insts = sorted(snapshot.instances, key=lambda s: s.inst) if snapshot else []
@@ -36,6 +40,7 @@ class Fleet:
         self.n_wait = np.array([len(s.wait_trajs) for s in insts], dtype=np.int64)
         self.run = [s.run_trajs for s in insts]
         self.wait = [s.wait_trajs for s in insts]
+        self.speed = np.ones(len(insts))
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -50,6 +55,19 @@ class Fleet:
         out.n_wait = self.n_wait.copy()
         out.run = list(self.run)
         out.wait = list(self.wait)
+        out.speed = self.speed
+        return out
+
+    def latencies(self, cost: CostModel) -> npt.NDArray[np.float64]:
+        """Eq. 11 per instance with each instance's speed factor (seconds per step)."""
+        out: npt.NDArray[np.float64] = (
+            cost.k1 * self.kv + np.maximum(cost.k2, cost.k3 * self.n_run) + cost.k4
+        ) * self.speed
+        return out
+
+    def throughputs(self, cost: CostModel) -> npt.NDArray[np.float64]:
+        """Eq. 2 per instance with each instance's speed factor."""
+        out: npt.NDArray[np.float64] = cost.throughputs(self.n_run, self.kv) / self.speed
         return out
 
     def trajectories(self, pos: int) -> tuple[TrajectoryView, ...]:

@@ -16,6 +16,50 @@ from coordinator.cost_model import CostModel
 
 FloatArray = npt.NDArray[np.float64]
 
+# Added to the gain of an instance that has KV to spare for the new trajectory (the fill
+# rule, :func:`spare`): it then beats every instance without and clears any threshold, and
+# instances with spare KV still compare by their gains. Gains are tokens/s per trajectory
+# (at most ~100), so the bonus keeps them apart by ~1e-7 at worst.
+FILL_BONUS = 1.0e9
+
+
+def spare(
+    cost: CostModel,
+    n: FloatArray,
+    kv: FloatArray,
+    length: float | FloatArray,
+    fill_steps: int,
+) -> npt.NDArray[np.bool_]:
+    """The fill rule's test: with a new trajectory of ``length``, the KV cache would still
+    hold ``fill_steps`` more decode steps of the whole batch (``n + 1`` trajectories, each
+    growing by ``k5`` per step) within the budget. Below that the instance is not full and
+    withholding work from it only shrinks its batch; the headroom keeps the running
+    trajectories from being preempted as they grow."""
+    k5 = cost.k5
+    out: npt.NDArray[np.bool_] = cost.kv_budget - kv >= k5 * length + k5 * (n + 1.0) * fill_steps
+    return out
+
+
+def routing_gains(
+    cost: CostModel,
+    n: FloatArray,
+    kv: FloatArray,
+    queued: npt.NDArray[np.bool_],
+    weight: FloatArray,
+    length: float | FloatArray,
+    fill_steps: int | None,
+) -> FloatArray:
+    """The gains :class:`GainTable` compares, for many instances at once (and lengths, by
+    broadcasting): Eq. 3 over each instance's speed, ``-inf`` where the trajectory would
+    queue, plus :data:`FILL_BONUS` where the instance has KV to spare (:func:`spare`;
+    ``fill_steps`` None: no fill rule). Same operations in the same order as the table, so
+    equal states give equal gains."""
+    out: FloatArray = cost.marginal_gains(n, kv, queued, length) * weight
+    if fill_steps is not None:
+        below = ~queued & spare(cost, n, kv, length, fill_steps)
+        out = np.where(below, out + FILL_BONUS, out)
+    return out
+
 
 class GainTable:
     """Gains of instances laid out in version-bucket order (``starts``/``ends``)."""
@@ -23,6 +67,8 @@ class GainTable:
     __slots__ = (
         "_a1",
         "_coeffs",
+        "_fill",
+        "_fill_on",
         "_fresh",
         "_g",
         "_headroom",
@@ -30,6 +76,7 @@ class GainTable:
         "_length",
         "_np1",
         "_t0",
+        "_w",
         "cost",
         "ends",
         "kv",
@@ -45,7 +92,12 @@ class GainTable:
         queued: npt.NDArray[np.bool_],
         starts: list[int],
         ends: list[int],
+        weight: FloatArray | None = None,
+        fill_steps: int | None = None,
     ) -> None:
+        """``weight``: per instance, ``1 / speed`` (coordinator.estimation); the gain of an
+        instance whose steps take ``speed`` times the model's is the model's gain over it.
+        ``fill_steps``: the fill rule's headroom in decode steps (:func:`spare`)."""
         k1, k2, k3, k4 = cost.k1, cost.k2, cost.k3, cost.k4
         self.cost, self.starts, self.ends = cost, starts, ends
         self.n, self.kv = n, kv
@@ -56,9 +108,19 @@ class GainTable:
         self._t0 = n / (k1 * kv + np.maximum(k2, k3 * n) + k4)  # T(S)
         self._headroom = cost.kv_budget - kv
         self._headroom[queued] = -np.inf  # Eq. 3: a queued engine takes nothing at once
+        self._w = np.ones(len(n)) if weight is None else weight
+        self._fill = fill_steps
+        self._fill_on = fill_steps is not None
         self._g = np.empty(len(n))
         self._length = -1.0
         self._fresh = len(starts)  # buckets >= this one hold gains for self._length
+
+    def fill_for(self, on: bool) -> None:
+        """Apply the fill rule to the next decisions or not (initial trajectories only)."""
+        on = on and self._fill is not None
+        if on != self._fill_on:
+            self._fill_on = on
+            self._length = -1.0  # cached gains were computed the other way
 
     def best(self, b: int, length: float) -> tuple[int, float]:
         """(index, gain) of the best instance of bucket ``b`` for a trajectory of ``length``;
@@ -75,7 +137,13 @@ class GainTable:
             view = g[s:stop]
             np.divide(self._np1[s:stop], self._a1[s:stop] + self._k1k5 * length, out=view)
             view -= self._t0[s:stop]
-            np.copyto(view, -np.inf, where=self._headroom[s:stop] < self.cost.k5 * length)
+            view *= self._w[s:stop]
+            need = self.cost.k5 * length
+            if self._fill_on:
+                assert self._fill is not None
+                growth = self.cost.k5 * (self.n[s:stop] + 1.0) * self._fill
+                np.add(view, FILL_BONUS, out=view, where=self._headroom[s:stop] >= need + growth)
+            np.copyto(view, -np.inf, where=self._headroom[s:stop] < need)
             self._fresh = b
         j = s if e - s == 1 else s + int(g[s:e].argmax())
         return j, float(g[j])
@@ -91,4 +159,7 @@ class GainTable:
         self._headroom[j] = headroom = budget - kv
         if length == self._length:
             fits = headroom >= k5 * length
-            self._g[j] = (n + 1.0) / (a1 + self._k1k5 * length) - t0 if fits else -np.inf
+            gain = ((n + 1.0) / (a1 + self._k1k5 * length) - t0) * self._w[j]
+            if self._fill_on and headroom >= k5 * length + k5 * (n + 1.0) * (self._fill or 0):
+                gain += FILL_BONUS
+            self._g[j] = gain if fits else -np.inf

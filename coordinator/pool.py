@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Iterator, Sequence
+from itertools import compress, repeat
+from operator import attrgetter, is_, is_not
 
 from coordinator.types import TrajectoryView
 from staleness.types import GroupId, TrajId
 
 Level = tuple[int | None, list[TrajectoryView]]
+_V_TRAJ = attrgetter("v_traj")
 
 
 class TrajectoryPool:
@@ -44,16 +47,24 @@ class TrajectoryPool:
 
     def _index(self) -> dict[int | None, list[TrajectoryView]]:
         if self._base is None:
-            levels: dict[int | None, list[TrajectoryView]] = {}
             xt, xg = self._excluded_trajs, self._excluded_groups
-            for t in self._ts:
-                if (xt and t.traj_id in xt) or (xg and t.group_id in xg):
-                    continue
-                level = levels.get(t.v_traj)
-                if level is None:
-                    levels[t.v_traj] = [t]
-                else:
-                    level.append(t)
+            ts = self._ts
+            if xt or xg:
+                ts = [t for t in ts if t.traj_id not in xt and t.group_id not in xg]
+            # Per-trajectory work in C (map / compress over the TS's list): this runs every
+            # cycle over every trajectory waiting in the TS, most of them initial.
+            versions = list(map(_V_TRAJ, ts))
+            levels: dict[int | None, list[TrajectoryView]] = {}
+            initial = list(compress(ts, map(is_, versions, repeat(None))))
+            if len(initial) < len(ts):
+                for t in compress(ts, map(is_not, versions, repeat(None))):
+                    level = levels.get(t.v_traj)
+                    if level is None:
+                        levels[t.v_traj] = [t]
+                    else:
+                        level.append(t)
+            if initial:
+                levels[None] = initial
             self._base = levels
         return self._base
 

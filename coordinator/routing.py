@@ -68,13 +68,33 @@ _ABOVE_ALL_VERSIONS = 1 << 62
 
 class ThroughputRouting:
     """Algorithm 3: MLQ by ``V_traj``, waterfall over version groups against
-    ``mu * ΔT_ideal``, withholding (and stopping) when nothing clears the threshold."""
+    ``mu * ΔT_ideal``, withholding (and stopping) when nothing clears the threshold.
 
-    def __init__(self, cost: CostModel, mu: float) -> None:
+    Two departures, both off when their argument is None/absent:
+
+    - instances compare by their estimated speed (``Fleet.speed``, coordinator.estimation):
+      Eq. 3 on an instance whose steps take ``s`` times the model's is the model's gain
+      over ``s``;
+    - the fill rule (``fill_steps``): an instance whose KV cache, with a new (initial)
+      trajectory, still holds ``fill_steps`` more decode steps of its whole batch takes
+      it whatever its gain, the best such instance of the version group first
+      (gains.spare). mu exists to keep KV for later decisions and to avoid preemption;
+      while the cache has that much to spare, withholding admissible work only leaves the
+      batch smaller than it could be (k4 amortised over fewer trajectories) while the
+      staleness window ages. Beyond it Eq. 3 and mu decide as in the paper. Partial
+      trajectories keep Eq. 3 and mu: a long one brings its whole prefix to re-prefill
+      and keeps growing, and routing them by the fill rule too tripled preemptions in the
+      simulator (docs/simulator.md).
+    """
+
+    def __init__(self, cost: CostModel, mu: float, fill_steps: int | None = None) -> None:
         if not 0.0 < mu <= 1.0:
             raise ValueError(f"mu must be in (0, 1] (got {mu})")
+        if fill_steps is not None and fill_steps < 0:
+            raise ValueError(f"fill_steps must be >= 0 (got {fill_steps})")
         self.cost = cost
         self.mu = mu
+        self.fill_steps = fill_steps
 
     def route(self, fleet: Fleet, pool: TrajectoryPool, sketch: AdmissionSketch) -> list[Placement]:
         """Decide routes; updates ``fleet``'s loads and reserves in ``sketch`` as it goes."""
@@ -99,6 +119,8 @@ class ThroughputRouting:
             fleet.n_wait[order] > 0,
             bk.starts,
             bk.ends,
+            1.0 / fleet.speed[order],
+            self.fill_steps,
         )
         best, place = table.best, table.place
         verify, reserve = sketch.verify, sketch.reserve
@@ -108,6 +130,7 @@ class ThroughputRouting:
                 initial = v_level is None
                 # Algorithm 2 for partial trajectories: instances of version >= V_traj.
                 first = 0 if v_level is None else bisect_left(bver, v_level)
+                table.fill_for(initial)  # the fill rule admits new trajectories only
                 for batch in batches(trajs, initial):
                     length = batch[0].length
                     thr = mu * ideal_gain(length)

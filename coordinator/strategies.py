@@ -7,11 +7,14 @@ from typing import Protocol
 
 from coordinator.config import CoordinatorConfig
 from coordinator.cost_model import CostModel
+from coordinator.critical import CriticalPath
 from coordinator.drain_sync import DrainGlobalSync
+from coordinator.estimation import SpeedEstimator
 from coordinator.fleet import Fleet
 from coordinator.migration import Migration, NoMigration, ThroughputMigration
 from coordinator.pool import TrajectoryPool
 from coordinator.routing import Placement, ThroughputRouting
+from coordinator.seer import LengthContext, SeerRouting
 from coordinator.sync import GreedySync, ThroughputSync
 from coordinator.vanilla_routing import LeastLoadedRouting
 from staleness.interface import AdmissionSketch
@@ -53,13 +56,23 @@ class Strategies:
     # Set only by synchronisation strategies that need routing to pause (drain-then-Pull);
     # None keeps Algorithm 1 as the paper writes it.
     hold: RoutingHold | None = None
+    # Per-instance speed learned from snapshots (coordinator/estimation.py); None: every
+    # instance follows the profiled cost model.
+    estimator: SpeedEstimator | None = None
+    # The oldest buffer's tail moved where it finishes soonest (coordinator/critical.py).
+    critical: CriticalPath | None = None
+    # Seer's length context (coordinator/seer.py), fed with finished lengths by the control
+    # loop; None when Seer's scheduling is off.
+    seer: LengthContext | None = None
 
 
 def build_strategies(config: CoordinatorConfig) -> Strategies:
     cost = config.cost_model.build()
-    throughput_routing = ThroughputRouting(cost, config.mu)
+    throughput_routing = ThroughputRouting(cost, config.mu, config.fill_steps)
     routing: RoutingStrategy = (
-        throughput_routing if config.routing == "throughput" else LeastLoadedRouting(cost)
+        throughput_routing
+        if config.routing == "throughput"
+        else LeastLoadedRouting(cost, sticky=config.routing == "sticky")
     )
     # Algorithm 4's tentative routing is the paper's routing strategy, whichever strategy
     # routes for real: it asks whether a Pull would let throughput-worthy work in.
@@ -69,15 +82,48 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
         # Without proactive migration a Pull is the only way a queue leaves an instance, so
         # the sync strategy then also releases queues beyond phi_wait (sync.py).
         release = config.phi_wait if config.migration == "vanilla" else None
-        sync = ThroughputSync(throughput_routing, release)
+        # Deferred Pulls wait for a lagging instance's KV to drain, which only the
+        # throughput routing guarantees (Eq. 3 never routes into a queue). Least-loaded
+        # routing queues every admissible trajectory on the instances, so their KV stays
+        # full and a deferred Pull comes late or never (R0S1M1 made 0.86x R0S0M0 with it,
+        # 1.03x without: docs/simulator.md, Ablation).
+        pull_kv = config.pull_kv if config.routing == "throughput" else None
+        sync = ThroughputSync(throughput_routing, release, pull_kv)
     elif config.synchronization == "drain":
         drain = DrainGlobalSync()  # it also holds routing until the fleet has drained
         sync, hold = drain, drain
     else:
         sync = GreedySync()
     migration: MigrationStrategy = (
-        ThroughputMigration(cost, config.phi_wait, config.phi_throughput)
+        ThroughputMigration(
+            cost,
+            config.phi_wait,
+            config.phi_throughput,
+            config.mu if config.improving_moves else None,
+        )
         if config.migration == "throughput"
         else NoMigration()
     )
-    return Strategies(sync=sync, migration=migration, routing=routing, cost=cost, hold=hold)
+    # Only the throughput-oriented strategies compare instances by speed; an all-vanilla
+    # combination has no use for the estimate.
+    uses_speed = "throughput" in (config.routing, config.synchronization, config.migration)
+    estimator = SpeedEstimator(cost) if config.estimation and uses_speed else None
+    # The critical-path rule moves trajectories: part of the throughput migration slot.
+    critical = (
+        CriticalPath(cost, speedup=config.critical_speedup, fill_steps=config.fill_steps or 0)
+        if config.critical_speedup is not None and config.migration == "throughput"
+        else None
+    )
+    seer = LengthContext() if config.seer.enabled else None
+    if seer is not None:
+        routing = SeerRouting(routing, seer)
+    return Strategies(
+        sync=sync,
+        migration=migration,
+        routing=routing,
+        cost=cost,
+        hold=hold,
+        estimator=estimator,
+        critical=critical,
+        seer=seer,
+    )

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 
-from coordinator.cost_model import CostModel
 from coordinator.fleet import Fleet
+from coordinator.gains import routing_gains
 from coordinator.pool import Level, TrajectoryPool
 from coordinator.routing import ThroughputRouting
 from coordinator.types import TrajectoryView
 from staleness.interface import AdmissionSketch
+
+_GROUP_ID = attrgetter("group_id")
 
 
 class ThroughputSync:
@@ -44,13 +48,40 @@ class ThroughputSync:
     migration. ``build_strategies`` sets ``phi_wait`` only when migration is vanilla;
     with throughput migration, case 1 releases the same queue without interrupting the
     running trajectories, and Algorithm 4 stays exactly as the paper writes it.
+
+    Deferred Pulls (beyond Algorithm 4, only with ``pull_kv`` set). A Pull interrupts
+    everything the instance runs: each of those trajectories is re-prefilled elsewhere,
+    and they are typically the oldest in flight, the ones the trainer's next buffer waits
+    for. Algorithm 4 weighs only what a Pull lets in. An instance that nothing in the TS
+    can reach at its version still decodes what it holds, in a batch that shrinks as
+    those finish: the oldest trajectories then run in a light batch, the fastest place
+    for them. So a candidate is Pulled only once the KV cache of what it runs has
+    drained to ``pull_kv`` of the budget; until then it finishes its work: each instance
+    synchronises "following its own pace" (§6.5). ``build_strategies`` sets ``pull_kv``
+    only behind the throughput routing: least-loaded routing queues work on the instances,
+    so their KV would not drain and the Pull would not come. The simulator measured a single
+    Algorithm 4 decision interrupting 1,300 version-0 trajectories mid-ramp-up; deferring
+    only the instances that ran the oldest trajectories did worse than deferring every
+    busy candidate (docs/simulator.md).
     """
 
-    def __init__(self, routing: ThroughputRouting, phi_wait: int | None = None) -> None:
+    def __init__(
+        self,
+        routing: ThroughputRouting,
+        phi_wait: int | None = None,
+        pull_kv: float | None = None,
+    ) -> None:
         if phi_wait is not None and phi_wait < 0:
             raise ValueError(f"phi_wait must be >= 0 or None (got {phi_wait})")
+        if pull_kv is not None and not 0.0 <= pull_kv <= 1.0:
+            raise ValueError(
+                f"pull_kv must be a fraction of the KV budget in [0, 1] (got {pull_kv})"
+            )
         self.routing = routing
         self.phi_wait = phi_wait  # None: Algorithm 4 alone, no queue release
+        # Deferred Pulls (pull_kv): a candidate is Pulled only once the KV of what it runs
+        # is at most this share of the budget. None: Algorithm 4 as written.
+        self.max_kv = None if pull_kv is None else pull_kv * routing.cost.kv_budget
 
     def select(
         self, fleet: Fleet, pool: TrajectoryPool, ps_version: int, sketch: AdmissionSketch
@@ -79,7 +110,8 @@ class ThroughputSync:
         sketch: AdmissionSketch,
     ) -> list[int]:
         partial = [v for v, _ in levels if v is not None]
-        groups = list(dict.fromkeys(t.group_id for v, ts in levels if v is None for t in ts))
+        initial = [ts for v, ts in levels if v is None]
+        groups = list(dict.fromkeys(map(_GROUP_ID, initial[0]))) if initial else []
         routable: dict[int, bool] = {}
         candidates = []
         for pos in lagging:
@@ -88,7 +120,7 @@ class ThroughputSync:
                 routable[v] = (bool(partial) and partial[0] <= v) or any(
                     sketch.verify(v, g) for g in groups
                 )
-            if not routable[v]:
+            if not routable[v] and (self.max_kv is None or fleet.kv[pos] <= self.max_kv):
                 candidates.append(pos)
         candidates = self._could_win(fleet, levels, candidates)
         if not candidates:
@@ -151,11 +183,14 @@ class ThroughputSync:
             return []
         lengths = np.unique(np.array([t.length for _, ts in levels for t in ts], np.float64))
         cost, pos = self.routing.cost, np.array(candidates)
-        gains = cost.marginal_gains(  # candidates x lengths
+        gains = routing_gains(  # candidates x lengths
+            cost,
             fleet.n_run[pos][:, None],
             fleet.kv[pos][:, None],
             (fleet.n_wait[pos] > 0)[:, None],
+            (1.0 / fleet.speed[pos])[:, None],
             lengths,
+            self.routing.fill_steps,
         )
         threshold = self.routing.mu * (
             1.0 / (cost.k1 * cost.k5 * lengths + max(cost.k2, cost.k3) + cost.k4)
@@ -172,7 +207,7 @@ class ThroughputSync:
         candidates: list[int],
     ) -> list[int]:
         scratch = sketch.sketch()
-        probe = _UpgradeProbe(self.routing.cost, fleet, candidates, ps_version, scratch)
+        probe = _UpgradeProbe(self.routing, fleet, candidates, ps_version, scratch)
         self.routing.run(fleet.copy(), levels, scratch, probe)
         return sorted(probe.chosen)
 
@@ -183,18 +218,20 @@ class _UpgradeProbe:
 
     def __init__(
         self,
-        cost: CostModel,
+        routing: ThroughputRouting,
         fleet: Fleet,
         candidates: list[int],
         ps_version: int,
         sketch: AdmissionSketch,
     ) -> None:
-        self.cost, self.ps_version, self.sketch = cost, ps_version, sketch
+        self.cost, self.ps_version, self.sketch = routing.cost, ps_version, sketch
+        self.fill_steps = routing.fill_steps
         self.pos = np.array(candidates, dtype=np.int64)
         self.n, self.kv = fleet.n_run[self.pos], fleet.kv[self.pos]
         self.queued = fleet.n_wait[self.pos] > 0
+        self.weight = 1.0 / fleet.speed[self.pos]
         self.chosen: list[int] = []
-        self._length = -1
+        self._key: tuple[int, bool] | None = None  # (length, initial) of the cached gains
         self._gains = np.empty(0)
 
     def __call__(
@@ -211,9 +248,13 @@ class _UpgradeProbe:
         # upgraded instance competes if Algorithm 2 admits it at ps_version.
         reaches = sel_version is None or sel_version >= self.ps_version
         if reaches and (t.v_traj is not None or self.sketch.verify(self.ps_version, t.group_id)):
-            if length != self._length:
-                self._length = length
-                self._gains = self.cost.marginal_gains(self.n, self.kv, self.queued, length)
+            key = (length, t.v_traj is None)
+            if key != self._key:
+                self._key = key
+                fill = self.fill_steps if t.v_traj is None else None  # as routing does
+                self._gains = routing_gains(
+                    self.cost, self.n, self.kv, self.queued, self.weight, length, fill
+                )
             g = self._gains
             wins = (g >= thr) & keep
             if sel_pos is not None:
@@ -222,8 +263,8 @@ class _UpgradeProbe:
             keep &= ~wins
         if not keep.all():
             self.pos, self.n, self.kv = self.pos[keep], self.n[keep], self.kv[keep]
-            self.queued = self.queued[keep]
-            self._length = -1
+            self.queued, self.weight = self.queued[keep], self.weight[keep]
+            self._key = None
         return len(self.pos) == 0
 
 

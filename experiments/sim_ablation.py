@@ -1,14 +1,21 @@
-"""Figure 16: the eight routing / synchronisation / migration combinations at one eta.
+"""Figure 16: the eight routing / synchronisation / migration combinations at one eta,
+and StaleFlow without each of its rules beyond the paper.
 
 Each combination ``R?S?M?`` (1: StaleFlow's throughput-oriented strategy, 0: the vanilla
 one) runs on the same simulated cluster; throughput is normalised to all-vanilla (R0S0M0)
-of the same seed (the same workload draws), then summarised over ``--seeds``.
+of the same seed (the same workload draws), then summarised over ``--seeds``. A
+throughput slot includes its rules beyond the paper (``staleflow.sim.presets.system``).
+``--rules`` adds ``staleflow-paper`` (Algorithms 3-5 exactly), ``staleflow-no-<rule>``
+for each rule (``staleflow.sim.presets.RULES``) and the ``sticky`` baseline.
 
     python experiments/sim_ablation.py --preset paper-6.5 --eta 3 --max-response 40000 \
         --steps 10 --seeds 3 --jobs 2
+    python experiments/sim_ablation.py --workload hetero-0.2 --rollout-gpus 48 --rules
 
-Writes ablation.csv / ablation.json (one row per combination, over the seeds),
-ablation_runs.csv / ablation_runs.json (one row per run) and ablation.png into --out.
+``--workload`` takes a workload of the experiment matrix (``presets.WORKLOADS``) instead
+of ``--preset``. Writes ablation.csv / ablation.json (one row per combination, over the
+seeds), ablation_runs.csv / ablation_runs.json (one row per run) and ablation.png into
+--out.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from staleflow.sim import SimCluster, system
+from staleflow.sim.presets import RULES, WORKLOADS
 from staleflow.sim.report import (
     add_seed_options,
     parser,
@@ -38,6 +46,7 @@ from staleflow.sim.report import (
 
 SCRIPT = "sim_ablation"
 COMBOS = [f"R{r}S{s}M{m}" for r, s, m in itertools.product("01", repeat=3)]
+RULE_ROWS = ["staleflow-paper", *(f"staleflow-no-{rule}" for rule in RULES), "sticky"]
 
 
 class Run(NamedTuple):
@@ -49,12 +58,19 @@ class Run(NamedTuple):
     steps: int
     seed: int
     max_response: int | None = None
+    workload: str | None = None
+    rollout_gpus: int | None = None
 
 
 def simulate(run: Run) -> dict[str, Any]:
-    config = preset(
-        run.preset, eta=run.eta, steps=run.steps, seed=run.seed, max_response=run.max_response
-    )
+    if run.workload is not None:
+        config = WORKLOADS[run.workload].config(
+            run.eta, steps=run.steps, seed=run.seed, rollout_gpus=run.rollout_gpus
+        )
+    else:
+        config = preset(
+            run.preset, eta=run.eta, steps=run.steps, seed=run.seed, max_response=run.max_response
+        )
     s = SimCluster(system(run.name, config)).run()
     return {
         "system": run.name,
@@ -80,6 +96,18 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="response cap (paper-6.5 only; §6.5 / Figure 16 use 40000, the preset 20000)",
     )
+    p.add_argument(
+        "--workload",
+        default=None,
+        choices=sorted(WORKLOADS),
+        help="a workload of the experiment matrix instead of --preset",
+    )
+    p.add_argument("--rollout-gpus", type=int, default=None, help="with --workload")
+    p.add_argument(
+        "--rules",
+        action="store_true",
+        help="also run staleflow-paper, staleflow without each rule, and sticky",
+    )
     add_seed_options(p)
     args = p.parse_args(argv)
     try:
@@ -90,9 +118,21 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--max-response applies to the paper-6.5 preset only")
     out = results_dir(args.out, SCRIPT)
 
+    if args.workload is not None and args.max_response is not None:
+        p.error("--max-response applies to --preset; a --workload has its own cap")
+    names = COMBOS + (RULE_ROWS if args.rules else [])
     tasks = [
-        Run(name, args.preset, args.eta, args.steps, seed, args.max_response)
-        for name in COMBOS
+        Run(
+            name,
+            args.preset,
+            args.eta,
+            args.steps,
+            seed,
+            args.max_response,
+            args.workload,
+            args.rollout_gpus,
+        )
+        for name in names
         for seed in seeds
     ]
     runs: list[dict[str, Any]] = []
@@ -113,11 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         r["normalised"] = r["tokens_per_s"] / (b["tokens_per_s"] or 1.0)
         r["steady_normalised"] = r["steady_tokens_per_s"] / (b["steady_tokens_per_s"] or 1.0)
 
-    rows = [_combine(name, [r for r in runs if r["system"] == name]) for name in COMBOS]
+    rows = [_combine(name, [r for r in runs if r["system"] == name]) for name in names]
     cols = ["system", "tokens_per_s", "steady_tokens_per_s", "normalised", "steady_normalised"]
     cols += ["preemptions", "stalled"]
     cap = f", cap {args.max_response}" if args.max_response else ""
-    title = f"Figure 16: ablation at eta={args.eta} ({args.preset}{cap})"
+    where = args.workload or args.preset
+    title = f"Figure 16: ablation at eta={args.eta} ({where}{cap})"
     if len(seeds) > 1:
         title += f", {len(seeds)} seeds: mean \u00b1 std [min..max]"
     print_table(title, [{**r, **{c: r.get(f"{c}_text", r[c]) for c in cols}} for r in rows], cols)
@@ -129,11 +170,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _combine(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One row per combination: means (the plotted values) plus std / min / max."""
+    combo = name in COMBOS
     row: dict[str, Any] = {
         "system": name,
-        "routing": name[1],
-        "sync": name[3],
-        "migration": name[5],
+        "routing": name[1] if combo else "",
+        "sync": name[3] if combo else "",
+        "migration": name[5] if combo else "",
         "eta": runs[0]["eta"],
         "seeds": [r["seed"] for r in runs],
         "steps": min(r["steps"] for r in runs),
@@ -168,8 +210,13 @@ def _plot(rows: list[dict[str, Any]], eta: int, n_seeds: int, out: Path) -> Path
     )
     ax.bar_label(bars, fmt="%.2f")
     marks = {"1": "\u2713", "0": "\u00d7"}  # check mark / cross, as in Figure 16
-    labels = [f"R{marks[r['routing']]} S{marks[r['sync']]} M{marks[r['migration']]}" for r in rows]
-    ax.set_xticks(list(xs), labels)
+    labels = [
+        f"R{marks[r['routing']]} S{marks[r['sync']]} M{marks[r['migration']]}"
+        if r["routing"]
+        else r["system"].replace("staleflow-", "")
+        for r in rows
+    ]
+    ax.set_xticks(list(xs), labels, rotation=30 if len(rows) > 8 else 0, fontsize=7)
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_ylabel(
         "throughput / all-vanilla" + (f" (mean of {n_seeds} seeds)" if n_seeds > 1 else "")

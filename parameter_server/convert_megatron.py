@@ -393,6 +393,19 @@ class MegatronToHF:
 HF_MODEL_TYPES: tuple[str, ...] = ("llama", "qwen2", "qwen3")
 
 
+def pipeline_stage(name: str, num_layers: int, pp: int) -> int:
+    """The pipeline stage (of ``pp`` equal ones over ``num_layers`` layers) that holds the
+    Megatron parameter ``name`` (global layer numbers): the embedding on the first, the
+    final norm and output layer on the last, each layer on the stage its number falls in."""
+    if num_layers % pp:
+        raise LayoutError(f"{num_layers} layers do not split into {pp} equal pipeline stages")
+    if name.startswith("embedding."):
+        return 0
+    if name.startswith("decoder.layers."):
+        return int(name.split(".")[2]) // (num_layers // pp)
+    return pp - 1
+
+
 def unsupported_hf(hf: Mapping[str, Any]) -> str:
     """Why the HF config ``hf`` (``config.json`` as a dict) has no Megatron layout here;
     '' when it has one."""

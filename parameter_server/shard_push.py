@@ -1,8 +1,9 @@
 """The sender side of a sharded Push: which pieces each trainer rank sends to which PS
 replica, and sending them.
 
-Every rank of a tensor-parallel group holds one shard of each parameter; data-parallel
-replicas hold the same shards. The staging layout of
+Every rank of a tensor-parallel group holds one shard of each parameter of its pipeline
+stage (the stage's layers under their global numbers: the rank renames Megatron's
+stage-local ones); data-parallel replicas hold the same shards. The staging layout of
 :meth:`~parameter_server.convert_megatron.MegatronToHF.staging_layout` names each TP rank's
 shard ``tp{r}/<megatron name>``. Every PS replica (App. A.1: one per rollout node) needs
 the whole staging layout. :func:`plan_shard_push` cuts every staged parameter into row
@@ -32,7 +33,7 @@ import numpy as np
 
 from parameter_server import wire
 from parameter_server.assemble import declaration
-from parameter_server.convert_megatron import MegatronToHF
+from parameter_server.convert_megatron import MegatronToHF, pipeline_stage
 from parameter_server.errors import LayoutMismatchError, TransportError
 from parameter_server.layout import Layout, Slice
 from parameter_server.plan import Link, build_plan
@@ -56,12 +57,21 @@ class Piece:
 
 
 def plan_shard_push(
-    converter: MegatronToHF, tp_ranks: Sequence[int], replicas: Sequence[str] = (RECEIVER,)
+    converter: MegatronToHF,
+    tp_ranks: Sequence[int],
+    replicas: Sequence[str] = (RECEIVER,),
+    stages: Sequence[int] | None = None,
 ) -> dict[int, dict[str, list[Piece]]]:
-    """Sender (global rank) -> PS replica -> its pieces for that replica. ``tp_ranks[g]`` is
-    global rank ``g``'s TP rank; ranks of the same TP rank are data-parallel replicas."""
+    """Sender (global rank) -> PS replica -> its pieces for that replica. ``tp_ranks[g]`` and
+    ``stages[g]`` are global rank ``g``'s TP rank and pipeline stage (all 0 without
+    pipeline parallelism); ranks of the same TP rank and stage are data-parallel replicas."""
     staging = converter.staging_layout()
-    copies = max(sum(1 for r in tp_ranks if r == t) for t in range(converter.tp_size))
+    stages = list(stages) if stages is not None else [0] * len(tp_ranks)
+    if len(stages) != len(tp_ranks):
+        raise ValueError(f"{len(stages)} pipeline stages for {len(tp_ranks)} ranks")
+    pp = max(stages) + 1
+    places = list(zip(tp_ranks, stages, strict=True))
+    copies = max(places.count(p) for p in set(places))
     needs: list[Slice] = []
     for spec in staging:
         rows = spec.shape[0] if spec.shape else 1
@@ -69,9 +79,14 @@ def plan_shard_push(
         needs.extend(
             staging.row_slices(spec.name, parts) if parts > 1 else [staging.slice(spec.name)]
         )
+    layers = converter.config.num_layers
     holdings = {
-        f"rank{g}": [s for s in (staging.slice(spec.name) for spec in staging) if _tp_of(s) == t]
-        for g, t in enumerate(tp_ranks)
+        f"rank{g}": [
+            s
+            for s in (staging.slice(spec.name) for spec in staging)
+            if _tp_of(s) == t and pipeline_stage(_name_of(s), layers, pp) == stage
+        ]
+        for g, (t, stage) in enumerate(places)
     }
     plan = build_plan(dict.fromkeys(replicas, needs), holdings, {}, _DEFAULT_LINK)
     out: dict[int, dict[str, list[Piece]]] = {
@@ -85,6 +100,10 @@ def plan_shard_push(
 
 def _tp_of(s: Slice) -> int:
     return int(s.name.split("/", 1)[0].removeprefix("tp"))
+
+
+def _name_of(s: Slice) -> str:
+    return s.name.split("/", 1)[1]
 
 
 def _piece(staging: Layout, s: Slice) -> Piece:
@@ -201,6 +220,7 @@ class ShardPushGroup:
         rank: int,
         tp_ranks: Sequence[int],
         routes: Mapping[int, Sequence[ReplicaRoute]],
+        stages: Sequence[int] | None = None,
     ) -> None:
         replicas = [r.replica for r in routes[rank]]
         odd = [g for g, rs in routes.items() if [r.replica for r in rs] != replicas]
@@ -209,7 +229,7 @@ class ShardPushGroup:
                 f"every one of the {len(tp_ranks)} ranks needs routes to the same replicas "
                 f"{replicas} (ranks {odd} differ); build them from one PS pool"
             )
-        plan = plan_shard_push(converter, tp_ranks, replicas)[rank]
+        plan = plan_shard_push(converter, tp_ranks, replicas, stages)[rank]
         self.rank = rank
         self._clients: dict[str, ShardPushClient] = {}
         try:

@@ -431,7 +431,13 @@ class TrainerConfig:
         default=1,
         metadata=_help("tensor-parallel size (megatron): must divide the attention and KV heads"),
     )
-    pp: int = field(default=1, metadata=_help("pipeline-parallel size (megatron; 1 only, yet)"))
+    pp: int = field(
+        default=1,
+        metadata=_help(
+            "pipeline-parallel size (megatron): stages of equal layer counts, so it must "
+            "divide the model's layers; micro-batches run through Megatron's 1F1B schedule"
+        ),
+    )
     dp: int = field(
         default=1,
         metadata=_help("data-parallel size (megatron): each DP rank trains on its own groups"),
@@ -525,14 +531,8 @@ class TrainerConfig:
                     else "set trainer.ranks=0 (= dp x tp x pp) or change tp, pp, dp"
                 ),
             )
-        require(
-            self.pp == 1,
-            "trainer.pp",
-            self.pp,
-            "is not supported yet: use trainer.pp=1 and split the model with trainer.tp",
-        )
         if self.backend != "megatron":
-            for key in ("tp", "dp", "ranks"):
+            for key in ("tp", "pp", "dp", "ranks"):
                 value = getattr(self, key)
                 require(
                     value in (0, 1),

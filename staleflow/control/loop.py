@@ -60,6 +60,9 @@ class FinishedLike(Protocol):
     @property
     def group_id(self) -> GroupId: ...
 
+    @property
+    def response_len(self) -> int: ...
+
 
 class ControlLoop:
     """See the module docstring. ``on_decision`` receives every decision as it is taken
@@ -107,8 +110,12 @@ class ControlLoop:
     # -- what the drivers call ------------------------------------------------------------
 
     def occupy(self, finished: Iterable[FinishedLike]) -> None:
-        """Trajectories the TS now holds as completed: Occupy their groups (§4.2)."""
+        """Trajectories the TS now holds as completed: Occupy their groups (§4.2), and
+        tell Seer's length context (if on) how long they were."""
+        context = self.coordinator.strategies.seer
         for f in finished:
+            if context is not None:
+                context.finished(f.group_id, f.traj_id, f.response_len)
             outcome = self.manager.complete(f.group_id, f.traj_id)
             if self.on_decision is not None:
                 self.on_decision(Occupied(self._clock(), f.group_id, f.traj_id, outcome))

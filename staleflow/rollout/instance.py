@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from coordinator.seer import chunk_cap
 from coordinator.types import InstanceSnapshot, TrajRecord
-from staleflow.engines.base import EngineOutput, GenerationRequest, RolloutEngine
+from staleflow.engines.base import FINISH_LENGTH, EngineOutput, GenerationRequest, RolloutEngine
 from trajectory_server.types import PartialTrajectory, RoutedTrajectory
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class InstanceTimes:
     # Seconds the engine was held by each command (Table 3), not counting the wait for
     # the decode step in progress: only this time is lost to generation.
     command_s: dict[str, float] = field(default_factory=dict)
+    # trajectories handed back to the TS at a chunk boundary (divided rollout)
+    chunks: int = 0
 
 
 @dataclass(slots=True)
@@ -75,6 +78,12 @@ class RolloutInstance:
     ``max_response``: the response budget of every trajectory. ``on_finished`` receives
     finished trajectories in the order they finished; an exception it raises stops the
     instance (reported by :meth:`check`), because a lost completion would stall training.
+
+    ``chunk_tokens`` (divided rollout, ``coordinator.seer``): a route lets the engine add
+    at most this many tokens (the request's ``max_response`` is cut to the chunk's end,
+    ``coordinator.seer.chunk_cap``); a request that stops there for length before its real
+    budget goes to ``on_chunk`` as a partial, like an interrupted one, and stays listed
+    among the trajectories that left since the last Pull (Eq. 1 counts it).
     """
 
     def __init__(
@@ -85,9 +94,18 @@ class RolloutInstance:
         max_response: int,
         on_finished: Callable[[list[Finished]], None],
         clock: Callable[[], float] = time.monotonic,
+        chunk_tokens: int | None = None,
+        on_chunk: Callable[[list[PartialTrajectory]], None] | None = None,
     ) -> None:
         if max_response < 1:
             raise ValueError(f"max_response={max_response}; use at least 1 token")
+        if chunk_tokens is not None and (chunk_tokens < 1 or on_chunk is None):
+            raise ValueError(
+                f"chunk_tokens={chunk_tokens} needs to be >= 1 and an on_chunk callback"
+            )
+        self._chunk_tokens = chunk_tokens
+        self._on_chunk = on_chunk
+        self._chunks = 0
         self.inst = inst
         self._engine = engine
         self._max_response = max_response
@@ -140,7 +158,7 @@ class RolloutInstance:
                 tokens=r.tokens,
                 logprobs=r.logprobs,
                 versions=r.versions,
-                max_response=self._max_response,
+                max_response=chunk_cap(len(r.tokens), self._max_response, self._chunk_tokens),
             )
             for r in routed
         ]
@@ -233,6 +251,7 @@ class RolloutInstance:
                 load_s=self._load_s,
                 finished=self._finished,
                 command_s=dict(self._command_s),
+                chunks=self._chunks,
             )
 
     @property
@@ -270,12 +289,30 @@ class RolloutInstance:
                     started = self._clock()
                     outs = self._engine.step()
                     self._busy_s += self._clock() - started
-                    finished = [self._finish(o) for o in outs]
+                    chunks = [self._chunk_end(o) for o in outs if self._at_chunk_end(o)]
+                    finished = [self._finish(o) for o in outs if not self._at_chunk_end(o)]
+                if chunks:
+                    assert self._on_chunk is not None  # chunk_tokens requires it
+                    self._on_chunk(chunks)
                 if finished:
                     self._on_finished(finished)
         except BaseException as exc:  # reported through check()
             logger.exception("rollout instance %d failed", self.inst)
             self._failure = exc
+
+    def _at_chunk_end(self, out: EngineOutput) -> bool:
+        """Stopped for length before the real budget: the end of a chunk, not of a response."""
+        return (
+            self._chunk_tokens is not None
+            and out.finish_reason == FINISH_LENGTH
+            and len(out.tokens) < self._max_response
+        )
+
+    def _chunk_end(self, out: EngineOutput) -> PartialTrajectory:
+        self._meta.pop(out.traj_id)
+        self._completed.append(out.traj_id)  # it left: Eq. 1 counts it until the next Pull
+        self._chunks += 1
+        return PartialTrajectory(out.traj_id, out.tokens, out.logprobs, out.versions)
 
     def _finish(self, out: EngineOutput) -> Finished:
         m = self._meta.pop(out.traj_id)

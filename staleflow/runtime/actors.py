@@ -204,6 +204,7 @@ class RolloutActor:
             weights=weights,
             max_response=spec.rollout.max_response_tokens,
             on_finished=self._dispatch,
+            chunk_tokens=spec.chunk_tokens,
         )
         self._host.start(0)
 

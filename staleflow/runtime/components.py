@@ -47,6 +47,8 @@ class RolloutSpec:
     # rollout.vllm / rollout.sglang resolved by the driver (model folder, log folder);
     # empty for the embedded engine
     engine_options: EngineOptions | None = None
+    # Divided rollout (coordinator.seer): response tokens one route may add; None: off.
+    chunk_tokens: int | None = None
 
     @property
     def layout(self) -> dict[str, Any]:

@@ -280,6 +280,7 @@ class ControlPlane:
 
     def _record_step(self, report: StepReport) -> None:
         times = {i: h.times() for i, h in self._instances.items()}
+        seer = self.coordinator.strategies.seer
         self.metrics.on_step(
             report,
             now=self._clock(),
@@ -290,6 +291,7 @@ class ControlPlane:
             # asked now, not read from the last cycle's snapshot: a whole step can fit in
             # one coordinator period, and the record would then miss the newest Pull
             instance_versions={s.inst: s.inst_version for s in self._gather()},
+            probes=seer.accuracy() if seer is not None else None,
         )
 
     # -- diagnostics -------------------------------------------------------------------

@@ -47,14 +47,25 @@ class InstanceHost:
         weights: PullSource,
         max_response: int,
         on_finished: Callable[[list[Finished]], None],
+        chunk_tokens: int | None = None,
     ) -> None:
         self.inst = inst
         self._engine = engine
         self._ts = ts
         self._weights = weights
         self.instance = RolloutInstance(
-            inst, engine, max_response=max_response, on_finished=on_finished
+            inst,
+            engine,
+            max_response=max_response,
+            on_finished=on_finished,
+            chunk_tokens=chunk_tokens,
+            on_chunk=self._chunk_ends if chunk_tokens is not None else None,
         )
+
+    def _chunk_ends(self, partials: list[PartialTrajectory]) -> None:
+        """Divided rollout: a chunk ended; the trajectory waits in the TS to be re-placed
+        (with its V_traj and Reserve, as after an Interrupt)."""
+        return_live(self._ts, partials)
 
     def start(self, at_least: int = 0) -> int:
         """Load the first weights and start generating; returns their version."""

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from coordinator.cycle import CycleStats
+from coordinator.seer import ProbeAccuracy
 from staleflow.rollout.instance import InstanceTimes
 from staleflow.runtime.interface import Rewarded, StepReport
 from staleflow.runtime.record import TABLE3, StepRecord, idle_ratio, record_key
@@ -58,6 +59,7 @@ class StepMetrics:
         coordinator: CycleStats,
         ps_version: int,
         instance_versions: Mapping[int, int] | None = None,
+        probes: ProbeAccuracy | None = None,
     ) -> StepRecord:
         elapsed = max(now - self.started, 1e-9)
         step_wall = max(now - self._last_step_at, 1e-9)
@@ -89,6 +91,9 @@ class StepMetrics:
             discarded=coordinator.discarded,
             commands=coordinator.commands,
             decision_ms=coordinator.last_decision_s * 1e3,
+            # Seer's counters, only where it is on (``probes`` given)
+            chunks=sum(t.chunks for t in instance_times.values()) if probes is not None else None,
+            probe_error=probes.mean_error if probes is not None and probes.groups else None,
             staleness={int(k): int(n) for k, n in sorted(report.staleness.items())},
             instance_idle={i: r for i, r in sorted(idle.items()) if r is not None},
             instance_version={i: int(v) for i, v in sorted((instance_versions or {}).items())},

@@ -79,6 +79,10 @@ class StepRecord:
     discarded: int | None = _scalar("coordinator/discarded", whole=True)
     commands: int | None = _scalar("coordinator/commands", whole=True)
     decision_ms: float | None = _scalar("coordinator/decision_ms")
+    # Seer (coordinator/seer.py): chunks handed back to the TS at a chunk boundary so far,
+    # and the probes' mean shortfall against their group's longest response
+    chunks: int | None = _scalar("rollout/chunks", whole=True)
+    probe_error: float | None = _scalar("coordinator/probe_error")
     # V_buf - V_traj -> trajectories of this step's batch
     staleness: Mapping[int, int] = _per("staleness/hist/", whole=True)
     # per instance, cumulative over the run: idle seconds / lifetime

@@ -83,6 +83,7 @@ def rollout_spec(
         kv_budget_tokens=max(r.kv_budget_tokens, longest),
         seed=cfg.seed,
         engine_options=options,
+        chunk_tokens=cfg.coordinator.seer.chunk,
     )
 
 

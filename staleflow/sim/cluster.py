@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -30,11 +31,12 @@ import numpy as np
 
 from coordinator import CoordinatorConfig, Snapshot
 from staleflow.control import ControlLoop
-from staleflow.control.late import complete_live
+from staleflow.control.late import complete_live, return_live
 from staleflow.sim.engine import EngineCosts, SimInstance, SimTrajectory
 from staleflow.sim.planes import SimPlanes
 from staleflow.sim.summary import Summary, summarise
 from staleflow.sim.trainer import SimTrainer, TrainerCosts
+from staleflow.sim.truth import instance_truths
 from staleflow.sim.workload import SyntheticWorkload, TraceWorkload, WorkloadConfig
 from staleness import ConsumedBatch, StalenessConfig
 from trajectory_server import TrajectoryServer, TrajectoryServerConfig, TrajState
@@ -100,8 +102,13 @@ class SimCluster:
         )
         self.ts = TrajectoryServer(ts_config, self.workload)
         cost = config.coordinator.cost_model.build()
+        # What each engine really does (speed, estimate error, ...; sim/truth.py).
+        truths = instance_truths(cost, config.engine.truth, config.instances, config.seed)
+        pool: set[int] | None = set() if config.engine.kv_pool else None  # shared by all
         self.instances = {
-            i: SimInstance(i, cost, config.engine, np.random.default_rng([config.seed, i]))
+            i: SimInstance(
+                i, cost, config.engine, np.random.default_rng([config.seed, i]), truths[i], pool
+            )
             for i in range(config.instances)
         }
         self.trainer = SimTrainer(config.trainer)
@@ -112,6 +119,7 @@ class SimCluster:
             self.workload.response_length,
             lambda: self.trainer.ps_version,
             lambda: self.now,
+            config.coordinator.seer.chunk,
         )
         self.loop = ControlLoop(
             StalenessConfig(
@@ -144,6 +152,11 @@ class SimCluster:
         self.consumed: set[int] = set()
         self.duplicates: list[int] = []
         self.response_lengths: list[int] = []  # of consumed trajectories
+        self.late_wasted_tokens = 0  # responses finished after their trajectory was dropped
+        self.finish_times: dict[int, float] = {}  # rewarded, not yet trained -> when
+        # per consumed batch: seconds from its 90th-percentile finish to its last (the time
+        # the buffer waited on its long tail, Seer's "long-tail time")
+        self.tail_s: list[float] = []
         # (sample id, prompt length, response lengths) of every consumed group
         self.trained: list[tuple[int, int, tuple[int, ...]]] = []
 
@@ -189,6 +202,9 @@ class SimCluster:
         horizon = self.now + self.config.coordinator.period_s
         for inst in self.instances.values():
             inst.advance(horizon, self._finished)
+            returned = inst.take_returned()
+            if returned:  # chunk boundaries (divided rollout): the TS re-places them
+                return_live(self.ts, returned)
         self._drain(horizon)
         self.now = horizon
 
@@ -210,6 +226,7 @@ class SimCluster:
         while self._events and self._events[0][0] <= horizon:
             t, _, kind, data = heapq.heappop(self._events)
             if kind == REWARD:
+                self.finish_times[data[0].traj_id] = t
                 self._reward(*data)
             elif kind == TRAIN_DONE:
                 self._push(self.trainer.finish_step(t), PUSH_DONE, None)
@@ -228,6 +245,8 @@ class SimCluster:
         completion = Completion(traj.traj_id, tokens, logprobs, versions, 1.0, reason, {})
         if complete_live(self.ts, [completion]):
             self._occupy(traj)
+        else:  # aborted while it finished: its tokens were generated for nothing
+            self.late_wasted_tokens += len(tokens)
 
     def _occupy(self, traj: SimTrajectory) -> None:
         self.loop.occupy((traj,))
@@ -244,10 +263,12 @@ class SimCluster:
         """Fetch the consumed groups' kept trajectories from the TS and train on them."""
         self.batches.append(batch)
         select = {g.group_id: g.trajectories for g in batch.groups}
+        kept = [t for ts in select.values() for t in ts]
         taken = self.ts.take_batch(list(select), select)
         if taken.dropped:
             self._forget(taken.dropped)
-        tokens = 0
+        self.tail_s.append(tail_seconds([self.finish_times.pop(t, 0.0) for t in kept]))
+        tokens = squares = 0
         for group in taken.groups:
             lengths = tuple(len(tr.tokens) for tr in group.trajectories)
             self.trained.append((group.sample_id, len(group.prompt), lengths))
@@ -256,8 +277,9 @@ class SimCluster:
                     self.duplicates.append(tr.traj_id)
                 self.consumed.add(tr.traj_id)
                 tokens += len(group.prompt) + len(tr.tokens)
+                squares += (len(group.prompt) + len(tr.tokens)) ** 2  # attention's cost
                 self.response_lengths.append(len(tr.tokens))
-        self._push(self.trainer.start_step(t, tokens), TRAIN_DONE, None)
+        self._push(self.trainer.start_step(t, tokens, squares), TRAIN_DONE, None)
 
     def _forget(self, dropped: Any) -> None:
         self.loop.forget(dropped)
@@ -301,6 +323,15 @@ class SimCluster:
         if self.planes.claimed:
             problems.append(f"claims left after the executor went idle: {self.planes.claimed}")
         return problems
+
+
+def tail_seconds(finish_times: list[float], share: float = 0.9) -> float:
+    """Seconds from the moment ``share`` of the trajectories had finished to the last."""
+    if not finish_times:
+        return 0.0
+    ordered = sorted(finish_times)
+    k = max(0, math.ceil(share * len(ordered)) - 1)
+    return ordered[-1] - ordered[k]
 
 
 def _state(ts: TrajectoryServer, traj_id: int) -> TrajState | None:

@@ -11,6 +11,12 @@ per-instance step counter, never updated one by one.
 When the cache is full, the most recently admitted trajectories are preempted into the
 front of the waiting queue and release their KV (recompute preemption, as vLLM and SGLang
 do); re-admission costs a re-prefill of the whole prefix, like a Route after an Interrupt.
+
+The step latency above is what the coordinator *estimates*. What the instance really does
+comes from its :class:`~staleflow.sim.truth.InstanceTruth` (a per-instance speed, an
+estimate error, slowdown episodes, a measured profile or step trace); without one it
+follows the estimate. Either way the instance records how far the estimate was from what
+it did, period by period (``InstanceTimes.estimate_error``), the figure Appendix B.2 reports.
 """
 
 from __future__ import annotations
@@ -18,12 +24,13 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from coordinator.cost_model import CostModel
 from coordinator.types import InstanceSnapshot
+from staleflow.sim.truth import EngineTruth, InstanceTruth, ScaledCost
 from trajectory_server.types import PartialTrajectory, RoutedTrajectory
 
 
@@ -37,12 +44,19 @@ class EngineCosts:
     compute-bound in prefill). ``b = 0`` is a flat per-token cost.
     pull_s: one Pull (bytes / bandwidth + latency), blocking the instance.
     noise: sigma of a lognormal multiplicative factor drawn per chunk (0: exact model).
+    truth: how the engines' decode steps differ from the coordinator's cost model
+    (``staleflow.sim.truth``); the default is no difference.
+    kv_pool: the KV cache of a trajectory whose chunk ended (divided rollout) stays in a
+    pool every instance reads, as Seer's Mooncake-based global KV cache (seer.md §4.2):
+    re-placing it costs no prefill. Off: it is prefilled again, as on the engines here.
     """
 
     prefill_s_per_token: float = 6.0e-5
     pull_s: float = 3.0
     noise: float = 0.0
     prefill_s_per_token_sq: float = 0.0
+    truth: EngineTruth = field(default_factory=EngineTruth)
+    kv_pool: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefill_s_per_token", "prefill_s_per_token_sq", "pull_s", "noise"):
@@ -60,6 +74,7 @@ class SimTrajectory:
 
     __slots__ = (
         "base",
+        "end",
         "group_id",
         "inst",
         "payload",
@@ -70,7 +85,9 @@ class SimTrajectory:
         "v_traj",
     )
 
-    def __init__(self, payload: RoutedTrajectory, target: int, inst: SimInstance) -> None:
+    def __init__(
+        self, payload: RoutedTrajectory, target: int, inst: SimInstance, end: int | None = None
+    ) -> None:
         self.payload = payload
         self.traj_id = payload.traj_id
         self.group_id = payload.group_id
@@ -78,6 +95,9 @@ class SimTrajectory:
         self.prompt_len = len(payload.prompt)
         self.base = payload.length  # prompt + tokens when this run segment began
         self.target = target  # prompt + full response
+        # Where this route stops: the target, or the end of its chunk (divided rollout,
+        # coordinator/seer.py), after which the trajectory goes back to the TS.
+        self.end = target if end is None else min(end, target)
         self.inst = inst
         self.start = -1  # instance step at which it started running; -1 while waiting
 
@@ -86,6 +106,10 @@ class SimTrajectory:
         if self.start < 0:
             return self.base
         return self.base + self.inst.steps - self.start
+
+    @property
+    def response_len(self) -> int:
+        return self.length - self.prompt_len
 
     def response(self, version: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Whole response so far: the routed prefix plus what this instance generated."""
@@ -113,6 +137,17 @@ class InstanceTimes:
     idle: float = 0.0
     tokens: int = 0
     preemptions: int = 0
+    chunks: int = 0  # trajectories returned to the TS at a chunk boundary (divided rollout)
+    reprefill_tokens: int = 0  # prefix tokens prefilled again (resumed partials, preemptions)
+    wasted_tokens: int = 0  # response tokens of trajectories aborted here
+    # Appendix B.2's figure: mean over periods with decoding of |estimated - actual| /
+    # actual throughput, the estimate being the coordinator's model on the same steps.
+    error_sum: float = 0.0
+    error_periods: int = 0
+
+    @property
+    def estimate_error(self) -> float:
+        return self.error_sum / self.error_periods if self.error_periods else 0.0
 
 
 Finished = Callable[[float, "SimInstance", SimTrajectory], None]
@@ -128,15 +163,22 @@ class SimInstance:
         cost: CostModel,
         costs: EngineCosts,
         rng: np.random.Generator,
+        truth: InstanceTruth | None = None,
+        pool: set[int] | None = None,
     ) -> None:
         self.inst_id = inst_id
+        # ids whose KV cache a chunk end left in the shared pool (EngineCosts.kv_pool)
+        self.pool = pool
         self.cost, self.costs, self.rng = cost, costs, rng
+        self.truth = truth or InstanceTruth(ScaledCost(cost))
         self.version = 0
         self.clock = 0.0
         self.steps = 0
         self.running: dict[int, SimTrajectory] = {}  # admission order
         self.waiting: list[SimTrajectory] = []  # head first
-        self.completed: list[int] = []  # since the last Pull
+        # since the last Pull: finished here, or returned to the TS at a chunk boundary
+        self.completed: list[int] = []
+        self.returned: list[PartialTrajectory] = []  # chunk ends not yet handed to the TS
         self._sum_base = 0  # sum over running of (base - start): kv = k5*(sum + n*steps)
         self._finish: list[tuple[int, int]] = []  # (step it completes at, traj_id)
         self._debt = 0.0  # prefill time owed before the next decode step
@@ -157,6 +199,11 @@ class SimInstance:
             complete_trajs=tuple(self.completed),
             inst_version=self.version,
         )
+
+    def take_returned(self) -> list[PartialTrajectory]:
+        """Partials of the chunks that ended since the last call (for the TS)."""
+        out, self.returned = self.returned, []
+        return out
 
     def holds(self) -> list[int]:
         """Ids of the trajectories running or waiting here."""
@@ -192,6 +239,12 @@ class SimInstance:
             self._admit()
         return out
 
+    def abort(self, ids: Sequence[int], now: float) -> list[int]:
+        """Drop trajectories for good; their response tokens were generated for nothing."""
+        removed = self.remove(ids, now)
+        self.times.wasted_tokens += sum(len(p.tokens) for p in removed.values())
+        return list(removed)
+
     def pull(self, version: int, now: float) -> None:
         if self.running or self.waiting:
             raise RuntimeError(
@@ -209,6 +262,8 @@ class SimInstance:
     def advance(self, horizon: float, finished: Finished) -> None:
         """Run whole decode steps until ``horizon`` (the last one may end past it)."""
         c, times = self.cost, self.times
+        step, slow = self.truth.step, self.truth.slowdowns
+        actual = estimated = 0.0  # decode seconds this call, and the estimate's for them
         while self.clock < horizon:
             if self._debt > 0.0:
                 self.clock += self._debt
@@ -219,33 +274,47 @@ class SimInstance:
             if n == 0:
                 times.idle += horizon - self.clock
                 self.clock = horizon
-                return
+                break
             kv = self.kv
             if kv + c.k5 * n > c.kv_budget and n > 1:
                 self._preempt()
                 continue
             to_full = max(1, int((c.kv_budget - kv) // (c.k5 * n)))
             to_done = self._finish[0][0] - self.steps
-            first = c.k1 * kv + max(c.k2, c.k3 * n) + c.k4  # latency of the first step
-            growth = c.k1 * c.k5 * n  # added to the latency by each further step
+            first = step.latency(n, kv)  # latency of the first step
+            growth = step.kv_slope(n) * c.k5 * n  # added to the latency by each further step
             f = math.exp(self.costs.noise * self.rng.standard_normal()) if self.costs.noise else 1.0
+            if slow is not None:
+                f *= slow.factor(self.clock)
             k = min(to_full, to_done, _steps_within((horizon - self.clock) / f, first, growth))
             duration = f * (k * first + growth * k * (k - 1) / 2.0)
+            est_first = c.k1 * kv + max(c.k2, c.k3 * n) + c.k4
+            estimated += k * est_first + c.k1 * c.k5 * n * k * (k - 1) / 2.0
+            actual += duration
             self.clock += duration
             times.decode += duration
             times.tokens += n * k
             self.steps += k
             self._complete_due(finished)
+        if estimated > 0.0:
+            times.error_sum += abs(actual - estimated) / estimated
+            times.error_periods += 1
 
     def _complete_due(self, finished: Finished) -> None:
         while self._finish and self._finish[0][0] <= self.steps:
             _, tid = heapq.heappop(self._finish)
             t = self.running.get(tid)
-            if t is None or t.start + t.target - t.base != self.steps:
+            if t is None or t.start + t.end - t.base != self.steps:
                 continue  # stale heap entry (preempted or removed)
             self._stop(t)
             self.completed.append(tid)
-            finished(self.clock, self, t)
+            if t.end < t.target:  # a chunk boundary: back to the TS, to be re-placed
+                self.times.chunks += 1
+                self.returned.append(self._partial(t))
+                if self.pool is not None:
+                    self.pool.add(tid)
+            else:
+                finished(self.clock, self, t)
         self._admit()
 
     # -- internals --------------------------------------------------------------------
@@ -259,11 +328,16 @@ class SimInstance:
             if self.running and self.kv + c.k5 * (t.length + n1) > c.kv_budget:
                 return
             self.waiting.pop(0)
-            self._debt += self.costs.prefill_seconds(t.length)
+            if self.pool is not None and t.traj_id in self.pool:
+                self.pool.discard(t.traj_id)  # its KV cache comes from the pool
+            else:
+                self._debt += self.costs.prefill_seconds(t.length)
+                if t.length > t.prompt_len:
+                    self.times.reprefill_tokens += t.length
             t.base, t.start = t.length, self.steps
             self.running[t.traj_id] = t
             self._sum_base += t.base - t.start
-            heapq.heappush(self._finish, (t.start + t.target - t.base, t.traj_id))
+            heapq.heappush(self._finish, (t.start + t.end - t.base, t.traj_id))
 
     def _stop(self, t: SimTrajectory) -> None:
         """Take a running trajectory out of the batch, freezing its length."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 
+from coordinator.seer import chunk_cap
 from staleflow.control.late import return_live
 from staleflow.sim.engine import SimInstance, SimTrajectory
 from staleness.types import TrajId
@@ -40,8 +41,10 @@ class SimPlanes:
         target_length: Callable[[int, int], int],
         ps_version: Callable[[], int],
         clock: Callable[[], float],
+        chunk_tokens: int | None = None,
     ) -> None:
         self.instances, self.ts = instances, ts
+        self.chunk_tokens = chunk_tokens  # divided rollout (coordinator/seer.py); None: off
         self._target, self._ps_version, self._now = target_length, ps_version, clock
         self.claimed: set[TrajId] = set()
         self.commands = {"route": 0, "interrupt": 0, "abort": 0, "pull": 0}
@@ -85,10 +88,11 @@ class SimPlanes:
             ids, {t: v_traj[t] for t in ids if t in v_traj}, inst, skip_unavailable=True
         )
         target = self.instances[inst]
-        sims = [
-            SimTrajectory(r, len(r.prompt) + self._target(r.sample_id, r.traj_id), target)
-            for r in routed
-        ]
+        sims = []
+        for r in routed:
+            response = self._target(r.sample_id, r.traj_id)
+            end = len(r.prompt) + chunk_cap(len(r.tokens), response, self.chunk_tokens)
+            sims.append(SimTrajectory(r, len(r.prompt) + response, target, end))
         target.submit(sims, self._now())
         self.commands["route"] += 1
         if len(routed) == len(ids):
@@ -102,7 +106,7 @@ class SimPlanes:
 
     def abort(self, inst: int, trajs: Sequence[TrajId]) -> Collection[TrajId]:
         self.commands["abort"] += 1
-        return list(self.instances[inst].remove(trajs, self._now()))
+        return self.instances[inst].abort(trajs, self._now())
 
     # -- ParameterPlane ---------------------------------------------------------------
 

@@ -25,10 +25,9 @@ def scale(config: ClusterConfig, dimension: str, factor: float) -> ClusterConfig
     if dimension == "batch":
         return config.with_(batch_size=_at_least_1(config.batch_size * factor))
     if dimension == "gpus":
-        t = config.trainer
         return config.with_(
             instances=_at_least_1(config.instances * factor),
-            trainer=replace(t, seconds_per_token=t.seconds_per_token / factor),
+            trainer=config.trainer.sped_up(factor),
         )
     raise ValueError(f"unknown dimension {dimension!r}: use one of {DIMENSIONS}")
 

@@ -6,8 +6,11 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from coordinator.seer import ProbeAccuracy
+
 if TYPE_CHECKING:
     from staleflow.sim.cluster import SimCluster
+    from staleflow.sim.engine import InstanceTimes
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +24,13 @@ class Summary:
     0.0 when the run has no step after the warm-up.
     ``max_staleness_per_batch``: one entry per consumed batch.
     Idle ratios are shares of the run's virtual time.
+    ``rampup_s``: when the step that ends the warm-up (step ``eta + 1``) ended.
+    ``trainer_busy_steady``: share of the steady span (after the warm-up) the trainer
+    spent training; near 1 the run is trainer-bound there, lower the trainer waited for
+    buffers (rollout- or tail-bound).
+    ``estimate_error``: mean over instance-periods of |estimated - actual| / actual
+    throughput, the estimate being the coordinator's cost model (Appendix B.2 reports
+    10.52% for its real cluster).
     """
 
     name: str
@@ -42,6 +52,20 @@ class Summary:
     cycles: int
     discarded_snapshots: int
     stalled: bool  # stopped early: no training step for ``stall_timeout_s``
+    rampup_s: float = 0.0
+    trainer_busy_steady: float = 0.0
+    estimate_error: float = 0.0
+    # Seer (coordinator/seer.py) and the tail: chunks returned to the TS and re-placed;
+    # prefix tokens prefilled again (resumed partials, preemptions); response tokens of
+    # trajectories aborted; mean over consumed batches of the seconds from their 90th
+    # percentile finish to their last; probe accuracy (groups with >= 2 finished members,
+    # mean shortfall of the first finished length against the group's longest).
+    chunks: int = 0
+    reprefill_tokens: int = 0
+    wasted_tokens: int = 0
+    tail_s: float = 0.0
+    probe_groups: int = 0
+    probe_error: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -63,6 +87,8 @@ def summarise(cluster: SimCluster) -> Summary:
     span = max(cluster.now, 1e-9) * len(times)
     counted = sum(len(g.trajectories) for b in cluster.batches[: trainer.steps] for g in b.groups)
     responses = cluster.response_lengths[:counted]
+    seer = cluster.coordinator.strategies.seer
+    probes = seer.accuracy() if seer is not None else ProbeAccuracy()
     return Summary(
         name=cluster.config.name,
         eta=cluster.config.eta,
@@ -83,7 +109,20 @@ def summarise(cluster: SimCluster) -> Summary:
         cycles=cluster.coordinator.stats.cycles,
         discarded_snapshots=cluster.coordinator.stats.discarded,
         stalled=cluster.stalled,
+        rampup_s=_rampup(cluster),
+        trainer_busy_steady=_busy_steady(cluster),
+        estimate_error=_estimate_error(times),
+        chunks=sum(t.chunks for t in times),
+        reprefill_tokens=sum(t.reprefill_tokens for t in times),
+        wasted_tokens=sum(t.wasted_tokens for t in times) + cluster.late_wasted_tokens,
+        tail_s=_mean(cluster.tail_s[: trainer.steps]),
+        probe_groups=probes.groups,
+        probe_error=probes.mean_error,
     )
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
 
 
 def _steady(cluster: SimCluster) -> float:
@@ -92,6 +131,27 @@ def _steady(cluster: SimCluster) -> float:
         return 0.0
     span = t.step_ends[-1] - t.step_ends[warm - 1]
     return sum(t.step_tokens[warm:]) / span if span > 0 else 0.0
+
+
+def _rampup(cluster: SimCluster) -> float:
+    ends, warm = cluster.trainer.step_ends, cluster.config.eta + 1
+    if not ends:
+        return cluster.now
+    return ends[min(warm, len(ends)) - 1]
+
+
+def _busy_steady(cluster: SimCluster) -> float:
+    t, warm = cluster.trainer, cluster.config.eta + 1
+    if len(t.step_ends) <= warm:
+        return 0.0
+    span = t.step_ends[-1] - t.step_ends[warm - 1]
+    busy = sum(e - s for s, e in zip(t.step_starts[warm:], t.step_ends[warm:], strict=False))
+    return min(1.0, busy / span) if span > 0 else 0.0
+
+
+def _estimate_error(times: list[InstanceTimes]) -> float:
+    periods = sum(t.error_periods for t in times)
+    return sum(t.error_sum for t in times) / periods if periods else 0.0
 
 
 def staleness_per_buffer(cluster: SimCluster) -> list[tuple[int, dict[int, int]]]:

@@ -61,6 +61,14 @@ class WorkloadConfig:
       log-length variance between groups (intra-class correlation ~0.9).
     - prompts: StaleFlow §6.1 caps prompts at 2K; math prompts (DAPO-Math-17k) are short,
       so a lognormal with median 200 tokens and sigma 0.5, capped at ``max_prompt``.
+
+    Two optional shapes (off by default; ``staleflow.sim.presets.WORKLOADS`` names them):
+    - bimodal (``long_frac > 0``): a group is "long" with probability ``long_frac`` and then
+      draws its median around ``long_median_frac x max_response`` with ``long_sigma``;
+      other groups keep the distribution above;
+    - within-group outliers (``outlier_prob > 0``): each member independently, with that
+      probability, runs away to ``outlier_frac x max_response`` whatever its group's
+      length (a repetition loop that only the cap stops).
     """
 
     max_response: int = 20_000
@@ -71,6 +79,11 @@ class WorkloadConfig:
     prompt_median: float = 200.0
     prompt_sigma: float = 0.5
     max_prompt: int = 2048
+    long_frac: float = 0.0
+    long_median_frac: float = 0.6
+    long_sigma: float = 0.3
+    outlier_prob: float = 0.0
+    outlier_frac: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_response < self.min_response or self.min_response < 1:
@@ -84,6 +97,16 @@ class WorkloadConfig:
             raise ValueError("sigmas must be >= 0")
         if not 1.0 <= self.prompt_median <= self.max_prompt:
             raise ValueError(f"prompt_median={self.prompt_median}; use [1, max_prompt]")
+        for name in ("long_frac", "outlier_prob"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name}={getattr(self, name)}; use a probability in [0, 1]")
+        for name in ("long_median_frac", "outlier_frac"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(
+                    f"{name}={getattr(self, name)}; use a fraction of the cap in (0, 1]"
+                )
+        if self.long_sigma < 0:
+            raise ValueError("sigmas must be >= 0")
 
 
 class _Source:
@@ -137,10 +160,15 @@ class SyntheticWorkload(_Source):
         prompt = int(
             np.clip(round(rng.lognormal(np.log(c.prompt_median), c.prompt_sigma)), 1, c.max_prompt)
         )
-        median = (
-            np.log(c.group_median_frac * c.max_response) + c.group_sigma * rng.standard_normal()
-        )
+        frac, sigma = c.group_median_frac, c.group_sigma
+        # Extra draws only when a shape is on, so the default stream stays as it was.
+        if c.long_frac > 0.0 and rng.random() < c.long_frac:
+            frac, sigma = c.long_median_frac, c.long_sigma
+        median = np.log(frac * c.max_response) + sigma * rng.standard_normal()
         raw = np.exp(median + c.member_sigma * rng.standard_normal(self.members))
+        if c.outlier_prob > 0.0:
+            runaway = rng.random(self.members) < c.outlier_prob
+            raw = np.where(runaway, c.outlier_frac * c.max_response, raw)
         lengths = np.clip(np.rint(raw), c.min_response, c.max_response).astype(np.int64)
         return prompt, lengths
 

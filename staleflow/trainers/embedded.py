@@ -27,7 +27,14 @@ import torch
 from parameter_server.torch_compat import to_numpy
 from staleflow.config.sections import TrainerConfig
 from staleflow.models.state import load_policy_state, policy_state
-from staleflow.trainers.rl import BatchError, LocalReduce, adamw, dense_token_stats, train_step
+from staleflow.trainers.batch_checks import BatchError
+from staleflow.trainers.rl import (
+    LocalReduce,
+    SingleStage,
+    adamw,
+    dense_token_stats,
+    train_step,
+)
 from trajectory_server.types import TrainingBatch
 
 if TYPE_CHECKING:
@@ -41,7 +48,7 @@ _STATE_FILE = "trainer_state.json"
 _OPTIMIZER_FILE = "optimizer.pt"
 
 
-class _DenseBackend(LocalReduce):
+class _DenseBackend(SingleStage, LocalReduce):
     """:class:`staleflow.trainers.rl.StepBackend` of a whole model in one process."""
 
     token_stats = staticmethod(dense_token_stats)

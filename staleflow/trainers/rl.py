@@ -14,7 +14,8 @@ The step (``train_step``):
    parallel ranks, so advantages are local; counts and token totals are reduced.
 2. Cut the batch into ``updates_per_step`` mini-batches (one optimizer update each); with
    more than one, the proximal policy is recomputed first (one no-grad pass).
-3. Per micro-batch: logits → ``/ T`` (the rollout temperature that travels with the
+3. Per micro-batch (the backend runs them: one after the other, or through a pipeline
+   schedule, whose last stage computes the loss): logits → ``/ T`` (the rollout temperature that travels with the
    batch: the engines' logprobs are of ``softmax(logits / T)``) → logprobs and entropy →
    :func:`staleflow.trainers.losses.policy_loss` with the batch's total token count as the
    denominator → backward.
@@ -25,45 +26,53 @@ The step (``train_step``):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 import numpy as np
 import torch
 
 from staleflow.config.sections import TrainerConfig
+from staleflow.trainers.batch_checks import validate_batch
 from staleflow.trainers.losses import approx_kl, group_advantages, policy_loss
 from trajectory_server.types import TrainingBatch
 
-# engines compute logprobs in float32 or bfloat16; a hair above zero is rounding
-LOGPROB_SLACK = 1e-3
 ADV_EPS = 1e-6
 
-
-class BatchError(ValueError):
-    """A training batch the trainer cannot use; the message names the trajectory."""
-
-
 ReduceOp = Literal["sum", "max", "min"]
+_T = TypeVar("_T")
+
+
+MicroFn = Callable[[int, torch.Tensor], "torch.Tensor | None"]
 
 
 class StepBackend(Protocol):
     """What a trainer backend provides to :func:`train_step`.
 
-    ``logits`` returns ``[batch, seq, vocab or vocab / tp]`` float logits (with gradient);
-    ``token_stats`` turns already temperature-scaled logits of ``n`` positions into their
-    targets' logprobs (with gradient) and the entropies (without). ``update`` applies the
-    accumulated gradients (reduce, clip, optimizer step) and returns the global gradient
-    norm before clipping, NaN when the update was skipped for a non-finite norm.
+    ``forward_backward`` runs the model on each micro-batch of ``mbs`` and calls
+    ``fn(i, logits)`` with micro-batch ``i``'s logits, ``[batch, seq, vocab or vocab / tp]``
+    (with gradient unless ``forward_only``), where the logits exist: on every rank of a
+    single-stage model, on the last pipeline stage of a pipelined one. ``fn`` returns the
+    micro-batch's loss, which the backend backpropagates (unless ``forward_only``).
+    ``from_last_stage`` hands a value computed there (in ``fn``) to every rank of the
+    pipeline. ``token_stats`` turns already temperature-scaled logits of ``n`` positions
+    into their targets' logprobs (with gradient) and the entropies (without). ``update``
+    applies the accumulated gradients (reduce, clip, optimizer step) and returns the global
+    gradient norm before clipping, NaN when the update was skipped for a non-finite norm.
     ``reduce`` combines per-rank numbers over the data-parallel ranks (identity in one
     process).
     """
 
     vocab_size: int
 
-    def logits(self, ids: torch.Tensor) -> torch.Tensor: ...
+    def forward_backward(
+        self, mbs: Sequence[MicroBatch], fn: MicroFn, *, forward_only: bool
+    ) -> None: ...
+
+    def from_last_stage(self, value: _T) -> _T: ...
 
     def token_stats(
         self, scaled_logits: torch.Tensor, targets: torch.Tensor
@@ -82,6 +91,27 @@ class LocalReduce:
     @staticmethod
     def reduce(values: np.ndarray, op: ReduceOp) -> np.ndarray:
         return values
+
+
+class SingleStage:
+    """``StepBackend.forward_backward`` and ``from_last_stage`` of a backend whose every
+    rank holds all the layers: ``logits(ids)`` per micro-batch, then backward."""
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward_backward(
+        self, mbs: Sequence[MicroBatch], fn: MicroFn, *, forward_only: bool
+    ) -> None:
+        for i, mb in enumerate(mbs):
+            with torch.no_grad() if forward_only else nullcontext():
+                loss = fn(i, self.logits(mb.ids))
+            if not forward_only and loss is not None:
+                loss.backward()
+
+    @staticmethod
+    def from_last_stage(value: _T) -> _T:
+        return value
 
 
 def dense_token_stats(
@@ -107,59 +137,6 @@ def adamw(params: list[torch.nn.Parameter], settings: TrainerConfig) -> torch.op
 
 
 # -- the batch --------------------------------------------------------------------------
-
-
-def validate_batch(batch: TrainingBatch, vocab_size: int, *, allow_empty: bool = False) -> None:
-    """Raise :class:`BatchError` naming the first malformed group or trajectory.
-
-    ``allow_empty``: a data-parallel rank may get no groups of a small batch.
-    """
-    if not (math.isfinite(batch.temperature) and batch.temperature > 0):
-        raise BatchError(
-            f"the batch's temperature is {batch.temperature}; it must be the rollout's "
-            "sampling temperature (> 0)"
-        )
-    if not allow_empty and (not batch.groups or not any(g.trajectories for g in batch.groups)):
-        raise BatchError("the batch holds no trajectories")
-    for group in batch.groups:
-        prompt = np.asarray(group.prompt)
-        if prompt.ndim != 1 or len(prompt) == 0:
-            raise BatchError(f"group {group.group_id}: the prompt must be a non-empty 1-D array")
-        if prompt.min() < 0 or prompt.max() >= vocab_size:
-            raise BatchError(
-                f"group {group.group_id}: prompt ids outside the model's vocabulary "
-                f"[0, {vocab_size})"
-            )
-        for t in group.trajectories:
-            _validate_trajectory(t, f"trajectory {t.traj_id} (group {group.group_id})", vocab_size)
-
-
-def _validate_trajectory(t: object, where: str, vocab_size: int) -> None:
-    tokens = np.asarray(t.tokens)  # type: ignore[attr-defined]
-    logprobs = np.asarray(t.logprobs)  # type: ignore[attr-defined]
-    versions = np.asarray(t.versions)  # type: ignore[attr-defined]
-    reward = t.reward  # type: ignore[attr-defined]
-    if tokens.ndim != 1 or logprobs.ndim != 1 or versions.ndim != 1:
-        raise BatchError(f"{where}: tokens, logprobs and versions must be 1-D")
-    if not len(tokens) == len(logprobs) == len(versions):
-        raise BatchError(
-            f"{where}: {len(tokens)} tokens, {len(logprobs)} logprobs and "
-            f"{len(versions)} versions; they must be of one length"
-        )
-    if len(tokens) == 0:
-        raise BatchError(f"{where}: the response is empty")
-    if tokens.min() < 0 or tokens.max() >= vocab_size:
-        raise BatchError(f"{where}: token ids outside the model's vocabulary [0, {vocab_size})")
-    if not np.isfinite(logprobs).all():
-        i = int(np.argmin(np.isfinite(logprobs)))
-        raise BatchError(f"{where}: logprob {logprobs[i]} at position {i} is not finite")
-    if logprobs.max() > LOGPROB_SLACK:
-        i = int(np.argmax(logprobs))
-        raise BatchError(
-            f"{where}: logprob {logprobs[i]} at position {i} is positive; logprobs must be <= 0"
-        )
-    if not math.isfinite(reward):
-        raise BatchError(f"{where}: reward {reward} is not finite")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -368,13 +345,13 @@ def _response_span(s: TrainSequence) -> slice:
 
 
 def score(
-    backend: StepBackend, mb: MicroBatch, temperature: float
+    backend: StepBackend, mb: MicroBatch, logits: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs (with gradient) and entropies of the response tokens of ``mb``, under the
-    policy at ``temperature``: ``log_softmax(logits / T)``, the distribution the engines
-    sampled from and recorded. Only response positions reach the softmax."""
-    logits = backend.logits(mb.ids)[:, :-1]
-    scaled = logits[mb.mask].float() / temperature
+    """Logprobs (with gradient) and entropies of the response tokens of ``mb`` from its
+    ``logits``, under the policy at ``temperature``: ``log_softmax(logits / T)``, the
+    distribution the engines sampled from and recorded. Only response positions reach the
+    softmax."""
+    scaled = logits[:, :-1][mb.mask].float() / temperature
     return backend.token_stats(scaled, mb.targets[mb.mask])
 
 
@@ -388,21 +365,22 @@ class LossTally:
     weight_max: float = -math.inf
 
 
-def accumulate(
+def micro_loss(
     backend: StepBackend,
     mb: MicroBatch,
+    logits: torch.Tensor,
     settings: TrainerConfig,
     *,
     temperature: float,
     total_tokens: float,
     tally: LossTally,
-) -> None:
-    """Forward, loss and backward of one micro-batch; adds its statistics to ``tally``.
+) -> torch.Tensor:
+    """The loss of one micro-batch from its ``logits``; adds its statistics to ``tally``.
 
     ``total_tokens`` is the response-token count of the whole (global) mini-batch: the
     micro-batches' losses then add up to DAPO's token-level mean over it.
     """
-    logprobs, entropy = score(backend, mb, temperature)
+    logprobs, entropy = score(backend, mb, logits, temperature)
     behav, adv = mb.behav[mb.mask], mb.adv[mb.mask]
     out = policy_loss(
         logprobs,
@@ -417,7 +395,6 @@ def accumulate(
         is_cap_mode=settings.is_cap_mode,
         total_tokens=total_tokens,
     )
-    out.loss.backward()
     with torch.no_grad():
         s = tally.sums
         s["loss"] += out.loss.item()
@@ -431,6 +408,7 @@ def accumulate(
         if logprobs.numel():
             tally.weight_min = min(tally.weight_min, float(out.weights.min()))
             tally.weight_max = max(tally.weight_max, float(out.weights.max()))
+    return out.loss
 
 
 def with_prox(
@@ -442,18 +420,21 @@ def with_prox(
     temperature: float,
 ) -> list[TrainSequence]:
     """Attach the current weights' logprobs (the proximal policy) to each sequence."""
+    chunks = list(micro_batches(sequences, settings.micro_batch_tokens, settings.micro_batch_size))
+    mbs = [pad(chunk, pad_id) for chunk in chunks]
     prox: dict[int, np.ndarray] = {}
-    with torch.no_grad():
-        for chunk in micro_batches(
-            sequences, settings.micro_batch_tokens, settings.micro_batch_size
-        ):
-            mb = pad(chunk, pad_id)
-            logprobs, _ = score(backend, mb, temperature)
-            flat = logprobs.float().cpu().numpy()
-            at = 0
-            for s in chunk:  # mask order is row-major: sequence by sequence
-                prox[s.traj_id] = flat[at : at + s.response_len].copy()
-                at += s.response_len
+
+    def collect(i: int, logits: torch.Tensor) -> None:
+        logprobs, _ = score(backend, mbs[i], logits, temperature)
+        flat = logprobs.float().cpu().numpy()
+        at = 0
+        for s in chunks[i]:  # mask order is row-major: sequence by sequence
+            prox[s.traj_id] = flat[at : at + s.response_len].copy()
+            at += s.response_len
+
+    if mbs:
+        backend.forward_backward(mbs, collect, forward_only=True)
+    prox = backend.from_last_stage(prox)
     return [replace(s, prox=prox[s.traj_id]) for s in sequences]
 
 
@@ -470,15 +451,24 @@ def _update(
     local = float(sum(s.response_len for s in part))
     total = float(backend.reduce(np.array([local]), "sum")[0])
     backend.zero_grad()
-    for chunk in micro_batches(part, settings.micro_batch_tokens, settings.micro_batch_size):
-        accumulate(
+    mbs = [
+        pad(chunk, pad_id)
+        for chunk in micro_batches(part, settings.micro_batch_tokens, settings.micro_batch_size)
+    ]
+
+    def loss(i: int, logits: torch.Tensor) -> torch.Tensor:
+        return micro_loss(
             backend,
-            pad(chunk, pad_id),
+            mbs[i],
+            logits,
             settings,
             temperature=temperature,
             total_tokens=total,
             tally=tally,
         )
+
+    if mbs:  # a data-parallel rank may have no share of this mini-batch
+        backend.forward_backward(mbs, loss, forward_only=False)
     return backend.update()
 
 
@@ -523,6 +513,8 @@ def train_step(
                     tally=tally,
                 )
             )
+    # the loss is computed (and tallied) on the last pipeline stage only
+    tally = backend.from_last_stage(tally)
     return _metrics(backend, batch_tally, tally, norms), norms
 
 

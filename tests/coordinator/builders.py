@@ -68,9 +68,25 @@ def manager(version: int, eta: int = 1, batch: int = 4, group: int = 1) -> Stale
     return StalenessManager(StalenessConfig(eta=eta, batch_size=batch, group_size=group), version)
 
 
+# The rules beyond the paper, all off: tests of Algorithms 3-5 as the paper writes them use
+# these; tests of a new rule switch it on by name.
+PAPER_RULES: dict[str, Any] = {
+    "estimation": False,
+    "fill_steps": None,
+    "improving_moves": False,
+    "critical_speedup": None,
+    "pull_kv": None,
+}
+
+
 def config(**overrides: object) -> CoordinatorConfig:
-    """A config whose cost model is :data:`COST` (Table 4 with a 100K-token budget)."""
-    fields: dict[str, Any] = {"cost_model": CostModelConfig(kv_budget=COST.kv_budget), **overrides}
+    """A config whose cost model is :data:`COST` (Table 4 with a 100K-token budget), with
+    the paper's strategies only (:data:`PAPER_RULES`) unless ``overrides`` say otherwise."""
+    fields: dict[str, Any] = {
+        "cost_model": CostModelConfig(kv_budget=COST.kv_budget),
+        **PAPER_RULES,
+        **overrides,
+    }
     return CoordinatorConfig(**fields)
 
 

@@ -33,6 +33,15 @@ from staleness import StalenessConfig, StalenessManager
 from tests.coordinator.builders import COST, strategies
 
 NAMES = ("throughput", "vanilla")
+ROUTING_NAMES = (*NAMES, "sticky")
+# The rules beyond the paper, all on (the config defaults), for worlds drawn with rules=True.
+RULES_ON = {
+    "estimation": True,
+    "fill_steps": 100,
+    "improving_moves": True,
+    "critical_speedup": 1.2,
+    "pull_kv": 0.25,
+}
 
 
 @dataclass
@@ -42,6 +51,8 @@ class World:
     ts: list[TrajRecord]
     ps_version: int
     combo: tuple[str, str, str]
+    rules: bool = False
+    speeds: tuple[float, ...] = ()
 
 
 @st.composite
@@ -86,13 +97,22 @@ def worlds(draw: st.DrawFn) -> World:
         )
         for i, v in enumerate(versions)
     )
-    combo = tuple(draw(st.sampled_from(NAMES)) for _ in range(3))
-    return World(m, Snapshot(insts), ts, ps, combo)  # type: ignore[arg-type]
+    combo = (
+        draw(st.sampled_from(ROUTING_NAMES)),
+        *(draw(st.sampled_from(NAMES)) for _ in range(2)),
+    )
+    rules = draw(st.booleans())
+    speeds = tuple(draw(st.sampled_from([0.5, 1.0, 2.0])) for _ in versions)
+    return World(m, Snapshot(insts), ts, ps, combo, rules, speeds)  # type: ignore[arg-type]
 
 
 def cycle(w: World) -> list[Command]:
     routing, sync, migration = w.combo
-    strat = strategies(routing=routing, synchronization=sync, migration=migration)
+    rules = RULES_ON if w.rules else {}
+    strat = strategies(routing=routing, synchronization=sync, migration=migration, **rules)
+    if strat.estimator is not None:  # instances of unequal, known speeds
+        for s, f in zip(w.snapshot.instances, w.speeds, strict=True):
+            strat.estimator.set_factor(s.inst, f)
     return plan_cycle(w.snapshot, w.ts, w.ps_version, w.manager.sketch(), strat)
 
 

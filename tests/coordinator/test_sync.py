@@ -92,7 +92,11 @@ def test_greedy_syncs_every_lagging_instance() -> None:
 
 
 def brute_force_algorithm4(
-    fleet: Fleet, ts: list[TrajectoryView], ps: int, m: StalenessManager
+    fleet: Fleet,
+    ts: list[TrajectoryView],
+    ps: int,
+    m: StalenessManager,
+    routing: ThroughputRouting = ROUTING,
 ) -> list[int]:
     """Algorithm 4 as written: one full tentative routing per candidate."""
     levels = TrajectoryPool(ts).ts_levels()
@@ -110,7 +114,7 @@ def brute_force_algorithm4(
             continue
         tentative = fleet.copy()
         tentative.set_version(pos, ps)
-        routed = ROUTING.run(tentative, levels, m.sketch())
+        routed = routing.run(tentative, levels, m.sketch())
         if any(p.pos == pos for p in routed):
             out.append(fleet.ids[pos])
     return out

@@ -14,6 +14,7 @@ from parameter_server.convert_megatron import (
     GPTConfig,
     MegatronToHF,
     gpt_config_from_hf,
+    pipeline_stage,
     unsupported_hf,
 )
 from parameter_server.errors import LayoutError, LayoutMismatchError, PushVersionError
@@ -57,6 +58,33 @@ def test_the_plan_sends_every_staged_byte_once_and_balances_replicas(tp, dp):
             assert (covered[start : start + spec.nbytes] == 1).all(), (replica, spec.name)
     sent = [sum(p.staged.nbytes for ps in plan[g].values() for p in ps) for g in range(tp * dp)]
     assert max(sent) <= 1.1 * len(replicas) * staging.nbytes / (tp * dp) + 64
+
+
+@pytest.mark.parametrize(("tp", "dp"), [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_pipeline_stages_send_only_their_own_layers(tp, dp):
+    """PP = 2 over the two layers: every staged byte still reaches every replica once, and
+    a rank sends only the parameters of its stage (embedding first, final norm last)."""
+    conv = MegatronToHF(CONFIG, tp)
+    staging = conv.staging_layout()
+    world = tp * dp * 2
+    tp_ranks = [g % tp for g in range(world)]
+    stages = [g // (tp * dp) for g in range(world)]
+    replicas = ["ps/0", "ps/1"]
+    plan = plan_shard_push(conv, tp_ranks, replicas, stages)
+    for replica in replicas:
+        covered = np.zeros(staging.nbytes, dtype=np.int32)
+        for g, by_replica in plan.items():
+            for p in by_replica[replica]:
+                assert p.staged.name == f"tp{tp_ranks[g]}/{p.name}"
+                assert pipeline_stage(p.name, CONFIG.num_layers, 2) == stages[g], (g, p.name)
+                covered[p.staged.start : p.staged.stop] += 1
+        assert (covered == 1).all(), replica
+    names = {g: {p.name for ps in plan[g].values() for p in ps} for g in plan}
+    assert "embedding.word_embeddings.weight" in names[0]
+    assert "decoder.final_layernorm.weight" in names[world - 1]
+    assert not any(n.startswith("decoder.layers.1.") for n in names[0])
+    with pytest.raises(LayoutError, match="2 layers do not split into 3"):
+        pipeline_stage("decoder.layers.0.mlp.linear_fc1.weight", 2, 3)
 
 
 @pytest.fixture

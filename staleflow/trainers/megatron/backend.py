@@ -6,18 +6,29 @@ the vocabulary: the logprob with Megatron's ``vocab_parallel_cross_entropy`` (ch
 against a full ``log_softmax`` to 1e-6), the entropy with three all-reduces (max, sum of
 exponentials, their weighted sum). The rows that pad the vocabulary to a multiple of the
 TP size are masked out, so the distribution is the Hugging Face model's exactly.
+
+With pipeline parallelism (``pipeline``: the stage's model), the micro-batches go through
+Megatron's non-interleaved 1F1B schedule (``get_forward_backward_func``): every stage
+runs its layers on each micro-batch, activations and their gradients travel between
+stages, and the last stage hands its logits to the shared loss
+(:func:`staleflow.trainers.rl.micro_loss`); what it computes there reaches the other
+stages with :meth:`VocabParallelBackend.from_last_stage`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from staleflow.trainers.rl import ReduceOp
+from staleflow.trainers.megatron.cpu_patches import cpu_devices
+from staleflow.trainers.rl import MicroBatch, MicroFn, ReduceOp, SingleStage
+
+_T = TypeVar("_T")
 
 # Far below any real logit, yet finite: exp() of it is 0 and 0 * it is 0 (with -inf
 # the entropy's p * log p would be NaN).
@@ -26,9 +37,10 @@ _MASKED = -1e30
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-class VocabParallelBackend:
+class VocabParallelBackend(SingleStage):
     """Forward, token statistics and reductions of one rank; ``update`` is the rank's
-    optimizer step (:mod:`staleflow.trainers.megatron.optim`)."""
+    optimizer step (:mod:`staleflow.trainers.megatron.optim`); ``pipeline`` the stage's
+    model (the one Megatron's schedule runs) when there is more than one stage."""
 
     def __init__(
         self,
@@ -42,6 +54,8 @@ class VocabParallelBackend:
         dp_group: Any,
         device: torch.device,
         update: Any,
+        pipeline: Any = None,
+        pp_group: Any = None,
     ) -> None:
         self._forward = forward
         self.vocab_size = vocab_size  # the HF vocabulary: what token ids may be
@@ -53,11 +67,62 @@ class VocabParallelBackend:
         self._tp_group, self._dp_group = tp_group, dp_group
         self._device = device
         self._update = update
+        self._pipeline, self._pp_group = pipeline, pp_group
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         ids = ids.to(self._device)
-        positions = torch.arange(ids.shape[1], device=self._device).unsqueeze(0).expand_as(ids)
-        return self._forward(ids, positions)
+        return self._forward(ids, self._positions(ids))
+
+    def _positions(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.arange(ids.shape[1], device=self._device).unsqueeze(0).expand_as(ids)
+
+    def forward_backward(
+        self, mbs: Sequence[MicroBatch], fn: MicroFn, *, forward_only: bool
+    ) -> None:
+        if self._pipeline is None:
+            super().forward_backward(mbs, fn, forward_only=forward_only)
+            return
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        model = self._pipeline
+
+        def forward_step(data: Iterator[int], stage_model: Any) -> tuple[torch.Tensor, Any]:
+            i = next(data)
+            ids = mbs[i].ids.to(self._device)
+            # a stage after the first takes its input from the previous stage (the
+            # schedule sets it); the ids give the shape and the rotary positions
+            output = stage_model(ids, self._positions(ids), None)
+
+            def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                loss = fn(i, logits)
+                if loss is None:
+                    loss = logits.new_zeros(())
+                # (loss, tokens, reported): with calculate_per_token_loss the schedule
+                # neither divides the loss (already over the global token count) nor
+                # scales it by the number of micro-batches
+                return loss, torch.ones((), dtype=torch.int), {}
+
+            return output, loss_func
+
+        first = mbs[0].ids
+        with cpu_devices(), torch.no_grad() if forward_only else nullcontext():
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(range(len(mbs))),
+                model=[model],
+                num_microbatches=len(mbs),
+                seq_length=int(first.shape[1]),  # each one's shape travels before it
+                micro_batch_size=int(first.shape[0]),
+                forward_only=forward_only,
+            )
+
+    def from_last_stage(self, value: _T) -> _T:
+        if self._pipeline is None:
+            return value
+        box = [value]
+        last = dist.get_global_rank(self._pp_group, dist.get_world_size(self._pp_group) - 1)
+        dist.broadcast_object_list(box, src=last, group=self._pp_group)
+        return box[0]
 
     def token_stats(
         self, scaled_logits: torch.Tensor, targets: torch.Tensor

@@ -108,6 +108,7 @@ def save_checkpoint(rank: Any, path: str | Path) -> None:
             "version": rank.version,
             "hf_config": rank.spec.hf_config,
             "tp": rank.spec.section.tp,
+            "pp": rank.spec.section.pp,
         },
     }
     dist_checkpointing.save(state, str(out))
@@ -117,7 +118,8 @@ def save_checkpoint(rank: Any, path: str | Path) -> None:
 
 def load_checkpoint(rank: Any, path: str | Path) -> None:
     """Every rank calls this: weights, optimizer state and version from ``path``, written
-    at any TP size by a pool training the same model."""
+    at any TP and PP size by a pool training the same model (Megatron's sharded state
+    dict names each layer by its global number)."""
     from megatron.core import dist_checkpointing
 
     meta = read_meta(path)
@@ -138,9 +140,10 @@ def load_checkpoint(rank: Any, path: str | Path) -> None:
         rank.update.optimizer.load_state_dict(loaded["optimizer"])
     rank.version = int(meta["version"])
     logger.info(
-        "loaded distributed checkpoint (version %d, written at tp=%s) from %s",
+        "loaded distributed checkpoint (version %d, written at tp=%s pp=%s) from %s",
         rank.version,
         meta.get("tp"),
+        meta.get("pp", 1),
         path,
     )
 

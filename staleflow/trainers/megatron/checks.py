@@ -73,7 +73,7 @@ def check_policy(section: TrainerConfig, hf: Mapping[str, Any], model: ModelConf
 
 def check_model(section: TrainerConfig, hf: Mapping[str, Any], source: str) -> None:
     """The policy (HF ``config.json`` as a dict, read from ``source``) must have a
-    Megatron layout that ``trainer.tp`` can split."""
+    Megatron layout that ``trainer.tp`` and ``trainer.pp`` can split."""
     why = unsupported_hf(hf)
     if why:
         raise TrainerSetupError(
@@ -89,6 +89,13 @@ def check_model(section: TrainerConfig, hf: Mapping[str, Any], source: str) -> N
         raise TrainerSetupError(
             f"trainer.tp={tp} does not divide the model's {heads} attention heads, {kv} KV "
             f"heads and MLP width {ffn}: use trainer.tp in {fits}"
+        )
+    layers = int(hf["num_hidden_layers"])
+    if layers % section.pp:
+        fits = [p for p in range(1, layers + 1) if layers % p == 0]
+        raise TrainerSetupError(
+            f"trainer.pp={section.pp} does not divide the model's {layers} layers into equal "
+            f"pipeline stages: use trainer.pp in {fits}"
         )
 
 

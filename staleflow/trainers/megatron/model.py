@@ -11,12 +11,59 @@ so the same converter moves weights both ways. Checked against ``transformers`` 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from parameter_server.convert_megatron import GPTConfig
+from parameter_server.convert_megatron import GPTConfig, pipeline_stage
+
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+_LAYERS = "decoder.layers."
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    """The pipeline stage a rank holds: ``index`` of ``size`` equal stages of the
+    ``num_layers`` decoder layers. Megatron numbers a stage's layers from 0
+    (``decoder.layers.{local}``); the converter, the PS and Push name them by their
+    global number; this maps one to the other."""
+
+    index: int = 0
+    size: int = 1
+    num_layers: int = 1
+    tied: bool = False
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.size - 1
+
+    @property
+    def offset(self) -> int:
+        return self.index * (self.num_layers // self.size)
+
+    @property
+    def tied_copy(self) -> bool:
+        """This stage's output layer is a copy of the first stage's tied embedding
+        (Megatron keeps one on the last stage and sums the two gradients)."""
+        return self.tied and self.last and not self.first
+
+    def to_global(self, name: str) -> str:
+        if not name.startswith(_LAYERS):
+            return name
+        local, rest = name[len(_LAYERS) :].split(".", 1)
+        return f"{_LAYERS}{int(local) + self.offset}.{rest}"
+
+    def holds(self, name: str) -> bool:
+        """Whether global Megatron name ``name`` is one of this stage's own parameters."""
+        return pipeline_stage(name, self.num_layers, self.size) == self.index
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -33,8 +80,17 @@ def rope_theta(hf: Mapping[str, Any]) -> float:
     return float(rope.get("rope_theta") or hf.get("rope_theta") or 10_000.0)
 
 
-def build_gpt(hf: Mapping[str, Any], gpt: GPTConfig, *, tp: int, dtype: str, cpu: bool) -> Any:
-    """The model of this rank (its TP shard), uninitialised: the weights are loaded next.
+def build_gpt(
+    hf: Mapping[str, Any],
+    gpt: GPTConfig,
+    *,
+    tp: int,
+    dtype: str,
+    cpu: bool,
+    stage: Stage | None = None,
+) -> Any:
+    """The model of this rank (its TP shard of its pipeline ``stage``'s layers),
+    uninitialised: the weights are loaded next.
 
     ``calculate_per_token_loss`` tells Megatron's data-parallel wrapper (GPU path) to sum
     gradients over ranks instead of averaging them: the loss is already divided by the
@@ -44,6 +100,7 @@ def build_gpt(hf: Mapping[str, Any], gpt: GPTConfig, *, tp: int, dtype: str, cpu
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    stage = stage or Stage(num_layers=gpt.num_layers, tied=gpt.tie_word_embeddings)
     params_dtype = torch_dtype(dtype)
     config = TransformerConfig(
         num_layers=gpt.num_layers,
@@ -62,6 +119,13 @@ def build_gpt(hf: Mapping[str, Any], gpt: GPTConfig, *, tp: int, dtype: str, cpu
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=stage.size,
+        # micro-batches differ in width (right-padded to their longest sequence): the
+        # pipeline sends each activation's shape before it
+        variable_seq_lengths=stage.size > 1,
+        # no experts here; the config refuses variable lengths with the default
+        # (allgather) MoE dispatcher all the same (transformer_config.py:1827)
+        moe_token_dispatcher_type="alltoall",
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
@@ -88,20 +152,36 @@ def build_gpt(hf: Mapping[str, Any], gpt: GPTConfig, *, tp: int, dtype: str, cpu
         rotary_base=int(rope_theta(hf)),
         share_embeddings_and_output_weights=gpt.tie_word_embeddings,
         parallel_output=True,
+        pre_process=stage.first,
+        post_process=stage.last,
     )
 
 
-def parameters_by_name(model: Any) -> dict[str, torch.nn.Parameter]:
-    """The model's parameters by state-dict name (what the converter calls them)."""
-    return dict(model.named_parameters())
+def parameters_by_name(model: Any, stage: Stage | None = None) -> dict[str, torch.nn.Parameter]:
+    """The model's own parameters by global state-dict name (what the converter calls
+    them); a last stage's copy of tied embeddings is left out (the first stage holds them)."""
+    stage = stage or Stage()
+    return {
+        stage.to_global(n): p
+        for n, p in model.named_parameters()
+        if not (stage.tied_copy and n == OUTPUT)
+    }
 
 
-def load_shard(model: Any, shard: Mapping[str, Any]) -> None:
-    """Copy this rank's converted shard (numpy arrays or tensors by Megatron name) into
-    the model; every parameter must be given, with its shape."""
+def load_shard(model: Any, shard: Mapping[str, Any], stage: Stage | None = None) -> None:
+    """Copy this rank's converted shard (numpy arrays or tensors by global Megatron name,
+    the whole model's or the stage's) into the stage's model; every parameter must be
+    given, with its shape."""
     from parameter_server.torch_compat import from_numpy
 
-    params = parameters_by_name(model)
+    stage = stage or Stage()
+    params = parameters_by_name(model, stage)
+    if stage.tied_copy:
+        params[EMBEDDING] = dict(model.named_parameters())[OUTPUT]
+    if stage.size > 1:
+        shard = {
+            n: v for n, v in shard.items() if stage.holds(n) or (stage.tied_copy and n == EMBEDDING)
+        }
     missing = sorted(set(params) - set(shard))
     extra = sorted(set(shard) - set(params))
     if missing or extra:

@@ -4,12 +4,15 @@ global norm, take the optimizer step.
 On CPU, Megatron's own optimizers do not run (``optimizer/optimizer.py`` and
 ``clip_grads.py`` create CUDA tensors; ``DistributedOptimizer`` wants CUDA parameters), so
 :class:`CpuUpdate` is ``torch.optim.AdamW`` with a hand-made clip whose norm is summed
-over the tensor-parallel ranks: a per-rank clip scales each rank's shard differently and
-the replicated layernorms drift apart. The norm and clip follow
+over the tensor- and pipeline-parallel ranks: a per-rank clip scales each rank's shard
+differently and the replicated layernorms drift apart. With tied embeddings split across
+pipeline stages, the first stage's embedding and the last stage's copy of it get the sum
+of their two gradients (what Megatron's ``finalize_model_grads`` does on GPU), so the two
+copies stay equal; the copy is counted once in the norm. The norm and clip follow
 ``torch.nn.utils.clip_grad_norm_`` (the embedded trainer's), so TP = 1 matches it.
 
-On GPU, :class:`MegatronUpdate` wraps the model in Megatron's DistributedDataParallel and
-uses ``get_megatron_optimizer`` (mixed precision with fp32 main weights, the distributed
+On GPU, :class:`MegatronUpdate` wraps the model in Megatron's DistributedDataParallel,
+finalizes the gradients with ``finalize_model_grads`` and uses ``get_megatron_optimizer`` (mixed precision with fp32 main weights, the distributed
 optimizer, Megatron's clip). It needs CUDA and has not run in this project's CI.
 
 Both call ``before_update`` first: the fence of the background Push, which reads the
@@ -46,12 +49,20 @@ class CpuUpdate:
         *,
         dp_group: Any,
         mp_group: Any,
+        embedding_group: Any = None,
         before_update: Callable[[], None],
     ) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = adamw(self.params, section)
         self._max_norm = section.max_grad_norm
         self._dp_group, self._mp_group = dp_group, mp_group
+        # the first stage's tied embedding or the last stage's copy of it
+        self._tied = (
+            [p for p in self.params if getattr(p, "shared_embedding", False)]
+            if embedding_group is not None
+            else []
+        )
+        self._embedding_group = embedding_group
         self._before_update = before_update
 
     def zero_grad(self) -> None:
@@ -71,6 +82,8 @@ class CpuUpdate:
                 grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
             ):
                 g.copy_(reduced)
+        for p in self._tied:
+            dist.all_reduce(p.grad, group=self._embedding_group)
         norm = self._global_norm()
         if math.isfinite(norm):
             coef = min(self._max_norm / (norm + _CLIP_EPS), 1.0)
@@ -83,11 +96,12 @@ class CpuUpdate:
 
     def _global_norm(self) -> float:
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
 
         own = [
             torch.linalg.vector_norm(p.grad.float())
             for p in self.params
-            if param_is_not_tensor_parallel_duplicate(p)
+            if param_is_not_tensor_parallel_duplicate(p) and param_is_not_shared(p)
         ]
         square = torch.stack(own).square().sum() if own else torch.zeros(())
         square = square.to(torch.float64)
@@ -145,8 +159,12 @@ class MegatronUpdate:
         self.optimizer.zero_grad()
 
     def step(self) -> float:
+        from megatron.core.distributed import finalize_model_grads
+
         self._before_update()
-        self.model.finish_grad_sync()
+        # the data-parallel reduction, and with pipeline stages the sum of the tied
+        # embedding's two gradients; no token count: the loss is already divided by it
+        finalize_model_grads([self.model], num_tokens=None)
         ok, norm, _ = self.optimizer.step()
         self.zero_grad()
         return float(norm) if ok and norm is not None else float("nan")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from staleflow.trainers.megatron.split import assign_groups
+from staleflow.trainers.megatron.split import assign_groups, coordinates
 
 if TYPE_CHECKING:
     from parameter_server.replicas import ReplicaRoute
@@ -204,8 +204,12 @@ class MegatronTrainer:
         self.spec = spec
         self.ranks = list(ranks)
         self._version = int(version)
-        # global rank g is TP rank g % tp of replica g // tp (Megatron's tp-first order)
-        self._leaders = {g // s.tp: g for g in range(spec.world) if g % s.tp == 0}
+        # each replica's data leader: TP rank 0 of its first pipeline stage
+        self._leaders = {
+            coordinates(g, s.tp, s.dp)[1]: g
+            for g in range(spec.world)
+            if coordinates(g, s.tp, s.dp)[::2] == (0, 0)
+        }
 
     @property
     def version(self) -> int:
@@ -218,8 +222,9 @@ class MegatronTrainer:
 
         parts = assign_groups({g: len(ids) for g, ids in select.items()}, self.spec.section.dp)
         calls = []
+        s = self.spec.section
         for g, rank in enumerate(self.ranks):
-            replica = g // self.spec.section.tp
+            replica = coordinates(g, s.tp, s.dp)[1]
             mine = None
             if self._leaders.get(replica) == g:
                 mine = {gid: tuple(select[gid]) for gid in parts[replica]}

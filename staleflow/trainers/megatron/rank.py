@@ -1,14 +1,17 @@
 """One Megatron-core training rank: a process of the trainer pool.
 
 A rank joins the pool's torch.distributed group (gloo on CPU, NCCL on GPU) and Megatron's
-parallel state (TP x DP; ranks are numbered TP-fastest, Megatron's ``tp-cp-ep-dp-pp``
-order), builds its shard of the model from the policy's HF config, loads its shard of the
-HF weights through :class:`~parameter_server.convert_megatron.MegatronToHF`, and trains
-with the step shared with the embedded trainer (:func:`staleflow.trainers.rl.train_step`).
+parallel state (TP x DP x PP; ranks are numbered TP-fastest, pipeline stages slowest:
+Megatron's ``tp-cp-ep-dp-pp`` order, :func:`~staleflow.trainers.megatron.split.coordinates`),
+builds its shard of its pipeline stage's layers from the policy's HF config, loads its
+shard of the HF weights through :class:`~parameter_server.convert_megatron.MegatronToHF`,
+and trains with the step shared with the embedded trainer
+(:func:`staleflow.trainers.rl.train_step`; with PP > 1 its micro-batches go through
+Megatron's 1F1B schedule and the last stage computes the loss).
 
-Data: the first rank of each data-parallel replica (its TP rank 0) receives the replica's
-groups straight from the trajectory server and broadcasts them to its TP peers, so no
-rank ever holds another replica's trajectories.
+Data: the first rank of each data-parallel replica (TP rank 0 of its first stage)
+receives the replica's groups straight from the trajectory server and broadcasts them to
+its TP and PP peers, so no rank ever holds another replica's trajectories.
 
 Push: after each step every rank sends its own pieces of the new weights to every PS
 replica (:class:`~parameter_server.shard_push.ShardPushGroup`) in the background, reading the
@@ -32,9 +35,10 @@ import torch.distributed as dist
 from parameter_server.convert_megatron import MegatronToHF, gpt_config_from_hf
 from staleflow.config.sections import TrainerConfig
 from staleflow.trainers.megatron.backend import VocabParallelBackend
-from staleflow.trainers.megatron.cpu_patches import apply_cpu_patches
-from staleflow.trainers.megatron.model import build_gpt, load_shard, parameters_by_name
+from staleflow.trainers.megatron.cpu_patches import apply_cpu_patches, cpu_devices
+from staleflow.trainers.megatron.model import Stage, build_gpt, load_shard, parameters_by_name
 from staleflow.trainers.megatron.optim import CpuUpdate, MegatronUpdate
+from staleflow.trainers.megatron.split import coordinates
 from staleflow.trainers.rl import train_step
 from trajectory_server.types import TrainingBatch
 
@@ -93,9 +97,14 @@ class MegatronRank:
         self.cpu = apply_cpu_patches()
         self.device = torch.device("cpu") if self.cpu else torch.device("cuda", 0)
         if not ps.model_parallel_is_initialized():
-            ps.initialize_model_parallel(tensor_model_parallel_size=s.tp)
-        elif ps.get_tensor_model_parallel_world_size() != s.tp:
-            raise ValueError("this process's Megatron parallel state has another TP size")
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=s.tp, pipeline_model_parallel_size=s.pp
+            )
+        elif (
+            ps.get_tensor_model_parallel_world_size() != s.tp
+            or ps.get_pipeline_model_parallel_world_size() != s.pp
+        ):
+            raise ValueError("this process's Megatron parallel state has another TP or PP size")
         self._ps = ps
         if not self.cpu:
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -103,9 +112,25 @@ class MegatronRank:
             model_parallel_cuda_manual_seed(spec.seed)
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         self.dp_rank = ps.get_data_parallel_rank()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        where = (self.tp_rank, self.dp_rank, self.pp_rank)
+        if where != coordinates(dist.get_rank(), s.tp, s.dp):
+            raise RuntimeError(
+                f"Megatron placed rank {dist.get_rank()} at (tp, dp, pp) = {where}, not where "
+                "the pool routes its data and Pushes"
+            )
         self.gpt = gpt_config_from_hf(spec.hf_config, s.tp, dtype=spec.dtype)
+        self.stage = Stage(self.pp_rank, s.pp, self.gpt.num_layers, self.gpt.tie_word_embeddings)
         self.converter = MegatronToHF(self.gpt, s.tp)
-        self.model = build_gpt(spec.hf_config, self.gpt, tp=s.tp, dtype=spec.dtype, cpu=self.cpu)
+        with cpu_devices():  # a last stage's tied copy moves itself with .cuda()
+            self.model = build_gpt(
+                spec.hf_config,
+                self.gpt,
+                tp=s.tp,
+                dtype=spec.dtype,
+                cpu=self.cpu,
+                stage=self.stage,
+            )
         if not self.cpu:
             self.model = self.model.to(self.device)
         self.version = int(version)
@@ -119,6 +144,7 @@ class MegatronRank:
                 s,
                 dp_group=ps.get_data_parallel_group(),
                 mp_group=ps.get_model_parallel_group(),
+                embedding_group=ps.get_embedding_group() if _tied_across(self.stage) else None,
                 before_update=self._fence,
             )
             forward = self.model
@@ -135,6 +161,8 @@ class MegatronRank:
             dp_group=ps.get_data_parallel_group(),
             device=self.device,
             update=self.update,
+            pipeline=forward if s.pp > 1 else None,
+            pp_group=ps.get_pipeline_model_parallel_group(),
         )
 
     # -- roles --------------------------------------------------------------------------
@@ -142,49 +170,61 @@ class MegatronRank:
     @property
     def is_data_leader(self) -> bool:
         """Receives its replica's groups from the TS (and broadcasts them to its peers)."""
-        return self.tp_rank == 0
+        return self.tp_rank == 0 and self.pp_rank == 0
 
     @property
     def tp_ranks(self) -> list[int]:
-        """The TP rank of every global rank (TP-fastest numbering)."""
-        tp = self.spec.section.tp
-        return [g % tp for g in range(self.spec.world)]
+        """The TP rank of every global rank."""
+        s = self.spec.section
+        return [coordinates(g, s.tp, s.dp)[0] for g in range(self.spec.world)]
+
+    @property
+    def stages(self) -> list[int]:
+        """The pipeline stage of every global rank."""
+        s = self.spec.section
+        return [coordinates(g, s.tp, s.dp)[2] for g in range(self.spec.world)]
 
     # -- weights ------------------------------------------------------------------------
 
     def load_hf(self, weights: Mapping[str, np.ndarray]) -> None:
         """Load this rank's shard of HF-named ``weights`` (a PS version or a checkpoint)."""
-        load_shard(self.model, self.converter.shard(weights, self.tp_rank))
+        load_shard(self.model, self.converter.shard(weights, self.tp_rank), self.stage)
 
     def local_weights(self) -> dict[str, torch.Tensor]:
-        """This rank's parameters by Megatron name: live, no copy."""
-        return {n: p.detach() for n, p in parameters_by_name(self.model).items()}
+        """This rank's own parameters by global Megatron name (its stage's layers under
+        their global numbers; a last stage's copy of tied embeddings left out): live, no
+        copy."""
+        return {n: p.detach() for n, p in parameters_by_name(self.model, self.stage).items()}
 
     def gather_hf(self) -> dict[str, np.ndarray] | None:
         """The whole model in HF names on global rank 0 (None elsewhere): the TP shards of
-        the first replica, gathered and converted."""
+        every stage of the first replica, gathered and converted."""
         shard = {n: _host_array(t, self.spec.dtype) for n, t in self.local_weights().items()}
-        group = self._ps.get_tensor_model_parallel_group()
+        group = self._ps.get_model_parallel_group()  # TP x PP
         if self.dp_rank != 0:
             return None
-        gathered: list[Any] = [None] * self.spec.section.tp
-        dist.all_gather_object(gathered, shard, group=group)
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (self.tp_rank, shard), group=group)
         if dist.get_rank() != 0:
             return None
-        return self.converter.convert(gathered)
+        per_tp: list[dict[str, np.ndarray]] = [{} for _ in range(self.spec.section.tp)]
+        for tp_rank, part in gathered:
+            per_tp[tp_rank].update(part)
+        return self.converter.convert(per_tp)
 
     # -- training -----------------------------------------------------------------------
 
     def receive(self, part: TrainingBatch | None) -> TrainingBatch:
         """This replica's part of the batch: the data leader's ``part``, broadcast over the
-        TP group to its peers (which pass None)."""
-        if self.spec.section.tp == 1:
+        replica's TP x PP group to its peers (which pass None)."""
+        s = self.spec.section
+        if s.tp * s.pp == 1:
             if part is None:
-                raise ValueError("a TP = 1 rank is its replica's data leader; give it its part")
+                raise ValueError("a rank alone in its replica is its data leader; give it its part")
             return part
         box = [part]
-        group = self._ps.get_tensor_model_parallel_group()
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+        group = self._ps.get_model_parallel_group()
+        dist.broadcast_object_list(box, src=self.dp_rank * s.tp, group=group)
         if box[0] is None:
             raise ValueError("the data leader of this replica got no part of the batch")
         return box[0]
@@ -230,7 +270,11 @@ class MegatronRank:
             else target
         )
         self._client = ShardPushGroup(
-            self.converter, rank=dist.get_rank(), tp_ranks=self.tp_ranks, routes=routes
+            self.converter,
+            rank=dist.get_rank(),
+            tp_ranks=self.tp_ranks,
+            stages=self.stages,
+            routes=routes,
         )
         self._pusher = BackgroundPusher(self._client, name=f"push-rank{dist.get_rank()}")
         return self._client.nbytes
@@ -266,6 +310,11 @@ class MegatronRank:
                 self._pusher.close(timeout=30)
             if self._client is not None:
                 self._client.close()
+
+
+def _tied_across(stage: Stage) -> bool:
+    """The first and last stage each hold the tied embeddings: their gradients are summed."""
+    return stage.tied and stage.size > 1 and (stage.first or stage.last)
 
 
 def _host_array(t: torch.Tensor, dtype: str) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""Which data-parallel rank trains which groups of a batch.
+"""Which data-parallel rank trains which groups of a batch, and where a global rank sits
+in the pool (:func:`coordinates`).
 
 Groups are never split: their advantages are group-relative. Groups go to the least
 loaded rank, largest first, so the ranks' shares are even (by the sizes given: response
@@ -35,3 +36,9 @@ def split_batch(batch: TrainingBatch, dp: int) -> list[TrainingBatch]:
         TrainingBatch(tuple(by_id[g] for g in part), (), batch.temperature)
         for part in assign_groups(sizes, dp)
     ]
+
+
+def coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
+    """Global rank ``rank``'s (TP rank, DP replica, pipeline stage) in Megatron's default
+    ``tp-cp-ep-dp-pp`` order: TP fastest, then data-parallel replicas, stages slowest."""
+    return rank % tp, rank // tp % dp, rank // (tp * dp)

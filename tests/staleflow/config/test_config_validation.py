@@ -81,7 +81,12 @@ from staleflow.config import (
             "trainer.ranks=8 does not equal trainer.dp x trainer.tp x trainer.pp = 1 x 2 x 1 "
             "= 2: set trainer.dp=4",
         ),
-        (["trainer.backend=megatron", "trainer.pp=2"], "trainer.pp=2 is not supported yet"),
+        (
+            ["trainer.backend=megatron", "trainer.pp=2", "trainer.tp=2", "trainer.ranks=6"],
+            "trainer.ranks=6 does not equal trainer.dp x trainer.tp x trainer.pp = 1 x 2 x 2 "
+            "= 4: set trainer.ranks=0 (= dp x tp x pp) or change tp, pp, dp",
+        ),
+        (["trainer.pp=2"], "trainer.pp=2 needs trainer.backend=megatron"),
         (["trainer.load=ckpt"], "trainer.load='ckpt' is a Megatron checkpoint"),
     ],
 )

@@ -101,3 +101,17 @@ def test_a_dead_rollout_actor_stops_the_run_with_a_clear_error(tmp_path):
             run.train(50, on_record=lambda rec: None)
     finally:
         run.shutdown()
+
+
+def test_launch_with_seer_divided_rollout_holds_the_bound_and_loses_nothing(tmp_path):
+    """coordinator.seer on: 8-token responses in chunks of 3, re-placed between chunks,
+    probes first and longest-estimated groups next (coordinator/seer.py)."""
+    result = _launch(
+        tmp_path, 1, "coordinator.seer.enabled=true", "coordinator.seer.chunk_tokens=3"
+    )
+    check_run(result, 1, STEPS, 2 * 4)
+    for step in result.consumed:  # every token within eta of the buffer it trained
+        assert max(step["token_staleness"]) <= 1, step
+    last = result.records[-1]
+    assert last.chunks is not None and last.chunks > 0  # chunks ended and were re-placed
+    assert last.probe_error is None or 0.0 <= last.probe_error < 1.0

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from coordinator import CoordinatorConfig
+from coordinator import CoordinatorConfig, SeerConfig
 from staleflow.rollout.instance import Finished
 from staleflow.runtime.control import ControlConfig, ControlPlane
 from staleflow.runtime.instance_host import InstanceHost
@@ -70,6 +70,7 @@ def wire(
     group_redundancy: float = 0.0,
     hold: Callable[[int], bool] | None = None,
     max_running: int = 3,
+    chunk_tokens: int | None = None,
 ) -> Wired:
     ts = Serialized(
         TrajectoryServer(
@@ -102,7 +103,15 @@ def wire(
         for i in range(instances)
     }
     hosts = {
-        i: InstanceHost(i, engines[i], ts=ts, weights=ps, max_response=16, on_finished=on_finished)
+        i: InstanceHost(
+            i,
+            engines[i],
+            ts=ts,
+            weights=ps,
+            max_response=16,
+            on_finished=on_finished,
+            chunk_tokens=chunk_tokens,
+        )
         for i in range(instances)
     }
     pool = ThreadPoolExecutor(4)
@@ -115,7 +124,10 @@ def wire(
                 batch_redundancy=batch_redundancy,
                 group_redundancy=group_redundancy,
             ),
-            CoordinatorConfig(period_s=0.005),
+            CoordinatorConfig(
+                period_s=0.005,
+                seer=SeerConfig(enabled=chunk_tokens is not None, chunk_tokens=chunk_tokens or 1),
+            ),
             idle_wait_s=0.002,
         ),
         ts=ts,

@@ -112,3 +112,28 @@ def test_prefill_grows_with_the_square_of_the_prefix() -> None:
     assert inst.times.prefill == pytest.approx(costs.prefill_seconds(300))
     with pytest.raises(ValueError, match="prefill_s_per_token_sq"):
         EngineCosts(prefill_s_per_token_sq=-1.0)
+
+
+def test_training_attention_grows_with_the_square_of_each_sequence() -> None:
+    from staleflow.sim.presets import qwen3_trainer
+    from staleflow.sim.trainer import SimTrainer, TrainerCosts
+
+    costs = TrainerCosts(seconds_per_token=1e-5, step_overhead_s=2.0, seconds_per_token_sq=1e-9)
+    # two sequences of 1,000 and 3,000 tokens
+    assert costs.step_seconds(4_000, 1_000**2 + 3_000**2) == pytest.approx(
+        1e-5 * 4_000 + 1e-9 * 10_000_000 + 2.0
+    )
+    trainer = SimTrainer(costs)
+    end = trainer.start_step(5.0, 4_000, 10_000_000)
+    assert end == pytest.approx(5.0 + costs.step_seconds(4_000, 10_000_000))
+    assert trainer.step_starts == [5.0]
+    # the preset: causal attention is 4 x 393,216 FLOPs per token pair; at 7K tokens it
+    # adds ~40% to the linear layers' cost, at 20K more than they cost
+    t = qwen3_trainer(64)
+    ratio = t.seconds_per_token_sq * 7_000 / t.seconds_per_token
+    assert 0.35 < ratio < 0.5
+    assert t.seconds_per_token_sq * 20_000 > t.seconds_per_token
+    twice = t.sped_up(2.0)
+    assert twice.seconds_per_token_sq == pytest.approx(t.seconds_per_token_sq / 2)
+    with pytest.raises(ValueError, match="seconds_per_token_sq"):
+        TrainerCosts(seconds_per_token_sq=-1.0)

@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 
 from staleflow.sim import SimCluster, paper_6_5, system, tiny
-from staleflow.sim.presets import Layout
+from staleflow.sim.presets import WORKLOADS, Layout
 
 COMBOS = [f"R{r}S{s}M{m}" for r, s, m in itertools.product("01", repeat=3)]
 # ``tiny`` has 4 rollout instances; the synchronous baseline then runs on 4 + 4 GPUs (its
 # default layout is the paper preset's 64 + 64).
 TINY = Layout(4, 4)
 # R1S1M1 is staleflow and R0S0M0 is vanilla under other names.
-SYSTEMS = ["staleflow", "vanilla", "pipeline", "sync", *COMBOS[1:-1]]
+SYSTEMS = ["staleflow", "staleflow-paper", "sticky", "vanilla", "pipeline", "sync", *COMBOS[1:-1]]
 
 Consumed = list[tuple[int, list[tuple[int, np.ndarray]]]]  # (V_buf, [(V_traj, versions)])
 
@@ -95,6 +95,20 @@ def test_no_consumed_trajectory_exceeds_its_eta_many_seeds(name: str) -> None:
             seen.add(("mid", seed, config.eta))
             consumed = run(SimCluster(config))
             assert_within_eta(consumed, config.eta, config.batch_size, config.group_size)
+
+
+@pytest.mark.parametrize("name", ["staleflow", "sticky", "R1S1M0", "R0S0M1"])
+@pytest.mark.parametrize("workload", ["hetero-0.2", "outliers", "bimodal"])
+def test_the_bound_holds_with_unequal_instances_and_skewed_workloads(
+    name: str, workload: str
+) -> None:
+    """Unequal speeds and estimation, moves to older instances, critical moves: every
+    token still comes from a version >= its trajectory's V_traj >= V_buf - eta."""
+    for seed, eta in itertools.product(range(2), (1, 3)):
+        config = system(name, WORKLOADS[workload].config(eta, steps=6, seed=seed, small=True))
+        cluster = SimCluster(config)
+        consumed = run(cluster)
+        assert_within_eta(consumed, config.eta, config.batch_size, config.group_size)
 
 
 def per_buffer_versions(consumed: Consumed) -> list[tuple[int, set[int], set[int]]]:

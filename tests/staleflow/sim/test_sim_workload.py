@@ -144,3 +144,53 @@ def test_config_validation() -> None:
         WorkloadConfig(group_median_frac=0.0)
     with pytest.raises(ValueError):
         ClusterConfig(instances=0)
+
+
+# -- the shapes of the experiment matrix ----------------------------------------------------
+
+
+def test_the_default_stream_is_unchanged_by_the_new_shapes() -> None:
+    """Turning nothing on draws exactly what the model drew before the shapes existed."""
+    a = SyntheticWorkload(WorkloadConfig(max_response=20_000), 16, 5)
+    b = SyntheticWorkload(WorkloadConfig(max_response=20_000, long_median_frac=0.9), 16, 5)
+    for _ in range(50):
+        pa, la = a.draw_group()
+        pb, lb = b.draw_group()
+        assert pa == pb and (la == lb).all()
+
+
+def test_bimodal_groups_are_either_long_or_short() -> None:
+    cfg = WorkloadConfig(
+        max_response=20_000,
+        group_median_frac=0.05,
+        group_sigma=0.5,
+        long_frac=0.3,
+        long_median_frac=0.6,
+        long_sigma=0.3,
+    )
+    w = SyntheticWorkload(cfg, 16, 0)
+    medians = np.array([np.median(w.draw_group()[1]) for _ in range(3_000)])
+    long = medians > 5_000  # between the modes (1K and 12K)
+    assert long.mean() == pytest.approx(0.3, abs=0.03)
+    assert np.median(medians[long]) == pytest.approx(12_000, rel=0.1)
+    assert np.median(medians[~long]) == pytest.approx(1_000, rel=0.15)
+
+
+def test_outliers_run_to_the_cap_one_member_at_a_time() -> None:
+    cfg = WorkloadConfig(
+        max_response=20_000, group_median_frac=0.02, group_sigma=0.1, outlier_prob=1 / 16
+    )
+    w = SyntheticWorkload(cfg, 16, 1)
+    groups = np.array([w.draw_group()[1] for _ in range(2_000)])
+    at_cap = groups == 20_000
+    assert at_cap.mean() == pytest.approx(1 / 16, abs=0.01)
+    # the rest of an outlier's group stays short
+    with_outlier = at_cap.any(axis=1)
+    assert np.median(groups[with_outlier][~at_cap[with_outlier]]) < 1_000
+
+
+def test_shape_parameters_are_validated() -> None:
+    with pytest.raises(ValueError, match="long_frac"):
+        WorkloadConfig(long_frac=1.5)
+    with pytest.raises(ValueError, match="outlier_frac"):
+        WorkloadConfig(outlier_frac=0.0)

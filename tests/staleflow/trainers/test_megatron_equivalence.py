@@ -83,10 +83,10 @@ def _other_architectures(vocab: int) -> list[tuple[dict, dict, np.ndarray]]:
     return out
 
 
-def _megatron(hf_config: dict, hf: dict, batch, *, tp=1, dp=1, **kw):
+def _megatron(hf_config: dict, hf: dict, batch, *, tp=1, dp=1, pp=1, settings=SETTINGS, **kw):
     spec = RankSpec(
         hf_config,
-        TrainerConfig(backend="megatron", tp=tp, dp=dp, **SETTINGS),
+        TrainerConfig(backend="megatron", tp=tp, dp=dp, pp=pp, **settings),
         pad_id=0,
     )
     return run(Script(spec, hf, batch, **kw))

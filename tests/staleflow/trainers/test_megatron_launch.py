@@ -77,6 +77,25 @@ def test_launch_megatron_tp2_is_bounded_conserving_and_advancing(tmp_path):
     assert set(resumed.summary["audit"]["ps_latest"].values()) == {2}
 
 
+@pytest.mark.ray
+@pytest.mark.timeout(900)
+def test_launch_megatron_pp2_is_bounded_conserving_and_advancing(tmp_path):
+    """Two pipeline stages of two layers each: the first stage's rank takes the groups
+    from the TS, both Push their own layers, the PS serves every version whole."""
+    from staleflow.models.checkpoint import load_pretrained
+    from staleflow.runtime.launch import launch
+
+    result = launch(_config(tmp_path, "trainer.pp=2", "steps=2"))
+    check_run(result, eta=3, steps=2, trajectories_per_step=2 * 4)
+    assert all(rec.tokens and rec.tokens > 0 for rec in result.records)
+    push = result.summary["placement"]["weights"]["push"]
+    assert {p["sender"] for p in push} == {"trainer/0", "trainer/1"}
+    assert all(p["bytes"] > 0 for p in push)
+    assert set(result.summary["audit"]["ps_latest"].values()) == {2}
+    model, _ = load_pretrained(result.run_dir / "checkpoint")
+    assert model.config.num_hidden_layers == 4
+
+
 @pytest.fixture
 def two_rollout_nodes():
     """A Ray cluster of three raylets on this machine: the head (control, TS, reward) and
@@ -158,6 +177,7 @@ def test_every_rank_pushes_to_every_ps_replica(two_rollout_nodes, tmp_path):
     [
         (["trainer.tp=3"], r"trainer.tp=3 does not divide the model's 4 attention heads, 2 KV"),
         (["model.preset=micro", "trainer.tp=2"], r"use trainer.tp in \[1\]"),
+        (["trainer.pp=3"], r"trainer.pp=3 does not divide the model's 4 layers .* \[1, 2, 4\]"),
     ],
 )
 def test_settings_the_model_cannot_run_stop_launch_before_anything_slow(

@@ -1,0 +1,138 @@
+"""The critical-path rule: the trajectories that keep the oldest staleness buffer from
+becoming Ready run where they finish soonest.
+
+Why. The trainer at version ``v`` consumes buffer ``v``, and every group whose version is
+``v - eta`` must be in it (Eq. of §4: ``V_traj <= V_buf <= V_traj + eta``). So the oldest
+trajectories still generating are the trainer's critical path: until the last of them
+completes, the buffer is not Ready, the trainer waits, and because the in-flight window is
+bounded, completed groups of later buffers pile up while the staleness manager admits
+nothing new. In a long-tailed workload these are a few long trajectories, each sharing an
+instance with up to hundreds of others, so every token costs the full batch's step
+latency (Eq. 11), on a slow instance more. Neither throughput routing nor Algorithm 5
+looks at this: they maximise the fleet's instantaneous throughput.
+
+What. Each cycle the rule looks at the trajectories on instances (running or queued) whose
+``V_traj`` is the oldest in flight (on an instance or waiting in the TS). Once they are few enough to be
+the tail of their buffer (at most one per instance), each one whose instance's estimated
+step latency is at least ``speedup`` times the latency it would have on the best other
+instance (including the trajectory itself, with the instance's estimated speed), or that
+is queued where it is, is
+interrupted and routed, in the same cycle, to the instance of least step latency with it,
+instead of being left to the throughput routing. A destination must have KV to spare
+with it (the fill rule's test, ``gains.spare``) (a move that gets the trajectory preempted helps
+nothing) and have no queue. A trajectory moved once is not moved again until it has
+generated tokens since, the rule Algorithm 5 already follows.
+
+The coordinator never knows how many tokens a trajectory still has to go; the rule uses
+only the fact that the oldest trajectories are the ones the trainer waits for.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+
+import numpy as np
+
+from coordinator.cost_model import CostModel
+from coordinator.fleet import Fleet
+from coordinator.gains import spare
+from coordinator.pool import TrajectoryPool
+from coordinator.types import TrajectoryView
+from staleness.types import TrajId
+
+Move = tuple[int, TrajectoryView, int]  # (from position, trajectory, to position)
+
+
+class CriticalPath:
+    """Chooses critical trajectories to move and where (module docstring)."""
+
+    def __init__(self, cost: CostModel, *, speedup: float = 1.5, fill_steps: int = 0) -> None:
+        if not speedup > 1.0:
+            raise ValueError(f"speedup must be > 1 (got {speedup})")
+        if fill_steps < 0:
+            raise ValueError(f"fill_steps must be >= 0 (got {fill_steps})")
+        self.cost = cost
+        self.speedup = speedup
+        self.fill_steps = fill_steps  # headroom a destination keeps (gains.spare)
+        self._moved_at: dict[TrajId, int] = {}
+
+    def select(
+        self, fleet: Fleet, pool: TrajectoryPool, ps_version: int | None = None
+    ) -> list[Move]:
+        """Moves for this cycle, decided one after the other (a destination chosen for one
+        trajectory is loaded with it for the next). Does not modify ``fleet``.
+
+        With ``ps_version``, instances behind the PS are preferred as destinations when
+        one qualifies: nothing new is admissible at their version, so they drain, and a
+        trajectory moved there stays in a light batch; an up-to-date instance is refilled
+        by routing in the same cycle."""
+        oldest, on = _oldest_on_instances(fleet, pool)
+        if not on:
+            return []
+        c = self.cost
+        lat = fleet.latencies(c)
+        queued = {t.traj_id for pos, t in on if t in fleet.wait[pos]}
+        n, kv = fleet.n_run.copy(), fleet.kv.copy()
+        open_ = (fleet.n_wait == 0) & (fleet.version >= oldest)
+        draining = fleet.version < ps_version if ps_version is not None else None
+        out: list[Move] = []
+        # Longest first: the longest have generated most and, in a heavy tail, have the
+        # most still to generate.
+        for pos, t in sorted(on, key=lambda pt: (-pt[1].length, pt[1].traj_id)):
+            if self._moved_at.get(t.traj_id, -1) >= t.length:
+                continue
+            ok = open_ & spare(c, n, kv, t.length, self.fill_steps)
+            ok[pos] = False
+            if not ok.any():
+                break
+            if draining is not None and (ok & draining).any():
+                ok &= draining
+            after = c.k1 * (kv + c.k5 * t.length) + np.maximum(c.k2, c.k3 * (n + 1.0)) + c.k4
+            after *= fleet.speed
+            candidates = np.flatnonzero(ok)
+            best = int(candidates[after[candidates].argmin()])
+            # A queued one makes no progress where it is: any open destination is better.
+            if t.traj_id not in queued and lat[pos] < self.speedup * after[best]:
+                continue
+            out.append((pos, t, best))
+            self._moved_at[t.traj_id] = t.length
+            n[best] += 1.0
+            kv[best] += c.k5 * t.length
+        if len(self._moved_at) > 1 << 16:  # forget trajectories long gone
+            self._moved_at.clear()
+        return out
+
+
+def _oldest_on_instances(
+    fleet: Fleet, pool: TrajectoryPool
+) -> tuple[int, list[tuple[int, TrajectoryView]]]:
+    """The lowest ``V_traj`` in flight (on an instance or partial in the TS) and the
+    trajectories of that version on instances, with their positions, when they are the
+    tail of their version (at most one per instance, counting those in the TS); none
+    otherwise. ``map`` over an attribute getter keeps the per-trajectory work in C: this
+    runs every cycle over every trajectory in flight."""
+    partial = [v for v, _ in pool.levels() if v is not None]
+    oldest = min(partial) if partial else None
+    versions: list[list[int]] = []
+    for pos in range(len(fleet)):
+        vs = list(map(_V_TRAJ, fleet.run[pos]))
+        vs += map(_V_TRAJ, fleet.wait[pos])
+        versions.append(vs)
+        if vs:
+            low = min(vs)
+            if oldest is None or low < oldest:
+                oldest = low
+    if oldest is None:
+        return 0, []
+    count = sum(vs.count(oldest) for vs in versions)
+    count += sum(len(ts) for v, ts in pool.levels() if v == oldest)
+    if count > len(fleet):
+        return oldest, []  # not the tail yet: moving hundreds would cost more than it saves
+    on = []
+    for pos, vs in enumerate(versions):
+        if oldest in vs:
+            on.extend((pos, t) for t in fleet.trajectories(pos) if t.v_traj == oldest)
+    return oldest, on
+
+
+_V_TRAJ = attrgetter("v_traj")

@@ -1,0 +1,122 @@
+"""The critical-path rule (coordinator/critical.py), decision for decision, and its moves
+through Algorithm 1 (Interrupt from the source, Route to the chosen instance)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from coordinator import InstanceSnapshot, Interrupt, Route, TrajRecord, plan_cycle
+from coordinator.critical import CriticalPath
+from coordinator.fleet import Fleet
+from coordinator.pool import TrajectoryPool
+from tests.coordinator.builders import (
+    COST,
+    instance,
+    manager,
+    partial,
+    running,
+    snapshot,
+    strategies,
+)
+
+OLD = 1  # the oldest V_traj in flight in these tests
+
+
+def mixed(
+    inst: int,
+    version: int,
+    critical: Sequence[int],
+    others: int = 0,
+    *,
+    queued: Sequence[int] = (),
+) -> InstanceSnapshot:
+    """``critical`` trajectories of version OLD (lengths given) and ``others`` of 1,000
+    tokens at the instance's version, running; ``queued`` critical ones waiting."""
+    run = running(critical, OLD) + running([1_000] * others, version)
+    wait = running(queued, OLD)
+    return InstanceSnapshot(inst, sum(t.length for t in run), run, wait, (), version)
+
+
+def moves(fleet: Fleet, ts: list | None = None, rule: CriticalPath | None = None) -> list:
+    rule = rule or CriticalPath(COST, speedup=1.5, fill_steps=0)
+    pool = TrajectoryPool(ts or [])
+    return [(fleet.ids[a], t.traj_id, fleet.ids[b]) for a, t, b in rule.select(fleet, pool)]
+
+
+def ids(s: InstanceSnapshot, where: str = "run") -> list[int]:
+    return [t.traj_id for t in (s.run_trajs if where == "run" else s.wait_trajs)]
+
+
+def test_the_oldest_tail_moves_from_a_busy_instance_to_a_light_one() -> None:
+    busy = mixed(0, 3, [8_000], 60)
+    assert moves(Fleet(snapshot(busy, instance(1, 3, [1_000] * 2)))) == [(0, ids(busy)[0], 1)]
+
+
+def test_nothing_moves_before_the_tail() -> None:
+    # 3 instances, 4 trajectories of the oldest version: not yet the tail
+    fleet = Fleet(snapshot(mixed(0, 2, [1_000] * 4, 60), instance(1, 2), instance(2, 2)))
+    assert moves(fleet) == []
+    fleet = Fleet(snapshot(mixed(0, 2, [1_000] * 2, 60), instance(1, 2), instance(2, 2)))
+    assert len(moves(fleet)) == 2
+    # those waiting in the TS count too
+    assert moves(fleet, [partial(OLD), partial(OLD)]) == []
+
+
+def test_not_worth_it_below_the_speedup() -> None:
+    # instance 0 runs 2 trajectories: moving one to an idle instance barely helps
+    assert moves(Fleet(snapshot(mixed(0, 2, [1_000], 1), instance(1, 2)))) == []
+
+
+def test_a_faster_instance_is_found_through_its_speed() -> None:
+    fleet = Fleet(snapshot(mixed(0, 2, [1_000], 1), instance(1, 2, [1_000])))
+    fleet.speed = np.array([2.0, 1.0])  # instance 0 is twice as slow as the model
+    assert [(src, dst) for src, _, dst in moves(fleet)] == [(0, 1)]
+
+
+def test_destinations_must_be_recent_enough_open_and_have_room() -> None:
+    src = mixed(0, 3, [2_000], 60)
+    too_old = instance(1, 0)  # version 0 < V_traj 1
+    queued = instance(2, 3, [100], wait=1)
+    full = instance(3, 3, [49_000, 49_000])
+    assert moves(Fleet(snapshot(src, too_old, queued, full))) == []
+    assert moves(Fleet(snapshot(src, too_old, queued, full, instance(4, 3))))[0][2] == 4
+
+
+def test_longest_first() -> None:
+    src = mixed(0, 2, [3_000, 9_000, 6_000], 70)
+    got = moves(Fleet(snapshot(src, instance(1, 2), instance(2, 2), instance(3, 2))))
+    c = ids(src)[:3]
+    assert [tid for _, tid, _ in got] == [c[1], c[2], c[0]]
+    assert len({dst for *_, dst in got}) == 3  # each destination is loaded for the next
+
+
+def test_a_trajectory_is_not_moved_again_before_it_decodes() -> None:
+    rule = CriticalPath(COST, speedup=1.5, fill_steps=0)
+    fleet = Fleet(snapshot(mixed(0, 2, [5_000], 60), instance(1, 2)))
+    assert len(moves(fleet, rule=rule)) == 1
+    assert moves(fleet, rule=rule) == []
+
+
+def test_a_queued_critical_trajectory_moves_to_any_open_instance() -> None:
+    src = mixed(0, 2, [], 5, queued=[100])
+    other = mixed(1, 2, [], 10)  # slower than instance 0 would be: still better than a queue
+    assert moves(Fleet(snapshot(src, other))) == [(0, ids(src, "wait")[0], 1)]
+
+
+def test_the_cycle_interrupts_and_routes_the_move() -> None:
+    src = mixed(0, 3, [6_000], 60)
+    crit = ids(src)[0]
+    light = instance(1, 3, [1_000] * 2)
+    # phi_throughput out of reach: Algorithm 5's case 2 would otherwise empty instance 0
+    strat = strategies(critical_speedup=1.5, phi_throughput=1e9)
+    cmds = plan_cycle(snapshot(src, light), [], 3, manager(3).sketch(), strat)
+    assert cmds[0] == Interrupt(0, (crit,))
+    assert Route(1, (crit,), ()) in cmds  # partial: no Reserve
+    off = strategies(phi_throughput=1e9)
+    assert plan_cycle(snapshot(src, light), [], 3, manager(3).sketch(), off) == []
+
+
+def test_records_are_plain_views() -> None:
+    assert isinstance(running([1], OLD)[0], TrajRecord)

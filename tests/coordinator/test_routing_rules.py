@@ -1,0 +1,130 @@
+"""The routing rules beyond Algorithm 3 (coordinator/routing.py, gains.py): the fill rule
+and per-instance speeds, decision for decision on small cases, and the gains routing and
+the synchronisation probe compare being the same numbers.
+
+With Table 4's coefficients, a 100K-token budget and 100-token trajectories (see
+test_routing.py): HEAVY (80 running, 80K KV) does not clear mu = 0.3 (gain 22.6 < 24).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator import Snapshot, TrajectoryView
+from coordinator.fleet import Fleet
+from coordinator.gains import FILL_BONUS, GainTable, routing_gains, spare
+from coordinator.pool import TrajectoryPool
+from coordinator.routing import ThroughputRouting, VersionBuckets
+from tests.coordinator.builders import COST, initial, instance, manager, partial, snapshot
+
+HEAVY = [1_000] * 80
+
+
+def route(
+    snap: Snapshot,
+    ts: list[TrajectoryView],
+    *,
+    fill_steps: int | None,
+    speed: list[float] | None = None,
+) -> list[int]:
+    """Instance id of every decision, in order."""
+    fleet = Fleet(snap)
+    if speed is not None:
+        fleet.speed = np.array(speed)
+    routing = ThroughputRouting(COST, 0.3, fill_steps)
+    placements = routing.route(fleet, TrajectoryPool(ts), manager(3, batch=64).sketch())
+    return [fleet.ids[p.pos] for p in placements]
+
+
+def test_spare_counts_the_batchs_growth() -> None:
+    # 80 running + the new one, 100 steps of growth = 8,100 tokens, plus its 100 tokens
+    assert spare(COST, np.array([80.0]), np.array([91_800.0]), 100, 100).tolist() == [True]
+    assert spare(COST, np.array([80.0]), np.array([91_801.0]), 100, 100).tolist() == [False]
+
+
+def test_mu_withholds_from_a_busy_instance_only_without_the_fill_rule() -> None:
+    snap = snapshot(instance(0, 3, HEAVY))  # 80K of 100K: room for 100 more steps
+    assert route(snap, initial(1), fill_steps=None) == []  # Algorithm 3: withheld
+    assert route(snap, initial(1), fill_steps=100) == [0]  # KV to spare: routed
+    assert route(snap, initial(1), fill_steps=300) == []  # 300 steps would not fit
+
+
+def test_the_fill_rule_leaves_partial_trajectories_to_mu() -> None:
+    snap = snapshot(instance(0, 3, HEAVY))
+    assert route(snap, [partial(3, 100)], fill_steps=None) == []
+    assert route(snap, [partial(3, 100)], fill_steps=100) == []  # a prefix to re-prefill
+    assert route(snap, initial(1), fill_steps=100) == [0]
+
+
+def test_the_fill_rule_prefers_any_instance_with_room_then_gains() -> None:
+    # Both have room; the less loaded one gains more and takes both.
+    snap = snapshot(instance(0, 3, [1_000] * 30), instance(1, 3, [1_000] * 10))
+    assert route(snap, initial(1, 2), fill_steps=100) == [1, 1]
+    # Only the busy one has room for 100 steps: it takes them although mu would not.
+    snap = snapshot(instance(0, 3, HEAVY), instance(1, 3, [49_950, 49_950]))
+    assert route(snap, initial(2, 2), fill_steps=100) == [0, 0]
+
+
+def test_a_slow_instance_gets_less() -> None:
+    # Equal loads; instance 1 runs at half speed, so its gain is halved.
+    snap = snapshot(instance(0, 3, [1_000] * 10), instance(1, 3, [1_000] * 10))
+    placed = route(snap, initial(1, 16), fill_steps=None, speed=[1.0, 2.0])
+    assert placed.count(0) > placed.count(1)
+    assert route(snap, initial(2, 16), fill_steps=None).count(0) == 8  # equal speeds split
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.lists(st.integers(0, 120), min_size=1, max_size=6),
+    fill=st.sampled_from([None, 0, 50, 400]),
+    data=st.data(),
+)
+def test_the_table_and_the_probe_compute_the_same_gains(
+    n: list[int], fill: int | None, data: st.DataObject
+) -> None:
+    """Algorithm 4's probe (routing_gains) must see exactly what routing's GainTable sees,
+    or a tentative pass would disagree with the real one on ties."""
+    k = len(n)
+    kv = np.array([data.draw(st.floats(0, COST.kv_budget)) for _ in range(k)])
+    queued = np.array([data.draw(st.booleans()) for _ in range(k)])
+    speed = np.array([data.draw(st.floats(0.3, 3.0)) for _ in range(k)])
+    length = float(data.draw(st.sampled_from([80, 2_000, 30_000])))
+    nn = np.array(n, dtype=np.float64)
+    table = GainTable(COST, nn.copy(), kv.copy(), queued, [0], [k], 1.0 / speed, fill)
+    j, g = table.best(0, length)
+    probe = routing_gains(COST, nn, kv, queued, 1.0 / speed, length, fill)
+    assert g == probe[j] and (probe <= g).all()
+    # After a placement the table's incremental update matches a fresh computation.
+    if np.isfinite(g):
+        table.place(j, length)
+        nn[j] += 1
+        kv[j] += COST.k5 * length
+        _, g2 = table.best(0, length)
+        assert g2 == routing_gains(COST, nn, kv, queued, 1.0 / speed, length, fill).max()
+
+
+def test_the_bonus_only_applies_where_the_trajectory_fits() -> None:
+    g = routing_gains(
+        COST,
+        np.array([0.0, 0.0]),
+        np.array([0.0, 99_950.0]),
+        np.array([False, False]),
+        np.ones(2),
+        100.0,
+        0,
+    )
+    assert g[0] > FILL_BONUS / 2 and g[1] == -np.inf
+
+
+def test_bucket_order_is_kept_with_speeds() -> None:
+    fleet = Fleet(snapshot(instance(0, 2), instance(1, 1), instance(2, 2)))
+    fleet.speed = np.array([1.0, 3.0, 0.5])
+    assert VersionBuckets.of(fleet).order == [1, 0, 2]
+
+
+def test_fill_steps_is_validated() -> None:
+    with pytest.raises(ValueError, match="fill_steps"):
+        ThroughputRouting(COST, 0.3, -1)

@@ -1,0 +1,60 @@
+"""Algorithm 4 with the rules beyond the paper: the single tentative pass still equals
+Algorithm 4 as written when routing uses the fill rule and per-instance speeds, and
+deferred Pulls leave an instance with running work alone until it has drained."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coordinator import CoordinatorConfig, TrajectoryView, build_strategies
+from coordinator.fleet import Fleet
+from coordinator.pool import TrajectoryPool
+from coordinator.routing import ThroughputRouting
+from coordinator.sync import ThroughputSync
+from staleness import StalenessManager
+from tests.coordinator.builders import COST, initial, instance, manager, snapshot
+from tests.coordinator.test_sync import brute_force_algorithm4, scenarios
+
+ROUTING = ThroughputRouting(COST, 0.3, fill_steps=200)
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios(), st.data())
+def test_single_pass_equals_algorithm4_with_fill_and_speeds(
+    case: tuple[Fleet, list[TrajectoryView], int, StalenessManager], data: st.DataObject
+) -> None:
+    fleet, ts, ps, m = case
+    fleet.speed = np.array([data.draw(st.sampled_from([0.5, 1.0, 1.7])) for _ in fleet.ids])
+    strategy = ThroughputSync(ROUTING)
+    got = [fleet.ids[p] for p in strategy.select(fleet, TrajectoryPool(ts), ps, m.sketch())]
+    assert got == brute_force_algorithm4(fleet, list(ts), ps, m, ROUTING)
+
+
+def test_a_pull_waits_until_the_instance_has_drained() -> None:
+    m = manager(3, eta=1)  # version 1 admits nothing any more
+    ts = initial(1, 4)
+    plain = ThroughputSync(ROUTING)
+    deferred = ThroughputSync(ROUTING, pull_kv=0.25)  # 25K of the 100K budget
+    for run, pulled in (([1_000] * 30, False), ([1_000] * 25, True), ([], True)):
+        fleet = Fleet(snapshot(instance(0, 1, run, v_traj=1), instance(1, 3, [1_000] * 80)))
+        assert plain.select(fleet, TrajectoryPool(ts), 3, m.sketch()) == [0]
+        assert deferred.select(fleet, TrajectoryPool(ts), 3, m.sketch()) == ([0] if pulled else [])
+
+
+def test_pull_kv_is_validated() -> None:
+    with pytest.raises(ValueError, match="pull_kv"):
+        ThroughputSync(ROUTING, pull_kv=1.5)
+
+
+def test_pulls_are_deferred_only_behind_the_throughput_routing() -> None:
+    """Least-loaded routing keeps the caches full of queued work, so a Pull deferred until
+    the KV drains would come late or never: the rule needs the throughput routing."""
+    budget = CoordinatorConfig().cost_model.build().kv_budget
+    with_r1 = build_strategies(CoordinatorConfig(pull_kv=0.25)).sync
+    assert isinstance(with_r1, ThroughputSync) and with_r1.max_kv == 0.25 * budget
+    for routing in ("vanilla", "sticky"):
+        sync = build_strategies(CoordinatorConfig(routing=routing, pull_kv=0.25)).sync
+        assert isinstance(sync, ThroughputSync) and sync.max_kv is None
