@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from staleflow.data import ALPHABET, CharTokenizer, PromptSampler, synthetic_dataset
+from staleflow.install import missing
 from trajectory_server import (
     Completion,
     PartialTrajectory,
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import ray
         except ImportError:
-            ray_note = "ray is not installed (pip install 'staleflow[ray]'); actor part skipped"
+            ray_note = f"actor part skipped: {missing('ray')}"
             print(ray_note, file=sys.stderr)
         else:
             from trajectory_server.actor import spawn_trajectory_server

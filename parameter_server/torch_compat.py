@@ -19,7 +19,8 @@ def _torch() -> Any:
         import torch
     except ImportError as exc:
         raise ImportError(
-            "torch is needed for parameter_server.torch_compat; pip install staleflow[torch]"
+            "torch is needed for parameter_server.torch_compat; it is part of StaleFlow's "
+            "default install: `pip install -c constraints.txt -e .` in the checkout"
         ) from exc
     return torch
 

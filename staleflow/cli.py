@@ -106,10 +106,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     import logging
 
     from rich.console import Console
-    from rich.live import Live
 
     from staleflow.config import load_config
-    from staleflow.runtime.display import live_panel, step_line, summary_table
+    from staleflow.progress import LatestLine
+    from staleflow.runtime.display import LaunchView, step_line, summary_table
     from staleflow.runtime.launch import LaunchError, check_placement, launch
     from staleflow.runtime.record import StepRecord
 
@@ -157,7 +157,6 @@ def cmd_launch(args: argparse.Namespace) -> int:
             return 1
         console.print("the cluster holds this placement", highlight=False)
         return 0
-    live = Live(console=console, refresh_per_second=4, transient=True) if args.live else None
 
     dashboard = None
     if cfg.dashboard:  # the runtime does not import the dashboard: it is handed in
@@ -173,28 +172,27 @@ def cmd_launch(args: argparse.Namespace) -> int:
     def on_record(rec: StepRecord) -> None:
         console.print(step_line(rec, cfg.eta))
 
-    def on_tick(state: object) -> None:
-        if live is not None:
-            live.update(live_panel(state))
-
     try:
-        if live is not None:
-            live.start()
-        result = launch(
-            cfg,
-            on_record=on_record,
-            on_tick=on_tick if live is not None else None,
-            on_phase=on_phase,
-            resume=resume,
-            handle_signals=True,
-            on_started=dashboard,
-        )
+        # live bars and the buffers panel in a terminal, plain progress lines in a log
+        with LaunchView(console, live=args.live) as view:
+            if dashboard is not None:  # the page shows the waits' progress too, once up
+                view.progress.add_renderer(LatestLine(dashboard.phase))
+            result = launch(
+                cfg,
+                on_record=on_record,
+                on_tick=view.on_tick if view.terminal is not None else None,
+                on_phase=on_phase,
+                resume=resume,
+                handle_signals=True,
+                on_started=dashboard,
+                progress=view.progress,
+            )
     except LaunchError as exc:
         console.print(f"[red]staleflow launch failed:[/] {exc}", highlight=False)
         return 1
-    finally:
-        if live is not None:
-            live.stop()
+    except KeyboardInterrupt:  # Ctrl-C: launch's teardown has run; no traceback
+        console.print("[yellow]staleflow launch: interrupted, the actors stopped[/]")
+        return 130
     result.summary["run_dir"] = str(result.run_dir)
     console.print(summary_table(result.summary, cfg.eta))
     if result.stopped:
@@ -213,9 +211,10 @@ def cmd_dashboard(args: argparse.Namespace) -> int:
         from staleflow.dashboard.app import create_app
         from staleflow.dashboard.server import DEFAULT_PORT, DashboardServer, bind, bind_preferred
     except ImportError as exc:
+        from staleflow.install import missing
+
         print(
-            "staleflow dashboard needs fastapi, fastapi-offline and uvicorn: "
-            f"pip install 'staleflow[dashboard]' ({exc})",
+            f"staleflow dashboard: {missing('fastapi, fastapi-offline or uvicorn', exc)}",
             file=sys.stderr,
         )
         return 2
@@ -436,7 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--live",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="draw buffers and instances while running",
+        help="in a terminal, draw progress bars, buffers and instances while running "
+        "(--no-live: plain progress lines, as when output is not a terminal)",
     )
     launch.add_argument(
         "--dashboard",

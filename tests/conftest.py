@@ -22,9 +22,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if any(item.get_closest_marker("gpu") for item in items) and not _has_cuda():
         reasons["gpu"] = "needs a CUDA GPU"
     if importlib.util.find_spec("ray") is None:
-        reasons["ray"] = "needs ray: pip install -e '.[ray]'"
+        reasons["ray"] = "needs ray (default install: pip install -c constraints.txt -e .)"
     if not (shutil.which("chromium") or shutil.which("chromium-browser")):
-        reasons["browser"] = "needs Debian's chromium package"
+        reasons["browser"] = "needs Debian's chromium: apt-get install chromium"
     for item in items:
         for marker, reason in reasons.items():
             if item.get_closest_marker(marker):

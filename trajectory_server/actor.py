@@ -149,8 +149,9 @@ def spawn_trajectory_server(
         import ray
     except ImportError as exc:
         raise ImportError(
-            "the trajectory server actor needs ray; install it with "
-            "`pip install 'staleflow[ray]'`, or use TrajectoryServer in process"
+            "the trajectory server actor needs ray, part of StaleFlow's default install: "
+            "`pip install -c constraints.txt -e .` in the checkout; or use TrajectoryServer "
+            "in process"
         ) from exc
     remote_cls = ray.remote(TrajectoryServerService)
     options = {"num_cpus": 0, **actor_options}

@@ -96,8 +96,8 @@ class RunConfig:
     dashboard: bool = field(
         default=True,
         metadata=_help(
-            "serve the REST dashboard from the driver while training (needs the 'dashboard' "
-            "extra; false turns it off)"
+            "serve the REST dashboard from the driver while training (FastAPI and uvicorn, "
+            "part of the default install; false turns it off)"
         ),
     )
     dashboard_port: int = field(

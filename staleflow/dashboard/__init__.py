@@ -3,10 +3,10 @@
 simulated cluster (``sim_source``), plus its single web page (``static/``) and
 ``staleflow status`` (``status``). See docs/dashboard.md.
 
-Importing this package imports neither FastAPI nor Ray; ``app`` and ``server`` need the
-``dashboard`` extra (``launch_hook`` imports them only when it serves). The dashboard
-reads the runtime (its step records, live state and actor names); the runtime never
-imports the dashboard.
+Importing this package imports neither FastAPI nor Ray; ``app`` and ``server`` need
+FastAPI and uvicorn (part of the default install; ``launch_hook`` imports them only when it
+serves). The dashboard reads the runtime (its step records, live state and actor names);
+the runtime never imports the dashboard.
 """
 
 from staleflow.dashboard.interface import RunSource

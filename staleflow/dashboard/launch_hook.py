@@ -32,7 +32,7 @@ class ServedDashboard:
 
 def start_dashboard(cfg: Any, run: Any, host: str = "127.0.0.1") -> ServedDashboard:
     """Serve the dashboard of ``run`` (a :class:`staleflow.runtime.launch.Run` whose actors
-    are up). Raises ``ImportError`` without the ``dashboard`` extra and ``OSError``
+    are up). Raises ``ImportError`` without FastAPI or uvicorn and ``OSError``
     (naming the fix) when no port can be bound at all."""
     from staleflow.dashboard.app import create_app
     from staleflow.dashboard.ray_source import RaySource
@@ -62,7 +62,9 @@ class LaunchDashboard:
         try:
             served = start_dashboard(self.cfg, run)
         except ImportError as exc:
-            self.say(f"dashboard off: it needs pip install 'staleflow[dashboard]' ({exc})")
+            from staleflow.install import missing
+
+            self.say(f"dashboard off: {missing('the dashboard (fastapi, uvicorn)', exc)}")
             return None
         except OSError as exc:
             self.say(f"dashboard off: {exc}")

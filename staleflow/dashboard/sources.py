@@ -49,9 +49,9 @@ def open_source(
     try:
         from staleflow.dashboard.ray_source import AttachError, RaySource
     except ImportError as exc:
-        raise SourceError(
-            f"attaching to a live run needs ray: pip install 'staleflow[ray]' ({exc})"
-        ) from exc
+        from staleflow.install import missing
+
+        raise SourceError(missing("ray (to attach to a live run)", exc)) from exc
     try:
         source = RaySource.attach(str(address), run=run, run_dir=run_dir)
     except AttachError as exc:

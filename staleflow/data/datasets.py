@@ -140,9 +140,9 @@ def load_parquet(
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
-        raise ImportError(
-            "Parquet datasets need pyarrow: `pip install 'staleflow[parquet]'`"
-        ) from exc
+        from staleflow.install import missing
+
+        raise ImportError(missing("pyarrow (for Parquet datasets)", exc)) from exc
     p = Path(path)
     try:
         table = pq.read_table(p)

@@ -181,9 +181,10 @@ class HFTokenizer:
         try:
             from transformers import AutoTokenizer
         except ImportError as exc:
+            from staleflow.install import missing
+
             raise ImportError(
-                "HFTokenizer needs transformers: `pip install 'staleflow[torch]'`, or use "
-                "CharTokenizer"
+                missing("transformers (for HFTokenizer; or use CharTokenizer)", exc)
             ) from exc
         self._path = str(path)
         self._tok = AutoTokenizer.from_pretrained(

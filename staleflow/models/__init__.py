@@ -25,8 +25,8 @@ _LAZY = {
     "default_task_config": "staleflow.models.warmup",
     "ensure_warm_checkpoint": "staleflow.models.warmup",
     "ensure_warm_model": "staleflow.models.warmup",
-    "evaluate_accuracy": "staleflow.models.warmup",
-    "sample_responses": "staleflow.models.warmup",
+    "evaluate_accuracy": "staleflow.models.sampling",
+    "sample_responses": "staleflow.models.sampling",
     "warmup": "staleflow.models.warmup",
 }
 
@@ -38,13 +38,12 @@ if TYPE_CHECKING:
         qwen2_config,
     )
     from staleflow.models.checkpoint import load_pretrained, save_pretrained
+    from staleflow.models.sampling import evaluate_accuracy, sample_responses
     from staleflow.models.state import load_policy_state, policy_state
     from staleflow.models.warmup import (
         default_task_config,
         ensure_warm_checkpoint,
         ensure_warm_model,
-        evaluate_accuracy,
-        sample_responses,
         warmup,
     )
 

@@ -10,7 +10,6 @@ first run on a machine pays for it.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -19,7 +18,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,13 +32,15 @@ from staleflow.data.synthetic import (
     ArithmeticConfig,
     ArithmeticTask,
     Problem,
-    extract_answer,
     solution_steps,
 )
 from staleflow.data.tokenizer import Tokenizer
 from staleflow.models.build import build_arithmetic_model
 from staleflow.models.checkpoint import load_pretrained, save_pretrained
 from staleflow.models.presets import ModelPreset, get_preset
+from staleflow.models.sampling import evaluate_accuracy
+from staleflow.models.threads import FreeCores, idle_cores, torch_threads
+from staleflow.progress import SILENT, Progress
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -73,19 +74,6 @@ def default_cache_dir() -> Path:
     root = os.environ.get("STALEFLOW_CACHE")
     base = Path(root).expanduser() if root else Path.home() / ".cache" / "staleflow"
     return base / "warmup"
-
-
-@contextlib.contextmanager
-def _torch_threads(num_threads: int | None) -> Iterator[None]:
-    if num_threads is None:
-        yield
-        return
-    before = torch.get_num_threads()
-    torch.set_num_threads(num_threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _warmup_task(task: ArithmeticTask, seed: int) -> ArithmeticTask:
@@ -178,7 +166,7 @@ def warmup(
     was_training = model.training
     model.train()
     start = time.perf_counter()
-    with _torch_threads(num_threads):
+    with torch_threads(num_threads):
         for step in range(steps):
             for group in optimizer.param_groups:
                 group["lr"] = lr * _lr_factor(step, steps, warmup_steps)
@@ -220,89 +208,6 @@ def warmup(
     )
 
 
-@torch.no_grad()
-def sample_responses(
-    model: PreTrainedModel,
-    tokenizer: Tokenizer,
-    prompts: Sequence[str],
-    *,
-    temperature: float = 1.0,
-    max_new_tokens: int = 32,
-    seed: int = 0,
-    batch_size: int = 256,
-) -> list[str]:
-    """Responses to ``prompts`` (text up to EOS), sampled at ``temperature`` or greedy at 0.
-
-    Prompts are batched by length so no batch needs padding. The global torch RNG is
-    left as it was.
-    """
-    from transformers import GenerationConfig
-
-    if temperature < 0:
-        raise ValueError(f"temperature={temperature}; use 0 for greedy decoding")
-    # explicit "off" values, so a checkpoint's generation_config.json cannot narrow the
-    # distribution being measured
-    sampling = {"temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {}
-    config = GenerationConfig(
-        do_sample=temperature > 0,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_id,
-        eos_token_id=tokenizer.eos_id,
-        **sampling,
-    )
-    encoded = [tokenizer.encode(p, add_bos=True) for p in prompts]
-    by_length: dict[int, list[int]] = {}
-    for i, ids in enumerate(encoded):
-        by_length.setdefault(len(ids), []).append(i)
-    out = [""] * len(prompts)
-    was_training = model.training
-    model.eval()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for length in sorted(by_length):
-            members = by_length[length]
-            for lo in range(0, len(members), batch_size):
-                chunk = members[lo : lo + batch_size]
-                ids = torch.from_numpy(np.stack([encoded[i] for i in chunk]).astype(np.int64))
-                generated = model.generate(
-                    input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config
-                )
-                for i, row in zip(chunk, generated[:, length:].tolist(), strict=True):
-                    end = row.index(tokenizer.eos_id) if tokenizer.eos_id in row else len(row)
-                    out[i] = tokenizer.decode(row[:end])
-    model.train(was_training)
-    return out
-
-
-def evaluate_accuracy(
-    model: PreTrainedModel,
-    tokenizer: Tokenizer,
-    task: ArithmeticTask,
-    n: int = 256,
-    temperature: float = 1.0,
-    *,
-    start: int = 0,
-    seed: int = 0,
-    max_new_tokens: int | None = None,
-) -> float:
-    """The fraction of problems ``start .. start + n`` of ``task`` whose sampled response
-    has the right answer (:func:`extract_answer` equal to it, as the reward checks)."""
-    problems = task.problems(n, start)
-    if max_new_tokens is None:
-        # room for a response twice the length of the longest target, then EOS
-        max_new_tokens = 2 * max(len(solution_steps(p)) for p in problems) + 1
-    responses = sample_responses(
-        model,
-        tokenizer,
-        [p.prompt for p in problems],
-        temperature=temperature,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-    )
-    right = sum(extract_answer(r) == p.answer for r, p in zip(responses, problems, strict=True))
-    return right / max(1, n)
-
-
 def _validation_task(task_config: ArithmeticConfig) -> ArithmeticTask:
     """Problems the warm-up stops on: apart from the held-out ones it reports."""
     return ArithmeticTask(replace(task_config, seed=task_config.seed + 2_000_003))
@@ -340,6 +245,73 @@ def cache_key(
     }
 
 
+def _threads_now(share: FreeCores | None, step: int) -> str:
+    """Every ``CHECK_EVERY`` steps, as many torch threads as there are free cores (a
+    second thread on a core another job uses makes a step ~10x slower); the count, for
+    the progress line."""
+    if share is not None and step % CHECK_EVERY == 0:
+        free = share()
+        if free is not None and free != torch.get_num_threads():
+            logger.info("warm-up step %d: %d free cores, %d torch threads now", step, free, free)
+            torch.set_num_threads(free)
+    n = torch.get_num_threads()
+    return f"{n} thread{'s' if n > 1 else ''}"
+
+
+def _train_warm(
+    preset: ModelPreset,
+    task_config: ArithmeticConfig,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    num_threads: int,
+    target_accuracy: float | None,
+    on_step: Callable[[int, float], None],
+    on_check: Callable[[float], None],
+) -> tuple[PreTrainedModel, Tokenizer, dict[str, Any]]:
+    """A freshly built model warmed up (stopping at ``target_accuracy`` if given), and the
+    ``warmup.json`` facts of the run (``stats``, ``validation``)."""
+    model, tokenizer = build_arithmetic_model(preset, seed=seed)
+    checks: list[tuple[int, float]] = []
+
+    def reached(step: int) -> bool:
+        accuracy = evaluate_accuracy(
+            model, tokenizer, _validation_task(task_config), VALIDATION_PROBLEMS, 1.0, seed=seed
+        )
+        checks.append((step, accuracy))
+        on_check(accuracy)
+        logger.info("warm-up step %d: validation accuracy at T=1 %.1f%%", step, 100 * accuracy)
+        return target_accuracy is not None and accuracy >= target_accuracy
+
+    stats = warmup(
+        model,
+        tokenizer,
+        ArithmeticTask(task_config),
+        steps=steps,
+        batch_size=batch_size,
+        lr=lr,
+        stop=reached if target_accuracy is not None else None,
+        check_every=CHECK_EVERY,
+        seed=seed,
+        num_threads=num_threads,
+        on_step=on_step,
+        log_every=0,
+    )
+    meta: dict[str, Any] = {"stats": asdict(stats)}
+    if target_accuracy is not None:
+        meta["validation"] = checks
+        if not checks or checks[-1][1] < target_accuracy:
+            logger.warning(
+                "the warm-up ended after %d steps below its target accuracy %.0f%%; raise "
+                "model.warmup_steps if RL finds too few right answers",
+                stats.steps,
+                100 * target_accuracy,
+            )
+    return model, tokenizer, meta
+
+
 def ensure_warm_checkpoint(
     preset: str | ModelPreset = DEFAULT_PRESET,
     task_config: ArithmeticConfig | None = None,
@@ -352,6 +324,7 @@ def ensure_warm_checkpoint(
     num_threads: int | None = None,
     eval_problems: int = 256,
     target_accuracy: float | None = None,
+    progress: Progress = SILENT,
 ) -> Path:
     """The directory of a warmed checkpoint (model, tokenizer, ``warmup.json``), built on
     the first call and reused after.
@@ -361,8 +334,9 @@ def ensure_warm_checkpoint(
     processes warming at once both end with a complete one. ``eval_problems`` held-out
     problems are sampled at temperature 1.0 after training to log (and record) the
     starting accuracy; 0 skips that. ``num_threads``: torch threads while warming (None:
-    torch's setting); on cores busy with other processes 1 thread is far faster than
-    an oversubscribed 2 (measured 10x).
+    :func:`idle_cores`); on cores busy with other processes 1 thread is far faster than
+    an oversubscribed 2 (measured 10x). ``progress`` gets a ``warmup`` phase: steps, loss,
+    validation accuracy and the time left.
 
     ``target_accuracy``: stop as soon as the sampled (T=1) accuracy on
     ``VALIDATION_PROBLEMS`` validation problems (a stream apart from the held-out one)
@@ -387,55 +361,59 @@ def ensure_warm_checkpoint(
         logger.debug("warm-up cache hit: %s", final)
         return final
 
+    threads = idle_cores() if num_threads is None else num_threads
+    # with no thread count given, follow the free cores as other jobs come and go
+    share = FreeCores() if num_threads is None else None
     logger.info(
-        "warming up a %s model on %s for %d steps (cached in %s)", name, task_config, steps, root
+        "warming up a %s model on %s for at most %d steps on %d threads (cached in %s)",
+        name,
+        task_config,
+        steps,
+        threads,
+        root,
     )
-    model, tokenizer = build_arithmetic_model(p, seed=seed)
-    task = ArithmeticTask(task_config)
-    checks: list[tuple[int, float]] = []
-
-    def reached(step: int) -> bool:
-        accuracy = evaluate_accuracy(
-            model, tokenizer, _validation_task(task_config), VALIDATION_PROBLEMS, 1.0, seed=seed
+    phase = progress.phase(
+        "warmup",
+        f"warming up the built-in {name} model",
+        total=steps,
+        unit="steps",
+        upper_bound=target_accuracy is not None,
+        goal="" if target_accuracy is None else f"accuracy {target_accuracy:.0%}",
+    )
+    with phase:
+        model, tokenizer, meta = _train_warm(
+            p,
+            task_config,
+            steps=steps,
+            batch_size=batch_size,
+            lr=lr,
+            seed=seed,
+            num_threads=threads,
+            target_accuracy=target_accuracy,
+            on_step=lambda step, loss: phase.update(
+                done=step, loss=loss, detail=_threads_now(share, step)
+            ),
+            on_check=lambda accuracy: phase.update(accuracy=accuracy),
         )
-        checks.append((step, accuracy))
-        logger.info("warm-up step %d: validation accuracy at T=1 %.1f%%", step, 100 * accuracy)
-        return target_accuracy is not None and accuracy >= target_accuracy
-
-    stats = warmup(
-        model,
-        tokenizer,
-        task,
-        steps=steps,
-        batch_size=batch_size,
-        lr=lr,
-        stop=reached if target_accuracy is not None else None,
-        check_every=CHECK_EVERY,
-        seed=seed,
-        num_threads=num_threads,
-    )
-    meta: dict[str, Any] = {"key": key, "preset_name": name, "stats": asdict(stats)}
-    if target_accuracy is not None:
-        meta["validation"] = checks
-        if not checks or checks[-1][1] < target_accuracy:
-            logger.warning(
-                "the warm-up ended after %d steps below its target accuracy %.0f%%; raise "
-                "model.warmup_steps if RL finds too few right answers",
-                stats.steps,
-                100 * target_accuracy,
-            )
-    if eval_problems > 0:
-        with _torch_threads(num_threads):
-            accuracy = evaluate_accuracy(
-                model, tokenizer, _eval_task(task_config), eval_problems, 1.0, seed=seed
-            )
-        meta["accuracy_t1"] = accuracy
-        meta["eval_problems"] = eval_problems
+        meta["key"] = key
+        meta["preset_name"] = name
+        if eval_problems > 0:
+            with torch_threads(threads):
+                accuracy = evaluate_accuracy(
+                    model, tokenizer, _eval_task(task_config), eval_problems, 1.0, seed=seed
+                )
+            meta["accuracy_t1"] = accuracy
+            meta["eval_problems"] = eval_problems
+        stats = meta["stats"]
+        phase.finish(
+            f"stopped at step {stats['steps']}"
+            + (f", held-out accuracy {meta['accuracy_t1']:.1%}" if eval_problems > 0 else "")
+        )
     logger.info(
         "warm-up done in %.1fs: loss %.3f -> %.3f%s",
-        stats.seconds,
-        stats.first_loss,
-        stats.final_loss,
+        stats["seconds"],
+        stats["first_loss"],
+        stats["final_loss"],
         f", held-out accuracy at T=1: {meta['accuracy_t1']:.1%}" if eval_problems > 0 else "",
     )
 
@@ -467,6 +445,7 @@ def ensure_warm_model(
     num_threads: int | None = None,
     eval_problems: int = 256,
     target_accuracy: float | None = None,
+    progress: Progress = SILENT,
 ) -> tuple[PreTrainedModel, Tokenizer]:
     """A warmed policy and its tokenizer for the built-in task, from the cache when there
     (see :func:`ensure_warm_checkpoint`)."""
@@ -481,6 +460,7 @@ def ensure_warm_model(
         num_threads=num_threads,
         eval_problems=eval_problems,
         target_accuracy=target_accuracy,
+        progress=progress,
     )
     return load_pretrained(path)
 

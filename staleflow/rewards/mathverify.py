@@ -15,11 +15,12 @@ import importlib.util
 import logging
 from typing import Any
 
+from staleflow.install import missing
+
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = (
-    "the math_verify reward needs the math-verify package: pip install 'staleflow[math]' "
-    "(or pick reward.kind=exact)"
+    missing("the math_verify reward's package math-verify") + " (or pick reward.kind=exact)"
 )
 
 

@@ -37,9 +37,10 @@ def _ray() -> Any:
     try:
         import ray
     except ImportError as exc:
+        from staleflow.install import missing
+
         raise LaunchError(
-            "staleflow launch runs its components as Ray actors; install Ray with "
-            "`pip install 'staleflow[ray]'`"
+            missing("ray (staleflow launch runs its components as Ray actors)", exc)
         ) from exc
     return ray
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from staleflow.progress import SILENT, Progress
+
 if TYPE_CHECKING:
     from staleflow.config import RunConfig
 
@@ -21,24 +23,41 @@ logger = logging.getLogger(__name__)
 EVAL_SEED_OFFSET = 1_000_003
 
 
-def held_out_reward(cfg: RunConfig, model: Any, tokenizer: Any) -> float | None:
+def held_out_reward(
+    cfg: RunConfig, model: Any, tokenizer: Any, progress: Progress = SILENT, which: str = "initial"
+) -> float | None:
     """Mean reward of ``model`` on ``cfg.eval_problems`` held-out problems of the built-in
     task, one response each at ``rollout.temperature``; None when there is nothing to
-    evaluate (``eval_problems=0`` or a dataset task, which has no held-out split here)."""
+    evaluate (``eval_problems=0`` or a dataset task, which has no held-out split here).
+    ``progress`` gets a ``scoring`` phase counting problems; ``which`` names the policy
+    in its label (initial, final)."""
     if cfg.eval_problems <= 0 or cfg.data.task != "arithmetic":
         return None
     from staleflow.data.synthetic import ArithmeticConfig, ArithmeticTask
-    from staleflow.models.warmup import evaluate_accuracy
+    from staleflow.models.sampling import evaluate_accuracy
+    from staleflow.models.threads import idle_cores, torch_threads
 
     task = ArithmeticTask(
         ArithmeticConfig.level(cfg.data.difficulty, seed=cfg.seed + EVAL_SEED_OFFSET)
     )
-    return evaluate_accuracy(
-        model,
-        tokenizer,
-        task,
-        cfg.eval_problems,
-        cfg.rollout.temperature,
-        seed=cfg.seed,
-        max_new_tokens=cfg.rollout.max_response_tokens,
-    )
+    with (
+        progress.phase(
+            "scoring",
+            f"scoring the {which} policy on held-out problems",
+            total=cfg.eval_problems,
+            unit="problems",
+        ) as phase,
+        torch_threads(idle_cores()),
+    ):
+        reward = evaluate_accuracy(
+            model,
+            tokenizer,
+            task,
+            cfg.eval_problems,
+            cfg.rollout.temperature,
+            seed=cfg.seed,
+            max_new_tokens=cfg.rollout.max_response_tokens,
+            on_batch=phase.advance,
+        )
+        phase.update(reward=reward)
+    return reward

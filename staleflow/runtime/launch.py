@@ -32,11 +32,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from staleflow.config import RunConfig
+from staleflow.progress import SILENT, Progress
 from staleflow.runtime.backends import check_backends
 from staleflow.runtime.cluster import ACTOR_NAMESPACE, RayCluster, local_cpus
 from staleflow.runtime.errors import LaunchError, PlacementError
 from staleflow.runtime.evaluation import held_out_reward
 from staleflow.runtime.fitting import Placement, fit
+from staleflow.runtime.phases import TrainingWaits, actors_phase
 from staleflow.runtime.placement import plan_placement
 from staleflow.runtime.record import StepRecord, reward_mean, trainer_idle_ratio
 from staleflow.runtime.run import Run, cause
@@ -125,8 +127,11 @@ def place(cfg: RunConfig, phase: Phase = _log_phase) -> tuple[RayCluster, Placem
     return cluster, placement
 
 
-def prepare_policy(cfg: RunConfig, phase: Phase = _log_phase) -> tuple[Any, Any, dict[str, Any]]:
-    """(model, tokenizer, facts) for the run: a local checkpoint, or the warmed built-in."""
+def prepare_policy(
+    cfg: RunConfig, phase: Phase = _log_phase, progress: Progress = SILENT
+) -> tuple[Any, Any, dict[str, Any]]:
+    """(model, tokenizer, facts) for the run: a local checkpoint, or the warmed built-in
+    (its warm-up reports a ``warmup`` phase to ``progress``)."""
     from staleflow.models.checkpoint import load_pretrained
 
     m = cfg.model
@@ -160,6 +165,7 @@ def prepare_policy(cfg: RunConfig, phase: Phase = _log_phase) -> tuple[Any, Any,
         seed=cfg.seed,
         target_accuracy=m.warmup_target or None,
         cache_dir=m.cache_dir or None,
+        progress=progress,
     )
     model, tokenizer = load_pretrained(path)
     meta = read_warmup_meta(path)
@@ -252,9 +258,12 @@ def launch(
     stop: threading.Event | None = None,
     handle_signals: bool = False,
     on_started: OnStarted | None = None,
+    progress: Progress = SILENT,
 ) -> RunResult:
     """Run ``cfg`` to the end; see the module docstring. Every message about what the
-    launch is doing goes through ``on_phase`` (one callback, for progress displays).
+    launch is doing goes through ``on_phase`` (one callback); the long waits (warm-up,
+    scoring, actor start-up, first buffer, training) report their steps, metrics and time
+    left to ``progress`` (``staleflow.progress``: bars in a terminal, lines in a log).
 
     ``resume``: a checkpoint :func:`staleflow.runtime.resume.check_resume` verified, with
     the configuration it returned. ``stop``: set it to stop the run gracefully;
@@ -273,14 +282,23 @@ def launch(
         # after Ray joined: ray.init installs a SIGTERM handler of its own
         with graceful_stop(stop, phase) if handle_signals else contextlib.nullcontext():
             return _launch_on(
-                cluster, placement, cfg, phase, on_record, on_tick, on_started, resume, stop
+                cluster,
+                placement,
+                cfg,
+                phase,
+                on_record,
+                on_tick,
+                on_started,
+                progress,
+                resume,
+                stop,
             )
     finally:
         cluster.shutdown()
 
 
 def _prepare(
-    cfg: RunConfig, phase: Phase, resume: Checkpoint | None
+    cfg: RunConfig, phase: Phase, resume: Checkpoint | None, progress: Progress
 ) -> tuple[Any, Any, PromptDataset, dict[str, Any], ResumePoint | None]:
     """The policy, tokenizer and prompts; a resumed run's from its checkpoint."""
     from staleflow.data.layouts import DatasetError
@@ -289,7 +307,7 @@ def _prepare(
     started = time.monotonic()
     try:
         if resume is None:
-            model, tokenizer, facts = prepare_policy(cfg, phase)
+            model, tokenizer, facts = prepare_policy(cfg, phase, progress)
         else:
             from staleflow.models.checkpoint import load_pretrained
 
@@ -308,9 +326,8 @@ def _prepare(
 
         point = restore_state(cfg, resume, dataset)
     elif cfg.eval_problems and cfg.data.task == "arithmetic":
-        phase(f"scoring the initial policy on {cfg.eval_problems} held-out problems")
         facts["eval_problems"] = cfg.eval_problems
-        facts["eval_reward_start"] = held_out_reward(cfg, model, tokenizer)
+        facts["eval_reward_start"] = held_out_reward(cfg, model, tokenizer, progress)
     facts["prepare_s"] = time.monotonic() - started
     return model, tokenizer, dataset, facts, point
 
@@ -323,10 +340,11 @@ def _launch_on(
     on_record: Callable[[StepRecord], None] | None,
     on_tick: Callable[[Any], None] | None,
     on_started: OnStarted | None,
+    progress: Progress,
     resume: Checkpoint | None,
     stop: threading.Event,
 ) -> RunResult:
-    model, tokenizer, dataset, facts, point = _prepare(cfg, phase, resume)
+    model, tokenizer, dataset, facts, point = _prepare(cfg, phase, resume, progress)
     if resume is None:
         out = RunOutput.create(cfg)
     else:  # the steps after the checkpoint are done again
@@ -334,8 +352,10 @@ def _launch_on(
     phase(f"run folder {out.path}")
     run = Run(cfg, out.path, cluster=cluster, placement=placement, phase=phase)
     records = [StepRecord.from_flat(r) for r in resume.metrics] if resume is not None else []
+    waits = TrainingWaits(progress, cfg, on_tick)
 
     def record(rec: StepRecord) -> None:
+        waits.record(rec)
         records.append(rec)
         out.record(rec)
         if on_record is not None:
@@ -344,12 +364,10 @@ def _launch_on(
     stop_watching: Callable[[], None] | None = None
     failed = True
     try:
-        phase(
-            f"starting actors: {cfg.rollout.instances} rollout, {cfg.reward.workers} reward, "
-            f"trainer, TS, {len(placement.pool('parameter_server'))} PS, control"
-        )
         try:
-            run.start(model, tokenizer, dataset, point)
+            ps_replicas = len(placement.pool("parameter_server"))
+            with actors_phase(progress, cfg, ps_replicas) as stages:
+                run.start(model, tokenizer, dataset, stages, point)
         except LaunchError:
             raise
         except Exception as exc:  # an actor that failed to start: name it, no Ray traceback
@@ -359,7 +377,8 @@ def _launch_on(
             stop_watching = on_started(run)
         todo = cfg.steps - run.steps_before
         phase(f"training {todo} steps with eta={cfg.eta}" + (" (resumed)" if resume else ""))
-        reports = run.train(todo, record, on_tick, stop=stop)
+        with waits:
+            reports = run.train(todo, record, waits.on_tick(), stop=stop)
         stopped = len(reports) < todo
         if not stopped:
             run.save_checkpoint(out.path / "checkpoint")
@@ -374,7 +393,7 @@ def _launch_on(
         from staleflow.models.checkpoint import load_pretrained
 
         final, _ = load_pretrained(out.path / "checkpoint")
-        facts["eval_reward_end"] = held_out_reward(cfg, final, tokenizer)
+        facts["eval_reward_end"] = held_out_reward(cfg, final, tokenizer, progress, "final")
     last = run.checkpoints[-1] if run.checkpoints else None
     facts["stopped"] = stopped
     if last is not None:

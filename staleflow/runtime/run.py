@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from staleflow.config import RunConfig
+from staleflow.progress import SILENT_PHASE, Phase
 from staleflow.runtime.errors import LaunchError
 
 if TYPE_CHECKING:
@@ -183,11 +184,14 @@ class Run:
         model: Any,
         tokenizer: Any,
         dataset: PromptDataset,
+        stages: Phase = SILENT_PHASE,
         resume: ResumePoint | None = None,
     ) -> None:
-        """Start every pool; with ``resume``, from that checkpoint: the TS and the
-        manager as restored, the PS and the trainer at its version (the trainer's
-        weights, optimizer and RNG), the instances Pulling that version first."""
+        """Build the pools; ``stages`` (the launch's ``actors`` phase) advances once per
+        pool (``staleflow.runtime.phases.ACTOR_STAGES``). With ``resume``, from that
+        checkpoint: the TS and the manager as restored, the PS and the trainer at its
+        version (the trainer's weights, optimizer and RNG), the instances Pulling that
+        version first."""
         from parameter_server import Layout
         from parameter_server.torch_compat import state_dict_to_numpy
         from staleflow.data import PromptSampler
@@ -238,14 +242,17 @@ class Run:
             resolver=recovery.resolver,
             snapshot_timeout_s=rec.snapshot_timeout_s,
         )
+        stages.advance(detail="control plane and TS up")
         # a resumed run's weights are the trainer checkpoint's, as its own version
         weights = state_dict_to_numpy(policy_state(model))
         self.ps = build_parameter_server(
             ctx, cfg.parameter_server, Layout.from_dict(spec.layout), weights, version
         )
+        stages.advance(detail="PS up")
         self.reward_pool = build_rewards(
             ctx, RewardSpec(cfg.reward, spec.tokenizer), self.control, self.tag
         )
+        stages.advance(detail="reward workers up")
         self.rollout = build_rollout(
             ctx,
             rollout_spec(
@@ -271,10 +278,12 @@ class Run:
                 list(resume.metrics) if resume is not None else [],
             )
         )
+        stages.advance(detail="rollout instances up")
         resume_from = str(resume.checkpoint.trainer_dir) if resume is not None else ""
         self.trainer = build_trainer(
             ctx, trainer_spec(cfg, spec, self.run_dir, resume_from), self.ps, self.control, recovery
         )
+        stages.advance(detail="trainer up")
         if resume is not None:
             got = self.trainer.version()
             if got != version:

@@ -32,7 +32,7 @@ def nixl_ok() -> None:
 
         make_agent(new_agent_name("probe"))
     except TransportUnavailableError as exc:
-        pytest.skip(f"NIXL unavailable here: {exc}")
+        pytest.skip(f"NIXL unavailable here ({exc}); scripts/setup dev installs it")
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -51,41 +52,58 @@ def test_pull_returns_exactly_what_was_pushed(layout: Layout, make_weights: Weig
 
 
 def test_concurrent_pulls_never_see_a_mix_of_versions() -> None:
+    """Two reader threads (latest, and the oldest held) race a writer. The race is counted,
+    not hoped for: a Pull that saw `finished` = f before it began and `started` = s after
+    it ended overlapped a Push when s > f, and the writer pushes until each reader has
+    made `overlaps` such Pulls over at least 4 versions (a hang is pytest-timeout's)."""
     layout = uniform_layout()
     store = VersionedStore(layout, num_slots=3)
     store.push(filled(layout, 0))
+    pushes = {"started": 0, "finished": 0}  # one writer; readers only read them
+    overlaps = 10
     stop = threading.Event()
-    seen: list[int] = []
+    begin = threading.Barrier(3)
+    overlapping = [0, 0]
+    seen: list[set[int]] = [set(), set()]
     failures: list[str] = []
 
-    def reader(pick_previous: bool) -> None:
+    def reader(i: int, pick_previous: bool) -> None:
         dest = np.empty(layout.nbytes, np.uint8)
+        begin.wait()
         while not stop.is_set():
             want = None
             if pick_previous:
                 held = store.versions()
                 want = held[0] if held else None
+            before = pushes["finished"]
             try:
                 got = store.pull(dest, want)
             except VersionNotHeldError:
                 continue  # the version was retired between versions() and pull()
+            overlapping[i] += pushes["started"] > before
             for name, view in layout.views(dest).items():
                 if not (view == got).all():
                     failures.append(f"v{got}: {name} holds {np.unique(view)[:5]}")
-            seen.append(got)
+            seen[i].add(got)
 
-    readers = [threading.Thread(target=reader, args=(p,)) for p in (False, True)]
+    def raced_enough() -> bool:
+        return all(n >= overlaps for n in overlapping) and all(len(s) >= 4 for s in seen)
+
+    readers = [threading.Thread(target=reader, args=(i, i == 1)) for i in range(2)]
     for t in readers:
         t.start()
+    begin.wait()
     v = 0
-    # push on until the readers really raced the writer, however they are scheduled
-    while len(seen) <= 20 or len(set(seen)) <= 3:
+    while not raced_enough():
         v += 1
+        pushes["started"] = v
         store.push(filled(layout, v), v)
+        pushes["finished"] = v
     stop.set()
     for t in readers:
         t.join()
     assert not failures, failures[:3]
+    assert raced_enough(), f"overlapping Pulls {overlapping}, versions seen {seen}"
 
 
 def test_pull_of_latest_does_not_wait_for_a_push_in_flight() -> None:
@@ -117,7 +135,12 @@ def test_push_waits_for_readers_of_the_slot_it_needs() -> None:
         pushed.set()
 
     threading.Thread(target=push).start()
-    assert not pushed.wait(0.3), "Push overwrote a slot that was being read"
+    # wait until the Push is under way (it has retired v0 and holds the Push flag), then
+    # it can only be waiting for the reader: it must not have finished or written
+    while not store.info().pushing:  # (a Push that never starts: pytest-timeout)
+        time.sleep(0.001)
+    assert store.versions() == (1,)
+    assert not pushed.is_set(), "Push overwrote a slot that was being read"
     assert (reading.view.view(np.int32)[:1024] == 0).all()
     with pytest.raises(VersionNotHeldError):  # already retired: no new reader gets v0
         store.acquire_read(0)

@@ -10,6 +10,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -86,39 +87,68 @@ def test_auto_picks_shared_memory_on_the_same_host(worker: PSWorker) -> None:
         assert isinstance(t, ShmTransport)
 
 
-def _reader(endpoint: Endpoint, name: str, rounds: int, out: mp.Queue) -> None:
-    failures, versions = [], []
-    with connect(endpoint, name) as t:
-        dest = np.empty(t.layout.nbytes, np.uint8)
-        for _ in range(rounds):
-            v = t.pull(dest)
-            big = t.layout.views(dest)["big"]
-            if not (big == v).all():
-                failures.append(v)
-            versions.append(v)
-            while t.info().latest == v:  # the next Pull races a newer Push, whatever the load
-                pass
-    out.put((failures, versions))
+# Shared by the writer (this process) and a reader process: how many Pushes have started
+# and finished. A Pull that read `finished` = f before it began and `started` = s after it
+# ended overlapped a Push when s > f: Push f + 1 started before the Pull ended and had not
+# finished when it began.
+OVERLAPPING_READS = 20  # what the reader must see before it stops
+DISTINCT_VERSIONS = 5
+
+
+def _reader(
+    endpoint: Endpoint, name: str, started: Any, finished: Any, ready: Any, done: Any, out: Any
+) -> None:
+    failures, versions, overlapping = [], set(), 0
+    try:
+        with connect(endpoint, name) as t:
+            dest = np.empty(t.layout.nbytes, np.uint8)
+            ready.set()
+            while overlapping < OVERLAPPING_READS or len(versions) < DISTINCT_VERSIONS:
+                before = finished.value
+                v = t.pull(dest)
+                overlapping += started.value > before
+                big = t.layout.views(dest)["big"]
+                if not (big == v).all():
+                    failures.append(v)
+                versions.add(v)
+    finally:
+        done.set()
+        out.put((failures, sorted(versions), overlapping))
 
 
 @pytest.mark.parametrize("name", ["shm", "socket"])
 def test_a_reader_process_never_sees_a_mix_while_the_writer_pushes(name: str) -> None:
+    """Reads and Pushes provably overlap (counted, not hoped for from timing): the writer
+    starts once the reader is connected and pushes until the reader has made
+    OVERLAPPING_READS Pulls during a Push, so a busy machine only makes it take longer."""
     layout = Layout([ParamSpec("big", (1 << 20,), "int32")])
     ctx = mp.get_context("spawn")
+    started, finished = ctx.Value("q", 0, lock=False), ctx.Value("q", 0, lock=False)
+    ready, done, out = ctx.Event(), ctx.Event(), ctx.Queue()
     with PSWorker.start(layout, num_slots=3) as w, connect(w.endpoint, "shm") as writer:
         writer.push({"big": np.zeros(1 << 20, np.int32)})
-        out = ctx.Queue()
-        reader = ctx.Process(target=_reader, args=(w.endpoint, name, 150, out))
+        reader = ctx.Process(
+            target=_reader, args=(w.endpoint, name, started, finished, ready, done, out)
+        )
         reader.start()
-        v = 0
-        while reader.is_alive():  # pushes until the reader has made all its Pulls
-            v += 1
-            writer.push({"big": np.full(1 << 20, v, np.int32)})
-        reader.join()
+        try:
+            while not (ready.wait(0.05) or done.is_set()):  # connected, or failed to
+                pass
+            v = 0
+            while not done.is_set():
+                v += 1
+                started.value = v
+                writer.push({"big": np.full(1 << 20, v, np.int32)})
+                finished.value = v
+            failures, versions, overlapping = out.get()
+        finally:
+            reader.join(60)  # it stops by itself once done is set; this is for a failure
+            if reader.is_alive():
+                reader.kill()
         assert reader.exitcode == 0, f"the reader process failed (exit code {reader.exitcode})"
-        failures, versions = out.get()
     assert not failures, f"mixed versions seen: {failures[:5]}"
-    assert versions == sorted(set(versions)) and len(versions) == 150  # a new one each
+    assert overlapping >= OVERLAPPING_READS, f"only {overlapping} Pulls overlapped a Push"
+    assert len(versions) >= DISTINCT_VERSIONS, versions
 
 
 def test_bad_requests_leave_the_worker_unchanged(worker: PSWorker, make_weights) -> None:

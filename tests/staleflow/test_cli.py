@@ -193,3 +193,20 @@ def test_cli_profile_refuses_a_folder_as_output_before_profiling(capsys, tmp_pat
     assert main(["profile", "-o", str(tmp_path)]) == 2
     err = capsys.readouterr()
     assert "is a folder" in err.err and "n=" not in err.out  # nothing was timed
+
+
+def test_cli_launch_interrupted_says_so_without_a_traceback(capsys, monkeypatch):
+    from staleflow.runtime import launch as launching
+
+    def interrupted(cfg, **kwargs):
+        # launch's own teardown (its finally blocks) has run by the time this propagates
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launching, "launch", interrupted)
+    try:
+        code = main(["launch", "--no-dashboard", "--no-live", "--steps", "1"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C reached the caller (a traceback for the user)")
+    assert code == 130
+    out = capsys.readouterr().out
+    assert "interrupted, the actors stopped" in out and "Traceback" not in out

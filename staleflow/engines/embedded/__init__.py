@@ -1,4 +1,4 @@
-"""The embedded CPU rollout engine (needs the ``torch`` extra: torch and transformers)."""
+"""The embedded CPU rollout engine (needs torch and transformers, part of the default install)."""
 
 from staleflow.engines.embedded.config import EmbeddedEngineConfig
 from staleflow.engines.embedded.engine import EmbeddedEngine

@@ -29,9 +29,11 @@ def check_installed() -> None:
     if importlib.util.find_spec("megatron") is None or (
         importlib.util.find_spec("megatron.core") is None
     ):
+        from staleflow.install import missing
+
         raise TrainerSetupError(
-            "trainer.backend=megatron needs megatron-core, which is not installed: "
-            "pip install 'staleflow[megatron]' (or use trainer.backend=embedded)"
+            f"trainer.backend=megatron needs {missing('megatron-core', extra='megatron')} "
+            "(or use trainer.backend=embedded)"
         )
 
 

@@ -114,7 +114,9 @@ def test_hf_adapter_without_transformers_says_how_to_install(monkeypatch, tmp_pa
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_transformers)
-    with pytest.raises(ImportError, match=r"staleflow\[torch\]"):
+    with pytest.raises(
+        ImportError, match=r"transformers .*is missing.*-m pip install -c \S*constraints\.txt -e "
+    ):
         HFTokenizer(tmp_path)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -12,7 +13,10 @@ pytest.importorskip("transformers")
 
 from staleflow.data.synthetic import ArithmeticConfig, ArithmeticTask, Problem  # noqa: E402
 from staleflow.models import build_arithmetic_model, policy_state  # noqa: E402
+from staleflow.models import threads as threads_module  # noqa: E402
 from staleflow.models import warmup as warmup_module  # noqa: E402
+from staleflow.models.sampling import evaluate_accuracy  # noqa: E402
+from staleflow.models.threads import idle_cores  # noqa: E402
 from staleflow.models.warmup import (  # noqa: E402
     DEFAULT_PRESET,
     META_FILE,
@@ -21,10 +25,9 @@ from staleflow.models.warmup import (  # noqa: E402
     default_task_config,
     ensure_warm_checkpoint,
     ensure_warm_model,
-    evaluate_accuracy,
-    sample_responses,
     warmup,
 )
+from staleflow.progress import PhaseState, Progress  # noqa: E402
 
 LEVEL1 = ArithmeticConfig.level(1)
 
@@ -71,29 +74,6 @@ def test_warmup_rejects_bad_settings():
         warmup(model, tokenizer, ArithmeticTask(LEVEL1), steps=0)
     with pytest.raises(ValueError, match="lr"):
         warmup(model, tokenizer, ArithmeticTask(LEVEL1), steps=1, lr=0.0)
-
-
-def test_sampling_is_reproducible_and_accuracy_is_a_fraction():
-    model, tokenizer = build_arithmetic_model("micro")
-    prompts = ["1+2=", "13+4=", "7-8="]
-    a = sample_responses(model, tokenizer, prompts, temperature=1.0, max_new_tokens=6, seed=3)
-    b = sample_responses(model, tokenizer, prompts, temperature=1.0, max_new_tokens=6, seed=3)
-    assert a == b and len(a) == 3 and all(len(r) <= 6 for r in a)
-    greedy = sample_responses(model, tokenizer, prompts, temperature=0.0, max_new_tokens=6)
-    assert greedy == sample_responses(model, tokenizer, prompts, temperature=0.0, max_new_tokens=6)
-    with pytest.raises(ValueError, match="temperature"):
-        sample_responses(model, tokenizer, prompts, temperature=-1.0)
-    accuracy = evaluate_accuracy(model, tokenizer, ArithmeticTask(LEVEL1), n=16, temperature=1.0)
-    assert 0.0 <= accuracy <= 1.0
-
-
-def test_evaluate_accuracy_counts_right_answers(monkeypatch):
-    model, tokenizer = build_arithmetic_model("micro")
-    task = ArithmeticTask(LEVEL1)
-    problems = task.problems(4)
-    answers = [f"9+9={p.answer}" for p in problems[:3]] + ["nope"]
-    monkeypatch.setattr(warmup_module, "sample_responses", lambda *a, **k: answers)
-    assert evaluate_accuracy(model, tokenizer, task, n=4) == 0.75
 
 
 def test_ensure_warm_checkpoint_builds_once_then_reuses(tmp_path, monkeypatch):
@@ -200,3 +180,150 @@ def test_default_warmup_leaves_room_for_rl(tmp_path, request, seed):
     print(f"seed {seed}: warm-up {seconds:.0f}s, accuracy T=1 {accuracy:.3f}, greedy {greedy:.3f}")
     assert 0.15 <= accuracy <= 0.60
     assert greedy >= accuracy - 0.05
+
+
+class _Phases:
+    """Keeps every state a Progress reports."""
+
+    def __init__(self) -> None:
+        self.states: list[tuple[str, PhaseState]] = []
+
+    def started(self, state: PhaseState) -> None:
+        self.states.append(("started", state))
+
+    def updated(self, state: PhaseState) -> None:
+        self.states.append(("updated", state))
+
+    def finished(self, state: PhaseState) -> None:
+        self.states.append(("finished", state))
+
+
+def test_the_warm_up_reports_steps_loss_accuracy_and_its_target(tmp_path, monkeypatch):
+    calls = iter([0.05, 0.5])  # the second check reaches the target
+    monkeypatch.setattr(warmup_module, "evaluate_accuracy", lambda *a, **k: next(calls))
+    every = warmup_module.CHECK_EVERY
+    seen = _Phases()
+    kwargs = dict(steps=10 * every, batch_size=2, lr=1e-2, cache_dir=tmp_path, eval_problems=0)
+    ensure_warm_checkpoint("micro", LEVEL1, target_accuracy=0.3, progress=Progress(seen), **kwargs)
+    kinds = [kind for kind, _ in seen.states]
+    assert kinds[0] == "started" and kinds[-1] == "finished"
+    first = seen.states[0][1]
+    assert (first.key, first.total, first.unit) == ("warmup", 10 * every, "steps")
+    assert first.upper_bound and first.goal == "accuracy 30%"
+    updates = [s for kind, s in seen.states if kind == "updated"]
+    steps = [s.done for s in updates]
+    assert steps == sorted(steps) and steps[-1] == 2 * every  # every step, to the stop
+    assert all(s.metrics["loss"] > 0 for s in updates)
+    assert [s.metrics.get("accuracy") for s in updates if s.done == every][-1] == 0.05
+    last = seen.states[-1][1]
+    assert last.metrics["accuracy"] == 0.5 and not last.failed
+    assert f"stopped at step {2 * every}" in last.note
+    # a cache hit has nothing to wait for: no phase at all
+    again = _Phases()
+    ensure_warm_checkpoint("micro", LEVEL1, target_accuracy=0.3, progress=Progress(again), **kwargs)
+    assert again.states == []
+
+
+def _machine(monkeypatch, readings):
+    """Fake /proc/stat, process CPU time and wall clock, one tuple per reading:
+    (idle jiffies, total jiffies, own CPU seconds, wall seconds) on 2 CPUs."""
+    readings = iter(readings)
+    current = {}
+
+    def cpu_times():
+        current.update(zip(("idle", "total", "own", "wall"), next(readings), strict=True))
+        return current["idle"], current["total"]
+
+    monkeypatch.setattr(threads_module, "_cpu_times", cpu_times)
+    monkeypatch.setattr(threads_module.time, "process_time", lambda: current["own"])
+    monkeypatch.setattr(threads_module.time, "monotonic", lambda: current["wall"])
+    monkeypatch.setattr(threads_module.time, "sleep", lambda s: None)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+
+
+@pytest.mark.parametrize(("idle_share", "threads"), [(1.0, 2), (0.8, 2), (0.6, 1), (0.0, 1)])
+def test_the_warm_up_starts_on_the_cores_idle_now(monkeypatch, idle_share, threads):
+    # over one second, idle_share of the two CPUs' time was idle; this process slept
+    _machine(monkeypatch, [(0.0, 0.0, 5.0, 0.0), (200.0 * idle_share, 200.0, 5.0, 1.0)])
+    assert idle_cores() == threads
+
+
+def test_free_cores_count_only_what_other_processes_use(monkeypatch):
+    _machine(
+        monkeypatch,
+        [
+            (0, 0, 0.0, 0.0),
+            (0, 200, 2.0, 1.0),  # both CPUs busy, all of it this process: 2 free
+            (0, 400, 3.0, 2.0),  # both busy, this process used 1: another job holds 1
+            (100, 600, 4.0, 3.0),  # half idle, this process used 1: the other job left
+        ],
+    )
+    free = threads_module.FreeCores()
+    assert [free(), free(), free()] == [2, 1, 2]
+
+
+@pytest.mark.parametrize(("load", "threads"), [(0.0, 2), (0.4, 2), (1.0, 1), (7.5, 1)])
+def test_without_proc_stat_the_load_average_decides(monkeypatch, load, threads):
+    monkeypatch.setattr(threads_module, "_cpu_times", lambda: None)
+    monkeypatch.setattr(threads_module.time, "sleep", lambda s: None)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    assert idle_cores() == threads
+
+
+def test_the_warm_up_follows_the_free_cores_as_other_jobs_come(tmp_path, monkeypatch):
+    free = iter([1, 2])  # at step CHECK_EVERY another job holds a core; later it is gone
+
+    class Share:
+        def __call__(self):
+            return next(free)
+
+    monkeypatch.setattr(warmup_module, "idle_cores", lambda: 2)
+    monkeypatch.setattr(warmup_module, "FreeCores", Share)
+    every = warmup_module.CHECK_EVERY
+    seen = _Phases()
+    ensure_warm_checkpoint(
+        "micro",
+        LEVEL1,
+        steps=2 * every,
+        batch_size=2,
+        lr=1e-2,
+        cache_dir=tmp_path,
+        eval_problems=0,
+        progress=Progress(seen),
+    )
+    details = {s.done: s.detail for kind, s in seen.states if kind == "updated"}
+    assert details[1] == "2 threads" and details[every - 1] == "2 threads"
+    assert details[every] == "1 thread" and details[2 * every - 1] == "1 thread"
+    assert details[2 * every] == "2 threads"
+
+
+def test_cpu_times_read_this_machine():
+    times = threads_module._cpu_times()
+    if times is not None:  # Linux
+        idle, total = times
+        assert 0 <= idle <= total and total > 0
+
+
+def test_the_threads_benchmark_prints_a_row_per_setting(tmp_path, capsys, monkeypatch):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "experiments" / "bench_warmup.py"
+    spec = importlib.util.spec_from_file_location("bench_warmup", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(
+        bench, "build_arithmetic_model", lambda *a, **k: build_arithmetic_model("micro")
+    )
+    out = tmp_path / "bench.json"
+    monkeypatch.setattr(
+        sys, "argv", ["bench_warmup", "--rounds", "1", "--steps", "1", "--json", str(out)]
+    )
+    assert bench.main() == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert "1 thread" in rows and any(name.startswith("idle_cores()") for name in rows)
+    assert all(r["median_s"] > 0 for r in rows.values())
+    assert "s/step (median)" in capsys.readouterr().out

@@ -106,7 +106,9 @@ def test_as_reward_rejects_junk(value, expected):
 
 def test_math_verify_missing_says_how_to_install(monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
-    with pytest.raises(ImportError, match=r"pip install 'staleflow\[math\]'"):
+    with pytest.raises(
+        ImportError, match=r"math-verify is missing.*-m pip install -c \S*constraints\.txt -e "
+    ):
         require_math_verify()
     monkeypatch.setitem(sys.modules, "math_verify", None)  # makes the import fail
     with pytest.raises(ImportError) as err:

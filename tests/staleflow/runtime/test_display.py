@@ -4,11 +4,14 @@ figures. Rendered with rich as the CLI does, then read back as text."""
 
 from __future__ import annotations
 
+import io
+
 from rich.console import Console
 
 from coordinator.types import InstanceSnapshot
+from staleflow.progress import Progress
 from staleflow.runtime.control import LiveState
-from staleflow.runtime.display import live_panel, step_line, summary_table
+from staleflow.runtime.display import LaunchView, live_panel, step_line, summary_table
 from staleflow.runtime.record import StepRecord
 from staleness import StalenessConfig, StalenessManager
 
@@ -63,3 +66,67 @@ def test_step_line_and_summary_carry_the_figures():
     assert "0.250 → 0.400" in text
     assert "1.00% / 2.00% / 0.00%" in text
     assert "812.5 trained tokens/s" in text
+
+
+# -- the waits before training ------------------------------------------------------------
+
+
+def _terminal(width: int = 140) -> tuple[Console, io.StringIO]:
+    out = io.StringIO()
+    return Console(file=out, force_terminal=True, width=width, color_system=None), out
+
+
+def test_a_terminal_gets_a_live_bar_with_steps_metrics_and_time_left():
+    console, out = _terminal()
+    clock = [0.0]
+    view = LaunchView(console)
+    assert view.terminal is not None  # a terminal: bars, not lines
+    progress = Progress(view.terminal, clock=lambda: clock[0])
+    with view:
+        phase = progress.phase(
+            "warmup", "warming up", total=1200, unit="steps", upper_bound=True, goal="accuracy 25%"
+        )
+        clock[0] = 40.0
+        phase.update(done=300, loss=1.25, accuracy=0.125)
+        drawn = _text(view.terminal._renderable())
+        phase.finish("stopped at step 300")
+        after = _text(view.terminal._renderable())
+    assert "warming up" in drawn and "━" in drawn  # the bar
+    assert "300/1200 steps" in drawn and "loss 1.25" in drawn and "accuracy 12.5%" in drawn
+    assert "stops at accuracy 25%" in drawn and "at most 2m00s left" in drawn
+    assert "warming up" not in after  # a finished phase leaves the live area ...
+    printed = out.getvalue()
+    assert "warming up: done in 40s, 300/1200 steps" in printed  # ... for a line above it
+    assert "stopped at step 300" in printed
+
+
+def test_output_that_is_not_a_terminal_gets_plain_lines():
+    out = io.StringIO()
+    console = Console(file=out, width=80)  # a pipe, a log file, nohup
+    view = LaunchView(console, every_s=0)
+    assert view.terminal is None and console.soft_wrap  # whole lines, never cut at 80
+    with view, view.progress.phase("actors", "starting actors: " + "x" * 90, total=5) as phase:
+        phase.advance(detail="Ray up")
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("starting actors: xxx") and lines[0].endswith("... (5)")
+    assert "1/5 (20%), Ray up" in lines[1]
+    assert lines[-1].endswith("done in 0s, 1/5")
+    assert "\x1b" not in out.getvalue()
+
+
+def test_no_live_in_a_terminal_means_plain_lines_too():
+    console, _ = _terminal()
+    assert LaunchView(console, live=False).terminal is None
+
+
+def test_the_buffers_panel_goes_when_training_ends():
+    console, _ = _terminal()
+    view = LaunchView(console)
+    manager = StalenessManager(StalenessConfig(eta=1, batch_size=1, group_size=1))
+    live = LiveState(manager.view(), (), None, 0, 0, 0, 1.0)
+    with view:
+        training = view.progress.phase("training", "training", total=2, unit="steps")
+        view.on_tick(live)
+        assert "buffer 0" in _text(view.terminal._renderable())
+        training.finish()
+        assert "buffer 0" not in _text(view.terminal._renderable())

@@ -83,7 +83,7 @@ def test_an_actor_that_fails_to_start_is_a_launch_error_and_leaves_no_run_folder
     from staleflow.runtime import launch as launching
     from staleflow.runtime.run import Run
 
-    def failing_start(self, model, tokenizer, dataset, resume=None):
+    def failing_start(self, model, tokenizer, dataset, *rest):
         raise RuntimeError("ray.exceptions.ActorDiedError: ...\nPSWorker: no shared memory left")
 
     monkeypatch.setattr(Run, "start", failing_start)

@@ -105,6 +105,10 @@ def test_every_actor_lands_where_its_plan_says_and_weights_take_the_planned_rout
     from staleflow.runtime.record import StepRecord
 
     c, node = cluster
+    # Ray's state API (list_actors) takes RAY_ADDRESS over its address argument (ray
+    # 2.5x dashboard/utils.py get_address_for_submission_client): RAY_ADDRESS=local, as
+    # the default suite may run, would send it to a local Ray instead of this cluster
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     cfg = load_config(None, [*COMMON, f"address={c.address}", f"run_dir={tmp_path}"])
     seen: dict[str, object] = {}
 

@@ -227,7 +227,9 @@ def test_megatron_core_missing_stops_launch(tmp_path, monkeypatch):
         "find_spec",
         lambda name, *a: None if name.startswith("megatron") else real(name, *a),
     )
-    with pytest.raises(LaunchError, match=r"pip install 'staleflow\[megatron\]'"):
+    with pytest.raises(
+        LaunchError, match=r"megatron-core is missing.*-m pip install .*\[megatron\]"
+    ):
         check_backends(_config(tmp_path))
 
 
