@@ -4,7 +4,11 @@ For tests and benchmarks of Megatron ranks on one machine: each child gets its r
 world size and rank 0's rendezvous address (for
 :func:`staleflow.trainers.megatron.rank.init_distributed`), and rank 0's return value
 comes back. A child that raises has its traceback reported by the parent; a child that
-hangs is killed after ``timeout_s``.
+hangs is killed after ``timeout_s``; a child that dies by a signal is named with it.
+
+Each child destroys its process group before it exits: left to interpreter finalization,
+gloo's worker threads can release tensors after Python is gone and abort the process
+(SIGABRT; pytorch/pytorch#179291 describes it) after its work was done.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import signal
 import socket
 import tempfile
 import traceback
@@ -59,12 +64,27 @@ def run_local(
         errors = sorted(out.glob("error-*.txt"))
         if errors:
             raise LocalRunError("\n".join(e.read_text() for e in errors))
-        if hung or any(p.exitcode for p in procs):
+        if hung:
+            raise LocalRunError(f"ranks {hung} hung for {timeout_s}s and were killed")
+        died = {i: p.exitcode for i, p in enumerate(procs) if p.exitcode}
+        if died:
+            returned = "had" if (out / "result.pkl").exists() else "had not"
             raise LocalRunError(
-                f"ranks {hung} hung for {timeout_s}s; exit codes {[p.exitcode for p in procs]}"
+                ", ".join(f"rank {i} {_ended(code)}" for i, code in died.items())
+                + f" without a traceback (rank 0 {returned} returned its result); "
+                "its stderr holds the reason"
             )
         with open(out / "result.pkl", "rb") as f:
             return pickle.load(f)
+
+
+def _ended(exitcode: int) -> str:
+    if exitcode < 0:
+        try:
+            return f"died by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"died by signal {-exitcode}"
+    return f"exited with status {exitcode}"
 
 
 def _child(
@@ -88,3 +108,14 @@ def _child(
     except BaseException:
         Path(out, f"error-{rank}.txt").write_text(f"rank {rank}:\n{traceback.format_exc()}")
         raise
+    finally:
+        _leave_group()
+
+
+def _leave_group() -> None:
+    """Destroy the process group while the interpreter is whole (see the module doc)."""
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -160,8 +160,16 @@ class RankActor:
             )
 
     def close(self) -> None:
-        if self._rank is not None:
-            self._rank.close()
+        """Finish the Push in flight and leave the process group (the actor is killed
+        next; a group left to interpreter teardown can abort the process)."""
+        import torch.distributed as dist
+
+        try:
+            if self._rank is not None:
+                self._rank.close()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def _ps_version(routes: Sequence[ReplicaRoute]) -> int:

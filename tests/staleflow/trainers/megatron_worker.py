@@ -138,3 +138,29 @@ def _hold_pushes(r: Any, last: int) -> None:
     client.push = held_push
     pusher.push_async = watched_push_async
     optimizer.step = watched_step
+
+
+def group_at_exit(rank: int, world: int, address: str, path: str) -> int:
+    """Join a gloo group and leave it to ``run_local``: at exit, write whether the group
+    was still up (an atexit handler runs before the interpreter is torn down)."""
+    import atexit
+
+    import torch.distributed as dist
+
+    from staleflow.trainers.megatron.rank import init_distributed
+
+    init_distributed(rank, world, address)
+
+    def record() -> None:
+        with open(f"{path}-{rank}", "w") as f:
+            f.write(str(dist.is_initialized()))
+
+    atexit.register(record)
+    return dist.get_world_size()
+
+
+def abort(rank: int, world: int, address: str, payload: object) -> None:
+    import os
+    import signal
+
+    os.kill(os.getpid(), signal.SIGABRT)
