@@ -18,11 +18,20 @@ nothing there), because a replica publishes a version once all declared senders 
 The bytes travel over each replica's control socket (a Unix socket on its node, TCP
 across nodes: the PS workers of a multi-node run listen on TCP); every (rank, replica)
 link is taken as equal, so the plan balances bytes.
+
+A replica can be lost (its process died) and restarted empty at a new endpoint. A
+:class:`ShardPushGroup` then stops sending to the lost one and goes on with the others;
+once the replica is back, every rank reconnects to it (:meth:`~ShardPushGroup.reconnect`)
+and sends it its pieces of the current version (:meth:`~ShardPushGroup.push_to`): a
+fresh replica takes any version first, so it publishes that version once every rank's
+pieces arrived.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +48,11 @@ from parameter_server.layout import Layout, Slice
 from parameter_server.plan import Link, build_plan
 from parameter_server.replicas import ReplicaRoute
 from parameter_server.transport.base import ControlClient, Endpoint
+
+logger = logging.getLogger(__name__)
+
+# what a sender sees of a replica whose process died
+LOST = (TransportError, OSError)
 
 # Every rank's link to the PS is taken as equal: the plan then balances bytes.
 _DEFAULT_LINK = Link(bandwidth=1e9, latency=1e-4)
@@ -229,22 +243,40 @@ class ShardPushGroup:
                 f"every one of the {len(tp_ranks)} ranks needs routes to the same replicas "
                 f"{replicas} (ranks {odd} differ); build them from one PS pool"
             )
-        plan = plan_shard_push(converter, tp_ranks, replicas, stages)[rank]
         self.rank = rank
+        self._converter, self._tp_ranks = converter, list(tp_ranks)
+        self._plan = plan_shard_push(converter, tp_ranks, replicas, stages)[rank]
+        self._endpoints = {r.replica: r.endpoint for r in routes[rank]}
         self._clients: dict[str, ShardPushClient] = {}
+        self._lost: set[str] = set()
+        # a Push and a reconnect never interleave (the background pusher's thread and a
+        # refill's)
+        self._lock = threading.Lock()
         try:
             for route in routes[rank]:
-                self._clients[route.replica] = ShardPushClient(
-                    route.endpoint,
-                    converter,
-                    rank=rank,
-                    tp_ranks=tp_ranks,
-                    pieces=plan[route.replica],
-                )
+                self._clients[route.replica] = self._connect(route.replica, route.endpoint)
         except BaseException:
             self.close()
             raise
         self._pool = ThreadPoolExecutor(len(self._clients), thread_name_prefix="shard-push")
+
+    def _connect(self, replica: str, endpoint: Endpoint) -> ShardPushClient:
+        return ShardPushClient(
+            endpoint,
+            self._converter,
+            rank=self.rank,
+            tp_ranks=self._tp_ranks,
+            pieces=self._plan[replica],
+        )
+
+    @property
+    def replicas(self) -> list[str]:
+        return list(self._clients)
+
+    @property
+    def lost(self) -> set[str]:
+        """Replicas this rank stopped sending to (until :meth:`reconnect`)."""
+        return set(self._lost)
 
     def sent_bytes(self) -> dict[str, int]:
         """Bytes this rank sends each replica per version."""
@@ -255,13 +287,69 @@ class ShardPushGroup:
         return sum(self.sent_bytes().values())
 
     def push(self, weights: Mapping[str, Any], version: int | None = None) -> int | None:
-        futures = [self._pool.submit(c.push, weights, version) for c in self._clients.values()]
-        published = [f.result() for f in futures]
-        return version if all(p == version for p in published) else None
+        """Send this rank's pieces to every replica not lost; a replica lost now is left
+        out (logged) until :meth:`reconnect`. Returns ``version`` once it is published on
+        every replica this rank sent to, else None."""
+        with self._lock:
+            return self._push(
+                {n: c for n, c in self._clients.items() if n not in self._lost}, weights, version
+            )
+
+    def push_to(
+        self, replicas: Sequence[str], weights: Mapping[str, Any], version: int
+    ) -> int | None:
+        """Send this rank's pieces of ``version`` to ``replicas`` only (a refill)."""
+        with self._lock:
+            return self._push({n: self._clients[n] for n in replicas}, weights, version)
+
+    def _push(
+        self,
+        clients: Mapping[str, ShardPushClient],
+        weights: Mapping[str, Any],
+        version: int | None,
+    ) -> int | None:
+        futures = {n: self._pool.submit(c.push, weights, version) for n, c in clients.items()}
+        published = []
+        for name, future in futures.items():
+            try:
+                published.append(future.result())
+            except LOST as exc:
+                self._lost.add(name)
+                logger.warning(
+                    "rank %d: PS replica %s was lost (%s); Pushing to the others until it is back",
+                    self.rank,
+                    name,
+                    exc,
+                )
+        return version if published and all(p == version for p in published) else None
+
+    def reconnect(self, endpoints: Mapping[str, Endpoint]) -> list[str]:
+        """Connect anew to every replica that was lost or now serves at another endpoint
+        (it was restarted); returns their names. Those hold none of this rank's pieces:
+        :meth:`push_to` them the current version."""
+        with self._lock:
+            moved = [
+                n
+                for n, e in endpoints.items()
+                if n in self._clients and (n in self._lost or e != self._endpoints[n])
+            ]
+            for name in moved:
+                try:
+                    self._clients[name].close()
+                except OSError:
+                    logger.debug("closing the lost replica %s failed", name, exc_info=True)
+                self._lost.add(name)  # until the new connection stands
+                self._clients[name] = self._connect(name, endpoints[name])
+                self._endpoints[name] = endpoints[name]
+                self._lost.discard(name)
+            return moved
 
     def close(self) -> None:
         pool = getattr(self, "_pool", None)
         if pool is not None:
             pool.shutdown(wait=True)
         for c in self._clients.values():
-            c.close()
+            try:
+                c.close()
+            except OSError:
+                logger.debug("closing a PS connection failed", exc_info=True)

@@ -506,5 +506,11 @@ class PoolTrainerActor(_TrainingHost):
             consume_timeout_s=spec.consume_timeout_s,
         )
 
+    def refill_ps(self, resolve: Any) -> int:
+        """A PS replica was restarted: the ranks give it the current version (``resolve``:
+        a :class:`~staleflow.runtime.ps_healing.ReplicaResolver`); returns how many
+        replicas took it."""
+        return int(self.trainer.refill_ps(resolve))
+
     def stop(self) -> None:
         self.trainer.close()

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -373,6 +374,7 @@ class Run:
             reports = ray.get(done_ref)
         except Exception as exc:
             raise LaunchError(f"the trainer stopped: {cause(exc)}; {self._resume_hint()}") from exc
+        self.supervisor.heal_ps()  # the run ends with the last version on every replica
         ray.get(control.request_stop.remote())  # the end of the run is a stop, too
         self._write(self._final_cut())
         for rec in ray.get(control.records.remote(seen)):
@@ -434,6 +436,7 @@ class Run:
         every PS replica must hold the trainer's last version (``ps_latest``)."""
         assert self.control is not None and self.cluster is not None and self.ps is not None
         ray = self.cluster.ray
+        events = ray.get(self.control.control.events.remote())
         ray.get(self.control.control.stop.remote())
         live = self.supervisor.live_instances() if self.supervisor else self.instances
         for h in live.values():
@@ -453,6 +456,7 @@ class Run:
             "routed": stats.routed,
             "completed": stats.completed,
             "on_instances": left,
+            "recovery": dict(Counter(e.kind for e in events)),  # events by kind
         }
 
     def save_checkpoint(self, path: Path) -> None:

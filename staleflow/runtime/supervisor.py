@@ -241,6 +241,23 @@ class Supervisor:
                 self._ps_work = self._pool.submit(self._restart_replica, role, error)
                 return
 
+    def heal_ps(self, timeout_s: float = 120.0) -> None:
+        """At the end of training: finish a replica's restart in flight, and restart (and
+        refill) any replica that died since the last look. A Megatron pool's ranks go on
+        without a lost replica until it is back, so the last version may have missed it."""
+        if self._ps_work is not None:
+            work, self._ps_work = self._ps_work, None
+            work.result()
+        ps = self.run.ps
+        assert ps is not None
+        for role, actor in list(ps.actors.items()):
+            try:
+                self.ray.get(actor.alive.remote(), timeout=timeout_s)
+            except self.ray.exceptions.RayActorError as exc:
+                self._restart_replica(role, _first_line(exc))
+            except self.ray.exceptions.GetTimeoutError:
+                logger.warning("PS replica %s did not answer within %g s", role, timeout_s)
+
     def _restart_replica(self, role: str, error: str) -> None:
         from staleflow.runtime.pools.parameter_server import respawn_replica
 

@@ -6,6 +6,7 @@ name without harming the latest version."""
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -274,3 +275,79 @@ def test_models_without_a_megatron_layout_are_named(change, why):
     assert why in unsupported_hf({**QWEN2, **change})
     with pytest.raises(LayoutError, match="no Megatron layout"):
         gpt_config_from_hf({**QWEN2, **change})
+
+
+def test_a_lost_replica_is_left_out_then_refilled_whole_at_its_new_endpoint():
+    """TP = 2 x DP = 2 ranks, two replicas; ``ps/1``'s process is killed in the middle of
+    version 2 (two ranks had sent it their pieces). The ranks go on Pushing to ``ps/0``;
+    once ``ps/1`` is restarted empty at a new endpoint, every rank reconnects (the two
+    that saw it fail and the two that did not) and sends it version 2: it publishes
+    version 2 whole, and version 3 reaches both replicas."""
+    import os
+    import signal
+
+    from parameter_server.replicas import ReplicaRoute
+    from parameter_server.shard_push import ShardPushGroup
+
+    conv = MegatronToHF(CONFIG, 2)
+    workers = [PSWorker.start(conv.target_layout, 3) for _ in range(2)]
+    groups: list[ShardPushGroup] = []
+    tp_ranks = [0, 1, 0, 1]
+
+    def push(ranks, version, new, *, only=None):
+        shards = conv.split(new)
+        results: dict[int, object] = {}
+
+        def send(g: int) -> None:
+            if only is None:
+                results[g] = groups[g].push(shards[tp_ranks[g]], version)
+            else:
+                results[g] = groups[g].push_to(only, shards[tp_ranks[g]], version)
+
+        threads = [threading.Thread(target=send, args=(g,)) for g in ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+    try:
+        for w in workers:
+            with connect(w.endpoint, "auto") as client:
+                client.push(_hf(conv), 0)
+        routes = {
+            g: [
+                ReplicaRoute(f"ps/{k}", w.endpoint, same_node=k == g % 2)
+                for k, w in enumerate(workers)
+            ]
+            for g in range(4)
+        }
+        groups = [ShardPushGroup(conv, rank=g, tp_ranks=tp_ranks, routes=routes) for g in range(4)]
+        push(range(4), 1, _hf(conv, seed=1))
+        v2 = _hf(conv, seed=2)
+        assert set(push([0, 1], 2, v2).values()) == {None}  # half of version 2 on both
+        os.kill(workers[1].pid, signal.SIGKILL)
+        while workers[1].alive:
+            time.sleep(0.01)
+        assert set(push([2, 3], 2, v2).values()) <= {None, 2}  # ps/0 publishes it
+        assert [g.lost for g in groups] == [set(), set(), {"ps/1"}, {"ps/1"}]
+        assert _pull(workers[0].endpoint)[0] == 2
+        lost = workers[1]
+        lost.stop()  # frees what the killed process left: its shared memory and socket
+        workers[1] = PSWorker.start(conv.target_layout, 3)  # restarted: empty, new endpoint
+        endpoints = {f"ps/{k}": w.endpoint for k, w in enumerate(workers)}
+        assert [g.reconnect(endpoints) for g in groups] == [["ps/1"]] * 4
+        assert [g.lost for g in groups] == [set()] * 4
+        push(range(4), 2, v2, only=["ps/1"])
+        version, pulled = _pull(workers[1].endpoint)
+        assert version == 2 and all(np.array_equal(pulled[k], v2[k]) for k in v2)
+        v3 = _hf(conv, seed=3)
+        push(range(4), 3, v3)
+        for w in workers:
+            version, pulled = _pull(w.endpoint)
+            assert version == 3 and all(np.array_equal(pulled[k], v3[k]) for k in v3)
+    finally:
+        for grp in groups:
+            grp.close()
+        for w in workers:
+            w.stop()

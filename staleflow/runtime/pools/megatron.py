@@ -33,8 +33,9 @@ LOOP_ROLE = "trainer/loop"
 class MegatronPool:
     """The launcher's view of the pool (:class:`~staleflow.runtime.pools.trainer.TrainerPool`)."""
 
-    def __init__(self, ray: Any, loop: Any, ranks: dict[str, Any]) -> None:
+    def __init__(self, ray: Any, loop: Any, ranks: dict[str, Any], resolver: Any = None) -> None:
         self._ray, self._loop, self._ranks = ray, loop, ranks
+        self._resolver = resolver  # staleflow.runtime.ps_healing.ReplicaResolver
 
     def handles(self) -> dict[str, Any]:
         return {LOOP_ROLE: self._loop, **self._ranks}
@@ -49,12 +50,15 @@ class MegatronPool:
         return int(self._ray.get(self._loop.version.remote()))
 
     def refill_ps(self) -> None:
-        """The ranks Push their own shards over routes fixed at the start: a restarted
-        replica is unknown to them, so the run stops (with its checkpoints) instead."""
-        raise LaunchError(
-            "a PS replica was restarted, and the Megatron trainer pool cannot refill it "
-            "(its ranks Push to the replicas they started with)"
-        )
+        """A PS replica was restarted empty: every rank connects to it and Pushes its
+        pieces of the current version, between two steps (the ranks left it out of their
+        Pushes since they lost it)."""
+        if self._resolver is None:
+            raise LaunchError(
+                "a PS replica was restarted, and this Megatron trainer pool was built without "
+                "a way to find it (no recovery settings)"
+            )
+        self._ray.get(self._loop.refill_ps.remote(self._resolver))
 
     def _push_routes(self) -> dict[str, dict[str, tuple[str, int]]]:
         routes = self._ray.get([r.push_routes.remote() for r in self._ranks.values()])
@@ -83,8 +87,8 @@ def build_megatron_pool(
     control: ControlPool,
     recovery: InstanceRecovery | None = None,
 ) -> MegatronPool:
-    """The ranks and the loop; ``recovery`` is not used (a lost PS replica stops the run,
-    :meth:`MegatronPool.refill_ps`). A resumed run (``spec.resume_from``) loads the run
+    """The ranks and the loop; ``recovery`` finds a restarted PS replica for
+    :meth:`MegatronPool.refill_ps`. A resumed run (``spec.resume_from``) loads the run
     checkpoint's distributed checkpoint, at the version the PS was started with."""
     from parameter_server import Layout
     from staleflow.trainers.megatron.pool import (
@@ -128,4 +132,4 @@ def build_megatron_pool(
         "max_concurrency": 2,
     }
     loop = ctx.ray.remote(PoolTrainerActor).options(**options).remote(spec, driver, control.control)
-    return MegatronPool(ctx.ray, loop, ranks)
+    return MegatronPool(ctx.ray, loop, ranks, recovery.resolver if recovery else None)

@@ -20,7 +20,8 @@ Ray and megatron-core are imported inside the rank processes only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -115,6 +116,12 @@ class RankActor:
         """Per PS replica: the transport of this rank's Push and its bytes per version
         (the pieces travel over the replica's socket)."""
         return {replica: ("socket", n) for replica, n in self._rank.push_bytes().items()}
+
+    def refill_ps(self, resolve: Callable[[str], Any]) -> list[str]:
+        """PS replicas were restarted: Push this rank's pieces of the current version to
+        each replica ``resolve`` (replica -> the endpoint it serves now) shows moved."""
+        rank = self._rank
+        return rank.refill_push({name: resolve(name) for name in rank.push_replicas()})
 
     def step(self, select: Mapping[int, Sequence[int]] | None) -> tuple[dict[str, float], Any]:
         """One training step; a data leader takes its ``select``ed groups from the TS.
@@ -232,12 +239,22 @@ class MegatronTrainer:
         self.spec = spec
         self.ranks = list(ranks)
         self._version = int(version)
+        # a step, a checkpoint and a refill each call every rank: two of them interleaved
+        # could meet different ranks in different orders, and their collectives deadlock
+        self._lock = threading.Lock()
         # each replica's data leader: TP rank 0 of its first pipeline stage
         self._leaders = {
             coordinates(g, s.tp, s.dp)[1]: g
             for g in range(spec.world)
             if coordinates(g, s.tp, s.dp)[::2] == (0, 0)
         }
+
+    def __getstate__(self) -> dict[str, Any]:  # the driver travels to the loop's actor
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     @property
     def version(self) -> int:
@@ -249,16 +266,17 @@ class MegatronTrainer:
         from staleflow.runtime.training import BatchDigest, TrainedStep
 
         parts = assign_groups({g: len(ids) for g, ids in select.items()}, self.spec.section.dp)
-        calls = []
         s = self.spec.section
-        for g, rank in enumerate(self.ranks):
-            replica = coordinates(g, s.tp, s.dp)[1]
-            mine = None
-            if self._leaders.get(replica) == g:
-                mine = {gid: tuple(select[gid]) for gid in parts[replica]}
-            calls.append(rank.step.remote(mine))
-        results = ray.get(calls)
-        self._version += 1
+        with self._lock:
+            calls = []
+            for g, rank in enumerate(self.ranks):
+                replica = coordinates(g, s.tp, s.dp)[1]
+                mine = None
+                if self._leaders.get(replica) == g:
+                    mine = {gid: tuple(select[gid]) for gid in parts[replica]}
+                calls.append(rank.step.remote(mine))
+            results = ray.get(calls)
+            self._version += 1
         metrics = results[0][0]
         digest = BatchDigest.merge(d for _, d in results if d is not None)
         return TrainedStep(metrics, digest)
@@ -274,7 +292,20 @@ class MegatronTrainer:
         ``path`` (``model.checkpoint=<path>``)."""
         import ray
 
-        ray.get([r.save_checkpoint.remote(str(path)) for r in self.ranks])
+        with self._lock:
+            ray.get([r.save_checkpoint.remote(str(path)) for r in self.ranks])
+
+    def refill_ps(self, resolve: Callable[[str], Any]) -> int:
+        """PS replicas were restarted empty: every rank connects to them and Pushes its
+        pieces of the current version, between two steps; ``resolve`` gives the endpoint
+        a replica serves now. Returns how many replicas were refilled."""
+        import ray
+
+        with self._lock:
+            moved = ray.get([r.refill_ps.remote(resolve) for r in self.ranks])
+        if any(m != moved[0] for m in moved):
+            raise RuntimeError(f"the ranks refilled different PS replicas: {moved}")
+        return len(moved[0])
 
     def close(self) -> None:
         """Finish every rank's Push in flight and disconnect it from the PS (the pool's

@@ -279,6 +279,24 @@ class MegatronRank:
         self._pusher = BackgroundPusher(self._client, name=f"push-rank{dist.get_rank()}")
         return self._client.nbytes
 
+    def push_replicas(self) -> list[str]:
+        """The PS replicas this rank Pushes to."""
+        return [] if self._client is None else self._client.replicas
+
+    def refill_push(self, endpoints: Mapping[str, Any]) -> list[str]:
+        """PS replicas were restarted (``endpoints``: where each replica serves now):
+        finish the Push in flight, connect to the restarted ones and send them this rank's
+        pieces of the current version. Every rank calls this between two steps; the
+        replicas publish the version once all ranks' pieces arrived. Returns the replicas
+        refilled."""
+        if self._client is None:
+            raise RuntimeError("attach_push() first")
+        self.wait_push(timeout=600)
+        moved = self._client.reconnect(endpoints)
+        if moved:
+            self._client.push_to(moved, self.local_weights(), self.version)
+        return moved
+
     def push_bytes(self) -> dict[str, int]:
         """Bytes this rank sends each PS replica per version."""
         return {} if self._client is None else self._client.sent_bytes()

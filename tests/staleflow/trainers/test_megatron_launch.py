@@ -96,6 +96,39 @@ def test_launch_megatron_pp2_is_bounded_conserving_and_advancing(tmp_path):
     assert model.config.num_hidden_layers == 4
 
 
+@pytest.mark.ray
+@pytest.mark.timeout(900)
+def test_a_lost_ps_replica_is_refilled_by_the_ranks_and_the_run_goes_on(tmp_path):
+    """The only PS replica's process is killed after step 2 (SIGKILL: no goodbye). The
+    ranks go on Pushing to no replica, and with eta = 1 the instances, which cannot Pull,
+    soon fall too stale to be admitted (step 8 needs trajectories of version 6 or newer;
+    the replica died at version 4 at most): the run cannot finish unless the supervisor
+    starts the replica again (empty, at a new endpoint) while it trains, and both TP ranks
+    connect to it and Push it their shards of the current version between two steps. It
+    trains on to its step count, every bound holding, the replica at the last version."""
+    import json
+    import os
+    import signal
+
+    from staleflow.runtime.launch import launch
+
+    steps, killed = 8, []
+
+    def kill_ps(rec) -> None:  # a StepRecord
+        if rec.step == 2 and not killed:
+            (live,) = tmp_path.glob("*/live.json")
+            pid = json.loads(live.read_text())["pids"]["ps/0"]
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+
+    cfg = _config(tmp_path, "trainer.tp=2", f"steps={steps}", "eta=1")
+    result = launch(cfg, on_record=kill_ps)
+    assert killed
+    check_run(result, eta=1, steps=steps, trajectories_per_step=2 * 4)  # ps/0 at v8 too
+    audit = result.summary["audit"]
+    assert audit["recovery"]["ps_lost"] == audit["recovery"]["ps_restarted"] == 1, audit
+
+
 @pytest.fixture
 def two_rollout_nodes():
     """A Ray cluster of three raylets on this machine: the head (control, TS, reward) and
