@@ -41,7 +41,13 @@ def plan_cycle(
     S = Fleet(snapshot)
     if strategies.estimator is not None:
         strategies.estimator.observe(snapshot)
-        S.speed = strategies.estimator.factors(S.ids)
+        factors = strategies.estimator.factors(S.ids)
+        # Relative to the fleet's fastest: speed ranks instances, while mu compares a gain
+        # with the model's ideal one. A fleet slower than its profile throughout (a loaded
+        # machine) must route as the model would; in absolute terms every gain fell below
+        # mu x ideal, nothing was routed, idle instances measured nothing new, and the run
+        # stalled for good.
+        S.speed = factors / factors.min() if len(factors) else factors
     commands = _decide(S, ts_trajs, ps_version, sketch, strategies, aborts)
     if strategies.estimator is not None:
         strategies.estimator.note(commands)

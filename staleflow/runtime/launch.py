@@ -114,6 +114,8 @@ def place(cfg: RunConfig, phase: Phase = _log_phase) -> tuple[RayCluster, Placem
     spare = 2 * cfg.rollout.tensor_parallel * cfg.resources.rollout.cpus
     cluster = RayCluster.connect(cfg.address, local_cpus(plan.totals().get("CPU", 0.0) + spare))
     try:
+        if cfg.address:
+            _warn_niceness(cluster, phase)
         phase(f"placement plan (resources per member; docs/cluster.md), Ray at {cluster.address}:")
         for line in plan.describe():
             phase(f"  {line}")
@@ -125,6 +127,24 @@ def place(cfg: RunConfig, phase: Phase = _log_phase) -> tuple[RayCluster, Placem
     for line in placement.describe():
         phase(f"  {line}")
     return cluster, placement
+
+
+def _warn_niceness(cluster: RayCluster, phase: Phase) -> None:
+    """A joined cluster whose Ray starts workers niced (its default, 15) runs every actor
+    of the run behind any other process on its nodes: say so, and how to change it."""
+    from staleflow.runtime.cluster import worker_niceness
+
+    try:
+        nice = worker_niceness(cluster.ray)
+    except Exception as exc:  # a warning only: never stop a launch for it
+        logger.debug("could not ask the cluster's worker niceness: %s", exc)
+        return
+    if nice > 0:
+        phase(
+            f"warning: this Ray cluster runs worker processes at nice {nice}: every actor of "
+            "the run yields the CPU to any other process on its nodes. Start Ray with "
+            "RAY_worker_niceness=0 in the environment of `ray start` (deploy/ does)"
+        )
 
 
 def prepare_policy(

@@ -24,6 +24,7 @@ from tests.coordinator.builders import (
     initial,
     instance,
     manager,
+    partial,
     snapshot,
     strategies,
 )
@@ -205,3 +206,21 @@ def test_closed_loop_conserves_trajectories_and_respects_eta(
             assert len(world.where(tid)) == 1, (tid, world.where(tid))
     assert trained >= 5
     assert h.coordinator.stats.discarded == 0  # every shortfall was settled in time
+
+
+@pytest.mark.parametrize("factor", [1.0, 3.0, 5.0])
+def test_a_fleet_uniformly_slower_than_its_model_still_routes(factor: float) -> None:
+    """Speed ranks instances against each other: a fleet whose every instance is measured
+    ``factor`` times slower than the profiled model (a loaded machine, a pessimistic
+    profile) routes as the model would. It once withheld everything (each gain over the
+    factor fell below mu x the model's ideal gain), and idle instances measure nothing
+    new: the run stalled for good."""
+    m = manager(1, eta=1, batch=2)
+    strat = strategies(estimation=True)
+    assert strat.estimator is not None
+    for inst in (0, 1):
+        strat.estimator.set_factor(inst, factor)
+    snap = snapshot(instance(0, 1), instance(1, 1))
+    cmds = plan_cycle(snap, [partial(1, group_id=1), *initial(2)], 1, m.sketch(), strat)
+    routed = [t for c in cmds if isinstance(c, Route) for t in c.trajs]
+    assert len(routed) == 2, cmds

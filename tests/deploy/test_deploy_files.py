@@ -156,6 +156,25 @@ def test_the_slurm_script_is_valid_bash_and_its_nodes_hold_the_placement():
     assert re.search(r"^staleflow launch --config .* --address ", text, re.MULTILINE)
 
 
+def test_every_file_starts_ray_with_unniced_workers():
+    """Ray starts worker processes at nice 15 unless RAY_worker_niceness says otherwise:
+    every actor of a run (engines, trainer ranks, the control plane) would then yield the
+    CPU to any other process on its node."""
+    launcher = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
+    for key in ("head_start_ray_commands", "worker_start_ray_commands"):
+        starts = [c for c in launcher[key] if "ray start" in c]
+        assert starts and all("RAY_worker_niceness=0 ray start" in c for c in starts), key
+    spec = yaml.safe_load((DEPLOY / "kuberay" / "raycluster.yaml").read_text())
+    groups = [spec["spec"]["headGroupSpec"], *spec["spec"]["workerGroupSpecs"]]
+    for group in groups:
+        for container in group["template"]["spec"]["containers"]:
+            env = {e["name"]: e["value"] for e in container.get("env", [])}
+            assert env.get("RAY_worker_niceness") == "0", container["name"]
+    text = SBATCH.read_text()
+    exported = text.index("export RAY_worker_niceness=0")
+    assert exported < text.index("ray start"), "exported before the first ray start"
+
+
 def test_cluster_docs_walk_through_every_file():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "cluster.md").read_text()
     for name in (

@@ -12,7 +12,7 @@ pytestmark = pytest.mark.ray
 def test_a_placement_ray_cannot_reserve_is_named_and_released():
     import ray
 
-    from staleflow.runtime.cluster import RayCluster
+    from staleflow.runtime.cluster import RayCluster, worker_niceness
     from staleflow.runtime.errors import PlacementError
     from staleflow.runtime.fitting import Node, fit
     from staleflow.runtime.placement import Bundle, Gang, PlacementPlan
@@ -21,6 +21,9 @@ def test_a_placement_ray_cannot_reserve_is_named_and_released():
         ray.shutdown()
     cluster = RayCluster.connect("", local_cpus=2)
     try:
+        # the actors of a local Ray run at nice 0, not at Ray's default 15 (they yielded
+        # the CPU to any other process: 25x slower beside two busy loops)
+        assert worker_niceness(cluster.ray) == 0
         (real,) = cluster.nodes()
         assert real.free["CPU"] == 2
         stale = Node(real.node_id, real.address, {"CPU": 8}, real.labels)  # as if 8 were free

@@ -56,7 +56,11 @@ def cluster():
         ray.shutdown()
     c = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 3, "resources": {"staleflow_head": 1}},
+        head_node_args={
+            "num_cpus": 3,
+            "resources": {"staleflow_head": 1},
+            "_system_config": {"worker_niceness": 0},  # as deploy/ starts Ray
+        },
     )
     nodes = {"head": c.head_node}
     for name in ("rollout-a", "rollout-b"):

@@ -141,7 +141,11 @@ def two_rollout_nodes():
         ray.shutdown()
     c = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 3, "resources": {"staleflow_head": 1}},
+        head_node_args={
+            "num_cpus": 3,
+            "resources": {"staleflow_head": 1},
+            "_system_config": {"worker_niceness": 0},  # as deploy/ starts Ray
+        },
     )
     a = c.add_node(
         num_cpus=4, num_gpus=1, labels={POOL: "rollout"}, resources={"staleflow_trainer": 1}
