@@ -42,12 +42,14 @@ def plan_cycle(
     if strategies.estimator is not None:
         strategies.estimator.observe(snapshot)
         factors = strategies.estimator.factors(S.ids)
-        # Relative to the fleet's fastest: speed ranks instances, while mu compares a gain
-        # with the model's ideal one. A fleet slower than its profile throughout (a loaded
-        # machine) must route as the model would; in absolute terms every gain fell below
-        # mu x ideal, nothing was routed, idle instances measured nothing new, and the run
-        # stalled for good.
-        S.speed = factors / factors.min() if len(factors) else factors
+        # mu compares a gain with the model's ideal one, so the fastest instance, idle,
+        # must always clear it: a fleet slower than its profile throughout (a loaded
+        # machine) is taken relative to its fastest instance. In absolute terms a fleet
+        # measured 5x slower withheld every trajectory, its idle instances measured nothing
+        # new, and the run stalled for good.
+        if len(factors) and factors.min() > 1.0:
+            factors = factors / factors.min()
+        S.speed = factors
     commands = _decide(S, ts_trajs, ps_version, sketch, strategies, aborts)
     if strategies.estimator is not None:
         strategies.estimator.note(commands)

@@ -12,9 +12,9 @@ and keeps, per instance, a factor ``s_i`` by which the model's latency is multip
 match it: the instance's cost model is the profiled one scaled by ``s_i`` (Eq. 11 with
 ``k1..k4`` times ``s_i``), refitted at every clean observation. Strategies then use
 ``T_i = n / (s_i * L(n, kv))``; for Eq. 3 that scales the marginal gain by ``1 / s_i``.
-They take the factors relative to the fleet's fastest instance (``plan_cycle``): mu
-compares a gain with the model's ideal gain, and a fleet slower than its profile
-throughout must not withhold its work.
+When every instance is slower than the profile they take the factors relative to the
+fastest one (``plan_cycle``): mu compares a gain with the model's ideal gain, and a fleet
+slower than its profile throughout must not withhold its work.
 
 How a step latency is measured. Every snapshot lists the running trajectories with their
 lengths. A trajectory running at both snapshots gained exactly one token per decode step,
