@@ -252,11 +252,15 @@ class Supervisor:
         assert ps is not None
         for role, actor in list(ps.actors.items()):
             try:
-                self.ray.get(actor.alive.remote(), timeout=timeout_s)
+                alive = self.ray.get(actor.alive.remote(), timeout=timeout_s)
             except self.ray.exceptions.RayActorError as exc:
                 self._restart_replica(role, _first_line(exc))
+                continue
             except self.ray.exceptions.GetTimeoutError:
                 logger.warning("PS replica %s did not answer within %g s", role, timeout_s)
+                continue
+            if alive is False:
+                self._restart_replica(role, "its worker process exited")
 
     def _restart_replica(self, role: str, error: str) -> None:
         from staleflow.runtime.pools.parameter_server import respawn_replica
@@ -271,7 +275,13 @@ class Supervisor:
             )
         self.restarts[role] = n
         self._note("ps_lost", role, error)
-        self._kill(run.ps.actors.get(role))
+        old = run.ps.actors.get(role)
+        if old is not None:  # a live actor whose worker died: it frees the worker's memory
+            try:
+                self.ray.get(old.stop.remote(), timeout=30)
+            except Exception:
+                logger.debug("PS replica %s could not stop its worker", role, exc_info=True)
+        self._kill(old)
         respawn_replica(run.ctx, run.ps, role)
         run.trainer.refill_ps()
         self._note("ps_restarted", role, f"incarnation {n}, refilled by the trainer")
@@ -364,9 +374,11 @@ class Supervisor:
             return None
         del self._pings[key]
         try:
-            self.ray.get(ref)
+            answer = self.ray.get(ref)
         except Exception as exc:
             return _first_line(exc)
+        if answer is False:  # the actor lives, what it serves does not (a PS worker process)
+            return "its actor answers, but says what it serves has exited"
         return None
 
     def _kill(self, actor: Any) -> None:
