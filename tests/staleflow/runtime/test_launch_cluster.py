@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -81,9 +82,20 @@ def _ray_records(address: str, run: str) -> tuple[dict[str, str], dict[str, list
     import ray
     from ray.util.state import list_actors
 
+    # the state API is served by the cluster's dashboard, which Ray starts on its own
+    # time: on a loaded machine it was not up yet when the run's first step came
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            listed = list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000)
+            break
+        except ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
     actors = {
         a.name.removeprefix(f"{run}/"): a.node_id
-        for a in list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000)
+        for a in listed
         if a.name and a.name.startswith(f"{run}/")
     }
     groups = {
