@@ -158,10 +158,10 @@ def test_launch_with_seer_divided_rollout_holds_the_bound_and_loses_nothing(tmp_
 
 def test_a_ps_worker_that_dies_under_its_live_actor_is_replaced(tmp_path):
     """docs/recovery.md. The PS replica's worker process (the child of its actor that holds
-    the weights) is SIGKILLed after step 2 while the actor lives on. The actor says so when
-    the supervisor asks; the replica is started again and refilled by the trainer. At
-    eta = 1 the run cannot reach step 8 without it, and it does, the replica at the last
-    version."""
+    the weights) is SIGKILLed once the actors are up, before the first step, while the
+    actor lives on. The actor says so when the supervisor asks; the replica is started
+    again and refilled by the trainer. At eta = 1 the run cannot reach step 8 without it
+    (the instances hold version 0), and it does, the replica at the last version."""
     import json
     import os
     import signal
@@ -172,11 +172,8 @@ def test_a_ps_worker_that_dies_under_its_live_actor_is_replaced(tmp_path):
 
     killed: list[int] = []
 
-    def kill_worker(rec: Any) -> None:  # a StepRecord
-        if rec.step != 2 or killed:
-            return
-        (live,) = tmp_path.glob("*/live.json")
-        actor = json.loads(live.read_text())["pids"]["ps/0"]
+    def kill_worker(run: Any) -> None:  # on_started: the actors are up, no step taken yet
+        actor = json.loads((run.run_dir / "live.json").read_text())["pids"]["ps/0"]
         children = Path(f"/proc/{actor}/task/{actor}/children").read_text().split()
         for pid in map(int, children):  # the worker, not multiprocessing's resource tracker
             if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
@@ -186,7 +183,7 @@ def test_a_ps_worker_that_dies_under_its_live_actor_is_replaced(tmp_path):
     steps = 8
     settings = [f"steps={steps}", f"run_dir={tmp_path}", "dashboard=false", "eval_problems=0"]
     cfg = load_config(None, ["eta=1", *MICRO_RUN, *settings])
-    result = launch(cfg, on_record=kill_worker)
+    result = launch(cfg, on_started=kill_worker)
     assert len(killed) == 1
     check_run(result, 1, steps, 2 * 4)  # the restarted replica holds version 8
     assert result.summary["audit"]["recovery"]["ps_restarted"] == 1
