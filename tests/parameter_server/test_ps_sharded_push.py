@@ -139,30 +139,39 @@ def test_four_ranks_push_one_version_that_readers_see_whole(worker):
     assert version == 2 and all(np.array_equal(pulled[k], newer[k]) for k in newer)
 
 
+def _rank_groups(conv, workers, tp_ranks):
+    """Version 0 on every worker, and each rank's ShardPushGroup to all of them (rank g
+    shares a node with replica g % 2; the plan takes every link as equal)."""
+    from parameter_server.replicas import ReplicaRoute
+    from parameter_server.shard_push import ShardPushGroup
+
+    for w in workers:
+        with connect(w.endpoint, "auto") as client:
+            client.push(_hf(conv), 0)
+    routes = {
+        g: [
+            ReplicaRoute(f"ps/{k}", w.endpoint, same_node=k == g % len(workers))
+            for k, w in enumerate(workers)
+        ]
+        for g in range(len(tp_ranks))
+    }
+    return [
+        ShardPushGroup(conv, rank=g, tp_ranks=tp_ranks, routes=routes) for g in range(len(tp_ranks))
+    ]
+
+
 def test_four_ranks_push_every_version_whole_to_two_replicas():
     """TP = 2 x DP = 2 ranks, two PS replicas (App. A.1): each rank sends each replica the
     pieces the plan gives it there (an empty message where none), concurrently; each
     replica publishes every version whole, and readers of either see the same weights."""
-    from parameter_server.replicas import ReplicaRoute
     from parameter_server.shard_push import ShardPushGroup
 
     conv = MegatronToHF(CONFIG, 2)
     workers = [PSWorker.start(conv.target_layout, 3) for _ in range(2)]
     groups: list[ShardPushGroup] = []
     try:
-        for w in workers:
-            with connect(w.endpoint, "auto") as client:
-                client.push(_hf(conv), 0)
         tp_ranks = [0, 1, 0, 1]
-        # rank g shares a node with replica g % 2 (the plan takes every link as equal)
-        routes = {
-            g: [
-                ReplicaRoute(f"ps/{k}", w.endpoint, same_node=k == g % 2)
-                for k, w in enumerate(workers)
-            ]
-            for g in range(4)
-        }
-        groups = [ShardPushGroup(conv, rank=g, tp_ranks=tp_ranks, routes=routes) for g in range(4)]
+        groups = _rank_groups(conv, workers, tp_ranks)
         per_replica = [sum(grp.sent_bytes()[f"ps/{k}"] for grp in groups) for k in range(2)]
         assert per_replica == [conv.staging_layout().nbytes] * 2  # each gets it all, once
         assert all(set(grp.sent_bytes()) == {"ps/0", "ps/1"} for grp in groups)
@@ -286,7 +295,6 @@ def test_a_lost_replica_is_left_out_then_refilled_whole_at_its_new_endpoint():
     import os
     import signal
 
-    from parameter_server.replicas import ReplicaRoute
     from parameter_server.shard_push import ShardPushGroup
 
     conv = MegatronToHF(CONFIG, 2)
@@ -312,17 +320,7 @@ def test_a_lost_replica_is_left_out_then_refilled_whole_at_its_new_endpoint():
         return results
 
     try:
-        for w in workers:
-            with connect(w.endpoint, "auto") as client:
-                client.push(_hf(conv), 0)
-        routes = {
-            g: [
-                ReplicaRoute(f"ps/{k}", w.endpoint, same_node=k == g % 2)
-                for k, w in enumerate(workers)
-            ]
-            for g in range(4)
-        }
-        groups = [ShardPushGroup(conv, rank=g, tp_ranks=tp_ranks, routes=routes) for g in range(4)]
+        groups = _rank_groups(conv, workers, tp_ranks)
         push(range(4), 1, _hf(conv, seed=1))
         v2 = _hf(conv, seed=2)
         assert set(push([0, 1], 2, v2).values()) == {None}  # half of version 2 on both
