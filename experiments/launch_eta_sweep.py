@@ -5,6 +5,12 @@ rollout time spent in Pull / Route / Interrupt (the paper's Table 3).
     python experiments/launch_eta_sweep.py                      # eta 3 vs 0, defaults
     python experiments/launch_eta_sweep.py --etas 0 1 3 --steps 30 --json results/eta.json
     python experiments/launch_eta_sweep.py --steps 10 rollout.instances=4
+    python experiments/launch_eta_sweep.py --etas 0 --stream --repeats 3   # RolloutPipe
+
+``--stream`` runs every eta twice, with ``trainer.stream`` off and on (RolloutPipe's
+complete-group pipelining), and reports the trainer's idle share, the mean step time
+(at eta = 0 the time from a buffer's first route to the end of its step, RolloutPipe's
+rollout-to-train-end) and the groups trained before their buffer was full.
 
 Every run uses the same config apart from eta (seed included), so the ratio compares
 the staleness bound alone. Runs go one after another; the machine is shared, so repeat
@@ -31,12 +37,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--etas", type=int, nargs="+", default=[3, 0], help="staleness bounds to run")
     p.add_argument("--steps", type=int, default=20, help="training steps per run")
     p.add_argument("--repeats", type=int, default=1, help="runs per eta (alternating)")
+    p.add_argument("--stream", action="store_true", help="each eta with trainer.stream off and on")
     p.add_argument("--out", default="results/launch", help="run folders go here")
     p.add_argument("--json", help="write the figures to this JSON file")
     return p.parse_args(argv)
 
 
-def run_one(args: argparse.Namespace, eta: int) -> dict[str, Any]:
+def run_one(args: argparse.Namespace, eta: int, stream: bool = False) -> dict[str, Any]:
     from staleflow.config import load_config
     from staleflow.runtime.launch import launch
 
@@ -47,13 +54,18 @@ def run_one(args: argparse.Namespace, eta: int) -> dict[str, Any]:
         f"eta={eta}",
         f"steps={args.steps}",
         f"run_dir={args.out}",
+        f"trainer.stream={str(stream).lower()}",
     ]
     cfg = load_config(args.config, overrides)
-    print(f"-- eta={eta}: {args.steps} steps", file=sys.stderr, flush=True)
+    print(f"-- eta={eta} stream={stream}: {args.steps} steps", file=sys.stderr, flush=True)
     result = launch(cfg)
     s = result.summary
+    steps = [r.step_s for r in result.records[1:] if r.step_s is not None]  # not the first
     return {
         "eta": eta,
+        "stream": stream,
+        "step_s_mean": sum(steps) / len(steps) if steps else float("nan"),
+        "streamed_groups": sum(r.streamed_groups or 0 for r in result.records),
         "run_dir": str(result.run_dir),
         "tokens_per_s": s["tokens_per_s"],
         "elapsed_s": s["elapsed_s"],
@@ -76,11 +88,20 @@ def main(argv: list[str] | None = None) -> int:
     if any(e < 0 for e in args.etas):
         print("--etas must be >= 0", file=sys.stderr)
         return 2
-    runs = [run_one(args, eta) for _ in range(args.repeats) for eta in args.etas]
+    streams = (False, True) if args.stream else (False,)
+    runs = [
+        run_one(args, eta, stream)
+        for _ in range(args.repeats)
+        for eta in args.etas
+        for stream in streams
+    ]
     table = Table(title=f"staleflow launch, {args.steps} steps per run")
     for col in (
         "eta",
+        "stream",
         "tokens/s",
+        "step s",
+        "streamed groups",
         "reward first→last",
         "trainer idle",
         "rollout idle",
@@ -93,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         sh = r["time_share"]
         table.add_row(
             str(r["eta"]),
+            "on" if r["stream"] else "off",
             f"{r['tokens_per_s']:.1f}",
+            f"{r['step_s_mean']:.2f}",
+            str(r["streamed_groups"]),
             f"{r['reward_start']:.3f}→{r['reward_end']:.3f}",
             f"{r['trainer_idle_ratio']:.1%}",
             f"{r['rollout_idle_ratio']:.1%}",
@@ -104,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     Console(width=max(Console().width, 120)).print(table)
     by_eta: dict[int, list[float]] = {}
     for r in runs:
-        by_eta.setdefault(r["eta"], []).append(r["tokens_per_s"])
+        if not r["stream"]:
+            by_eta.setdefault(r["eta"], []).append(r["tokens_per_s"])
     means = {eta: sum(v) / len(v) for eta, v in by_eta.items()}
     ratios = {}
     if 0 in means:
@@ -112,15 +137,46 @@ def main(argv: list[str] | None = None) -> int:
             if eta != 0:
                 ratios[eta] = m / means[0]
                 print(f"throughput eta={eta} / eta=0: {ratios[eta]:.2f}x")
+    stream_gain = _stream_gains(runs) if args.stream else {}
+    for eta, g in stream_gain.items():
+        print(
+            f"eta={eta}, stream on / off: tokens/s {g['tokens_per_s']:.3f}x, step time "
+            f"{g['step_s']:.3f}x, trainer idle {g['idle_off']:.1%} -> {g['idle_on']:.1%}"
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(
             json.dumps(
-                {"runs": runs, "mean_tokens_per_s": means, "ratio_vs_eta0": ratios}, indent=2
+                {
+                    "runs": runs,
+                    "mean_tokens_per_s": means,
+                    "ratio_vs_eta0": ratios,
+                    "stream_gain": stream_gain,
+                },
+                indent=2,
             )
             + "\n"
         )
     return 0
+
+
+def _stream_gains(runs: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per eta: streamed over not streamed (means over repeats) of tokens/s and step
+    time, and the trainer's idle share of each."""
+
+    def mean(eta: int, stream: bool, key: str) -> float:
+        values = [r[key] for r in runs if r["eta"] == eta and r["stream"] == stream]
+        return sum(values) / len(values)
+
+    return {
+        eta: {
+            "tokens_per_s": mean(eta, True, "tokens_per_s") / mean(eta, False, "tokens_per_s"),
+            "step_s": mean(eta, True, "step_s_mean") / mean(eta, False, "step_s_mean"),
+            "idle_off": mean(eta, False, "trainer_idle_ratio"),
+            "idle_on": mean(eta, True, "trainer_idle_ratio"),
+        }
+        for eta in sorted({r["eta"] for r in runs})
+    }
 
 
 if __name__ == "__main__":

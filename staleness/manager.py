@@ -151,6 +151,15 @@ class StalenessManager:
             group = self._groups.get(group_id)
             return group is not None and traj_id in group.completed
 
+    def trainer_groups(self) -> tuple[ConsumedGroup, ...]:
+        """The occupied groups of the trainer's buffer so far, in arrival order. Occupied
+        groups only ever move earlier, so each stays until it is Consumed: a streaming
+        trainer (RolloutPipe) may start on them before the buffer is Ready."""
+        with self._cond:
+            pinned = self._pinned[self.version % self._n]
+            g = self._groups
+            return tuple(ConsumedGroup(i, g[i].version, tuple(g[i].completed)) for i in pinned)
+
     def sketch(self) -> Sketch:
         """A scratch copy of the admission state for one decision cycle (O(eta))."""
         with self._cond:

@@ -104,6 +104,11 @@ class TrajectoryServerService:
     ) -> bytes:
         return wire.pack(self._ts.take_batch(group_ids, select))
 
+    def read_batch(
+        self, group_ids: Sequence[int], select: Mapping[int, Sequence[int]] | None
+    ) -> bytes:
+        return wire.pack(self._ts.read_batch(group_ids, select))
+
     def routing_view(self) -> bytes:
         view = self._ts.routing_view()
         # the core returns the same object until the queue changes: reuse its encoding
@@ -261,6 +266,12 @@ class TrajectoryServerClient:
         plain = None if select is None else {g: tuple(ids) for g, ids in select.items()}
         reply = self._call("take_batch", tuple(group_ids), plain)
         return wire.unpack(reply, TrainingBatch)
+
+    def read_batch(
+        self, group_ids: Iterable[int], select: Mapping[int, Sequence[int]] | None = None
+    ) -> TrainingBatch:
+        plain = None if select is None else {g: tuple(ids) for g, ids in select.items()}
+        return wire.unpack(self._call("read_batch", tuple(group_ids), plain), TrainingBatch)
 
     def routing_view(self) -> tuple[RoutableTrajectory, ...]:
         return wire.unpack(self._call("routing_view"), wire.RoutingColumns).to_records()

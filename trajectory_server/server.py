@@ -399,10 +399,41 @@ class TrajectoryServer:
         """Hand the completed trajectories of consumed groups to the trainer and forget
         the groups. ``select`` restricts a group to the given completed trajectory ids.
         Members not taken are dropped and reported in ``TrainingBatch.dropped``."""
-        gids = unique(group_ids, "take_batch")
+        plan = self._batch_plan(group_ids, select, "take_batch")
+        groups, dropped = [], []
+        for group, taken in plan:
+            groups.append(self._training_group(group, taken))
+            for t in taken:
+                self._s.drop(t)
+            self._s.consumed_trajs += len(taken)
+            for t in list(group.members.values()):
+                dropped.append(self._s.drop(t))
+            del self._s.groups[group.group_id]
+            self._s.consumed_groups += 1
+        self._s.aborted_trajs += len(dropped)
+        self._after_groups_left()
+        return TrainingBatch(tuple(groups), tuple(dropped), self.config.temperature)
+
+    def read_batch(
+        self,
+        group_ids: Iterable[int],
+        select: Mapping[int, Sequence[int]] | None = None,
+    ) -> TrainingBatch:
+        """What :meth:`take_batch` would hand out, changing nothing (``dropped`` stays
+        empty). A streaming trainer (RolloutPipe) reads each occupied group of its buffer
+        this way before the buffer is Consumed; the groups stay here, whole, until then,
+        so a checkpoint cut taken meanwhile still holds them."""
+        plan = self._batch_plan(group_ids, select, "read_batch")
+        groups = tuple(self._training_group(group, taken) for group, taken in plan)
+        return TrainingBatch(groups, (), self.config.temperature)
+
+    def _batch_plan(
+        self, group_ids: Iterable[int], select: Mapping[int, Sequence[int]] | None, call: str
+    ) -> list[tuple[GroupRecord, list[TrajRecord]]]:
+        gids = unique(group_ids, call)
         if select is not None and not set(select) <= set(gids):
             extra = sorted(set(select) - set(gids))
-            raise InvalidTransition(f"select names groups {extra} that take_batch was not given")
+            raise InvalidTransition(f"select names groups {extra} that {call} was not given")
         plan: list[tuple[GroupRecord, list[TrajRecord]]] = []
         for gid in gids:
             group = self._s.group(gid)
@@ -417,40 +448,30 @@ class TrajectoryServer:
                     "abort_group it"
                 )
             plan.append((group, taken))
-        groups, dropped = [], []
-        for group, taken in plan:
-            trajectories = tuple(
-                TrainingTrajectory(
-                    traj_id=t.traj_id,
-                    v_traj=t.v_traj,  # type: ignore[arg-type]  # COMPLETED implies set
-                    tokens=t.tokens,
-                    logprobs=t.logprobs,
-                    versions=t.versions,
-                    reward=t.reward,
-                    finish_reason=t.finish_reason,
-                    info=t.info,
-                )
-                for t in taken
+        return plan
+
+    @staticmethod
+    def _training_group(group: GroupRecord, taken: Sequence[TrajRecord]) -> TrainingGroup:
+        trajectories = tuple(
+            TrainingTrajectory(
+                traj_id=t.traj_id,
+                v_traj=t.v_traj,  # type: ignore[arg-type]  # COMPLETED implies set
+                tokens=t.tokens,
+                logprobs=t.logprobs,
+                versions=t.versions,
+                reward=t.reward,
+                finish_reason=t.finish_reason,
+                info=t.info,
             )
-            groups.append(
-                TrainingGroup(
-                    group_id=group.group_id,
-                    sample_id=group.sample_id,
-                    answer=group.answer,
-                    prompt=group.prompt,
-                    trajectories=trajectories,
-                )
-            )
-            for t in taken:
-                self._s.drop(t)
-            self._s.consumed_trajs += len(taken)
-            for t in list(group.members.values()):
-                dropped.append(self._s.drop(t))
-            del self._s.groups[group.group_id]
-            self._s.consumed_groups += 1
-        self._s.aborted_trajs += len(dropped)
-        self._after_groups_left()
-        return TrainingBatch(tuple(groups), tuple(dropped), self.config.temperature)
+            for t in taken
+        )
+        return TrainingGroup(
+            group_id=group.group_id,
+            sample_id=group.sample_id,
+            answer=group.answer,
+            prompt=group.prompt,
+            trajectories=trajectories,
+        )
 
     def abort(self, traj_ids: Iterable[int]) -> tuple[AbortedTrajectory, ...]:
         """Drop trajectories for good, in any state. A group left empty is removed."""

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from coordinator.config import ConfigError
+from staleflow.config.checks import (
+    _help,
+    require,
+    require_at_least,
+    require_choice,
+    require_positive,
+)
 from staleflow.config.walk import check_types
 from staleflow.rewards.registry import AUTO, reward_names
 
@@ -29,33 +35,6 @@ ADVANTAGES = ("grpo", "dapo")
 # importable without the transports' modules
 TRANSPORTS = ("auto", "shm", "nixl", "socket")
 PUSH_TRANSPORTS = ("auto", "nixl", "socket")  # to another node: no shared memory there
-
-
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
-
-
-def require(ok: bool, key: str, value: object, fix: str) -> None:
-    """Raise ``ConfigError("<key>=<value> <fix>")`` unless ``ok``."""
-    if not ok:
-        raise ConfigError(f"{key}={value!r} {fix}")
-
-
-def require_choice(key: str, value: str, choices: Sequence[str], what: str = "") -> None:
-    require(
-        value in choices,
-        key,
-        value,
-        f"is unknown: use one of {' | '.join(choices)}" + (f" ({what})" if what else ""),
-    )
-
-
-def require_at_least(key: str, value: float, low: float, what: str) -> None:
-    require(value >= low, key, value, f"is too small: use at least {low:g} {what}")
-
-
-def require_positive(key: str, value: float, example: str) -> None:
-    require(math.isfinite(value) and value > 0, key, value, f"must be > 0, e.g. {example}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -455,6 +434,14 @@ class TrainerConfig:
             "from instead of the policy's weights; any tp"
         ),
     )
+    stream: bool = field(
+        default=False,
+        metadata=_help(
+            "RolloutPipe's complete-group pipelining: forward/backward on each group of the "
+            "next batch as soon as it is occupied, the update once the batch is complete "
+            "(the same loss as the whole batch's); needs updates_per_step = 1"
+        ),
+    )
     stall_timeout_s: float = field(
         default=900.0,
         metadata=_help(
@@ -510,6 +497,22 @@ class TrainerConfig:
         require_at_least("trainer.micro_batch_tokens", self.micro_batch_tokens, 1, "token")
         require_at_least("trainer.updates_per_step", self.updates_per_step, 1, "update")
         require_at_least("trainer.num_threads", self.num_threads, 1, "thread")
+        if self.stream:
+            require(
+                self.updates_per_step == 1,
+                "trainer.updates_per_step",
+                self.updates_per_step,
+                "must be 1 with trainer.stream (a second update needs the first one's "
+                "weights, which exist only once the whole batch is in): set it to 1, or "
+                "trainer.stream=false",
+            )
+            require(
+                self.backend == "embedded",
+                "trainer.stream",
+                self.stream,
+                "needs trainer.backend=embedded (the megatron ranks do not stream yet): "
+                "set trainer.stream=false",
+            )
         self._check_parallelism()
 
     def _check_parallelism(self) -> None:

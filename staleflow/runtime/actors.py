@@ -38,7 +38,13 @@ from typing import TYPE_CHECKING, Any
 from coordinator.types import InstanceSnapshot
 from parameter_server.transport import connect
 from staleflow.rollout.instance import Finished, InstanceTimes
-from staleflow.runtime.interface import InstanceGone, Rewarded, StepReport, StopRequested
+from staleflow.runtime.interface import (
+    InstanceGone,
+    Rewarded,
+    StepReport,
+    StopRequested,
+    TrainerGroups,
+)
 from staleness.types import ConsumedBatch
 from trajectory_server.types import AbortedTrajectory, RewardTask
 
@@ -163,8 +169,14 @@ class ControlClient:
         self._ray.get(self.handle.rewarded.remote(list(records)))
 
     def consume(self, version: int, timeout_s: float | None = None) -> ConsumedBatch:
+        return self._stoppable(self.handle.consume.remote(version, timeout_s))
+
+    def trainer_groups(self, version: int, have: int, wait_s: float) -> TrainerGroups:
+        return self._stoppable(self.handle.trainer_groups.remote(version, have, wait_s))
+
+    def _stoppable(self, ref: Any) -> Any:
         try:
-            return self._ray.get(self.handle.consume.remote(version, timeout_s))
+            return self._ray.get(ref)
         except self._ray.exceptions.RayTaskError as exc:
             if isinstance(getattr(exc, "cause", None), StopRequested):
                 raise StopRequested(str(exc.cause)) from exc
@@ -474,6 +486,7 @@ class TrainerActor(_TrainingHost):
             ts=ts,
             pusher=self._pusher,
             consume_timeout_s=spec.consume_timeout_s,
+            stream=spec.trainer.stream,
         )
 
     def push_transports(self) -> dict[str, str]:

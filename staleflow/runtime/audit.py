@@ -19,6 +19,10 @@ class BatchSource(Protocol):
         self, group_ids: Iterable[int], select: Mapping[int, Sequence[int]] | None = None
     ) -> TrainingBatch: ...
 
+    def read_batch(
+        self, group_ids: Iterable[int], select: Mapping[int, Sequence[int]] | None = None
+    ) -> TrainingBatch: ...
+
 
 class AuditedBatches:
     """A batch source that writes down what it hands out; ``version()`` is the version
@@ -26,6 +30,12 @@ class AuditedBatches:
 
     def __init__(self, source: BatchSource, path: str | Path, version: Callable[[], int]) -> None:
         self._source, self._path, self._version = source, Path(path), version
+
+    def read_batch(
+        self, group_ids: Iterable[int], select: Mapping[int, Sequence[int]] | None = None
+    ) -> TrainingBatch:
+        """A streamed group is written down when its batch is taken, not when read."""
+        return self._source.read_batch(group_ids, select)
 
     def take_batch(
         self, group_ids: Iterable[int], select: Mapping[int, Sequence[int]] | None = None

@@ -51,6 +51,7 @@ from staleflow.runtime.interface import (
     Rewarded,
     StepReport,
     StopRequested,
+    TrainerGroups,
 )
 from staleflow.runtime.members import Members
 from staleflow.runtime.metrics import StepMetrics
@@ -61,6 +62,10 @@ from staleness.types import ManagerView, TrajId
 from trajectory_server.types import AbortedTrajectory, InstanceId, TSStats
 
 logger = logging.getLogger(__name__)
+
+# How often a streaming trainer's wait looks at its buffer: groups are occupied at reward
+# speed, and a poll is a lock and a dict walk
+_STREAM_POLL_S = 0.02
 
 
 class ControlPlaneError(RuntimeError):
@@ -259,6 +264,25 @@ class ControlPlane:
                             "trainer.stall_timeout_s (0 waits forever)"
                         ) from None
                     return future.result()  # being consumed as we gave up: take it
+
+    def trainer_groups(self, version: int, have: int, wait_s: float) -> TrainerGroups:
+        """See :meth:`ControlHandle.trainer_groups`. Reads the manager (thread-safe) and
+        changes nothing: the groups stay occupied, and in the TS, until the Consume."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            self.check()
+            if self._stopping:
+                raise StopRequested("the run is stopping: no more training steps")
+            if version != self.manager.version:
+                raise ValueError(
+                    f"the trainer streams buffer {version} but the staleness manager is at "
+                    f"version {self.manager.version}"
+                )
+            groups = self.manager.trainer_groups()
+            ready = self.manager.is_ready()
+            if len(groups) > have or ready or time.monotonic() >= deadline:
+                return TrainerGroups(groups, ready)
+            time.sleep(_STREAM_POLL_S)
 
     def records(self, since: int = 0) -> list[StepRecord]:
         """Per-step metric records from index ``since`` on."""

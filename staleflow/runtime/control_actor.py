@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from coordinator.types import InstanceSnapshot
 from staleflow.recovery.events import RecoveryEvent
 from staleflow.runtime.actors import InstanceClient, _ray, gone
-from staleflow.runtime.interface import InstanceGone, Rewarded, StepReport
+from staleflow.runtime.interface import InstanceGone, Rewarded, StepReport, TrainerGroups
 from staleflow.runtime.record import StepRecord
 from staleness.types import ConsumedBatch
 from trajectory_server.types import AbortedTrajectory
@@ -132,6 +132,9 @@ class ControlActor:
 
     def dropped(self, trajectories: list[AbortedTrajectory]) -> None:
         self._plane.dropped(trajectories)
+
+    def trainer_groups(self, version: int, have: int, wait_s: float) -> TrainerGroups:
+        return self._plane.trainer_groups(version, have, wait_s)
 
     def trained(self, report: StepReport) -> None:
         self._plane.trained(report)

@@ -14,7 +14,7 @@ from typing import Protocol
 
 from coordinator.types import InstanceSnapshot
 from staleflow.rollout.instance import InstanceTimes
-from staleness.types import ConsumedBatch
+from staleness.types import ConsumedBatch, ConsumedGroup
 from trajectory_server.types import AbortedTrajectory
 
 
@@ -96,6 +96,16 @@ class StepReport:
     metrics: Mapping[str, float] = field(default_factory=dict)
     consumed_traj_ids: tuple[int, ...] = ()
     token_staleness: Mapping[int, int] = field(default_factory=dict)  # per generated token
+    # trainer.stream: groups trained on before the buffer was Ready (None: not streaming)
+    streamed_groups: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerGroups:
+    """The occupied groups of the trainer's buffer so far, and whether it is Ready."""
+
+    groups: tuple[ConsumedGroup, ...]
+    ready: bool
 
 
 class ControlHandle(Protocol):
@@ -109,6 +119,12 @@ class ControlHandle(Protocol):
 
     def dropped(self, trajectories: Iterable[AbortedTrajectory]) -> None:
         """The TS forgot these; abort those still on instances."""
+        ...
+
+    def trainer_groups(self, version: int, have: int, wait_s: float) -> TrainerGroups:
+        """Buffer ``version``'s occupied groups so far (``trainer.stream``); returns once
+        there are more than ``have``, the buffer is Ready, or ``wait_s`` passed. Raises
+        ``StopRequested`` once the run stops."""
         ...
 
     def trained(self, report: StepReport) -> None: ...

@@ -108,6 +108,7 @@ class StepMetrics:
             # Seer's counters, only where it is on (``probes`` given)
             chunks=sum(t.chunks for t in instance_times.values()) if probes is not None else None,
             probe_error=probes.mean_error if probes is not None and probes.groups else None,
+            streamed_groups=report.streamed_groups,
             staleness={int(k): int(n) for k, n in sorted(report.staleness.items())},
             instance_idle={i: r for i, r in sorted(idle.items()) if r is not None},
             instance_version={i: int(v) for i, v in sorted((instance_versions or {}).items())},

@@ -83,6 +83,8 @@ class StepRecord:
     # and the probes' mean shortfall against their group's longest response
     chunks: int | None = _scalar("rollout/chunks", whole=True)
     probe_error: float | None = _scalar("coordinator/probe_error")
+    # RolloutPipe (trainer.stream): groups trained on before this step's buffer was Ready
+    streamed_groups: int | None = _scalar("trainer/streamed_groups", whole=True)
     # V_buf - V_traj -> trajectories of this step's batch
     staleness: Mapping[int, int] = _per("staleness/hist/", whole=True)
     # per instance, cumulative over the run: idle seconds / lifetime

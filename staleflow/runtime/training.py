@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -23,6 +23,10 @@ from staleflow.runtime.interface import ControlHandle, StepReport, StopRequested
 from trajectory_server.types import AbortedTrajectory, TrainingBatch
 
 logger = logging.getLogger(__name__)
+
+# The longest a streaming trainer's wait for new groups blocks in the control plane before
+# it asks again (it returns as soon as a group arrives or the buffer is Ready)
+_STREAM_WAIT_S = 1.0
 
 
 class TrainerLike(Protocol):
@@ -35,6 +39,10 @@ class TrainerLike(Protocol):
 
 class BatchSource(Protocol):
     def take_batch(
+        self, group_ids: Iterable[int], select: Mapping[int, Sequence[int]] | None = None
+    ) -> TrainingBatch: ...
+
+    def read_batch(
         self, group_ids: Iterable[int], select: Mapping[int, Sequence[int]] | None = None
     ) -> TrainingBatch: ...
 
@@ -104,9 +112,12 @@ class StepDriver(Protocol):
     @property
     def version(self) -> int: ...
 
-    def train_consumed(self, select: Mapping[int, Sequence[int]]) -> TrainedStep:
+    def train_consumed(
+        self, select: Mapping[int, Sequence[int]], streamed: Collection[int] = ()
+    ) -> TrainedStep:
         """Take the consumed groups ``select`` (group id -> trajectory ids) from the TS,
-        train one step on them; :attr:`version` moves on by one."""
+        train one step on them; :attr:`version` moves on by one. The groups in
+        ``streamed`` were given to :meth:`StreamingDriver.stream` already."""
         ...
 
     def publish(self, version: int) -> PushHandleLike:
@@ -115,8 +126,28 @@ class StepDriver(Protocol):
         ...
 
 
+@runtime_checkable
+class StreamingDriver(StepDriver, Protocol):
+    """A driver whose trainer trains groups of its next batch as they arrive
+    (``trainer.stream``, :mod:`staleflow.trainers.streamed`)."""
+
+    def stream(self, select: Mapping[int, Sequence[int]]) -> None:
+        """Forward/backward on these occupied, not yet Consumed groups."""
+        ...
+
+    def drop_stream(self) -> None:
+        """Forget what was streamed: the step will not be taken."""
+        ...
+
+    @property
+    def streams(self) -> bool:
+        """Can this driver's trainer stream at all?"""
+        ...
+
+
 class LocalStepDriver:
-    """A :class:`StepDriver` for a trainer in this process."""
+    """A :class:`StepDriver` (streaming, when the trainer can) for a trainer in this
+    process."""
 
     def __init__(self, trainer: TrainerLike, ts: BatchSource, pusher: Pusher) -> None:
         self.trainer, self._ts, self._pusher = trainer, ts, pusher
@@ -125,11 +156,27 @@ class LocalStepDriver:
     def version(self) -> int:
         return self.trainer.version
 
-    def train_consumed(self, select: Mapping[int, Sequence[int]]) -> TrainedStep:
+    def train_consumed(
+        self, select: Mapping[int, Sequence[int]], streamed: Collection[int] = ()
+    ) -> TrainedStep:
         v = self.trainer.version
         batch = self._ts.take_batch(list(select), select)
-        metrics = dict(self.trainer.train_step(batch))
+        rest = batch
+        if streamed:  # the whole batch leaves the TS; the trainer still lacks the rest
+            groups = tuple(g for g in batch.groups if g.group_id not in streamed)
+            rest = TrainingBatch(groups, batch.dropped, batch.temperature)
+        metrics = dict(self.trainer.train_step(rest))
         return TrainedStep(metrics, BatchDigest.of(batch, v))
+
+    @property
+    def streams(self) -> bool:
+        return hasattr(self.trainer, "stream")
+
+    def stream(self, select: Mapping[int, Sequence[int]]) -> None:
+        self.trainer.stream(self._ts.read_batch(list(select), select))  # type: ignore[attr-defined]
+
+    def drop_stream(self) -> None:
+        self.trainer.drop_stream()  # type: ignore[attr-defined]
 
     def publish(self, version: int) -> PushHandleLike:
         return self._pusher.push_async(version, self.trainer.export_weights())
@@ -149,6 +196,7 @@ class TrainingLoop:
         consume_timeout_s: float | None = None,
         on_step: Callable[[StepReport], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        stream: bool = False,
     ) -> None:
         if isinstance(trainer, StepDriver):
             self.driver: StepDriver = trainer
@@ -162,6 +210,12 @@ class TrainingLoop:
         self._on_step = on_step
         self._clock = clock
         self._pending: PushHandleLike | None = None
+        self._stream = stream
+        if stream and not getattr(self.driver, "streams", False):
+            raise ValueError(
+                f"trainer.stream: {type(self.trainer).__name__} cannot train a batch in parts "
+                "(only the embedded trainer streams): set trainer.stream=false"
+            )
 
     def run(self, steps: int) -> list[StepReport]:
         """Up to ``steps`` steps; fewer when the run is stopped (``StopRequested``)."""
@@ -177,10 +231,29 @@ class TrainingLoop:
     def step(self) -> StepReport:
         v = self.driver.version
         started = self._clock()
-        consumed = self._control.consume(v, self._timeout)
-        waited = self._clock() - started
+        streamed: dict[int, tuple[int, ...]] = {}
+        waited, timeout = 0.0, self._timeout
+        try:
+            if self._stream:
+                waited, quiet = self._stream_groups(v, streamed)
+                if timeout is not None:  # the stall clock runs from the last group
+                    timeout = max(timeout - quiet, 1.0)
+            before = self._clock()
+            consumed = self._control.consume(v, timeout)
+            waited += self._clock() - before
+        except BaseException:
+            if streamed:
+                self.driver.drop_stream()  # type: ignore[attr-defined]
+            raise
         select = {g.group_id: g.trajectories for g in consumed.groups}
-        trained_step = self.driver.train_consumed(select)
+        for gid, trajs in streamed.items():
+            if tuple(select.get(gid, ())) != tuple(trajs):
+                raise RuntimeError(
+                    f"group {gid} was streamed with trajectories {list(trajs)} but buffer {v} "
+                    f"was consumed with {list(select.get(gid, []))}: an occupied group left "
+                    "its buffer, which the staleness manager never does"
+                )
+        trained_step = self.driver.train_consumed(select, tuple(streamed))
         digest = trained_step.digest
         if digest.dropped:
             self._control.dropped(digest.dropped)
@@ -203,11 +276,33 @@ class TrainingLoop:
             metrics=dict(trained_step.metrics),
             consumed_traj_ids=digest.traj_ids,
             token_staleness=dict(digest.token_staleness),
+            streamed_groups=len(streamed) if self._stream else None,
         )
         self._control.trained(report)
         if self._on_step is not None:
             self._on_step(report)
         return report
+
+    def _stream_groups(self, v: int, streamed: dict[int, tuple[int, ...]]) -> tuple[float, float]:
+        """Train buffer ``v``'s groups as they are occupied, until it is Ready (or quiet
+        for the stall timeout: the Consume then reports it). Fills ``streamed``; returns
+        the seconds spent waiting, and those since the last new group."""
+        driver: StreamingDriver = self.driver  # type: ignore[assignment]
+        waited = quiet = 0.0
+        while True:
+            before = self._clock()
+            head = self._control.trainer_groups(v, len(streamed), _STREAM_WAIT_S)
+            idle = self._clock() - before
+            waited += idle
+            new = {g.group_id: g.trajectories for g in head.groups if g.group_id not in streamed}
+            if new:
+                driver.stream(new)
+                streamed.update(new)
+                quiet = 0.0
+            else:
+                quiet += idle
+            if head.ready or (self._timeout is not None and quiet >= self._timeout):
+                return waited, quiet
 
     def finish(self) -> None:
         """Wait for the last Push, so the PS holds the final version."""

@@ -17,9 +17,10 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
@@ -37,6 +38,7 @@ from staleflow.trainers.rl import (
 )
 from staleflow.trainers.rng import rng_state as _rng_state
 from staleflow.trainers.rng import set_rng_state as _set_rng_state
+from staleflow.trainers.streamed import StreamedStep
 from trajectory_server.types import TrainingBatch
 
 if TYPE_CHECKING:
@@ -48,6 +50,7 @@ __all__ = ["BatchError", "EmbeddedTrainer"]
 
 _STATE_FILE = "trainer_state.json"
 _OPTIMIZER_FILE = "optimizer.pt"
+_R = TypeVar("_R")
 _RNG_FILE = "rng.pt"  # torch's generators (a step seeds its own from seed and version)
 
 
@@ -65,6 +68,11 @@ class _DenseBackend(SingleStage, LocalReduce):
 
     def zero_grad(self) -> None:
         self._trainer.optimizer.zero_grad(set_to_none=True)
+
+    def scale_grads(self, factor: float) -> None:
+        for p in self._trainer._params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
 
     def update(self) -> float:
         t = self._trainer
@@ -114,6 +122,7 @@ class EmbeddedTrainer:
             raise ValueError("the model has no trainable parameters")
         self.optimizer = adamw(self._params, self.config)
         self._backend = _DenseBackend(self)
+        self._stream: StreamedStep | None = None  # parts of the next step seen so far
 
     @classmethod
     def from_section(
@@ -142,32 +151,65 @@ class EmbeddedTrainer:
         return self._version
 
     def train_step(self, batch: TrainingBatch) -> dict[str, float]:
-        """One training step on ``batch``; see :func:`staleflow.trainers.rl.train_step`."""
+        """One training step on ``batch``; see :func:`staleflow.trainers.rl.train_step`.
+        After :meth:`stream`, ``batch`` holds the groups not streamed yet (possibly none)
+        and the step covers the streamed ones too."""
         with self._lock:
             start = time.perf_counter()
-            was_training = self.model.training
-            # dropout off: the loss must see the policy's own logprobs, as in verl/AReaL
-            self.model.eval()
-            threads = torch.get_num_threads()
-            try:
-                if self.num_threads is not None:
-                    torch.set_num_threads(self.num_threads)
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(self.seed * 1_000_003 + self._version)
-                    metrics, _ = train_step(
+            stream, self._stream = self._stream, None
+            if stream is None:
+                metrics = self._run(
+                    lambda: train_step(
                         self._backend,
                         batch,
                         self.config,
                         version=self._version,
                         pad_id=self.pad_id,
-                    )
-            finally:
-                torch.set_num_threads(threads)
-                self.model.train(was_training)
+                    )[0]
+                )
+            else:
+                if batch.groups:
+                    self._run(lambda: stream.add(batch))
+                metrics = self._run(lambda: stream.finish()[0])
             self._version += 1
             metrics["train/lr"] = float(self.optimizer.param_groups[0]["lr"])
             metrics["train/step_time_s"] = time.perf_counter() - start
             return metrics
+
+    def stream(self, part: TrainingBatch) -> None:
+        """Forward/backward on groups of the next step's batch before the rest is in
+        (``trainer.stream``, :mod:`staleflow.trainers.streamed`); :meth:`train_step`
+        adds the remaining groups and updates."""
+        with self._lock:
+            if self._stream is None:
+                self._stream = StreamedStep(
+                    self._backend, self.config, version=self._version, pad_id=self.pad_id
+                )
+            stream = self._stream
+            self._run(lambda: stream.add(part))
+
+    def drop_stream(self) -> None:
+        """Forget the parts streamed for a step that will not be taken (the run stops)."""
+        with self._lock:
+            self._stream = None
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _run(self, work: Callable[[], _R]) -> _R:
+        """``work`` in the step's context: dropout off (the loss must see the policy's own
+        logprobs, as in verl/AReaL), the step's threads, torch's RNG seeded from the seed
+        and the version without touching global state."""
+        was_training = self.model.training
+        self.model.eval()
+        threads = torch.get_num_threads()
+        try:
+            if self.num_threads is not None:
+                torch.set_num_threads(self.num_threads)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(self.seed * 1_000_003 + self._version)
+                return work()
+        finally:
+            torch.set_num_threads(threads)
+            self.model.train(was_training)
 
     # -- weights and checkpoints ------------------------------------------------------
 

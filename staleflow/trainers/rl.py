@@ -451,9 +451,35 @@ def _update(
     local = float(sum(s.response_len for s in part))
     total = float(backend.reduce(np.array([local]), "sum")[0])
     backend.zero_grad()
+    accumulate(
+        backend,
+        part,
+        settings,
+        pad_id=pad_id,
+        temperature=temperature,
+        total_tokens=total,
+        tally=tally,
+    )
+    return backend.update()
+
+
+def accumulate(
+    backend: StepBackend,
+    sequences: Sequence[TrainSequence],
+    settings: TrainerConfig,
+    *,
+    pad_id: int,
+    temperature: float,
+    total_tokens: float,
+    tally: LossTally,
+) -> None:
+    """Forward/backward of ``sequences`` in micro-batches: their losses (over
+    ``total_tokens``, see :func:`micro_loss`) add to the gradients."""
     mbs = [
         pad(chunk, pad_id)
-        for chunk in micro_batches(part, settings.micro_batch_tokens, settings.micro_batch_size)
+        for chunk in micro_batches(
+            sequences, settings.micro_batch_tokens, settings.micro_batch_size
+        )
     ]
 
     def loss(i: int, logits: torch.Tensor) -> torch.Tensor:
@@ -463,13 +489,12 @@ def _update(
             logits,
             settings,
             temperature=temperature,
-            total_tokens=total,
+            total_tokens=total_tokens,
             tally=tally,
         )
 
     if mbs:  # a data-parallel rank may have no share of this mini-batch
         backend.forward_backward(mbs, loss, forward_only=False)
-    return backend.update()
 
 
 def train_step(
@@ -515,10 +540,10 @@ def train_step(
             )
     # the loss is computed (and tallied) on the last pipeline stage only
     tally = backend.from_last_stage(tally)
-    return _metrics(backend, batch_tally, tally, norms), norms
+    return step_metrics(backend, batch_tally, tally, norms), norms
 
 
-def _metrics(
+def step_metrics(
     backend: StepBackend, batch_tally: BatchTally, tally: LossTally, norms: list[float]
 ) -> dict[str, float]:
     sums = dict(

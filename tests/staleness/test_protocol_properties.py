@@ -78,6 +78,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.gone: set[int] = set()  # consumed or aborted
         self.consumed: set[int] = set()
         self.stragglers: set[tuple[int, int]] = set()  # (group, traj) settled without it
+        self.at_head: set[int] = set()  # groups trainer_groups() showed (a streaming trainer)
 
     # -- operations ---------------------------------------------------------------------
 
@@ -194,6 +195,9 @@ class ProtocolMachine(RuleBasedStateMachine):
     def consume(self):
         batch = self.m.consume()
         assert len(batch.groups) == self.cfg.batch_size
+        # what a streaming trainer trained early is in the batch (unless aborted outright)
+        assert self.at_head - self.gone <= {g.group_id for g in batch.groups}
+        self.at_head = set()
         for g in batch.groups:
             assert g.group_id in self.occupied, "consumed a group that was not occupied"
             assert 0 <= batch.version - g.version <= self.cfg.eta
@@ -256,6 +260,19 @@ class ProtocolMachine(RuleBasedStateMachine):
         assert set(seen) == set(self.members), "a tracked group was lost or invented"
         for gid, e in seen.items():
             assert (e.kind is EntryKind.OCCUPIED) == (gid in self.occupied)
+
+    @invariant()
+    def trainer_groups_are_the_head_and_stay_until_consumed(self):
+        if not hasattr(self, "m"):
+            return
+        head = self.m.trainer_groups()
+        ids = {g.group_id for g in head}
+        first = self.m.view().buffers[0]
+        assert ids == {e.group_id for e in first.entries if e.kind is EntryKind.OCCUPIED}
+        for g in head:
+            assert set(g.trajectories) == set(self.done[g.group_id])
+        assert self.at_head - self.gone <= ids, "a group left the trainer's buffer early"
+        self.at_head |= ids
 
     @invariant()
     def occupied_packed_lexicographically_earliest(self):

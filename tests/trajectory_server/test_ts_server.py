@@ -19,6 +19,7 @@ from trajectory_server import (
     UnknownGroup,
     UnknownTrajectory,
     VersionConflict,
+    wire,
 )
 
 
@@ -238,6 +239,42 @@ def test_take_batch_with_selection_drops_the_rest(make_ts, response):
     }
     s = ts.stats()
     assert (s.consumed_trajectories, s.aborted_trajectories, s.routed, s.completed) == (1, 3, 0, 0)
+
+
+def test_read_batch_is_what_take_batch_hands_out_and_changes_nothing(make_ts, response):
+    """A streaming trainer reads its buffer's groups before the Consume: the same
+    payloads, the TS (and its checkpoint) untouched, the same errors for bad requests."""
+    ts = make_ts(group_size=2, group_redundancy=1.0)
+    ts.route([0, 1, 2], 0, "inst")
+    for tid in (0, 1):
+        ts.complete(tid, *response(tid + 2, 0), reward=float(tid), finish_reason="stop")
+    state, stats = ts.export_state(), ts.stats()
+    with pytest.raises(InvalidTransition, match="ROUTED"):
+        ts.read_batch([0], select={0: [0, 2]})
+    with pytest.raises(InvalidTransition, match="not given"):
+        ts.read_batch([0], select={1: [4]})
+    read = ts.read_batch([0], select={0: [1, 0]})
+    assert read.dropped == ()
+    assert ts.stats() == stats
+    assert wire.pack_plain(ts.export_state()) == wire.pack_plain(state)
+    taken = ts.take_batch([0], select={0: [1, 0]})
+    (r,), (t,) = read.groups, taken.groups
+    assert (r.group_id, r.sample_id, r.answer, r.prompt.tolist()) == (
+        t.group_id,
+        t.sample_id,
+        t.answer,
+        t.prompt.tolist(),
+    )
+    assert [x.traj_id for x in r.trajectories] == [x.traj_id for x in t.trajectories] == [1, 0]
+    for a, b in zip(r.trajectories, t.trajectories, strict=True):
+        assert (a.tokens.tolist(), a.logprobs.tolist(), a.reward) == (
+            b.tokens.tolist(),
+            b.logprobs.tolist(),
+            b.reward,
+        )
+    assert read.temperature == taken.temperature
+    with pytest.raises(UnknownGroup, match="already consumed"):
+        ts.read_batch([0])
 
 
 def test_abort_in_any_state_and_group_removal(ts, response):

@@ -88,6 +88,15 @@ from staleflow.config import (
         ),
         (["trainer.pp=2"], "trainer.pp=2 needs trainer.backend=megatron"),
         (["trainer.load=ckpt"], "trainer.load='ckpt' is a Megatron checkpoint"),
+        (
+            ["trainer.stream=true", "trainer.updates_per_step=2"],
+            "trainer.updates_per_step=2 must be 1 with trainer.stream",
+        ),
+        (
+            ["trainer.stream=true", "trainer.backend=megatron"],
+            "trainer.stream=True needs trainer.backend=embedded",
+        ),
+        (["trainer.stream=maybe"], "trainer.stream"),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(overrides, expected):

@@ -67,6 +67,22 @@ def test_launch_eta0_is_exactly_on_policy(tmp_path):
     assert result.summary["on_policy_tokens"] is True
 
 
+def test_launch_with_streamed_training_is_exactly_on_policy_and_loses_nothing(tmp_path):
+    """trainer.stream (RolloutPipe's complete-group pipelining) at eta = 0: the trainer
+    reads each occupied group from the TS as it comes and takes the rest at the Consume.
+    The audit trail writes each trajectory once, when its batch is taken. (That groups
+    really are trained before the buffer is full is made to happen, and checked, in
+    tests/staleflow/runtime/test_runtime_stream.py.)"""
+    result = _launch(tmp_path, 0, "trainer.stream=true", "recovery.audit_log=true")
+    check_run(result, 0, STEPS, 2 * 4)
+    for step in result.consumed:
+        assert set(step["staleness"]) == {0} and set(step["token_staleness"]) == {0}
+    assert all(rec.streamed_groups is not None for rec in result.records)
+    assert all(0 <= rec.streamed_groups <= 2 for rec in result.records)
+    audit = (result.run_dir / "audit.jsonl").read_text().splitlines()
+    assert len(audit) == STEPS * 2 * 4  # streamed groups are not written twice
+
+
 def test_launch_with_batch_and_group_redundancy_drops_the_surplus(tmp_path):
     """§4.3 / App. C: 3 entries per buffer of 2 groups, 5 members per group of 4. This used
     to stop with ``TrajectoryGone`` as soon as a dropped trajectory's reward came in."""
