@@ -5,17 +5,24 @@ Every mechanism is a *switch* (``SWITCHES``): a name, what it changes, and a fun
 from a cluster configuration to the configuration with it on. ``off`` is StaleFlow as
 configured by ``staleflow.sim.presets.system("staleflow")``; every other variant is
 ``off`` with its switches applied, on the same workload draws (same seed). RolloutPipe
-and SpecActor join as further entries of ``SWITCHES`` when they exist.
+joined as ``stream`` (its complete-group pipelining: the trainer trains on a buffer's
+occupied groups before the buffer is Ready); SpecActor joins as a further entry of
+``SWITCHES`` when it exists.
 
     python experiments/sim_seeds.py --seeds 3 --jobs 2 --steps 6 --json results/seeds.json
     python experiments/sim_seeds.py --workloads bimodal --etas 0,3 --variants seer --small
+    python experiments/sim_seeds.py --variants stream --etas 0,1,3 --seeds 3 --steps 6
 
 Reported per workload, eta and variant (mean +- std [min..max] over seeds): trained
 tokens/s and its gain over ``off`` of the same seed; the trainer's idle share; the
 oldest buffer's stuck time (mean over consumed batches of the seconds from its 90th
 percentile finish to its last, Seer's "long-tail time"); wasted tokens (response tokens
 of trajectories aborted); re-prefilled tokens (prefixes prefilled again: resumed
-partials, preemptions); chunks re-placed and the probes' mean shortfall (Seer).
+partials, preemptions); chunks re-placed and the probes' mean shortfall (Seer); groups
+the trainer streamed before their buffer was Ready, and the mean rollout-to-train-end
+seconds per step (RolloutPipe's figure at eta = 0) and its Eq. 4 waiting ratio, the
+share of that span before the trainer's first work on the step's groups
+(``staleflow.sim.summary`` defines both).
 """
 
 from __future__ import annotations
@@ -61,6 +68,10 @@ def _kv_pool(config: ClusterConfig, chunk: int) -> ClusterConfig:
     return replace(config, engine=replace(config.engine, kv_pool=True))
 
 
+def _stream(config: ClusterConfig, chunk: int) -> ClusterConfig:
+    return replace(config, stream_training=True)
+
+
 SWITCHES: dict[str, Switch] = {
     "seer": Switch("divided rollout + context-aware scheduling (coordinator.seer)", _seer),
     "kvpool": Switch(
@@ -68,12 +79,15 @@ SWITCHES: dict[str, Switch] = {
         "simulator only): re-placing a chunk costs no prefill",
         _kv_pool,
     ),
+    "stream": Switch("RolloutPipe's complete-group pipelining (stream_training)", _stream),
 }
 # variant name -> switches applied to ``off``
 VARIANTS: dict[str, tuple[str, ...]] = {
     "off": (),
     "seer": ("seer",),
     "seer+kvpool": ("seer", "kvpool"),
+    "stream": ("stream",),
+    "seer+stream": ("seer", "stream"),
 }
 FIELDS = {  # row field -> table format
     "tokens_per_s": "{:,.0f}",
@@ -84,6 +98,9 @@ FIELDS = {  # row field -> table format
     "reprefill_tokens": "{:,.0f}",
     "chunks": "{:,.0f}",
     "probe_error": "{:.3f}",
+    "streamed_groups": "{:,.0f}",
+    "rollout_to_train_end_s": "{:,.1f}",
+    "train_wait_ratio": "{:.3f}",
 }
 
 
@@ -124,6 +141,10 @@ def simulate(run: Run) -> dict[str, Any]:
         "chunks": s.chunks,
         "probe_error": s.probe_error,
         "preemptions": s.preemptions,
+        "streamed_groups": s.streamed_groups,
+        "streamed_tokens": s.streamed_tokens,
+        "rollout_to_train_end_s": s.rollout_to_train_end_s,
+        "train_wait_ratio": s.train_wait_ratio,
     }
 
 
@@ -191,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{row['workload']} eta={row['eta']} {row['variant']} seed={row['seed']}: "
                 f"{row['tokens_per_s']:,.0f} tok/s, tail {row['tail_s']:,.0f} s, "
-                f"{row['chunks']} chunks" + (" STALLED" if row["stalled"] else ""),
+                f"{row['chunks']} chunks, {row['streamed_groups']} groups streamed"
+                + (" STALLED" if row["stalled"] else ""),
                 flush=True,
             )
     off = {(r["workload"], r["eta"], r["seed"]): r for r in runs if r["variant"] == "off"}

@@ -294,6 +294,8 @@ class TrainingLoop:
             head = self._control.trainer_groups(v, len(streamed), _STREAM_WAIT_S)
             idle = self._clock() - before
             waited += idle
+            if head.ready:  # the groups that made it Ready go with the step
+                return waited, quiet
             new = {g.group_id: g.trajectories for g in head.groups if g.group_id not in streamed}
             if new:
                 driver.stream(new)
@@ -301,7 +303,7 @@ class TrainingLoop:
                 quiet = 0.0
             else:
                 quiet += idle
-            if head.ready or (self._timeout is not None and quiet >= self._timeout):
+            if self._timeout is not None and quiet >= self._timeout:
                 return waited, quiet
 
     def finish(self) -> None:

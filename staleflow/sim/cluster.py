@@ -12,7 +12,9 @@ in the order the real control plane's ``run_once`` follows:
 3. completions, rewards, training steps and Pushes are processed in time order from a
    heap: a rewarded trajectory is stored in the TS as completed and Occupied by the
    loop (redundancy's surplus dropped), the idle trainer Consumes a Ready buffer, and the
-   PS version advances when its Push lands.
+   PS version advances when its Push lands. With ``stream_training`` the idle trainer
+   whose buffer is not Ready yet works on the groups already occupied in it instead
+   (RolloutPipe's complete-group pipelining; ``trainer.py`` has the costs).
 
 The run is deterministic for a seed: every random draw comes from seeded generators, and
 every iteration order is fixed (instances by id, events by time then sequence number).
@@ -41,11 +43,12 @@ from staleflow.sim.workload import SyntheticWorkload, TraceWorkload, WorkloadCon
 from staleness import ConsumedBatch, StalenessConfig
 from trajectory_server import TrajectoryServer, TrajectoryServerConfig, TrajState
 from trajectory_server.errors import TrajectoryServerError
-from trajectory_server.types import Completion, RoutableTrajectory
+from trajectory_server.types import Completion, RoutableTrajectory, TrainingGroup
 
 logger = logging.getLogger(__name__)
 
 REWARD, TRAIN_DONE, PUSH_DONE = "reward", "train_done", "push_done"
+STREAM_DONE = "stream_done"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +76,11 @@ class ClusterConfig:
     # surplus aborted once a buffer or group is full (validated by the staleness manager).
     batch_redundancy: float = 0.0
     group_redundancy: float = 0.0
+    # RolloutPipe's complete-group pipelining (its §3.2): the idle trainer starts forward
+    # and backward on the groups occupied in its buffer before the buffer is Ready, and
+    # the step at Consume pays only for the rest. The version moves at the step as
+    # before, so staleness is unchanged; off, the trainer waits for a Ready buffer.
+    stream_training: bool = False
 
     def __post_init__(self) -> None:
         if self.instances < 1 or self.steps < 1:
@@ -159,6 +167,7 @@ class SimCluster:
         self.tail_s: list[float] = []
         # (sample id, prompt length, response lengths) of every consumed group
         self.trained: list[tuple[int, int, tuple[int, ...]]] = []
+        self.streamed: set[int] = set()  # groups of the trainer's buffer already trained on
 
     # -- sources the coordinator reads (the control loop's) ---------------------------
 
@@ -230,8 +239,10 @@ class SimCluster:
                 self._reward(*data)
             elif kind == TRAIN_DONE:
                 self._push(self.trainer.finish_step(t), PUSH_DONE, None)
+            elif kind == STREAM_DONE:
+                self.trainer.stream_done()
             else:
-                self.trainer.push_landed()
+                self.trainer.push_landed(t)
             self._maybe_train(t)
 
     def _reward(self, traj: SimTrajectory, version: int) -> None:
@@ -252,12 +263,33 @@ class SimCluster:
         self.loop.occupy((traj,))
 
     def _maybe_train(self, t: float) -> None:
-        """The trainer, when idle, Consumes its buffer as soon as it is Ready."""
+        """The trainer, when idle, Consumes its buffer as soon as it is Ready, and streams
+        the groups occupied in it so far while it is not (``stream_training``)."""
         if self.trainer.busy:
             return
         batch = self.loop.consume()
         if batch is not None:
             self._train(t, batch)
+        elif self.config.stream_training:
+            self._stream(t)
+
+    def _stream(self, t: float) -> None:
+        """Forward and backward on the trainer's buffer's occupied groups not streamed yet,
+        read from the TS without taking them: they stay there, whole, until the Consume
+        (occupied groups only move earlier, and the trainer's buffer is the earliest)."""
+        fresh = {
+            g.group_id: g.trajectories
+            for g in self.manager.trainer_groups()
+            if g.group_id not in self.streamed
+        }
+        if not fresh:
+            return
+        tokens = squares = 0
+        for group in self.ts.read_batch(list(fresh), fresh).groups:
+            g_tokens, g_squares = _cost(group)
+            tokens, squares = tokens + g_tokens, squares + g_squares
+        self.streamed.update(fresh)
+        self._push(self.trainer.stream(t, tokens, squares), STREAM_DONE, None)
 
     def _train(self, t: float, batch: ConsumedBatch) -> None:
         """Fetch the consumed groups' kept trajectories from the TS and train on them."""
@@ -268,7 +300,7 @@ class SimCluster:
         if taken.dropped:
             self._forget(taken.dropped)
         self.tail_s.append(tail_seconds([self.finish_times.pop(t, 0.0) for t in kept]))
-        tokens = squares = 0
+        tokens = squares = ahead_groups = ahead_tokens = 0
         for group in taken.groups:
             lengths = tuple(len(tr.tokens) for tr in group.trajectories)
             self.trained.append((group.sample_id, len(group.prompt), lengths))
@@ -276,10 +308,15 @@ class SimCluster:
                 if tr.traj_id in self.consumed:
                     self.duplicates.append(tr.traj_id)
                 self.consumed.add(tr.traj_id)
-                tokens += len(group.prompt) + len(tr.tokens)
-                squares += (len(group.prompt) + len(tr.tokens)) ** 2  # attention's cost
                 self.response_lengths.append(len(tr.tokens))
-        self._push(self.trainer.start_step(t, tokens, squares), TRAIN_DONE, None)
+            g_tokens, g_squares = _cost(group)
+            if group.group_id in self.streamed:  # trained on already: only counted
+                ahead_groups, ahead_tokens = ahead_groups + 1, ahead_tokens + g_tokens
+            else:
+                tokens, squares = tokens + g_tokens, squares + g_squares
+        self.streamed.clear()
+        end = self.trainer.start_step(t, tokens, squares, (ahead_groups, ahead_tokens))
+        self._push(end, TRAIN_DONE, None)
 
     def _forget(self, dropped: Any) -> None:
         self.loop.forget(dropped)
@@ -323,6 +360,12 @@ class SimCluster:
         if self.planes.claimed:
             problems.append(f"claims left after the executor went idle: {self.planes.claimed}")
         return problems
+
+
+def _cost(group: TrainingGroup) -> tuple[int, int]:
+    """A group's tokens and its sequences' squared lengths (attention's cost)."""
+    lengths = [len(group.prompt) + len(tr.tokens) for tr in group.trajectories]
+    return sum(lengths), sum(n * n for n in lengths)
 
 
 def tail_seconds(finish_times: list[float], share: float = 0.9) -> float:

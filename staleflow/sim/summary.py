@@ -23,7 +23,9 @@ class Summary:
     first ``eta + 1`` (whose buffers all hold version-0 data, shortest groups first);
     0.0 when the run has no step after the warm-up.
     ``max_staleness_per_batch``: one entry per consumed batch.
-    Idle ratios are shares of the run's virtual time.
+    Idle ratios are shares of the run's virtual time; ``trainer_idle_ratio`` is
+    RolloutPipe's "trainer waiting ratio" (its §5.1: wait / (wait + compute), the trainer
+    computing while it runs a step's forward, backward and overhead or streams groups).
     ``rampup_s``: when the step that ends the warm-up (step ``eta + 1``) ended.
     ``trainer_busy_steady``: share of the steady span (after the warm-up) the trainer
     spent training; near 1 the run is trainer-bound there, lower the trainer waited for
@@ -66,6 +68,19 @@ class Summary:
     tail_s: float = 0.0
     probe_groups: int = 0
     probe_error: float = 0.0
+    # RolloutPipe's complete-group pipelining (``ClusterConfig.stream_training``): groups
+    # and tokens the trainer trained on before their buffer was Ready (0 when off).
+    # ``rollout_to_train_end_s``: mean over steps of the seconds from the moment the
+    # oldest version the step's buffer may hold (``V_buf - eta``) reached the PS to the
+    # step's end. At eta = 0 that version is the buffer's own and no trajectory of it
+    # can start earlier, so this is RolloutPipe's rollout-to-train-end (its Pull
+    # included); at eta >= 1 it spans the staleness window, an upper bound.
+    # ``train_wait_ratio``: RolloutPipe's Eq. 4 averaged over steps, (first work on the
+    # step's groups - that start) / (step end - that start).
+    streamed_groups: int = 0
+    streamed_tokens: int = 0
+    rollout_to_train_end_s: float = 0.0
+    train_wait_ratio: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -118,6 +133,9 @@ def summarise(cluster: SimCluster) -> Summary:
         tail_s=_mean(cluster.tail_s[: trainer.steps]),
         probe_groups=probes.groups,
         probe_error=probes.mean_error,
+        streamed_groups=sum(trainer.step_stream_groups),
+        streamed_tokens=sum(trainer.step_stream_tokens),
+        **_rollout_to_train_end(cluster),
     )
 
 
@@ -145,8 +163,20 @@ def _busy_steady(cluster: SimCluster) -> float:
     if len(t.step_ends) <= warm:
         return 0.0
     span = t.step_ends[-1] - t.step_ends[warm - 1]
-    busy = sum(e - s for s, e in zip(t.step_starts[warm:], t.step_ends[warm:], strict=False))
+    steps = zip(t.step_starts[warm:], t.step_ends[warm:], t.step_stream_s[warm:], strict=False)
+    busy = sum(e - s + ahead for s, e, ahead in steps)
     return min(1.0, busy / span) if span > 0 else 0.0
+
+
+def _rollout_to_train_end(cluster: SimCluster) -> dict[str, float]:
+    t, eta = cluster.trainer, cluster.config.eta
+    spans, waits = [], []
+    for batch, first, end in zip(cluster.batches, t.step_firsts, t.step_ends, strict=False):
+        v = batch.version - eta
+        start = t.version_times[v - 1] if v > 0 else 0.0
+        spans.append(end - start)
+        waits.append((first - start) / (end - start) if end > start else 0.0)
+    return {"rollout_to_train_end_s": _mean(spans), "train_wait_ratio": _mean(waits)}
 
 
 def _estimate_error(times: list[InstanceTimes]) -> float:
