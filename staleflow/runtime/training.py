@@ -20,6 +20,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 
 from staleflow.runtime.interface import ControlHandle, StepReport, StopRequested
+from staleflow.trainers.interface import StreamingTrainer
 from trajectory_server.types import AbortedTrajectory, TrainingBatch
 
 logger = logging.getLogger(__name__)
@@ -170,13 +171,15 @@ class LocalStepDriver:
 
     @property
     def streams(self) -> bool:
-        return hasattr(self.trainer, "stream")
+        return isinstance(self.trainer, StreamingTrainer)
 
     def stream(self, select: Mapping[int, Sequence[int]]) -> None:
-        self.trainer.stream(self._ts.read_batch(list(select), select))  # type: ignore[attr-defined]
+        trainer: StreamingTrainer = self.trainer  # type: ignore[assignment]
+        trainer.stream(self._ts.read_batch(list(select), select))
 
     def drop_stream(self) -> None:
-        self.trainer.drop_stream()  # type: ignore[attr-defined]
+        trainer: StreamingTrainer = self.trainer  # type: ignore[assignment]
+        trainer.drop_stream()
 
     def publish(self, version: int) -> PushHandleLike:
         return self._pusher.push_async(version, self.trainer.export_weights())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from staleflow.trainers.interface import METRIC_KEYS, Trainer
+from staleflow.trainers.interface import METRIC_KEYS, StreamingTrainer, Trainer
 
 TRAINERS: dict[str, str] = {
     "embedded": "staleflow.trainers.embedded:EmbeddedTrainer",
@@ -32,4 +32,11 @@ def create_trainer(name: str, *args: Any, **kwargs: Any) -> Trainer:
     return trainer_class(name)(*args, **kwargs)
 
 
-__all__ = ["METRIC_KEYS", "TRAINERS", "Trainer", "create_trainer", "trainer_class"]
+__all__ = [
+    "METRIC_KEYS",
+    "TRAINERS",
+    "StreamingTrainer",
+    "Trainer",
+    "create_trainer",
+    "trainer_class",
+]

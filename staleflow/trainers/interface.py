@@ -55,3 +55,17 @@ class Trainer(Protocol):
     def save_checkpoint(self, path: str | Path) -> None:
         """Write weights, optimizer state and version to directory ``path``."""
         ...
+
+
+@runtime_checkable
+class StreamingTrainer(Protocol):
+    """What a :class:`Trainer` adds to take a step's groups in parts (``trainer.stream``):
+    ``stream(part)`` runs forward/backward on groups of the next step's batch as they
+    arrive; the following ``train_step(rest)`` adds the remaining groups and takes the
+    update, with the loss of the whole batch (:mod:`staleflow.trainers.streamed`)."""
+
+    def stream(self, part: TrainingBatch) -> None: ...
+
+    def drop_stream(self) -> None:
+        """Forget the parts streamed so far: that step will not be taken."""
+        ...
