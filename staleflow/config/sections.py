@@ -506,13 +506,6 @@ class TrainerConfig:
                 "weights, which exist only once the whole batch is in): set it to 1, or "
                 "trainer.stream=false",
             )
-            require(
-                self.backend == "embedded",
-                "trainer.stream",
-                self.stream,
-                "needs trainer.backend=embedded (the megatron ranks do not stream yet): "
-                "set trainer.stream=false",
-            )
         self._check_parallelism()
 
     def _check_parallelism(self) -> None:

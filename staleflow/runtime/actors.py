@@ -517,6 +517,7 @@ class PoolTrainerActor(_TrainingHost):
             driver,
             control=ControlClient(control_handle),
             consume_timeout_s=spec.consume_timeout_s,
+            stream=spec.trainer.stream,
         )
 
     def refill_ps(self, resolve: Any) -> int:

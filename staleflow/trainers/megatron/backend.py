@@ -157,6 +157,9 @@ class VocabParallelBackend(SingleStage):
     def update(self) -> float:
         return self._update.step()
 
+    def scale_grads(self, factor: float) -> None:
+        self._update.scale_grads(factor)
+
     def reduce(self, values: np.ndarray, op: ReduceOp) -> np.ndarray:
         if dist.get_world_size(self._dp_group) == 1:
             return values

@@ -68,6 +68,11 @@ class CpuUpdate:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
 
+    def scale_grads(self, factor: float) -> None:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
     def step(self) -> float:
         self._before_update()
         grads = []
@@ -157,6 +162,9 @@ class MegatronUpdate:
     def zero_grad(self) -> None:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
+
+    def scale_grads(self, factor: float) -> None:
+        self.model.scale_gradients(factor)  # DDP's gradient buffers, before finalize
 
     def step(self) -> float:
         from megatron.core.distributed import finalize_model_grads

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -123,9 +123,12 @@ class RankActor:
         rank = self._rank
         return rank.refill_push({name: resolve(name) for name in rank.push_replicas()})
 
-    def step(self, select: Mapping[int, Sequence[int]] | None) -> tuple[dict[str, float], Any]:
-        """One training step; a data leader takes its ``select``ed groups from the TS.
-        Returns the metrics and (data leaders) the digest of the part it trained."""
+    def step(
+        self, select: Mapping[int, Sequence[int]] | None, streamed: Collection[int] = ()
+    ) -> tuple[dict[str, float], Any]:
+        """One training step; a data leader takes its ``select``ed groups from the TS and
+        trains those not ``streamed`` already. Returns the metrics and (data leaders) the
+        digest of the part it took."""
         from staleflow.runtime.training import BatchDigest
         from trajectory_server.types import TrainingBatch
 
@@ -135,9 +138,26 @@ class RankActor:
             select = select or {}
             part = self._ts.take_batch(list(select), select) if select else TrainingBatch(())
             digest = BatchDigest.of(part, rank.version)
+            if streamed:
+                rest = tuple(g for g in part.groups if g.group_id not in streamed)
+                part = TrainingBatch(rest, part.dropped, part.temperature)
         metrics = rank.train_step(part)
         rank.start_push()
         return metrics, digest
+
+    def stream(self, select: Mapping[int, Sequence[int]] | None) -> None:
+        """Forward/backward on groups of the next step (``trainer.stream``): a data leader
+        reads its ``select``ed groups from the TS, which keeps them until the Consume."""
+        from trajectory_server.types import TrainingBatch
+
+        part = None
+        if self._rank.is_data_leader:
+            select = select or {}
+            part = self._ts.read_batch(list(select), select) if select else TrainingBatch(())
+        self._rank.stream(part)
+
+    def drop_stream(self) -> None:
+        self._rank.drop_stream()
 
     def wait_push(self, version: int) -> None:
         """Return once this rank's Push of ``version`` is done (at once if it was fenced)."""
@@ -260,26 +280,65 @@ class MegatronTrainer:
     def version(self) -> int:
         return self._version
 
-    def train_consumed(self, select: Mapping[int, Sequence[int]]) -> Any:
+    def train_consumed(
+        self, select: Mapping[int, Sequence[int]], streamed: Collection[int] = ()
+    ) -> Any:
         import ray
 
         from staleflow.runtime.training import BatchDigest, TrainedStep
 
-        parts = assign_groups({g: len(ids) for g, ids in select.items()}, self.spec.section.dp)
-        s = self.spec.section
+        # the groups still to train are shared out evenly; the streamed ones only leave the
+        # TS, with replica 0
+        rest = {g: ids for g, ids in select.items() if g not in streamed}
+        done = {g: ids for g, ids in select.items() if g in streamed}
         with self._lock:
-            calls = []
-            for g, rank in enumerate(self.ranks):
-                replica = coordinates(g, s.tp, s.dp)[1]
-                mine = None
-                if self._leaders.get(replica) == g:
-                    mine = {gid: tuple(select[gid]) for gid in parts[replica]}
-                calls.append(rank.step.remote(mine))
+            calls = [
+                rank.step.remote(mine, tuple(done))
+                for rank, mine in zip(self.ranks, self._shares(rest, done), strict=True)
+            ]
             results = ray.get(calls)
             self._version += 1
         metrics = results[0][0]
         digest = BatchDigest.merge(d for _, d in results if d is not None)
         return TrainedStep(metrics, digest)
+
+    @property
+    def streams(self) -> bool:
+        return True
+
+    def stream(self, select: Mapping[int, Sequence[int]]) -> None:
+        """Every rank trains its replica's share of these groups of the next step."""
+        import ray
+
+        with self._lock:
+            shares = zip(self.ranks, self._shares(select), strict=True)
+            ray.get([rank.stream.remote(mine) for rank, mine in shares])
+
+    def drop_stream(self) -> None:
+        import ray
+
+        with self._lock:
+            ray.get([r.drop_stream.remote() for r in self.ranks])
+
+    def _shares(
+        self,
+        select: Mapping[int, Sequence[int]],
+        extra: Mapping[int, Sequence[int]] | None = None,
+    ) -> list[dict[int, tuple[int, ...]] | None]:
+        """Per global rank: its replica's groups of ``select`` (balanced, whole groups) if it
+        is the replica's data leader, else None. ``extra`` goes to replica 0's leader."""
+        s = self.spec.section
+        parts = assign_groups({g: len(ids) for g, ids in select.items()}, s.dp)
+        out: list[dict[int, tuple[int, ...]] | None] = []
+        for g in range(len(self.ranks)):
+            replica = coordinates(g, s.tp, s.dp)[1]
+            mine = None
+            if self._leaders.get(replica) == g:
+                mine = {gid: tuple(select[gid]) for gid in parts[replica]}
+                if replica == 0 and extra:
+                    mine.update({gid: tuple(ids) for gid, ids in extra.items()})
+            out.append(mine)
+        return out
 
     def publish(self, version: int) -> _PoolPush:
         if version != self._version:

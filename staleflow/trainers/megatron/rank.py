@@ -24,9 +24,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -40,9 +40,11 @@ from staleflow.trainers.megatron.model import Stage, build_gpt, load_shard, para
 from staleflow.trainers.megatron.optim import CpuUpdate, MegatronUpdate
 from staleflow.trainers.megatron.split import coordinates
 from staleflow.trainers.rl import train_step
+from staleflow.trainers.streamed import StreamedStep
 from trajectory_server.types import TrainingBatch
 
 logger = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +137,7 @@ class MegatronRank:
             self.model = self.model.to(self.device)
         self.version = int(version)
         self._pending: Any = None  # the background Push in flight
+        self._stream: StreamedStep | None = None  # parts of the next step seen so far
         self._pusher: Any = None
         self._client: Any = None
         self.push_wait_s = 0.0
@@ -231,26 +234,53 @@ class MegatronRank:
 
     def train_step(self, part: TrainingBatch | None) -> dict[str, float]:
         """One step on this replica's part of the batch (None on non-leaders); returns the
-        metrics, reduced over the replicas (equal on every rank)."""
+        metrics, reduced over the replicas (equal on every rank). After :meth:`stream`,
+        the part is the groups not streamed (possibly none) and the step covers both."""
         start = time.perf_counter()
         batch = self.receive(part)
         self.push_wait_s = 0.0
-        self.model.eval()  # dropout is 0 anyway; eval keeps any stochastic layer off
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.spec.seed * 1_000_003 + self.version)
-            metrics, _ = train_step(
-                self.backend,
-                batch,
-                self.spec.section,
-                version=self.version,
-                pad_id=self.spec.pad_id,
-                allow_empty=self.spec.section.dp > 1,
+        streamed, self._stream = self._stream, None
+        if streamed is None:
+            metrics = self._in_step(
+                lambda: train_step(
+                    self.backend,
+                    batch,
+                    self.spec.section,
+                    version=self.version,
+                    pad_id=self.spec.pad_id,
+                    allow_empty=self.spec.section.dp > 1,
+                )[0]
             )
+        else:
+            self._in_step(lambda: streamed.add(batch))
+            metrics = self._in_step(lambda: streamed.finish()[0])
         self.version += 1
         metrics["train/lr"] = float(self.spec.section.lr)
         metrics["train/step_time_s"] = time.perf_counter() - start
         metrics["train/push_wait_s"] = self.push_wait_s
         return metrics
+
+    def stream(self, part: TrainingBatch | None) -> None:
+        """Forward/backward on this replica's share of groups of the next step's batch
+        (``trainer.stream``); every rank of the pool calls it, a replica's share may be
+        empty. :meth:`train_step` adds the rest and updates."""
+        batch = self.receive(part)
+        if self._stream is None:
+            self._stream = StreamedStep(
+                self.backend, self.spec.section, version=self.version, pad_id=self.spec.pad_id
+            )
+        stream = self._stream
+        self._in_step(lambda: stream.add(batch))
+
+    def drop_stream(self) -> None:
+        self._stream = None
+        self.update.zero_grad()
+
+    def _in_step(self, work: Callable[[], _R]) -> _R:
+        self.model.eval()  # dropout is 0 anyway; eval keeps any stochastic layer off
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.spec.seed * 1_000_003 + self.version)
+            return work()
 
     # -- Push ---------------------------------------------------------------------------
 

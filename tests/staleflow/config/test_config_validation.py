@@ -92,10 +92,6 @@ from staleflow.config import (
             ["trainer.stream=true", "trainer.updates_per_step=2"],
             "trainer.updates_per_step=2 must be 1 with trainer.stream",
         ),
-        (
-            ["trainer.stream=true", "trainer.backend=megatron"],
-            "trainer.stream=True needs trainer.backend=embedded",
-        ),
         (["trainer.stream=maybe"], "trainer.stream"),
     ],
 )

@@ -31,6 +31,9 @@ class Script:
     hold_push: bool = False
     # more models built in the same ranks: (RankSpec, HF weights) -> their logits_of
     others: list[tuple[Any, dict[str, np.ndarray]]] = field(default_factory=list)
+    # trainer.stream: before each step, these parts (group indexes of ``batch``) are
+    # streamed one after the other; the step gets the groups left
+    stream_parts: tuple[tuple[int, ...], ...] = ()
 
 
 def run(script: Script, timeout_s: float = 300.0) -> dict[str, Any]:
@@ -45,6 +48,7 @@ def _script(rank: int, world: int, address: str, script: Script) -> dict[str, An
     from staleflow.trainers.megatron.checkpoint import load_checkpoint, save_checkpoint
     from staleflow.trainers.megatron.rank import MegatronRank, init_distributed
     from staleflow.trainers.megatron.split import split_batch
+    from trajectory_server.types import TrainingBatch
 
     init_distributed(rank, world, address)
     r = MegatronRank(script.spec)
@@ -65,10 +69,18 @@ def _script(rank: int, world: int, address: str, script: Script) -> dict[str, An
         result["push_bytes"] = r.attach_push(script.push_endpoint)
         if script.hold_push:
             _hold_pushes(r, last=script.steps)
+    dp = script.spec.section.dp
     for _ in range(script.steps):
-        part = None
-        if r.is_data_leader:
-            part = split_batch(script.batch, script.spec.section.dp)[r.dp_rank]
+        rest = script.batch
+        for ids in script.stream_parts:
+            groups = tuple(script.batch.groups[i] for i in ids)
+            streamed = TrainingBatch(groups, (), script.batch.temperature)
+            r.stream(split_batch(streamed, dp)[r.dp_rank] if r.is_data_leader else None)
+        if script.stream_parts:
+            done = {i for ids in script.stream_parts for i in ids}
+            left = tuple(g for i, g in enumerate(script.batch.groups) if i not in done)
+            rest = TrainingBatch(left, (), script.batch.temperature)
+        part = split_batch(rest, dp)[r.dp_rank] if r.is_data_leader else None
         result["metrics"].append(r.train_step(part))
         if script.push_endpoint is not None:
             r.start_push()

@@ -144,6 +144,9 @@ def runs(tmp_path_factory):
         "tp2": _with_ps(hf_config, hf, batch, tp=2, logits_of=IDS, save=str(ckpt)),
         "dp2": _with_ps(hf_config, hf, batch, dp=2, steps=2, hold_push=True),
         "tp1_from_tp2": _megatron(hf_config, hf, batch, steps=1, load=str(ckpt)),
+        # trainer.stream: group 0 alone (replica 1's share is empty), then groups 1 and 2,
+        # then the step with group 3
+        "dp2_streamed": _megatron(hf_config, hf, batch, dp=2, stream_parts=((0,), (1, 2))),
     }
     return out
 
@@ -222,6 +225,15 @@ def test_dp2_equals_dp1(runs):
         _same_step(
             tp1["metrics"][step], tp1["after"][step], dp2["metrics"][step], dp2["after"][step]
         )
+
+
+def test_a_streamed_dp2_step_takes_the_step_on_the_whole_batch(runs):
+    """trainer.stream on the Megatron ranks: the groups trained in parts before the step
+    (each part shared out over the two replicas, one share empty) give TP = 1's step on
+    the whole batch: the token-level mean over the whole batch, one update."""
+    streamed, tp1 = runs["dp2_streamed"], runs["tp1"]
+    _same_step(streamed["metrics"][0], streamed["after"][0], tp1["metrics"][0], tp1["after"][0])
+    assert streamed["metrics"][0]["train/streamed_parts"] == 3  # two streamed, the rest
 
 
 def test_on_policy_importance_weights_are_one_at_temperature_0_7(runs):

@@ -79,6 +79,22 @@ def test_launch_megatron_tp2_is_bounded_conserving_and_advancing(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.timeout(900)
+def test_launch_megatron_dp2_streamed_is_on_policy_and_conserving(tmp_path):
+    """trainer.stream on the pool at eta = 0: each occupied group goes to a data leader as
+    it comes (read from the TS), the step takes the batch whole and trains the rest.
+    (That the streamed step equals the whole batch's is test_megatron_equivalence.py's.)"""
+    from staleflow.runtime.launch import launch
+
+    result = launch(_config(tmp_path, "trainer.dp=2", "trainer.stream=true", "eta=0"))
+    check_run(result, eta=0, steps=STEPS, trajectories_per_step=2 * 4)
+    for step in result.consumed:
+        assert set(step["staleness"]) == {0} and set(step["token_staleness"]) == {0}
+    assert all(rec.streamed_groups is not None for rec in result.records)
+    assert all(rec.tokens and rec.tokens > 0 for rec in result.records)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(900)
 def test_launch_megatron_pp2_is_bounded_conserving_and_advancing(tmp_path):
     """Two pipeline stages of two layers each: the first stage's rank takes the groups
     from the TS, both Push their own layers, the PS serves every version whole."""
