@@ -101,16 +101,20 @@ def test_groups_are_trained_before_their_buffer_is_ready_and_the_step_gets_the_r
     ]
 
 
-@pytest.mark.parametrize("eta", [1, 3])
-def test_streaming_keeps_the_bound_and_loses_nothing(eta):
-    w = wire(eta, instances=3, batch=3)
+@pytest.mark.parametrize(
+    ("eta", "redundancy"), [(1, 0.0), (3, 0.0), (1, 0.5)], ids=["eta1", "eta3", "redundant"]
+)
+def test_streaming_keeps_the_bound_and_loses_nothing(eta, redundancy):
+    """With redundancy, surplus groups and members are dropped around the streamed ones:
+    a streamed group is trained with exactly the members it was occupied with."""
+    w = wire(eta, instances=3, batch=3, batch_redundancy=redundancy, group_redundancy=redundancy)
     trainer = _streaming(w)
     reports = run(w, steps=6)
     w.control.check()
     seen: Counter[int] = Counter()
     for r, parts, rest in zip(reports, trainer.parts, trainer.batches, strict=False):
         groups = [g for p in parts for g in p.groups] + list(rest.groups)
-        assert len(groups) == 3
+        assert len(groups) == 3 and all(len(g.trajectories) == 2 for g in groups)
         for g in groups:
             for t in g.trajectories:
                 seen[t.traj_id] += 1
