@@ -10,7 +10,13 @@ from coordinator.commands import (
     Reservation,
     Route,
 )
-from coordinator.config import ConfigError, CoordinatorConfig, CostModelConfig, SeerConfig
+from coordinator.config import (
+    ConfigError,
+    CoordinatorConfig,
+    CostModelConfig,
+    RaceConfig,
+    SeerConfig,
+)
 from coordinator.cost_model import PRESETS, QWEN3_30B_A3B_H20, CostModel
 from coordinator.cycle import Coordinator, CycleStats, plan_cycle
 from coordinator.executor import InProcessExecutor
@@ -54,6 +60,7 @@ __all__ = [
     "ParameterPlane",
     "ParameterVersionSource",
     "Pull",
+    "RaceConfig",
     "Reservation",
     "Route",
     "SeerConfig",

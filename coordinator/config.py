@@ -93,6 +93,33 @@ class SeerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RaceConfig:
+    """SpecActor's fastest-of-N as a tail race (coordinator/race.py)."""
+
+    enabled: bool = field(
+        default=False,
+        metadata={
+            "help": "copies of the oldest buffer's running stragglers race on idle instances "
+            "of the same weights version; the first to finish completes the trajectory, the "
+            "others are aborted (simulator only so far)"
+        },
+    )
+    copies: int = field(
+        default=1,
+        metadata={"help": "copies one trajectory may have racing at once (besides itself)"},
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"coordinator.race.enabled={self.enabled!r} must be true or false")
+        if isinstance(self.copies, bool) or not isinstance(self.copies, int) or self.copies < 1:
+            raise ConfigError(
+                f"coordinator.race.copies={self.copies!r} must be an integer >= 1 (copies of "
+                "one straggler racing at once, e.g. 1)"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class CoordinatorConfig:
     """Strategies (§5.3 or their §6.5 vanilla counterparts), their hyper-parameters and the
     cycle period. Each strategy is chosen independently."""
@@ -157,6 +184,7 @@ class CoordinatorConfig:
     )
 
     seer: SeerConfig = field(default_factory=SeerConfig)
+    race: RaceConfig = field(default_factory=RaceConfig)
 
     def __post_init__(self) -> None:
         for name in ("routing", "synchronization", "migration"):
@@ -229,6 +257,8 @@ class CoordinatorConfig:
             )
         if not isinstance(self.seer, SeerConfig):
             raise ConfigError("coordinator.seer must be a SeerConfig")
+        if not isinstance(self.race, RaceConfig):
+            raise ConfigError("coordinator.race must be a RaceConfig")
         if not isinstance(self.cost_model, CostModelConfig):
             raise ConfigError("coordinator.cost_model must be a CostModelConfig")
         self.cost_model.build()  # fail now, not at the first cycle

@@ -13,6 +13,7 @@ from coordinator.estimation import SpeedEstimator
 from coordinator.fleet import Fleet
 from coordinator.migration import Migration, NoMigration, ThroughputMigration
 from coordinator.pool import TrajectoryPool
+from coordinator.race import TailRace
 from coordinator.routing import Placement, ThroughputRouting
 from coordinator.seer import LengthContext, SeerRouting
 from coordinator.sync import GreedySync, ThroughputSync
@@ -64,6 +65,10 @@ class Strategies:
     # Seer's length context (coordinator/seer.py), fed with finished lengths by the control
     # loop; None when Seer's scheduling is off.
     seer: LengthContext | None = None
+    # SpecActor's tail race (coordinator/race.py). Not a step of Algorithm 1: copies are
+    # no trajectories of their destination, so whoever runs them applies its decisions
+    # after the cycle (the simulator so far); None when off.
+    race: TailRace | None = None
 
 
 def build_strategies(config: CoordinatorConfig) -> Strategies:
@@ -117,6 +122,11 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
     seer = LengthContext() if config.seer.enabled else None
     if seer is not None:
         routing = SeerRouting(routing, seer)
+    race = (
+        TailRace(cost, copies=config.race.copies, fill_steps=config.fill_steps or 0)
+        if config.race.enabled
+        else None
+    )
     return Strategies(
         sync=sync,
         migration=migration,
@@ -126,4 +136,5 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
         estimator=estimator,
         critical=critical,
         seer=seer,
+        race=race,
     )

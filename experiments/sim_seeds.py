@@ -6,12 +6,14 @@ from a cluster configuration to the configuration with it on. ``off`` is StaleFl
 configured by ``staleflow.sim.presets.system("staleflow")``; every other variant is
 ``off`` with its switches applied, on the same workload draws (same seed). RolloutPipe
 joined as ``stream`` (its complete-group pipelining: the trainer trains on a buffer's
-occupied groups before the buffer is Ready); SpecActor joins as a further entry of
-``SWITCHES`` when it exists.
+occupied groups before the buffer is Ready); SpecActor's fastest-of-N as ``race`` (copies
+of the oldest buffer's running stragglers race on idle instances of the same version;
+simulator only: ``staleflow/sim/race.py``).
 
     python experiments/sim_seeds.py --seeds 3 --jobs 2 --steps 6 --json results/seeds.json
     python experiments/sim_seeds.py --workloads bimodal --etas 0,3 --variants seer --small
     python experiments/sim_seeds.py --variants stream --etas 0,1,3 --seeds 3 --steps 6
+    python experiments/sim_seeds.py --variants race --etas 0,1,3 --seeds 3 --steps 6
 
 Reported per workload, eta and variant (mean +- std [min..max] over seeds): trained
 tokens/s and its gain over ``off`` of the same seed; the trainer's idle share; the
@@ -22,7 +24,8 @@ partials, preemptions); chunks re-placed and the probes' mean shortfall (Seer); 
 the trainer streamed before their buffer was Ready, and the mean rollout-to-train-end
 seconds per step (RolloutPipe's figure at eta = 0) and its Eq. 4 waiting ratio, the
 share of that span before the trainer's first work on the step's groups
-(``staleflow.sim.summary`` defines both).
+(``staleflow.sim.summary`` defines both); the tail race's copies started, races a copy
+won, and the losers' tokens after the fork (race-wasted, not in wasted tokens).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from coordinator import SeerConfig
+from coordinator import RaceConfig, SeerConfig
 from staleflow.sim import ClusterConfig, SimCluster, system
 from staleflow.sim.presets import WORKLOADS
 from staleflow.sim.report import (
@@ -72,6 +75,11 @@ def _stream(config: ClusterConfig, chunk: int) -> ClusterConfig:
     return replace(config, stream_training=True)
 
 
+def _race(config: ClusterConfig, chunk: int) -> ClusterConfig:
+    race = RaceConfig(enabled=True)
+    return replace(config, coordinator=replace(config.coordinator, race=race))
+
+
 SWITCHES: dict[str, Switch] = {
     "seer": Switch("divided rollout + context-aware scheduling (coordinator.seer)", _seer),
     "kvpool": Switch(
@@ -80,6 +88,11 @@ SWITCHES: dict[str, Switch] = {
         _kv_pool,
     ),
     "stream": Switch("RolloutPipe's complete-group pipelining (stream_training)", _stream),
+    "race": Switch(
+        "SpecActor's fastest-of-N: stragglers of the oldest buffer race on idle instances "
+        "(coordinator.race; simulator only)",
+        _race,
+    ),
 }
 # variant name -> switches applied to ``off``
 VARIANTS: dict[str, tuple[str, ...]] = {
@@ -88,6 +101,8 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "seer+kvpool": ("seer", "kvpool"),
     "stream": ("stream",),
     "seer+stream": ("seer", "stream"),
+    "race": ("race",),
+    "race+stream": ("race", "stream"),
 }
 FIELDS = {  # row field -> table format
     "tokens_per_s": "{:,.0f}",
@@ -101,6 +116,9 @@ FIELDS = {  # row field -> table format
     "streamed_groups": "{:,.0f}",
     "rollout_to_train_end_s": "{:,.1f}",
     "train_wait_ratio": "{:.3f}",
+    "races_started": "{:,.1f}",
+    "races_won": "{:,.1f}",
+    "race_wasted_tokens": "{:,.0f}",
 }
 
 
@@ -145,6 +163,9 @@ def simulate(run: Run) -> dict[str, Any]:
         "streamed_tokens": s.streamed_tokens,
         "rollout_to_train_end_s": s.rollout_to_train_end_s,
         "train_wait_ratio": s.train_wait_ratio,
+        "races_started": s.races_started,
+        "races_won": s.races_won,
+        "race_wasted_tokens": s.race_wasted_tokens,
     }
 
 
@@ -212,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{row['workload']} eta={row['eta']} {row['variant']} seed={row['seed']}: "
                 f"{row['tokens_per_s']:,.0f} tok/s, tail {row['tail_s']:,.0f} s, "
-                f"{row['chunks']} chunks, {row['streamed_groups']} groups streamed"
+                f"{row['chunks']} chunks, {row['streamed_groups']} groups streamed, "
+                f"{row['races_started']} races ({row['races_won']} won)"
                 + (" STALLED" if row["stalled"] else ""),
                 flush=True,
             )

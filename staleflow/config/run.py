@@ -188,6 +188,12 @@ class RunConfig:
                 "cannot hold even one trajectory: raise it above rollout.max_response_tokens "
                 f"plus the prompt (max_response_tokens={rollout.max_response_tokens})",
             )
+        if self.coordinator.race.enabled:
+            raise ConfigError(
+                "coordinator.race.enabled=True: the tail race runs in the simulator only so "
+                "far (the engines need per-request seeded sampling and the TS a completion "
+                "from either holder); set coordinator.race.enabled=false"
+            )
         if not model.checkpoint:
             self._check_builtin_context()
 

@@ -36,6 +36,7 @@ from staleflow.control import ControlLoop
 from staleflow.control.late import complete_live, return_live
 from staleflow.sim.engine import EngineCosts, SimInstance, SimTrajectory
 from staleflow.sim.planes import SimPlanes
+from staleflow.sim.race import SimRaces
 from staleflow.sim.summary import Summary, summarise
 from staleflow.sim.trainer import SimTrainer, TrainerCosts
 from staleflow.sim.truth import instance_truths
@@ -146,6 +147,9 @@ class SimCluster:
             clock=lambda: self.now,
         )
         self.manager = self.loop.manager
+        rule = self.loop.coordinator.strategies.race
+        self.races = SimRaces(rule, self.instances) if rule is not None else None
+        self.planes.races = self.races
         self.coordinator = self.loop.coordinator
         self.executor = self.loop.executor
         self._events: list[tuple[float, int, str, Any]] = []
@@ -206,6 +210,8 @@ class SimCluster:
         """One coordinator period: the cycle at ``now``, then decoding and the events up
         to ``now + period``."""
         self._cycle()
+        if self.races is not None:  # after routing: what routing filled is not idle
+            self.races.start(self.ts.routing_view(), self.now, self._speeds())
         for observe in self.observers:
             observe(self)
         horizon = self.now + self.config.coordinator.period_s
@@ -214,6 +220,9 @@ class SimCluster:
             returned = inst.take_returned()
             if returned:  # chunk boundaries (divided rollout): the TS re-places them
                 return_live(self.ts, returned)
+        if self.races is not None:
+            for t, inst, traj in self.races.settle(horizon):
+                self._reward_at(t, inst, traj)
         self._drain(horizon)
         self.now = horizon
 
@@ -227,7 +236,20 @@ class SimCluster:
         heapq.heappush(self._events, (t, self._seq, kind, data))
         self._seq += 1
 
+    def _speeds(self) -> np.ndarray | None:
+        """The coordinator's speed estimates, as its cycle normalises them (cycle.py)."""
+        estimator = self.loop.coordinator.strategies.estimator
+        if estimator is None:
+            return None
+        factors: np.ndarray = estimator.factors(sorted(self.instances))
+        return factors / factors.min() if len(factors) and factors.min() > 1.0 else factors
+
     def _finished(self, t: float, inst: SimInstance, traj: SimTrajectory) -> None:
+        if self.races is not None and self.races.hold_finish(t, inst, traj):
+            return  # settled once every instance has advanced (sim/race.py)
+        self._reward_at(t, inst, traj)
+
+    def _reward_at(self, t: float, inst: SimInstance, traj: SimTrajectory) -> None:
         self.rewarding[traj.traj_id] = traj
         self._push(t + self.config.reward_latency_s, REWARD, (traj, inst.version))
 
@@ -357,6 +379,8 @@ class SimCluster:
             problems.append(
                 f"TS consumed {s.consumed_trajectories} but the trainer got {len(self.consumed)}"
             )
+        if self.races is not None:
+            problems += self.races.check()
         if self.planes.claimed:
             problems.append(f"claims left after the executor went idle: {self.planes.claimed}")
         return problems

@@ -179,6 +179,9 @@ class SimInstance:
         # since the last Pull: finished here, or returned to the TS at a chunk boundary
         self.completed: list[int] = []
         self.returned: list[PartialTrajectory] = []  # chunk ends not yet handed to the TS
+        # ids running or waiting here as race copies (staleflow/sim/race.py): in the batch
+        # and the KV, but no trajectory of this instance, so snapshots leave them out
+        self.copies: set[int] = set()
         self._sum_base = 0  # sum over running of (base - start): kv = k5*(sum + n*steps)
         self._finish: list[tuple[int, int]] = []  # (step it completes at, traj_id)
         self._debt = 0.0  # prefill time owed before the next decode step
@@ -191,11 +194,15 @@ class SimInstance:
         return self.cost.k5 * (self._sum_base + len(self.running) * self.steps)
 
     def snapshot(self) -> InstanceSnapshot:
+        run, wait = tuple(self.running.values()), tuple(self.waiting)
+        if self.copies:
+            run = tuple(t for t in run if t.traj_id not in self.copies)
+            wait = tuple(t for t in wait if t.traj_id not in self.copies)
         return InstanceSnapshot(
             inst=self.inst_id,
             kv_cache=int(self.kv),
-            run_trajs=tuple(self.running.values()),
-            wait_trajs=tuple(self.waiting),
+            run_trajs=run,
+            wait_trajs=wait,
             complete_trajs=tuple(self.completed),
             inst_version=self.version,
         )
@@ -206,8 +213,9 @@ class SimInstance:
         return out
 
     def holds(self) -> list[int]:
-        """Ids of the trajectories running or waiting here."""
-        return [*self.running, *(t.traj_id for t in self.waiting)]
+        """Ids of the trajectories running or waiting here (race copies are not theirs)."""
+        out = [*self.running, *(t.traj_id for t in self.waiting)]
+        return [t for t in out if t not in self.copies] if self.copies else out
 
     # -- commands ---------------------------------------------------------------------
 
@@ -216,6 +224,27 @@ class SimInstance:
         self.clock = max(self.clock, now)
         self.waiting.extend(trajs)
         self._admit()
+
+    def start_copy(self, copy: SimTrajectory, now: float) -> None:
+        """Queue a race copy (it pays the prefill of its whole prefix when admitted)."""
+        self.copies.add(copy.traj_id)
+        self.submit([copy], now)
+
+    def settle(self, tid: int, now: float, completed: bool) -> int:
+        """End a raced trajectory here because the other side finished first: recorded
+        as completed here (the holder) or gone (a copy). Returns its length."""
+        self.clock = max(self.clock, now)
+        t = self.running.get(tid)
+        if t is not None:
+            self._stop(t)
+        else:
+            t = next(w for w in self.waiting if w.traj_id == tid)
+            self.waiting.remove(t)
+        self.copies.discard(tid)
+        if completed:
+            self.completed.append(tid)
+        self._admit()
+        return t.length
 
     def remove(self, ids: Sequence[int], now: float) -> dict[int, PartialTrajectory]:
         """Interrupt or abort: take trajectories off the instance, with their partials."""
@@ -307,7 +336,10 @@ class SimInstance:
             if t is None or t.start + t.end - t.base != self.steps:
                 continue  # stale heap entry (preempted or removed)
             self._stop(t)
-            self.completed.append(tid)
+            if tid in self.copies:  # a race copy: its holder counts the completion
+                self.copies.discard(tid)
+            else:
+                self.completed.append(tid)
             if t.end < t.target:  # a chunk boundary: back to the TS, to be re-placed
                 self.times.chunks += 1
                 self.returned.append(self._partial(t))

@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from coordinator.seer import chunk_cap
 from staleflow.control.late import return_live
 from staleflow.sim.engine import SimInstance, SimTrajectory
+from staleflow.sim.race import SimRaces
 from staleness.types import TrajId
 from trajectory_server import TrajectoryServer, TrajState
 from trajectory_server.errors import TrajectoryServerError
@@ -48,6 +49,7 @@ class SimPlanes:
         self._target, self._ps_version, self._now = target_length, ps_version, clock
         self.claimed: set[TrajId] = set()
         self.commands = {"route": 0, "interrupt": 0, "abort": 0, "pull": 0}
+        self.races: SimRaces | None = None  # the tail race's copies (sim/race.py), if on
 
     # -- TrajectoryPlane --------------------------------------------------------------
 
@@ -102,11 +104,17 @@ class SimPlanes:
 
     def interrupt(self, inst: int, trajs: Sequence[TrajId]) -> Mapping[TrajId, object]:
         self.commands["interrupt"] += 1
-        return self.instances[inst].remove(trajs, self._now())
+        out = self.instances[inst].remove(trajs, self._now())
+        if self.races is not None:
+            self.races.holder_left(inst, out, self._now())
+        return out
 
     def abort(self, inst: int, trajs: Sequence[TrajId]) -> Collection[TrajId]:
         self.commands["abort"] += 1
-        return self.instances[inst].abort(trajs, self._now())
+        out = self.instances[inst].abort(trajs, self._now())
+        if self.races is not None:
+            self.races.holder_left(inst, out, self._now())
+        return out
 
     # -- ParameterPlane ---------------------------------------------------------------
 
@@ -114,6 +122,8 @@ class SimPlanes:
         version = self._ps_version()
         if version < at_least:
             raise RuntimeError(f"Pull of version {at_least} but the PS holds {version}")
+        if self.races is not None:
+            self.races.host_pulls(inst, self._now())
         self.instances[inst].pull(version, self._now())
         self.commands["pull"] += 1
         return version

@@ -81,6 +81,11 @@ class Summary:
     streamed_tokens: int = 0
     rollout_to_train_end_s: float = 0.0
     train_wait_ratio: float = 0.0
+    # SpecActor's tail race (coordinator.race; sim/race.py): copies started, trajectories
+    # a copy completed first, and the losers' tokens after the fork (not in wasted_tokens).
+    races_started: int = 0
+    races_won: int = 0
+    race_wasted_tokens: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -136,7 +141,15 @@ def summarise(cluster: SimCluster) -> Summary:
         streamed_groups=sum(trainer.step_stream_groups),
         streamed_tokens=sum(trainer.step_stream_tokens),
         **_rollout_to_train_end(cluster),
+        **_races(cluster),
     )
+
+
+def _races(cluster: SimCluster) -> dict[str, int]:
+    r = cluster.races
+    if r is None:
+        return {}
+    return {"races_started": r.started, "races_won": r.won, "race_wasted_tokens": r.wasted_tokens}
 
 
 def _mean(values: list[float]) -> float:

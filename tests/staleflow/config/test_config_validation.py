@@ -93,6 +93,11 @@ from staleflow.config import (
             "trainer.updates_per_step=2 must be 1 with trainer.stream",
         ),
         (["trainer.stream=maybe"], "trainer.stream"),
+        (
+            ["coordinator.race.enabled=true"],
+            "coordinator.race.enabled=True: the tail race runs in the simulator only so far",
+        ),
+        (["coordinator.race.copies=0"], "coordinator.race.copies=0 must be an integer >= 1"),
     ],
 )
 def test_bad_values_name_the_key_and_the_fix(overrides, expected):
