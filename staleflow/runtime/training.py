@@ -217,7 +217,8 @@ class TrainingLoop:
         if stream and not getattr(self.driver, "streams", False):
             raise ValueError(
                 f"trainer.stream: {type(self.trainer).__name__} cannot train a batch in parts "
-                "(only the embedded trainer streams): set trainer.stream=false"
+                "(it has no stream(); the embedded and Megatron trainers do): set "
+                "trainer.stream=false"
             )
 
     def run(self, steps: int) -> list[StepReport]:
