@@ -215,6 +215,11 @@ def check_bounded_and_once(reports, batches) -> Counter[int]:
     return seen
 
 
+def holds(e: Throttled) -> bool:
+    state = e.state()
+    return bool(state.running or state.waiting)
+
+
 def reserved_members(manager: StalenessManager) -> dict[int, int]:
     """traj -> V_traj of every member of a group not yet occupied."""
     return {
@@ -359,10 +364,19 @@ def test_stop_cut_and_resume_keep_every_partial_and_the_bound(tmp_path):
     # partial responses, and nothing can finish them before the stop interrupts it
     e0, e1 = w.engines[0], w.engines[1]
     e1.budget = e0.budget = 0
+    deadline = time.monotonic() + 120
     while not any(n > 0 for _, n in e0.state().running):
-        e0.budget = 2
-        wake(w.hosts[0])
-        wait_for(lambda: e0.budget == 0, "two steps of instance 0")
+        assert time.monotonic() < deadline, "instance 0 never held a partial response"
+        # instance 0 may hold nothing at the freeze (the bound full of instance 1's
+        # trajectories): then one step of instance 1 lets the run go on until 0 is routed to
+        if not holds(e0) and not holds(e1):  # a Route is on its way
+            time.sleep(0.005)
+            continue
+        i = 0 if holds(e0) else 1
+        e = w.engines[i]
+        e.budget = 2 if i == 0 else 1
+        wake(w.hosts[i])
+        wait_for(lambda e=e: e.budget == 0 or not holds(e), f"a step of instance {i}")
     w.control.request_stop()
     first = finish(w, out)
     cut = w.control.pending_cut()
