@@ -158,7 +158,7 @@ class CoordinatorConfig:
     )
 
     pull_kv: float | None = field(
-        default=0.25,
+        default=0.5,
         metadata={
             "help": "throughput synchronisation Pulls a lagging instance only once the KV "
             "cache of what it runs is at most this share of the budget: a Pull interrupts "
