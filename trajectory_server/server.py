@@ -204,21 +204,31 @@ class TrajectoryServer:
             self._s.mlq.remove(traj.traj_id, traj.v_traj)
             self._s.set_state(traj, ROUTED, v)
             traj.holder = instance_id
-            g = traj.group
-            out.append(
-                RoutedTrajectory(
-                    traj_id=traj.traj_id,
-                    group_id=g.group_id,
-                    v_traj=v,
-                    sample_id=g.sample_id,
-                    answer=g.answer,
-                    prompt=g.prompt,
-                    tokens=traj.tokens,
-                    logprobs=traj.logprobs,
-                    versions=traj.versions,
-                )
-            )
+            out.append(self._routed_payload(traj))
         return tuple(out)
+
+    def fork(self, traj_id: int, instance_id: InstanceId) -> RoutedTrajectory | None:
+        """What a race copy of a trajectory ROUTED to ``instance_id`` starts from (its
+        response as last reported), or None if it is not routed there (any more). Changes
+        nothing: the copy completes, if it wins, in its holder's name (runtime/races.py)."""
+        traj = self._s.trajs.get(traj_id)
+        if traj is None or traj.state is not ROUTED or traj.holder != instance_id:
+            return None
+        return self._routed_payload(traj)
+
+    def _routed_payload(self, traj: TrajRecord) -> RoutedTrajectory:
+        g = traj.group
+        return RoutedTrajectory(
+            traj.traj_id,
+            g.group_id,
+            traj.v_traj,  # type: ignore[arg-type]  # ROUTED implies set
+            g.sample_id,
+            g.answer,
+            g.prompt,
+            traj.tokens,
+            traj.logprobs,
+            traj.versions,
+        )
 
     def interrupt_return(
         self, partials: Iterable[PartialTrajectory], *, instance_id: InstanceId | None = None

@@ -42,7 +42,11 @@ LATE = (TrajectoryGone, NotHolder)  # what a late message gets from the TS
 
 class CompletionSink(Protocol):
     def complete_many(
-        self, completions: Iterable[Completion], *, worker_id: WorkerId | None = None
+        self,
+        completions: Iterable[Completion],
+        *,
+        instance_id: InstanceId | None = None,
+        worker_id: WorkerId | None = None,
     ) -> tuple[GroupStatus, ...]: ...
 
 
@@ -95,16 +99,22 @@ def _each_live(
 
 
 def complete_live(
-    ts: CompletionSink, completions: Sequence[Completion], *, worker_id: WorkerId | None = None
+    ts: CompletionSink,
+    completions: Sequence[Completion],
+    *,
+    worker_id: WorkerId | None = None,
+    instance_id: InstanceId | None = None,
 ) -> list[Completion]:
     """Store finished trajectories as completed; returns those the TS still held (the
-    rest were aborted or consumed meanwhile, or reassigned from ``worker_id`` to another
-    worker, and must not be reported as rewarded)."""
+    rest were aborted or consumed meanwhile, reassigned from ``worker_id`` to another
+    worker, or, with ``instance_id``, no longer ROUTED to it, and must not be reported
+    as rewarded)."""
+    named = {
+        k: v for k, v in (("worker_id", worker_id), ("instance_id", instance_id)) if v is not None
+    }
 
     def call(items: Sequence[Completion]) -> tuple[GroupStatus, ...]:
-        if worker_id is None:
-            return ts.complete_many(items)
-        return ts.complete_many(items, worker_id=worker_id)
+        return ts.complete_many(items, **named)
 
     done, _ = _each_live(completions, call, "completion")
     return done

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -22,7 +22,7 @@ import numpy as np
 from coordinator.seer import chunk_cap
 from coordinator.types import InstanceSnapshot, TrajRecord
 from staleflow.engines.base import FINISH_LENGTH, EngineOutput, GenerationRequest, RolloutEngine
-from trajectory_server.types import PartialTrajectory, RoutedTrajectory
+from trajectory_server.types import InstanceId, PartialTrajectory, RoutedTrajectory
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,15 @@ class InstanceTimes:
     chunks: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class CopyEnd:
+    """How a race copy ended on its instance: its response tokens, and whether the TS took
+    its completion (it finished first)."""
+
+    tokens: int
+    won: bool
+
+
 @dataclass(slots=True)
 class _Meta:
     group_id: int
@@ -96,6 +105,8 @@ class RolloutInstance:
         clock: Callable[[], float] = time.monotonic,
         chunk_tokens: int | None = None,
         on_chunk: Callable[[list[PartialTrajectory]], None] | None = None,
+        on_copy_finished: Callable[[list[tuple[Finished, InstanceId]]], Collection[int]]
+        | None = None,
     ) -> None:
         if max_response < 1:
             raise ValueError(f"max_response={max_response}; use at least 1 token")
@@ -114,6 +125,14 @@ class RolloutInstance:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._meta: dict[int, _Meta] = {}
+        # race copies here (SpecActor's tail race, runtime/races.py) -> their holder's id:
+        # in the engine's batch, but not trajectories of this instance (hidden from
+        # snapshot(), held() and progress())
+        self._copies: dict[int, InstanceId] = {}
+        # copies that ended here on their own (finished, or dropped by a Pull): response
+        # tokens and whether the TS took the copy's completion (it won); drop_copies reports
+        self._copy_ends: dict[int, CopyEnd] = {}
+        self._on_copy_finished = on_copy_finished
         self._completed: list[int] = []  # since the last Pull
         self._busy_s = self._idle_s = self._load_s = 0.0
         self._command_s: dict[str, float] = defaultdict(float)
@@ -165,6 +184,7 @@ class RolloutInstance:
         with self._lock:
             started = self._clock()
             self.check()
+            self._drop_copies_locked([r.traj_id for r in routed if r.traj_id in self._copies])
             dup = [r.traj_id for r in routed if r.traj_id in self._meta]
             if dup:
                 raise ValueError(f"instance {self.inst} already holds trajectories {dup}")
@@ -195,6 +215,67 @@ class RolloutInstance:
             self._command_s["abort"] += self._clock() - started
         return dropped
 
+    # -- race copies (runtime/races.py) -------------------------------------------------
+
+    def submit_copy(self, routed: RoutedTrajectory, holder: InstanceId) -> None:
+        """Start a race copy of a trajectory ``holder`` runs, from ``routed``'s prefix.
+        It finishes through ``on_copy_finished`` with the holder's id, never as this
+        instance's; a Pull here drops it (other weights would sample other tokens)."""
+        if self._on_copy_finished is None:
+            raise RuntimeError(f"instance {self.inst} was built without on_copy_finished")
+        with self._lock:
+            self.check()
+            if routed.traj_id in self._meta:
+                raise ValueError(f"instance {self.inst} already holds trajectory {routed.traj_id}")
+            request = GenerationRequest(
+                traj_id=routed.traj_id,
+                prompt=routed.prompt,
+                tokens=routed.tokens,
+                logprobs=routed.logprobs,
+                versions=routed.versions,
+                max_response=self._max_response,
+            )
+            self._engine.submit([request])
+            r = routed
+            self._meta[r.traj_id] = _Meta(r.group_id, r.v_traj, r.sample_id, r.answer, r.prompt)
+            self._copies[r.traj_id] = holder
+            self._work.notify_all()
+
+    def copies(self) -> dict[int, InstanceId]:
+        with self._lock:
+            return dict(self._copies)
+
+    def drop_copies(self, traj_ids: Iterable[int]) -> dict[int, CopyEnd]:
+        """End the race copies of ``traj_ids`` here (their race is over): how each ended,
+        stopped now if it was still running."""
+        with self._lock:
+            ids = list(traj_ids)
+            out = self._drop_copies_locked(ids)
+            out.update({t: self._copy_ends.pop(t) for t in ids if t in self._copy_ends})
+            return out
+
+    def _drop_copies_locked(self, traj_ids: Iterable[int]) -> dict[int, CopyEnd]:
+        ids = [t for t in traj_ids if t in self._copies]
+        if not ids:
+            return {}
+        outs = self._engine.interrupt(ids)
+        for tid in ids:
+            self._meta.pop(tid, None)
+            del self._copies[tid]
+        return {tid: CopyEnd(len(o.tokens), False) for tid, o in outs.items()}
+
+    def settle_won(self, traj_ids: Iterable[int]) -> dict[int, int]:
+        """A copy completed these trajectories of this instance: stop them here and count
+        them as completed (Eq. 1 sees a completion, as if they had finished here);
+        returns the response tokens each had."""
+        with self._lock:
+            ids = [t for t in traj_ids if t in self._meta and t not in self._copies]
+            outs = self._engine.interrupt(ids)
+            for tid in ids:
+                self._meta.pop(tid, None)
+                self._completed.append(tid)
+        return {tid: len(o.tokens) for tid, o in outs.items()}
+
     def progress(self) -> dict[int, PartialTrajectory]:
         """The response so far of every trajectory here, without stopping it; empty for
         an engine that cannot tell (``staleflow.engines.base.ReportsProgress``)."""
@@ -202,7 +283,9 @@ class RolloutInstance:
         if read is None:
             return {}
         with self._lock:
-            outs = {tid: o for tid, o in read().items() if tid in self._meta}
+            outs = {
+                tid: o for tid, o in read().items() if tid in self._meta and tid not in self._copies
+            }
         return {
             tid: PartialTrajectory(tid, o.tokens, o.logprobs, o.versions) for tid, o in outs.items()
         }
@@ -220,6 +303,7 @@ class RolloutInstance:
         with self._lock:
             started = self._clock()
             self.check()
+            self._copy_ends.update(self._drop_copies_locked(list(self._copies)))
             if self._meta:
                 # The coordinator interrupts an instance before it Pulls; whatever is still
                 # here keeps generating with the new weights (versions are per token), which
@@ -244,8 +328,12 @@ class RolloutInstance:
             return InstanceSnapshot(
                 inst=self.inst,
                 kv_cache=state.kv_tokens,
-                run_trajs=tuple(self._record(t, n) for t, n in state.running),
-                wait_trajs=tuple(self._record(t, n) for t, n in state.waiting),
+                run_trajs=tuple(
+                    self._record(t, n) for t, n in state.running if t not in self._copies
+                ),
+                wait_trajs=tuple(
+                    self._record(t, n) for t, n in state.waiting if t not in self._copies
+                ),
                 complete_trajs=tuple(self._completed),
                 inst_version=state.version,
             )
@@ -278,9 +366,9 @@ class RolloutInstance:
             self._command_s[kind] += seconds
 
     def held(self) -> set[int]:
-        """Trajectories running or waiting here."""
+        """Trajectories running or waiting here (not the race copies)."""
         with self._lock:
-            return set(self._meta)
+            return set(self._meta) - set(self._copies)
 
     def _record(self, traj_id: int, length: int) -> TrajRecord:
         m = self._meta[traj_id]
@@ -301,8 +389,20 @@ class RolloutInstance:
                     started = self._clock()
                     outs = self._engine.step()
                     self._busy_s += self._clock() - started
+                    copies = [
+                        (self._finish(o, copy=True), self._copies.pop(o.traj_id))
+                        for o in outs
+                        if o.traj_id in self._copies
+                    ]
+                    outs = [o for o in outs if o.traj_id not in {f.traj_id for f, _ in copies}]
                     chunks = [self._chunk_end(o) for o in outs if self._at_chunk_end(o)]
                     finished = [self._finish(o) for o in outs if not self._at_chunk_end(o)]
+                if copies:
+                    assert self._on_copy_finished is not None  # submit_copy requires it
+                    won = set(self._on_copy_finished(copies))
+                    with self._lock:
+                        for f, _ in copies:
+                            self._copy_ends[f.traj_id] = CopyEnd(len(f.tokens), f.traj_id in won)
                 if chunks:
                     assert self._on_chunk is not None  # chunk_tokens requires it
                     self._on_chunk(chunks)
@@ -326,10 +426,11 @@ class RolloutInstance:
         self._chunks += 1
         return PartialTrajectory(out.traj_id, out.tokens, out.logprobs, out.versions)
 
-    def _finish(self, out: EngineOutput) -> Finished:
+    def _finish(self, out: EngineOutput, copy: bool = False) -> Finished:
         m = self._meta.pop(out.traj_id)
-        self._completed.append(out.traj_id)
-        self._finished += 1
+        if not copy:  # a copy's completion is its holder's (Eq. 1 counts it there)
+            self._completed.append(out.traj_id)
+            self._finished += 1
         return Finished(
             traj_id=out.traj_id,
             group_id=m.group_id,

@@ -56,6 +56,7 @@ from staleflow.runtime.interface import (
 from staleflow.runtime.members import Members
 from staleflow.runtime.metrics import StepMetrics
 from staleflow.runtime.planes import RuntimePlanes
+from staleflow.runtime.races import RuntimeRaces
 from staleflow.runtime.record import StepRecord
 from staleness import ConsumedBatch, StalenessConfig, StalenessManager
 from staleness.types import ManagerView, TrajId
@@ -170,6 +171,7 @@ class ControlPlane:
         self.metrics.continue_from(records)
         self.recovery = RecoveryLog(records[-1].extra if records else None)
         self.fleet = FleetOps(self.members, self.loop, self.planes, ts, self.recovery, self._event)
+        self.races = _races(self, ts, records[-1].extra if records else {})
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._consume: tuple[int, Future[ConsumedBatch]] | None = None
@@ -361,7 +363,12 @@ class ControlPlane:
         without the thread)."""
         self._drain_inbox()
         self._serve_consume()
+        due = self._clock() >= self.coordinator.next_due
+        if self.races is not None and not self._stopping and due:
+            self.races.settle()  # before the cycle's commands, which may stop the holder
         if not self._stopping and self.loop.cycle():
+            if self.races is not None:  # after routing: what routing filled is not idle
+                self.races.after_cycle(self.loop.last_snapshot)
             self._serve_consume()
 
     def _post(self, kind: str, payload: Any) -> None:
@@ -391,6 +398,8 @@ class ControlPlane:
                 self._queue_consume(*payload)
             elif kind == "lost":
                 self.fleet.lost(*payload)
+                if self.races is not None:
+                    self.races.instance_left(payload[0])
             elif kind == "stop":
                 self._begin_stop()
             elif kind == "release":
@@ -405,6 +414,8 @@ class ControlPlane:
                 result: Any = self.fleet.add(*arg)
                 self.metrics.instances = list(self.members)
             elif kind == "remove":
+                if self.races is not None:
+                    self.races.instance_left(arg)
                 result = self.fleet.remove(arg)
                 self.metrics.instances = list(self.members)
             elif kind == "replay":
@@ -469,6 +480,8 @@ class ControlPlane:
         if self._stopping:
             return
         self._stopping = True
+        if self.races is not None:  # only the holders' partials are kept
+            self.races.drop_all()
         returned = self.fleet.interrupt_all()
         self.recovery.add(
             self._event("stop", "run", f"{returned} trajectories interrupted and kept whole")
@@ -542,7 +555,7 @@ class ControlPlane:
             # asked now, not read from the last cycle's snapshot: a whole step can fit in
             # one coordinator period, and the record would then miss the newest Pull
             instance_versions={s.inst: s.inst_version for s in self._snapshots()},
-            totals=self.recovery.totals(),
+            totals={**self.recovery.totals(), **(self.races.totals() if self.races else {})},
             probes=seer.accuracy() if seer is not None else None,
         )
 
@@ -550,6 +563,23 @@ class ControlPlane:
 
     def staleness_of_consumed(self) -> Counter[int]:
         return Counter(self.metrics.staleness_total)
+
+
+def _races(plane: ControlPlane, ts: Any, last: Mapping[str, float]) -> RuntimeRaces | None:
+    rule = plane.coordinator.strategies.race
+    if rule is None:
+        return None
+    estimator = plane.coordinator.strategies.estimator
+    return RuntimeRaces(
+        rule,
+        ts,
+        instances=lambda: plane.members,  # type: ignore[arg-type,return-value]
+        holders=plane.members.holders,
+        snapshots=plane._snapshots,
+        routable=plane.loop.routable,
+        speeds=(lambda ids: estimator.factors(list(ids))) if estimator is not None else None,
+        totals=last,
+    )
 
 
 def _each_snapshot(members: Members) -> Snapshots:

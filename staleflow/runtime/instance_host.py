@@ -17,13 +17,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 from coordinator.types import InstanceSnapshot
 from staleflow.control.late import return_live
 from staleflow.engines.base import RolloutEngine
-from staleflow.rollout.instance import Finished, InstanceTimes, RolloutInstance
+from staleflow.rollout.instance import CopyEnd, Finished, InstanceTimes, RolloutInstance
 from staleflow.runtime.interface import InstanceGone
 from staleflow.runtime.weights import PullSource
 from trajectory_server.errors import NotHolder
@@ -52,6 +52,8 @@ class RoutingServer(Protocol):
         self, partials: Sequence[PartialTrajectory], instance_id: InstanceId
     ) -> tuple[int, ...]: ...
 
+    def fork(self, traj_id: int, instance_id: InstanceId) -> RoutedTrajectory | None: ...
+
 
 class InstanceHost:
     def __init__(
@@ -65,6 +67,8 @@ class InstanceHost:
         on_finished: Callable[[list[Finished]], None],
         holder: InstanceId | None = None,
         chunk_tokens: int | None = None,
+        on_copy_finished: Callable[[list[tuple[Finished, InstanceId]]], Collection[int]]
+        | None = None,
     ) -> None:
         self.inst = inst
         self.holder: InstanceId = inst if holder is None else holder
@@ -78,6 +82,7 @@ class InstanceHost:
             on_finished=on_finished,
             chunk_tokens=chunk_tokens,
             on_chunk=self._chunk_ends if chunk_tokens is not None else None,
+            on_copy_finished=on_copy_finished,
         )
         self._reported: dict[int, int] = {}  # trajectory -> tokens the TS has from us
         self._progress_stop = threading.Event()
@@ -154,6 +159,28 @@ class InstanceHost:
 
     def abort(self, traj_ids: Sequence[int]) -> tuple[int, ...]:
         return tuple(self.instance.abort(traj_ids))
+
+    # -- race copies (runtime/races.py) -------------------------------------------------
+
+    def race(self, traj_id: int, holder: InstanceId) -> int | None:
+        """Start a copy of ``traj_id``, which ``holder`` runs, from the response the TS has
+        of it; returns that response's length, None if the TS no longer has it routed
+        there (the race is off)."""
+        self._check()
+        fork = self._ts.fork(traj_id, holder)
+        if fork is None:
+            return None
+        self.instance.submit_copy(fork, holder)
+        return len(fork.tokens)
+
+    def drop_copies(self, traj_ids: Sequence[int]) -> dict[int, CopyEnd]:
+        return self.instance.drop_copies(traj_ids)
+
+    def settle_won(self, traj_ids: Sequence[int]) -> dict[int, int]:
+        return self.instance.settle_won(traj_ids)
+
+    def copies(self) -> dict[int, InstanceId]:
+        return self.instance.copies()
 
     def pull(self, at_least: int) -> int:
         if getattr(self._engine, "pulls_from_parameter_server", False):

@@ -19,7 +19,7 @@ import numpy as np
 from staleflow.control.late import CompletionSink, complete_live
 from staleflow.rollout.instance import Finished
 from staleflow.runtime.interface import Rewarded
-from trajectory_server.types import Completion, WorkerId
+from trajectory_server.types import Completion, InstanceId, WorkerId
 
 logger = logging.getLogger(__name__)
 
@@ -53,9 +53,14 @@ class RewardStage:
         self.errors = 0
         self.late = 0  # finished after redundancy had aborted them: dropped
 
-    def process(self, finished: Sequence[Finished]) -> None:
+    def process(
+        self, finished: Sequence[Finished], instance_id: InstanceId | None = None
+    ) -> list[int]:
+        """Score and complete ``finished``; returns the ids the TS took (the rest were late).
+        With ``instance_id`` each must still be ROUTED to that instance (a race copy
+        completes in its holder's name, runtime/races.py)."""
         if not finished:
-            return
+            return []
         items = []
         for f in finished:
             try:
@@ -80,7 +85,12 @@ class RewardStage:
                     f.traj_id, f.tokens, f.logprobs, f.versions, r.reward, f.finish_reason, info
                 )
             )
-        stored = {c.traj_id for c in complete_live(self._ts, completions, worker_id=self.worker_id)}
+        stored = {
+            c.traj_id
+            for c in complete_live(
+                self._ts, completions, worker_id=self.worker_id, instance_id=instance_id
+            )
+        }
         self.processed += len(finished)
         self.late += len(finished) - len(stored)
         rewarded = [
@@ -99,3 +109,4 @@ class RewardStage:
         ]
         if rewarded:
             self._report(rewarded)
+        return [r.traj_id for r in rewarded]

@@ -1,0 +1,203 @@
+"""SpecActor's tail race in the real runtime: the decisions of ``coordinator.race.TailRace``
+carried out after each cycle, beside the coordinator (as ``staleflow.sim.race`` does in
+the simulator, whose docstring says why a race is no coordinator command).
+
+A copy is not a trajectory of its destination: the destination's snapshot does not list
+it (its KV is counted), the TS and the staleness manager keep the trajectory ROUTED to
+its holder, and the copy, if it finishes first, hands its response to a reward worker *in
+the holder's name*, which the TS accepts only while the trajectory is still ROUTED there.
+So whichever side finishes first completes it and the other's hand-off is refused as a
+late message: the TS is the referee, nothing here decides a winner.
+
+What is kept here is who races where, for the rule (``racing``, ``hosting``) and to end
+races: a race is over once the TS no longer has the trajectory ROUTED to its holder
+(completed by either side, interrupted, aborted, or its holder lost). Then the copies
+still running are dropped, and the holder, if it still runs the trajectory (a copy won),
+stops it and counts it as completed (Eq. 1 sees a completion, ``settle_won``).
+
+Unbiasedness needs the copy to sample the same tokens as the original: the same weights
+version (the rule's condition), and an engine whose draws are keyed by trajectory and
+token index, not by instance or submission (the embedded engine's ``sampling``; an
+instance's seed is the run's, ``actors.RolloutActor``). A copy starts from the response
+the TS has (the holder's last progress report), so it regenerates the tokens since then;
+with identical draws they are the same tokens, and a hand-off whose response does not
+extend what the TS holds is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from coordinator.fleet import Fleet
+from coordinator.pool import TrajectoryPool
+from coordinator.race import TailRace
+from coordinator.types import InstanceSnapshot, Snapshot, TrajectoryView
+from staleflow.rollout.instance import CopyEnd
+from staleness.types import TrajId
+from trajectory_server.types import InstanceId
+
+logger = logging.getLogger(__name__)
+
+
+class RacingInstance(Protocol):
+    """What an instance handle offers for the race (``InstanceHost``)."""
+
+    def race(self, traj_id: int, holder: InstanceId) -> int | None: ...
+
+    def drop_copies(self, traj_ids: Sequence[int]) -> Mapping[int, CopyEnd]: ...
+
+    def settle_won(self, traj_ids: Sequence[int]) -> Mapping[int, int]: ...
+
+
+class RaceServer(Protocol):
+    def routed_to(self, instance_id: InstanceId) -> tuple[int, ...]: ...
+
+
+@dataclass(slots=True)
+class _Race:
+    holder: int
+    fork: int  # response tokens when the copies started
+    dests: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class RaceCounters:
+    started: int  # copies started
+    won: int  # trajectories a copy completed
+    wasted_tokens: int  # tokens the losers generated after the fork
+
+
+class RuntimeRaces:
+    """Who is racing where; :meth:`after_cycle` on the control thread after each cycle."""
+
+    def __init__(
+        self,
+        rule: TailRace,
+        ts: RaceServer,
+        instances: Callable[[], Mapping[int, RacingInstance]],
+        holders: Callable[[], Mapping[int, InstanceId]],
+        snapshots: Callable[[], Sequence[InstanceSnapshot]],
+        routable: Callable[[], Sequence[TrajectoryView]],
+        speeds: Callable[[Sequence[int]], np.ndarray] | None = None,
+        totals: Mapping[str, float] | None = None,
+    ) -> None:
+        self.rule = rule
+        self._ts = ts
+        self._instances = instances
+        self._holders = holders
+        self._snapshots = snapshots
+        self._routable = routable
+        self._speeds = speeds
+        self.active: dict[TrajId, _Race] = {}
+        last = totals or {}  # a resumed run's counters go on from its last record
+        self._started = int(last.get("race/started", 0))
+        self._won = int(last.get("race/won", 0))
+        self._wasted = int(last.get("race/wasted_tokens", 0))
+
+    def counters(self) -> RaceCounters:
+        return RaceCounters(self._started, self._won, self._wasted)
+
+    def totals(self) -> dict[str, float]:
+        """The counters as a step record carries them (``race/*``)."""
+        return {
+            "race/started": float(self._started),
+            "race/won": float(self._won),
+            "race/wasted_tokens": float(self._wasted),
+        }
+
+    def hosting(self) -> set[int]:
+        return {d for r in self.active.values() for d in r.dests}
+
+    def after_cycle(self, last: Sequence[InstanceSnapshot]) -> int:
+        """End the races that are over, then start the rule's copies; ``last``: the
+        cycle's snapshots (taken before its commands). Returns the copies started."""
+        self.settle()
+        hosting = self.hosting()
+        if not any(not s.run_trajs and not s.wait_trajs for s in last if s.inst not in hosting):
+            return 0  # the common case: no instance was idle
+        fleet = Fleet(Snapshot(tuple(self._snapshots())))  # as this cycle's commands left it
+        if self._speeds is not None and len(fleet):
+            # the coordinator's estimates, normalised as its cycle does (coordinator/cycle.py)
+            f = np.asarray(self._speeds(fleet.ids), dtype=np.float64)
+            fleet.speed = f / f.min() if f.min() > 1.0 else f
+        racing = {tid: len(r.dests) for tid, r in self.active.items()}
+        pool = TrajectoryPool(self._routable())  # the tail counts the queued ones too
+        instances, holders = self._instances(), self._holders()
+        started = 0
+        for race in self.rule.select(fleet, pool, racing, hosting):
+            tid = race.traj.traj_id
+            dest = instances.get(race.dest)
+            holder = holders.get(race.holder)
+            if dest is None or holder is None:
+                continue
+            try:
+                fork = dest.race(tid, holder)
+            except Exception as exc:  # the destination's loss is the supervisor's business
+                logger.warning("race copy of %d on instance %d failed: %s", tid, race.dest, exc)
+                continue
+            if fork is None:
+                continue  # no longer ROUTED to its holder: it finished meanwhile
+            entry = self.active.setdefault(tid, _Race(race.holder, fork))
+            entry.dests.append(race.dest)
+            started += 1
+        self._started += started
+        return started
+
+    def settle(self) -> None:
+        """End every race whose trajectory the TS no longer has ROUTED to its holder."""
+        if not self.active:
+            return
+        holders = self._holders()
+        routed: dict[int, set[int]] = {}
+        for race in self.active.values():
+            if race.holder not in routed:
+                hid = holders.get(race.holder)
+                routed[race.holder] = set(self._ts.routed_to(hid)) if hid is not None else set()
+        over = [t for t, r in self.active.items() if t not in routed[r.holder]]
+        for tid in over:
+            self._end(tid, settle_holder=True)
+
+    def drop_all(self) -> None:
+        """Drop every copy (the run stops: only the holders' partials are kept)."""
+        for tid in list(self.active):
+            self._end(tid, settle_holder=False)
+
+    def instance_left(self, inst: int) -> None:
+        """``inst`` left the run: its copies are gone; races it held end (the TS requeued
+        the trajectory, so the copies are dropped at the next :meth:`settle`)."""
+        for race in self.active.values():
+            if inst in race.dests:
+                race.dests.remove(inst)
+        for tid in [t for t, r in self.active.items() if not r.dests and r.holder != inst]:
+            del self.active[tid]
+
+    def _end(self, tid: TrajId, *, settle_holder: bool) -> None:
+        race = self.active.pop(tid)
+        instances = self._instances()
+        for d in race.dests:
+            handle = instances.get(d)
+            if handle is None:
+                continue
+            try:
+                for end in handle.drop_copies([tid]).values():
+                    if end.won:
+                        self._won += 1
+                    else:
+                        self._wasted += max(end.tokens - race.fork, 0)
+            except Exception as exc:
+                logger.warning("dropping the copy of %d on instance %d: %s", tid, d, exc)
+        holder = instances.get(race.holder)
+        if not settle_holder or holder is None:
+            return
+        try:
+            # still running there if a copy completed it (or it was aborted in the TS)
+            stopped = holder.settle_won([tid])
+        except Exception as exc:
+            logger.warning("settling raced %d on instance %d: %s", tid, race.holder, exc)
+            return
+        self._wasted += sum(max(n - race.fork, 0) for n in stopped.values())
