@@ -93,6 +93,10 @@ class TrajectoryServerService:
     def routed_to(self, instance_id: InstanceId) -> tuple[int, ...]:
         return self._ts.routed_to(instance_id)
 
+    def fork(self, traj_id: int, instance_id: InstanceId) -> bytes:
+        routed = self._ts.fork(traj_id, instance_id)
+        return wire.pack(wire.RouteReply(() if routed is None else (routed,)))
+
     def ledger(self) -> tuple[LiveTrajectory, ...]:
         return self._ts.ledger()
 
@@ -252,6 +256,10 @@ class TrajectoryServerClient:
 
     def routed_to(self, instance_id: InstanceId) -> tuple[int, ...]:
         return self._call("routed_to", instance_id)
+
+    def fork(self, traj_id: int, instance_id: InstanceId) -> RoutedTrajectory | None:
+        reply = wire.unpack(self._call("fork", traj_id, instance_id), wire.RouteReply)
+        return reply.trajectories[0] if reply.trajectories else None
 
     def ledger(self) -> tuple[LiveTrajectory, ...]:
         return self._call("ledger")

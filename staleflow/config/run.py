@@ -188,11 +188,15 @@ class RunConfig:
                 "cannot hold even one trajectory: raise it above rollout.max_response_tokens "
                 f"plus the prompt (max_response_tokens={rollout.max_response_tokens})",
             )
-        if self.coordinator.race.enabled:
+        if self.coordinator.race.enabled and rollout.backend != "embedded":
+            # a copy must sample the original's tokens (runtime/races.py): the embedded
+            # engine keys its draws by (seed, trajectory, token index); vLLM seeds a request
+            # by its resume point, so a copy forked at another point samples other tokens,
+            # and the SGLang adapter does not seed requests yet
             raise ConfigError(
-                "coordinator.race.enabled=True: the tail race runs in the simulator only so "
-                "far (the engines need per-request seeded sampling and the TS a completion "
-                "from either holder); set coordinator.race.enabled=false"
+                f"coordinator.race.enabled=True with rollout.backend={rollout.backend}: the tail "
+                "race needs an engine whose copies sample the same tokens, so far only the "
+                "embedded engine; set rollout.backend=embedded or coordinator.race.enabled=false"
             )
         if not model.checkpoint:
             self._check_builtin_context()

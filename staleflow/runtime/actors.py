@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator.types import InstanceSnapshot
 from parameter_server.transport import connect
-from staleflow.rollout.instance import Finished, InstanceTimes
+from staleflow.rollout.instance import CopyEnd, Finished, InstanceTimes
 from staleflow.runtime.interface import (
     InstanceGone,
     Rewarded,
@@ -46,7 +46,7 @@ from staleflow.runtime.interface import (
     TrainerGroups,
 )
 from staleness.types import ConsumedBatch
-from trajectory_server.types import AbortedTrajectory, RewardTask
+from trajectory_server.types import AbortedTrajectory, InstanceId, RewardTask
 
 if TYPE_CHECKING:
     from parameter_server.replicas import ReplicaRoute
@@ -157,6 +157,16 @@ class InstanceClient:
     def times(self) -> InstanceTimes:
         return self._get(self.handle.times.remote())
 
+    # the tail race (runtime/races.py)
+    def race(self, traj_id: int, holder: InstanceId) -> int | None:
+        return self._get(self.handle.race.remote(traj_id, holder))
+
+    def drop_copies(self, traj_ids: Sequence[int]) -> dict[int, CopyEnd]:
+        return self._get(self.handle.drop_copies.remote(list(traj_ids)))
+
+    def settle_won(self, traj_ids: Sequence[int]) -> dict[int, int]:
+        return self._get(self.handle.settle_won.remote(list(traj_ids)))
+
 
 class ControlClient:
     """``ControlHandle`` over a ``ControlActor``."""
@@ -259,7 +269,10 @@ class RolloutActor:
         self._in_flight: list[Any] = []
         self._in_flight_lock = threading.Lock()
         self.reward_losses = 0
-        engine = load_hook(engine_builder)(spec, spec.seed + inst, placement)
+        # the run's seed on every instance: draws are keyed by trajectory and token index
+        # (engines/embedded/sampling.py), so a trajectory samples the same tokens wherever
+        # it runs, which a race copy needs (runtime/races.py)
+        engine = load_hook(engine_builder)(spec, spec.seed, placement)
         weights = HealingPull(pull, Layout.from_dict(spec.layout), rec.resolver, rec.ps_patience_s)
         self._pull = (pull.replica, weights.name)
         self._host = InstanceHost(
@@ -271,6 +284,7 @@ class RolloutActor:
             on_finished=self._dispatch,
             holder=self._holder,
             chunk_tokens=spec.chunk_tokens,
+            on_copy_finished=self._dispatch_copies,
         )
         self._host.start(at_least, rec.progress_every_s)
 
@@ -283,7 +297,15 @@ class RolloutActor:
         with self._rewards_lock:
             self._rewards = dict(rewards)
 
-    def _dispatch(self, finished: list[Finished]) -> None:
+    def _dispatch_copies(self, pairs: list[tuple[Finished, InstanceId]]) -> list[int]:
+        """Race copies finished here: each goes to a reward worker in its holder's name
+        (the TS takes it only while the trajectory is ROUTED there: the first to finish)."""
+        won: list[int] = []
+        for holder in dict.fromkeys(h for _, h in pairs):
+            won += self._dispatch([f for f, h in pairs if h == holder], holder)
+        return won
+
+    def _dispatch(self, finished: list[Finished], holder: InstanceId | None = None) -> list[int]:
         from staleflow.control.late import hand_live
         from trajectory_server.types import FinishedTrajectory
 
@@ -300,15 +322,16 @@ class RolloutActor:
                     for f in finished
                 ],
                 worker_id,
-                instance_id=self._holder,
+                instance_id=self._holder if holder is None else holder,
             )
         )
         sent = [f for f in finished if f.traj_id in kept]
         if not sent:
-            return
+            return []
         ref = target.process.remote(sent)
         with self._in_flight_lock:
             self._in_flight.append(ref)
+        return [f.traj_id for f in sent]
 
     def _check_rewards(self) -> None:
         """Surface a failed reward call here (a lost completion would stall training);
@@ -341,6 +364,15 @@ class RolloutActor:
 
     def pull(self, at_least: int) -> int:
         return self._host.pull(at_least)
+
+    def race(self, traj_id: int, holder: InstanceId) -> int | None:
+        return self._host.race(traj_id, holder)
+
+    def drop_copies(self, traj_ids: list[int]) -> dict[int, CopyEnd]:
+        return self._host.drop_copies(traj_ids)
+
+    def settle_won(self, traj_ids: list[int]) -> dict[int, int]:
+        return self._host.settle_won(traj_ids)
 
     def version(self) -> int:
         """The version of the weights loaded (what a joining instance Pulled)."""

@@ -81,6 +81,9 @@ def test_actor_round_trip():
         client.route([5, 6], 1, "inst-1")
         ones = (tokens, np.zeros(4, np.float32), np.ones(4, np.int32))
         assert client.report_progress([PartialTrajectory(5, *ones)], "inst-1") == (5,)
+        fork = client.fork(5, "inst-1")  # a race copy's start: the reported response
+        assert fork is not None and fork.tokens.tolist() == tokens.tolist()
+        assert client.fork(5, "inst-2") is None
         client.hand_to_reward([FinishedTrajectory(6, *ones, "stop")], "w0", instance_id="inst-1")
         assert client.routed_to("inst-1") == (5,)
         assert client.instance_lost("inst-1") == (5,)

@@ -166,3 +166,24 @@ def test_a_completion_names_its_worker_and_a_reassigned_one_is_late(ts, response
     with pytest.raises(NotHolder, match="already scored"):  # scored twice: late
         ts.complete_many([done], worker_id="w2")
     assert ts.state_of(1) is TrajState.REWARDING
+
+
+def test_a_race_copy_forks_the_reported_response_and_completes_in_the_holders_name(ts, response):
+    """runtime/races.py: fork reads what a copy starts from and changes nothing; the copy's
+    hand-off names the holder, so the first side to finish completes the trajectory and
+    the other's is a late message."""
+    ts.route([0], 2, "a")
+    assert ts.report_progress([PartialTrajectory(0, *response(3, 2))], "a") == (0,)
+    before = state(ts)
+    fork = ts.fork(0, "a")
+    assert (
+        fork is not None and fork.v_traj == 2 and fork.tokens.tolist() == response(3, 2)[0].tolist()
+    )
+    assert state(ts) == before and ts.routed_to("a") == (0,)
+    assert ts.fork(0, "b") is None and ts.fork(1, "a") is None  # not routed there
+    # the copy finishes first: it hands off in "a"'s name, from its own (longer) response
+    ts.hand_to_reward([FinishedTrajectory(0, *response(6, 2), "stop")], "w0", instance_id="a")
+    assert ts.state_of(0) is TrajState.REWARDING and ts.fork(0, "a") is None
+    # the original on "a" finishing later is refused as late
+    with pytest.raises(NotHolder):
+        ts.hand_to_reward([FinishedTrajectory(0, *response(6, 2), "stop")], "w1", instance_id="a")

@@ -94,8 +94,9 @@ from staleflow.config import (
         ),
         (["trainer.stream=maybe"], "trainer.stream"),
         (
-            ["coordinator.race.enabled=true"],
-            "coordinator.race.enabled=True: the tail race runs in the simulator only so far",
+            ["coordinator.race.enabled=true", "rollout.backend=vllm"],
+            "coordinator.race.enabled=True with rollout.backend=vllm: the tail race needs an "
+            "engine whose copies sample the same tokens",
         ),
         (["coordinator.race.copies=0"], "coordinator.race.copies=0 must be an integer >= 1"),
     ],
@@ -149,3 +150,8 @@ def test_doubtful_settings_warn(caplog):
     assert "group_size=1" in text and "coordinator.cost_model.kv_budget=16384" in text
     assert len(config_warnings(cfg)) == 2
     assert config_warnings(RunConfig()) == []
+
+
+def test_the_tail_race_runs_on_the_embedded_engine():
+    config = load_config(None, ["coordinator.race.enabled=true"])
+    assert config.coordinator.race.enabled and config.rollout.backend == "embedded"

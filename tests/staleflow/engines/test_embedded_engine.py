@@ -386,3 +386,23 @@ def test_batched_prefill_respects_the_token_cap(make_model) -> None:
     done = drain(eng)
     for r in requests:
         assert done[r.traj_id].tokens.tolist() == greedy_reference(model, r.prompt, 3)[0]
+
+
+def test_a_race_copy_on_another_engine_samples_the_originals_tokens(make_model) -> None:
+    """runtime/races.py: a copy of trajectory 0 forked from its first tokens, alone on a
+    second engine with the run's seed and the same weights, produces exactly the tokens of
+    the original running in a batch with others: the kept response does not depend on
+    which side finished first."""
+    model = make_model()
+    holder = engine(model, temperature=1.0, top_p=0.9, seed=11)
+    holder.submit([req(0, max_response=16), req(1, max_response=16), req(2, max_response=16)])
+    for _ in range(3):
+        holder.step()
+    fork = holder.progress()[0]  # what its progress report gave the TS; it goes on
+    original = drain(holder)[0]
+    copy_engine = engine(make_model(), temperature=1.0, top_p=0.9, seed=11)
+    copy_engine.submit([req(0, max_response=16, prefix=fork)])
+    copy = drain(copy_engine)[0]
+    assert len(fork.tokens) == 3
+    assert copy.tokens.tolist() == original.tokens.tolist()
+    np.testing.assert_allclose(copy.logprobs, original.logprobs, rtol=1e-5, atol=1e-6)

@@ -83,6 +83,29 @@ def test_launch_with_streamed_training_is_exactly_on_policy_and_loses_nothing(tm
     assert len(audit) == STEPS * 2 * 4  # streamed groups are not written twice
 
 
+def test_launch_with_the_tail_race_is_exactly_on_policy_and_loses_nothing(tmp_path):
+    """coordinator.race (SpecActor's fastest-of-N) at eta = 0, where the trainer waits for
+    its buffer's last trajectories while instances that finished theirs idle at the same
+    version: copies race the stragglers and complete them in their holder's name. (That
+    copies win and change no token is made to happen, and checked, in
+    tests/staleflow/runtime/test_races_inprocess.py.)"""
+    result = _launch(
+        tmp_path,
+        0,
+        "coordinator.race.enabled=true",
+        "recovery.audit_log=true",
+        "rollout.max_response_tokens=48",  # long enough for a tail (a race now and then)
+    )
+    check_run(result, 0, STEPS, 2 * 4)
+    for step in result.consumed:
+        assert set(step["staleness"]) == {0} and set(step["token_staleness"]) == {0}
+    last = result.records[-1].extra
+    assert 0 <= last["race/won"] <= last["race/started"], last
+    audit = (result.run_dir / "audit.jsonl").read_text().splitlines()
+    assert len(audit) == STEPS * 2 * 4  # a raced trajectory is trained once
+    print("races:", {k: v for k, v in last.items() if k.startswith("race/")})
+
+
 def test_launch_with_batch_and_group_redundancy_drops_the_surplus(tmp_path):
     """§4.3 / App. C: 3 entries per buffer of 2 groups, 5 members per group of 4. This used
     to stop with ``TrajectoryGone`` as soon as a dropped trajectory's reward came in."""
