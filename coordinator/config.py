@@ -101,7 +101,7 @@ class RaceConfig:
         metadata={
             "help": "copies of the oldest buffer's running stragglers race on idle instances "
             "of the same weights version; the first to finish completes the trajectory, the "
-            "others are aborted (the simulator, and launch with the embedded engine)"
+            "others are aborted (the simulator; launch with the embedded engine or vLLM)"
         },
     )
     copies: int = field(

@@ -188,15 +188,16 @@ class RunConfig:
                 "cannot hold even one trajectory: raise it above rollout.max_response_tokens "
                 f"plus the prompt (max_response_tokens={rollout.max_response_tokens})",
             )
-        if self.coordinator.race.enabled and rollout.backend != "embedded":
+        if self.coordinator.race.enabled and rollout.backend == "sglang":
             # a copy must sample the original's tokens (runtime/races.py): the embedded
-            # engine keys its draws by (seed, trajectory, token index); vLLM seeds a request
-            # by its resume point, so a copy forked at another point samples other tokens,
-            # and the SGLang adapter does not seed requests yet
+            # engine keys its draws by (seed, trajectory, token index), vLLM by (seed,
+            # trajectory, resume point) and the race resubmits its original at the fork;
+            # the SGLang adapter does not seed requests
             raise ConfigError(
-                f"coordinator.race.enabled=True with rollout.backend={rollout.backend}: the tail "
-                "race needs an engine whose copies sample the same tokens, so far only the "
-                "embedded engine; set rollout.backend=embedded or coordinator.race.enabled=false"
+                "coordinator.race.enabled=True with rollout.backend=sglang: the tail race "
+                "needs an engine whose copies sample the same tokens, and the SGLang adapter "
+                "does not seed its requests yet; use rollout.backend=embedded or vllm, or set "
+                "coordinator.race.enabled=false"
             )
         if not model.checkpoint:
             self._check_builtin_context()

@@ -241,6 +241,35 @@ class RolloutInstance:
             self._copies[r.traj_id] = holder
             self._work.notify_all()
 
+    def rebase(self, traj_id: int) -> PartialTrajectory | None:
+        """Resubmit a trajectory of this instance where it is now, and return its response
+        so far (None: not here). For an engine that keys its draws by a request's resume
+        point (vLLM), so that a race copy forked at that response samples the same tokens
+        as the original from then on. Costs the original a prefill of its prefix."""
+        with self._lock:
+            if traj_id not in self._meta or traj_id in self._copies:
+                return None
+            out = self._engine.interrupt([traj_id]).get(traj_id)
+            if out is None:
+                return None
+            m = self._meta[traj_id]
+            self._engine.submit(
+                [
+                    GenerationRequest(
+                        traj_id=traj_id,
+                        prompt=m.prompt,
+                        tokens=out.tokens,
+                        logprobs=out.logprobs,
+                        versions=out.versions,
+                        max_response=chunk_cap(
+                            len(out.tokens), self._max_response, self._chunk_tokens
+                        ),
+                    )
+                ]
+            )
+            self._work.notify_all()
+        return PartialTrajectory(traj_id, out.tokens, out.logprobs, out.versions)
+
     def copies(self) -> dict[int, InstanceId]:
         with self._lock:
             return dict(self._copies)

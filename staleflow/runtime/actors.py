@@ -158,6 +158,9 @@ class InstanceClient:
         return self._get(self.handle.times.remote())
 
     # the tail race (runtime/races.py)
+    def prepare_race(self, traj_id: int) -> bool:
+        return self._get(self.handle.prepare_race.remote(traj_id))
+
     def race(self, traj_id: int, holder: InstanceId) -> int | None:
         return self._get(self.handle.race.remote(traj_id, holder))
 
@@ -364,6 +367,9 @@ class RolloutActor:
 
     def pull(self, at_least: int) -> int:
         return self._host.pull(at_least)
+
+    def prepare_race(self, traj_id: int) -> bool:
+        return self._host.prepare_race(traj_id)
 
     def race(self, traj_id: int, holder: InstanceId) -> int | None:
         return self._host.race(traj_id, holder)

@@ -173,6 +173,18 @@ class InstanceHost:
         self.instance.submit_copy(fork, holder)
         return len(fork.tokens)
 
+    def prepare_race(self, traj_id: int) -> bool:
+        """On the holder, before a copy of ``traj_id`` forks: with an engine that keys its
+        draws by the resume point (vLLM), resubmit the original where it is and report
+        that response to the TS, which the copy then forks; False if it is not here."""
+        if not getattr(self._engine, "samples_by_resume_point", False):
+            return traj_id in self.instance.held()
+        partial = self.instance.rebase(traj_id)
+        if partial is None:
+            return False
+        self._ts.report_progress([partial], self.holder)
+        return True
+
     def drop_copies(self, traj_ids: Sequence[int]) -> dict[int, CopyEnd]:
         return self.instance.drop_copies(traj_ids)
 

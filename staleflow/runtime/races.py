@@ -21,7 +21,10 @@ token index, not by instance or submission (the embedded engine's ``sampling``; 
 instance's seed is the run's, ``actors.RolloutActor``). A copy starts from the response
 the TS has (the holder's last progress report), so it regenerates the tokens since then;
 with identical draws they are the same tokens, and a hand-off whose response does not
-extend what the TS holds is refused.
+extend what the TS holds is refused. An engine that seeds a request by its resume point
+(vLLM, ``samples_by_resume_point``) samples the same tokens only from the same point: its
+holder first resubmits the original where it is and reports that response
+(``prepare_race``), and the copy forks exactly there.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 class RacingInstance(Protocol):
     """What an instance handle offers for the race (``InstanceHost``)."""
+
+    def prepare_race(self, traj_id: int) -> bool: ...
 
     def race(self, traj_id: int, holder: InstanceId) -> int | None: ...
 
@@ -131,11 +136,13 @@ class RuntimeRaces:
         started = 0
         for race in self.rule.select(fleet, pool, racing, hosting):
             tid = race.traj.traj_id
-            dest = instances.get(race.dest)
+            dest, original = instances.get(race.dest), instances.get(race.holder)
             holder = holders.get(race.holder)
-            if dest is None or holder is None:
+            if dest is None or original is None or holder is None:
                 continue
             try:
+                if tid not in self.active and not original.prepare_race(tid):
+                    continue  # it left its holder meanwhile
                 fork = dest.race(tid, holder)
             except Exception as exc:  # the destination's loss is the supervisor's business
                 logger.warning("race copy of %d on instance %d failed: %s", tid, race.dest, exc)

@@ -73,6 +73,11 @@ class VLLMEngine:
     engine owns it until :meth:`close`.
     """
 
+    # A request's seed is keyed by its resume point (_sampling_params): two requests of a
+    # trajectory sample the same tokens only from the same point, so a race copy needs its
+    # original resubmitted where the copy forks (runtime/races.py, RolloutInstance.rebase).
+    samples_by_resume_point = True
+
     def __init__(self, config: VLLMEngineConfig, *, version: int = 0) -> None:
         if not isinstance(config, VLLMEngineConfig):
             raise TypeError(f"config must be a VLLMEngineConfig, got {type(config).__name__}")

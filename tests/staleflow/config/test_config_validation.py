@@ -94,9 +94,9 @@ from staleflow.config import (
         ),
         (["trainer.stream=maybe"], "trainer.stream"),
         (
-            ["coordinator.race.enabled=true", "rollout.backend=vllm"],
-            "coordinator.race.enabled=True with rollout.backend=vllm: the tail race needs an "
-            "engine whose copies sample the same tokens",
+            ["coordinator.race.enabled=true", "rollout.backend=sglang"],
+            "coordinator.race.enabled=True with rollout.backend=sglang: the tail race needs "
+            "an engine whose copies sample the same tokens",
         ),
         (["coordinator.race.copies=0"], "coordinator.race.copies=0 must be an integer >= 1"),
     ],

@@ -274,3 +274,25 @@ def test_bad_weights_are_refused_by_name_and_change_nothing(backend, eng) -> Non
     r = request()
     eng.submit([r])
     check_logprobs(backend.reference, r, drain(eng)[r.traj_id])
+
+
+def test_a_race_copy_resumed_at_the_originals_point_samples_its_tokens(backend, eng) -> None:
+    """What the tail race needs (runtime/races.py): a trajectory resubmitted at the same
+    response, under the same weights, samples the same tokens whatever ran beside it, so
+    a copy forked where its original resumed keeps what the original would have. The
+    embedded engine keys draws by token index, vLLM by resume point (the race resubmits
+    the original at the fork)."""
+    if backend.name.startswith("sglang"):
+        pytest.skip("the SGLang adapter does not seed requests: launch refuses the race")
+    tid = next(_ids)
+    first = request(traj_id=tid, max_response=6)
+    eng.submit([first])
+    prefix = drain(eng)[tid]  # the response so far, where both resume
+    given = (prefix.tokens, prefix.logprobs, prefix.versions)
+    original = request(traj_id=tid, max_response=20, prefix=given)
+    eng.submit([original, request(max_response=20), request(max_response=20)])
+    held = drain(eng)[tid]
+    eng.submit([request(traj_id=tid, max_response=20, prefix=given)])  # the copy, alone
+    copy = drain(eng)[tid]
+    assert copy.tokens.tolist() == held.tokens.tolist()
+    np.testing.assert_allclose(copy.logprobs, held.logprobs, atol=TOL, rtol=0)

@@ -69,6 +69,19 @@ def test_launch_vllm_eta0_is_exactly_on_policy(tmp_path):
     assert result.summary["on_policy_tokens"] is True
 
 
+def test_launch_vllm_with_the_tail_race_is_exactly_on_policy(tmp_path):
+    """coordinator.race on vLLM: a copy forks where its original was resubmitted (vLLM
+    seeds a request by its resume point; runtime/races.py), completes in its holder's
+    name, and the run keeps the bound and loses nothing."""
+    result = _launch(tmp_path, 0, "coordinator.race.enabled=true", "rollout.max_response_tokens=32")
+    _check_run(result, 0)
+    for step in result.consumed:
+        assert set(step["staleness"]) == {0} and set(step["token_staleness"]) == {0}
+    last = result.records[-1].extra
+    assert 0 <= last["race/won"] <= last["race/started"], last
+    print("races:", {k: v for k, v in last.items() if k.startswith("race/")})
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_launch_vllm_raises_the_mean_reward(tmp_path):

@@ -51,8 +51,32 @@ class Slow(ScriptedEngine):
         return super().step()
 
 
+class ResumeSeeded(Slow):
+    """Draws keyed by a request's resume point, as vLLM's per-request seed is: it records
+    every (trajectory, resume point) it was given."""
+
+    samples_by_resume_point = True
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(delay_s)
+        self.submitted: list[tuple[int, int]] = []
+
+    def submit(self, requests):
+        self.submitted += [(r.traj_id, len(r.tokens)) for r in requests]
+        super().submit(requests)
+
+
 class Wired:
-    def __init__(self, *, race: bool, delay_s: float = 0.05, fast_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        race: bool,
+        delay_s: float = 0.05,
+        fast_s: float = 0.0,
+        engine: type[Slow] = Slow,
+        progress_every_s: float = 0.0,
+    ) -> None:
+        self.progress_every_s = progress_every_s
         self.ts = Serialized(TrajectoryServer(TrajectoryServerConfig(0, BATCH, GROUP), Prompts()))
         self.ps = MemoryPS()
         box: list[ControlPlane] = []
@@ -70,7 +94,7 @@ class Wired:
             with lock:
                 return [t for f, h in pairs for t in stage.process([f], instance_id=h)]
 
-        self.engines = {0: Slow(delay_s), 1: Slow(fast_s)}
+        self.engines = {0: engine(delay_s), 1: engine(fast_s)}
         self.hosts = {
             i: InstanceHost(
                 i,
@@ -113,7 +137,7 @@ class Wired:
 
     def run(self, steps: int, stop_when=None) -> list:
         for h in self.hosts.values():
-            h.start(0)
+            h.start(0, self.progress_every_s)
         self.control.start()
         out: dict = {}
 
@@ -199,3 +223,32 @@ def test_a_stop_drops_every_copy_and_keeps_the_holders_partials_whole():
     assert cut is not None and cut.final
     # the TS got every trajectory back from its holder (none is left ROUTED)
     assert "routed" not in set(cut.trajectories["trajectories"]["state"])
+
+
+def test_with_draws_keyed_by_the_resume_point_a_copy_forks_where_its_original_resumed():
+    """vLLM seeds a request by (run seed, trajectory, resume point): a copy samples its
+    original's tokens only if both resumed at the same point. The holder reports progress
+    as it goes, so the TS's response (where a copy forks) is ahead of where the original
+    was submitted; the race therefore first resubmits the original where it is
+    (``prepare_race``), and every copy forks at a point its original resumed from."""
+    w = Wired(race=True, engine=ResumeSeeded, progress_every_s=0.01)
+    forks: list[tuple[int, int]] = []
+    for host in w.hosts.values():
+        race = host.race
+
+        def recorded(tid, holder, race=race):
+            n = race(tid, holder)
+            if n is not None:
+                forks.append((tid, n))
+            return n
+
+        host.race = recorded  # type: ignore[method-assign]
+    reports = w.run(4)
+    assert len(reports) == 4
+    assert forks, "no race started"
+    resumed = {s for e in w.engines.values() for s in e.submitted}
+    for tid, n in forks:
+        assert (tid, n) in resumed, (tid, n)
+        # the original resubmitted at n on its holder, and the copy at n elsewhere
+        assert sum(1 for e in w.engines.values() if (tid, n) in e.submitted) == 2
+    assert all(not h.copies() for h in w.hosts.values())
