@@ -184,7 +184,10 @@ class RolloutInstance:
         with self._lock:
             started = self._clock()
             self.check()
-            self._drop_copies_locked([r.traj_id for r in routed if r.traj_id in self._copies])
+            # the original itself arrives where its copy runs: the copy gives way
+            self._copy_ends.update(
+                self._drop_copies_locked([r.traj_id for r in routed if r.traj_id in self._copies])
+            )
             dup = [r.traj_id for r in routed if r.traj_id in self._meta]
             if dup:
                 raise ValueError(f"instance {self.inst} already holds trajectories {dup}")

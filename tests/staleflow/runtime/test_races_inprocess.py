@@ -252,3 +252,80 @@ def test_with_draws_keyed_by_the_resume_point_a_copy_forks_where_its_original_re
         # the original resubmitted at n on its holder, and the copy at n elsewhere
         assert sum(1 for e in w.engines.values() if (tid, n) in e.submitted) == 2
     assert all(not h.copies() for h in w.hosts.values())
+
+
+def _routed(tid: int, tokens: int = 0):
+    import numpy as np
+
+    from trajectory_server.types import RoutedTrajectory
+
+    ids = np.full(tokens, 7, np.int32)
+    return RoutedTrajectory(
+        tid, 0, 0, 0, "", np.arange(3, dtype=np.int32), ids, ids.astype(np.float32), ids * 0
+    )
+
+
+def test_a_copy_is_in_the_batch_but_no_trajectory_of_its_instance():
+    """RolloutInstance's bookkeeping, driven by hand (no generation thread): a copy counts
+    in the KV, not in the snapshot's lists, held() or progress(); it finishes through
+    on_copy_finished (never on_finished nor Eq. 1's completed list); a Pull drops it; the
+    holder's settle_won lists a trajectory as completed."""
+    from staleflow.rollout.instance import RolloutInstance
+
+    finished, copies = [], []
+
+    def copy_done(pairs):
+        copies.extend(pairs)
+        return [f.traj_id for f, _ in pairs]  # the TS took it: the copy won
+
+    inst = RolloutInstance(
+        1,
+        ScriptedEngine(target=3),
+        max_response=16,
+        on_finished=finished.extend,
+        on_copy_finished=copy_done,
+    )
+    inst.submit([_routed(10)])
+    inst.submit_copy(_routed(20, tokens=1), holder="0.0")
+    inst._engine.step()  # both enter the batch
+    snap = inst.snapshot()
+    assert [t.traj_id for t in snap.run_trajs] == [10] and snap.wait_trajs == ()
+    assert snap.kv_cache == (3 + 1) + (3 + 2)  # the copy's KV counts
+    assert inst.held() == {10} and set(inst.progress()) == {10}
+    assert inst.copies() == {20: "0.0"}
+    inst.start()
+    deadline = time.monotonic() + 30
+    while not (copies and finished) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    inst.stop()
+    assert [(f.traj_id, h) for f, h in copies] == [(20, "0.0")]
+    assert [f.traj_id for f in finished] == [10]
+    assert inst.snapshot().complete_trajs == (10,)  # the copy is its holder's completion
+    ended = inst.drop_copies([20])
+    assert ended[20].won and ended[20].tokens == len(copies[0][0].tokens)
+    # a Pull drops the copies still running, and they end as lost
+    other = RolloutInstance(
+        2,
+        ScriptedEngine(target=50),
+        max_response=64,
+        on_finished=finished.extend,
+        on_copy_finished=copy_done,
+    )
+    other.submit_copy(_routed(30, tokens=2), holder="0.0")
+    other._engine.step()
+    other.load_weights({}, 1)
+    assert other.copies() == {} and other.snapshot().kv_cache == 0
+    assert other.drop_copies([30])[30].won is False
+    # the holder whose trajectory a copy completed: stopped, listed as completed
+    holder = RolloutInstance(
+        0,
+        ScriptedEngine(target=50),
+        max_response=64,
+        on_finished=finished.extend,
+        on_copy_finished=copy_done,
+    )
+    holder.submit([_routed(30, tokens=2)])
+    holder._engine.step()
+    assert holder.settle_won([30]) == {30: 3}
+    assert holder.held() == set() and holder.snapshot().complete_trajs == (30,)
+    assert holder.settle_won([30]) == {}
