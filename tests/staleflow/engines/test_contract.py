@@ -283,7 +283,12 @@ def test_a_race_copy_resumed_at_the_originals_point_samples_its_tokens(backend, 
     embedded engine keys draws by token index, vLLM by resume point (the race resubmits
     the original at the fork)."""
     if backend.name.startswith("sglang"):
-        pytest.skip("the SGLang adapter does not seed requests: launch refuses the race")
+        # the SGLang adapter does not seed requests: launch refuses the race with it
+        from staleflow.config import ConfigError, load_config
+
+        with pytest.raises(ConfigError, match="does not seed its requests"):
+            load_config(None, ["coordinator.race.enabled=true", "rollout.backend=sglang"])
+        return
     tid = next(_ids)
     first = request(traj_id=tid, max_response=6)
     eng.submit([first])
