@@ -41,15 +41,7 @@ def plan_cycle(
     S = Fleet(snapshot)
     if strategies.estimator is not None:
         strategies.estimator.observe(snapshot)
-        factors = strategies.estimator.factors(S.ids)
-        # mu compares a gain with the model's ideal one, so the fastest instance, idle,
-        # must always clear it: a fleet slower than its profile throughout (a loaded
-        # machine) is taken relative to its fastest instance. In absolute terms a fleet
-        # measured 5x slower withheld every trajectory, its idle instances measured nothing
-        # new, and the run stalled for good.
-        if len(factors) and factors.min() > 1.0:
-            factors = factors / factors.min()
-        S.speed = factors
+        S.speed = strategies.estimator.relative(S.ids)
     commands = _decide(S, ts_trajs, ps_version, sketch, strategies, aborts)
     if strategies.estimator is not None:
         strategies.estimator.note(commands)

@@ -153,6 +153,17 @@ class SpeedEstimator:
             [math.exp(v) if (v := get(i)) is not None else prior for i in ids], dtype=np.float64
         )
 
+    def relative(self, ids: Iterable[InstanceId]) -> npt.NDArray[np.float64]:
+        """``factors`` as the fleet's cycle uses them. mu compares a gain with the model's
+        ideal one, so the fastest instance, idle, must always clear it: a fleet slower than
+        its profile throughout (a loaded machine) is taken relative to its fastest
+        instance. In absolute terms a fleet measured 5x slower withheld every trajectory,
+        its idle instances measured nothing new, and the run stalled for good."""
+        factors = self.factors(ids)
+        if len(factors) and factors.min() > 1.0:
+            factors = factors / factors.min()
+        return factors
+
     def _prior(self) -> float:
         if not self._log_factor:
             return 1.0

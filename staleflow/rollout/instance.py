@@ -421,12 +421,16 @@ class RolloutInstance:
                     started = self._clock()
                     outs = self._engine.step()
                     self._busy_s += self._clock() - started
-                    copies = [
-                        (self._finish(o, copy=True), self._copies.pop(o.traj_id))
-                        for o in outs
-                        if o.traj_id in self._copies
-                    ]
-                    outs = [o for o in outs if o.traj_id not in {f.traj_id for f, _ in copies}]
+                    copies: list[tuple[Finished, InstanceId]] = []
+                    if self._copies:  # race copies finish in their holder's name
+                        own = []
+                        for o in outs:
+                            if o.traj_id in self._copies:
+                                holder = self._copies.pop(o.traj_id)
+                                copies.append((self._finish(o, copy=True), holder))
+                            else:
+                                own.append(o)
+                        outs = own
                     chunks = [self._chunk_end(o) for o in outs if self._at_chunk_end(o)]
                     finished = [self._finish(o) for o in outs if not self._at_chunk_end(o)]
                 if copies:

@@ -577,7 +577,7 @@ def _races(plane: ControlPlane, ts: Any, last: Mapping[str, float]) -> RuntimeRa
         holders=plane.members.holders,
         snapshots=plane._snapshots,
         routable=plane.loop.routable,
-        speeds=(lambda ids: estimator.factors(list(ids))) if estimator is not None else None,
+        speeds=estimator.relative if estimator is not None else None,
         totals=last,
     )
 

@@ -126,10 +126,8 @@ class RuntimeRaces:
         if not any(not s.run_trajs and not s.wait_trajs for s in last if s.inst not in hosting):
             return 0  # the common case: no instance was idle
         fleet = Fleet(Snapshot(tuple(self._snapshots())))  # as this cycle's commands left it
-        if self._speeds is not None and len(fleet):
-            # the coordinator's estimates, normalised as its cycle does (coordinator/cycle.py)
-            f = np.asarray(self._speeds(fleet.ids), dtype=np.float64)
-            fleet.speed = f / f.min() if f.min() > 1.0 else f
+        if self._speeds is not None:  # the coordinator's estimates, as its cycle uses them
+            fleet.speed = self._speeds(fleet.ids)
         racing = {tid: len(r.dests) for tid, r in self.active.items()}
         pool = TrajectoryPool(self._routable())  # the tail counts the queued ones too
         instances, holders = self._instances(), self._holders()

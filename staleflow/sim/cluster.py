@@ -241,8 +241,7 @@ class SimCluster:
         estimator = self.loop.coordinator.strategies.estimator
         if estimator is None:
             return None
-        factors: np.ndarray = estimator.factors(sorted(self.instances))
-        return factors / factors.min() if len(factors) and factors.min() > 1.0 else factors
+        return estimator.relative(sorted(self.instances))
 
     def _finished(self, t: float, inst: SimInstance, traj: SimTrajectory) -> None:
         if self.races is not None and self.races.hold_finish(t, inst, traj):
