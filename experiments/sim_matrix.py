@@ -13,11 +13,12 @@ compared at every eta, as in Figure 13.
 
 Two phases. (1) The split search (§6.1 tunes "the GPU allocation ratio between rollout
 and training to optimal values"): every system that has a split runs each ``--splits``
-fraction of the GPUs as rollout on the first seed, at every eta of the matrix, and keeps
-its best per workload and eta: which side binds moves with eta (at eta = 1 the rollout
-side, at eta >= 3 often the trainer), so a split chosen at one eta starves the other side
-at another. ``--split-eta N`` searches at N only and keeps that split for every eta (half
-the search's runs). ``sync`` uses every GPU for both phases. (2) Every cell runs every
+fraction of the GPUs as rollout on the first seed (``--search-seeds N``: on the first N,
+keeping the best mean), at every eta of the matrix, and keeps its best per workload and
+eta: which side binds moves with eta (at eta = 1 the rollout side, at eta >= 3 often the
+trainer), so a split chosen at one eta starves the other side at another. ``--split-eta
+N`` searches at N only and keeps that split for every eta (half the search's runs).
+``sync`` uses every GPU for both phases. (2) Every cell runs every
 seed at the chosen splits; runs of phase 1 are reused where they coincide.
 
 Every run is audited independently of the staleness manager (``staleflow.sim.audit``):
@@ -141,6 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         help="search the split at this eta only and keep it for every eta "
         "(default: a split per eta)",
     )
+    p.add_argument(
+        "--search-seeds",
+        type=int,
+        default=1,
+        help="run the split search on this many of the seeds and keep the split with the "
+        "best mean (default 1: the first seed; the seeds' runs are then reused by the cells)",
+    )
     p.add_argument("--steps", type=int, default=0, help="training steps per run; 0: eta + 8")
     p.add_argument("--small", action="store_true", help="tiny-scale smoke run (no measurement)")
     p.add_argument(
@@ -167,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     fractions = [float(f) for f in args.splits.split(",") if f]
     if not fractions or not all(0.0 < f < 1.0 for f in fractions):
         p.error("--splits: give rollout shares in (0, 1), e.g. 0.375,0.5")
+    if not 1 <= args.search_seeds <= len(seeds):
+        p.error(f"--search-seeds: give 1 to {len(seeds)} (the number of --seeds)")
+    search_seeds = seeds[: args.search_seeds]
     out = results_dir(args.out, SCRIPT)
     started = time.perf_counter()
 
@@ -189,10 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             if name in NO_SPLIT:
                 continue
             for eta in search_etas(name):
-                for f in fractions:
-                    search.append(
-                        Run(w, name, eta, seeds[0], steps(eta), round(f * total), args.small)
-                    )
+                for f, seed in itertools.product(fractions, search_seeds):
+                    search.append(Run(w, name, eta, seed, steps(eta), round(f * total), args.small))
     journal = out / "matrix_runs.jsonl"
     done = _resume(journal) if args.resume else {}
     if not args.resume:
@@ -207,11 +216,12 @@ def main(argv: list[str] | None = None) -> int:
             if name in NO_SPLIT:
                 continue
             for eta in search_etas(name):
-                tried = [
-                    (r.rollout_gpus, done[r]["tokens_per_s"])
-                    for r in search
-                    if r[:3] == (w, name, eta)
-                ]
+                # the mean over the search's seeds: one seed's luck does not pick the split
+                per_split: dict[int, list[float]] = {}
+                for r in search:
+                    if r[:3] == (w, name, eta):
+                        per_split.setdefault(r.rollout_gpus, []).append(done[r]["tokens_per_s"])
+                tried = [(g, sum(v) / len(v)) for g, v in per_split.items()]
                 best = max(tried, key=lambda x: x[1])[0]
                 chosen[w, name, eta] = best
                 split_rows.append(

@@ -12,13 +12,15 @@ from typing import TYPE_CHECKING, Any
 from staleflow.progress import SILENT, Phase, Progress
 
 if TYPE_CHECKING:
+    from staleflow.config.run import RunConfig
+    from staleflow.runtime.control import LiveState
     from staleflow.runtime.record import StepRecord
 
 # The pools Run.start builds, in order (Figure 6); it advances the phase once per pool.
 ACTOR_STAGES = ("control + TS", "PS", "reward", "rollout", "trainer")
 
 
-def actors_phase(progress: Progress, cfg: Any, ps_replicas: int) -> Phase:
+def actors_phase(progress: Progress, cfg: RunConfig, ps_replicas: int) -> Phase:
     """The ``actors`` phase of a run with config ``cfg`` (``rollout.instances``,
     ``reward.workers``): ``Run.start`` advances it once per pool it has started."""
     return progress.phase(
@@ -30,7 +32,7 @@ def actors_phase(progress: Progress, cfg: Any, ps_replicas: int) -> Phase:
     )
 
 
-def first_buffer_groups(live: Any) -> int:
+def first_buffer_groups(live: LiveState) -> int:
     """Groups occupied in the buffer the trainer waits for (a ``LiveState``)."""
     view = live.buffers
     return sum(
@@ -44,7 +46,7 @@ class TrainingWaits:
     when the run raised). ``cfg``: the run's config (``eta``, ``steps``, ``batch_size``)."""
 
     def __init__(
-        self, progress: Progress, cfg: Any, on_tick: Callable[[Any], None] | None = None
+        self, progress: Progress, cfg: RunConfig, on_tick: Callable[[Any], None] | None = None
     ) -> None:
         self._progress = progress
         self._cfg = cfg
@@ -68,7 +70,7 @@ class TrainingWaits:
         wanted = self._on_tick is not None or self._progress is not SILENT
         return self.tick if wanted else None
 
-    def tick(self, live: Any) -> None:
+    def tick(self, live: LiveState | None) -> None:
         """The control plane's live state (every poll); passed on to ``on_tick``."""
         if self._first is not None and live is not None:
             groups = first_buffer_groups(live)

@@ -108,6 +108,31 @@ def test_one_split_eta_keeps_its_split_for_every_eta(tmp_path: Path) -> None:
         }
 
 
+def test_the_split_search_over_seeds_keeps_the_best_mean(tmp_path: Path) -> None:
+    m = _matrix()
+    args = ["--small", "--workloads", "hetero-0.2", "--etas", "3", "--seeds", "2"]
+    args += ["--steps", "5", "--systems", "staleflow,sticky", "--search-seeds", "2"]
+    assert m.main([*args, "--out", str(tmp_path), "--json", str(tmp_path / "a.json")]) == 0
+    out = json.loads((tmp_path / "a.json").read_text())
+    journal = [
+        json.loads(x)["row"] for x in (tmp_path / "matrix_runs.jsonl").read_text().splitlines()
+    ]
+    for s in out["splits"]:
+        runs = [r for r in journal if r["system"] == s["system"]]
+        # every split on both seeds, and nothing run twice: the cells reuse the search
+        assert sorted((r["rollout_gpus"], r["seed"]) for r in runs) == [
+            (g, seed) for g in sorted(int(k) for k in s["tried"]) for seed in (0, 1)
+        ]
+        means = {
+            g: float(np.mean([r["tokens_per_s"] for r in runs if r["rollout_gpus"] == g]))
+            for g in {r["rollout_gpus"] for r in runs}
+        }
+        assert s["tried"] == {str(g): round(v, 1) for g, v in means.items()}
+        assert s["rollout_gpus"] == max(means, key=lambda g: means[g])
+    with pytest.raises(SystemExit):
+        m.main([*args[:-1], "3", "--out", str(tmp_path / "bad")])
+
+
 def test_verdicts_name_what_fails() -> None:
     m = _matrix()
     row = {
