@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from coordinator.types import InstanceSnapshot
 from parameter_server.transport import connect
 from staleflow.rollout.instance import CopyEnd, Finished, InstanceTimes
+from staleflow.runtime.cluster import import_ray
 from staleflow.runtime.interface import (
     InstanceGone,
     Rewarded,
@@ -60,18 +61,6 @@ if TYPE_CHECKING:
     )
 
 logger = logging.getLogger(__name__)
-
-
-def _ray() -> Any:
-    try:
-        import ray
-    except ImportError as exc:
-        from staleflow.install import missing
-
-        raise ImportError(
-            missing("ray (staleflow launch runs its components as Ray actors)", exc)
-        ) from exc
-    return ray
 
 
 def process_env(threads: int, *, quiet_downloads: bool = False) -> dict[str, str]:
@@ -110,7 +99,7 @@ class InstanceRecovery:
 def gone(inst: int, exc: BaseException) -> InstanceGone | None:
     """``exc`` as an :class:`InstanceGone` when it says the instance cannot serve (its
     actor died, or it raised InstanceGone itself); None for any other error."""
-    ray = _ray()
+    ray = import_ray()
     if isinstance(exc, InstanceGone):
         return InstanceGone(exc.inst, exc.reason)
     cause = getattr(exc, "cause", None)
@@ -126,7 +115,7 @@ class InstanceClient:
     """``InstanceHandle`` over a ``RolloutActor``; a dead actor is ``InstanceGone``."""
 
     def __init__(self, handle: Any, inst: int = -1) -> None:
-        self._ray = _ray()
+        self._ray = import_ray()
         self.handle = handle
         self.inst = inst
 
@@ -175,7 +164,7 @@ class ControlClient:
     """``ControlHandle`` over a ``ControlActor``."""
 
     def __init__(self, handle: Any) -> None:
-        self._ray = _ray()
+        self._ray = import_ray()
         self.handle = handle
 
     def rewarded(self, records: Sequence[Rewarded]) -> None:
@@ -213,7 +202,7 @@ class ParameterServerActor:
         from parameter_server import Layout
         from parameter_server.worker import PSWorker
 
-        address = f"tcp:{_ray().util.get_node_ip_address()}:0" if tcp else None
+        address = f"tcp:{import_ray().util.get_node_ip_address()}:0" if tcp else None
         self._worker = PSWorker.start(
             Layout.from_dict(layout), num_slots, nixl=nixl, address=address
         )
@@ -261,7 +250,7 @@ class RolloutActor:
         from trajectory_server.actor import TrajectoryServerClient
 
         _torch_threads(spec.rollout.num_threads)
-        self._ray = _ray()
+        self._ray = import_ray()
         rec = recovery or InstanceRecovery()
         self._holder = holder or str(inst)
         self._ts = TrajectoryServerClient(ts_handle)

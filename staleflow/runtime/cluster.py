@@ -33,7 +33,8 @@ def actor_name(run: str, role: str) -> str:
     return f"{run}/{role}"
 
 
-def _ray() -> Any:
+def import_ray() -> Any:
+    """The ``ray`` module, or a LaunchError saying how to install it."""
     try:
         import ray
     except ImportError as exc:
@@ -59,7 +60,7 @@ class RayCluster:
         """Join ``address`` (``auto``, ``host:port``, ``ray://host:port``), or start a local
         Ray with ``local_cpus`` CPU slots when it is empty. An address where nothing
         answers fails at once, naming it (``ray.init`` would retry for minutes)."""
-        ray = _ray()
+        ray = import_ray()
         if ray.is_initialized():  # a caller (a test, a notebook) joined one already
             return cls(ray, started=False, address=address or "this process's Ray")
         if address:

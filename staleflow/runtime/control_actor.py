@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator.types import InstanceSnapshot
 from staleflow.recovery.events import RecoveryEvent
-from staleflow.runtime.actors import InstanceClient, _ray, gone
+from staleflow.runtime.actors import InstanceClient, gone
+from staleflow.runtime.cluster import import_ray
 from staleflow.runtime.interface import InstanceGone, Rewarded, StepReport, TrainerGroups
 from staleflow.runtime.record import StepRecord
 from staleness.types import ConsumedBatch
@@ -68,7 +69,7 @@ class ControlActor:
         from staleflow.runtime.ps_healing import HealingVersions
         from staleness import StalenessManager
 
-        ray = _ray()
+        ray = import_ray()
         clients = {i: InstanceClient(h, i) for i, (h, _) in instances.items()}
         pool = ThreadPoolExecutor(max(4, len(clients)), thread_name_prefix="commands")
         self._versions = HealingVersions(ps_endpoints, self._resolver or _no_resolver)
