@@ -44,6 +44,7 @@ import itertools
 import json
 import sys
 import time
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -258,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [done[r] for r in runs]
     cells = cell_rows(rows, workloads, etas, systems)
     verdicts = verdict_lines(rows, cells, workloads, etas)
+    if same := same_split_line([done[r] for r in dict.fromkeys(search + runs)]):
+        verdicts.append(same)
     print_cells(cells, rows)
     for line in verdicts:
         print(line)
@@ -471,6 +474,32 @@ def verdict_lines(
             )
         )
     return lines
+
+
+def same_split_line(rows: list[dict[str, Any]]) -> str | None:
+    """StaleFlow against each in-flight-limited baseline on the same split and seed, over
+    every run made (the split search's included): what remains of a cell's shortfall once
+    the systems' split choices are taken out of it. None without such pairs."""
+    key = itemgetter("workload", "eta", "seed", "rollout_gpus", "steps")
+    others = {(r["system"], *key(r)): r for r in rows if r["system"] in ("sticky", "vanilla")}
+    pairs = []
+    for r in rows:
+        if r["system"] != "staleflow":
+            continue
+        for base in ("sticky", "vanilla"):
+            o = others.get((base, *key(r)))
+            if o is not None:
+                pairs.append((r["tokens_per_s"] / o["tokens_per_s"], base, r))
+    if not pairs:
+        return None
+    worst, base, r = min(pairs, key=itemgetter(0))
+    below = sum(p[0] < 0.98 for p in pairs)
+    return (
+        "verdict: StaleFlow >= 0.98x sticky and vanilla on the same split and seed: "
+        f"{len(pairs)} pairs, worst {worst:.3f} ({r['workload']} eta={r['eta']} "
+        f"seed={r['seed']} {r['rollout_gpus']} rollout GPUs vs {base}): "
+        + ("PASS" if not below else f"FAIL ({below} below)")
+    )
 
 
 def _audited(row: dict[str, Any]) -> int:

@@ -133,6 +133,23 @@ def test_the_split_search_over_seeds_keeps_the_best_mean(tmp_path: Path) -> None
         m.main([*args[:-1], "3", "--out", str(tmp_path / "bad")])
 
 
+def test_the_same_split_verdict_pairs_runs_of_one_split_and_seed() -> None:
+    m = _matrix()
+
+    def row(system: str, tok: float, seed: int = 0, gpus: int = 48) -> dict[str, Any]:
+        return {"workload": "w", "eta": 3, "seed": seed, "rollout_gpus": gpus, "steps": 11,
+                "system": system, "tokens_per_s": tok}  # fmt: skip
+
+    rows = [row("staleflow", 100.0), row("sticky", 99.0), row("vanilla", 101.0)]
+    rows += [row("staleflow", 90.0, seed=1), row("sticky", 100.0, seed=1)]
+    rows += [row("vanilla", 50.0, gpus=64), row("pipeline", 200.0)]  # no pair: not counted
+    line = m.same_split_line(rows)
+    assert line is not None and "3 pairs, worst 0.900 (w eta=3 seed=1 48" in line
+    assert line.endswith("vs sticky): FAIL (1 below)")
+    assert m.same_split_line(rows[:3]).endswith(": PASS")
+    assert m.same_split_line([row("staleflow", 1.0)]) is None
+
+
 def test_verdicts_name_what_fails() -> None:
     m = _matrix()
     row = {
