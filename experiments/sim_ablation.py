@@ -162,10 +162,65 @@ def main(argv: list[str] | None = None) -> int:
     if len(seeds) > 1:
         title += f", {len(seeds)} seeds: mean \u00b1 std [min..max]"
     print_table(title, [{**r, **{c: r.get(f"{c}_text", r[c]) for c in cols}} for r in rows], cols)
+    pairs = slot_pairs(runs)
+    for line in pair_lines(pairs):
+        print(line)
     paths = write_rows(out, "ablation", rows) + write_rows(out, "ablation_runs", runs)
+    paths += write_rows(out, "ablation_pairs", pairs)
     paths.append(_plot(rows, args.eta, len(seeds), out))
     print("wrote " + ", ".join(str(x) for x in paths))
     return 0
+
+
+SLOTS = {"routing": 1, "sync": 3, "migration": 5}  # the slot's digit in "R?S?M?"
+
+
+def slot_pairs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each strategy against its vanilla counterpart with the other two slots fixed: for
+    every slot the four pairs ``X1`` / ``X0`` (e.g. R1S0M1 / R0S0M1), each the mean over
+    the seeds both ran of the per-seed throughput ratio (the same workload draws), with
+    its lowest seed. What issue #17 asks of the ablation: ``gain > 1`` in every pair."""
+    by = {(r["system"], r["seed"]): float(r["tokens_per_s"]) for r in runs}
+    out: list[dict[str, Any]] = []
+    for slot, at in SLOTS.items():
+        for combo in COMBOS:
+            if combo[at] != "0":
+                continue
+            on = combo[:at] + "1" + combo[at + 1 :]
+            ratios = [
+                by[(on, seed)] / by[(combo, seed)]
+                for (name, seed) in by
+                if name == combo and (on, seed) in by and by[(combo, seed)] > 0
+            ]
+            if ratios:
+                with_ = combo.replace(combo[at - 1 : at + 1], "")
+                out.append(
+                    {
+                        "slot": slot,
+                        "with": with_,
+                        "on": on,
+                        "off": combo,
+                        "seeds": len(ratios),
+                        "gain": sum(ratios) / len(ratios),
+                        "gain_min": min(ratios),
+                    }
+                )
+    return out
+
+
+def pair_lines(pairs: list[dict[str, Any]]) -> list[str]:
+    """One verdict line per slot: in how many pairs the strategy adds, and by how much."""
+    lines = []
+    for slot in SLOTS:
+        mine = [p for p in pairs if p["slot"] == slot]
+        if not mine:
+            continue
+        adds = sum(p["gain"] > 1.0 for p in mine)
+        each = ", ".join(f"{(p['gain'] - 1) * 100:+.1f}% with {p['with']}" for p in mine)
+        lines.append(
+            f"{slot} adds over its vanilla counterpart in {adds} of {len(mine)} pairs: {each}"
+        )
+    return lines
 
 
 def _combine(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -101,6 +101,49 @@ def test_ablation(tmp_path: Path) -> None:
     assert rows[0]["system"] == "R0S0M0" and rows[0]["normalised"] == 1.0
     assert all(r["tokens_per_s"] > 0 and 0.2 < r["normalised"] < 5 for r in rows)
     assert (out / "ablation.png").stat().st_size > 0
+    pairs, runs = _rows(out / "ablation_pairs.json"), _rows(out / "ablation_runs.json")
+    assert [p["slot"] for p in pairs] == ["routing"] * 4 + ["sync"] * 4 + ["migration"] * 4
+    tput = {r["system"]: r["tokens_per_s"] for r in runs}
+    for p in pairs:
+        assert p["gain"] == pytest.approx(tput[p["on"]] / tput[p["off"]])
+
+
+def test_ablation_pairs_compare_each_slot_with_the_others_fixed() -> None:
+    ablation = _script("sim_ablation")
+    # Throughput doubles with routing, grows 10% with sync on seed 0 and falls 10% on
+    # seed 1, and migration adds nothing, whatever the other slots are.
+    runs = [
+        {
+            "system": combo,
+            "seed": seed,
+            "tokens_per_s": 100.0
+            * (2.0 if combo[1] == "1" else 1.0)
+            * ((1.1 if seed == 0 else 0.9) if combo[3] == "1" else 1.0),
+        }
+        for combo in ablation.COMBOS
+        for seed in (0, 1)
+    ]
+    pairs = ablation.slot_pairs(runs)
+    assert len(pairs) == 12
+    sync = [p for p in pairs if p["slot"] == "sync"]
+    assert [(p["off"], p["on"], p["with"]) for p in sync] == [
+        ("R0S0M0", "R0S1M0", "R0M0"),
+        ("R0S0M1", "R0S1M1", "R0M1"),
+        ("R1S0M0", "R1S1M0", "R1M0"),
+        ("R1S0M1", "R1S1M1", "R1M1"),
+    ]
+    assert all(
+        p["gain"] == pytest.approx(1.0) and p["gain_min"] == pytest.approx(0.9) for p in sync
+    )
+    assert all(p["gain"] == pytest.approx(2.0) for p in pairs if p["slot"] == "routing")
+    lines = ablation.pair_lines(pairs)
+    assert lines[0].startswith("routing adds over its vanilla counterpart in 4 of 4 pairs")
+    assert lines[2].startswith("migration adds over its vanilla counterpart in 0 of 4 pairs")
+    # A combination missing a seed pairs only over the seeds both ran.
+    partial = ablation.slot_pairs([r for r in runs if (r["system"], r["seed"]) != ("R1S1M1", 1)])
+    last = [p for p in partial if p["on"] == "R1S1M1"]
+    assert [p["seeds"] for p in last] == [1, 1, 1]
+    assert all(p["gain"] == pytest.approx(p["gain_min"]) for p in last)
 
 
 def test_staleness(tmp_path: Path) -> None:
