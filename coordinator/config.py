@@ -166,6 +166,15 @@ class CoordinatorConfig:
             "only (least-loaded routing keeps caches full); null: Algorithm 4 as written"
         },
     )
+    fresh_admission: bool = field(
+        default=True,
+        metadata={
+            "help": "throughput routing starts new trajectories only on instances at the PS's "
+            "version; an instance behind it resumes partial trajectories and drains "
+            "(coordinator/routing.py); false: the waterfall admits new work at old versions "
+            "too, as in the paper"
+        },
+    )
     improving_moves: bool = field(
         default=True,
         metadata={
@@ -246,7 +255,7 @@ class CoordinatorConfig:
                 f"coordinator.critical_speedup={self.critical_speedup!r} must be > 1 (e.g. "
                 "1.5: move a critical trajectory where its steps are 1.5x faster), or null"
             )
-        for name in ("estimation", "improving_moves"):
+        for name in ("estimation", "fresh_admission", "improving_moves"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
                     f"coordinator.{name}={getattr(self, name)!r} must be true or false"

@@ -82,7 +82,7 @@ def _decide(
     placements: list[Placement] = []
     if strategies.critical is not None:  # the oldest buffer's tail first (critical.py)
         placements = _critical_moves(S, ts, ps_version, strategies, commands)
-    placements += strategies.routing.route(S, ts, sketch)  # lines 13-14
+    placements += strategies.routing.route(S, ts, sketch, ps_version)  # lines 13-14
     commands.extend(_routes(S.ids, placements))
     return commands
 

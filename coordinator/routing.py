@@ -85,9 +85,25 @@ class ThroughputRouting:
       trajectories keep Eq. 3 and mu: a long one brings its whole prefix to re-prefill
       and keeps growing, and routing them by the fill rule too tripled preemptions in the
       simulator (docs/simulator.md).
+    - fresh admission (``fresh``): a new trajectory starts only on an instance at the PS's
+      version. Algorithm 3's waterfall visits the oldest versions first, so a lagging
+      instance takes new work at its old version: the trajectory's data is staler, and
+      its deadline (it must be consumed by buffer ``V_traj + eta``) is nearer although it
+      has only just started. With deferred Pulls a whole fleet can lag for minutes;
+      the simulator measured 100 groups started at version 0 after the PS had moved on,
+      every one of them then in the last version-0 buffer, which waited for them
+      (docs/simulator.md). A lagging instance still resumes partial trajectories
+      (Algorithm 2 as written) and otherwise drains until synchronisation Pulls it.
     """
 
-    def __init__(self, cost: CostModel, mu: float, fill_steps: int | None = None) -> None:
+    def __init__(
+        self,
+        cost: CostModel,
+        mu: float,
+        fill_steps: int | None = None,
+        *,
+        fresh: bool = False,
+    ) -> None:
         if not 0.0 < mu <= 1.0:
             raise ValueError(f"mu must be in (0, 1] (got {mu})")
         if fill_steps is not None and fill_steps < 0:
@@ -95,10 +111,21 @@ class ThroughputRouting:
         self.cost = cost
         self.mu = mu
         self.fill_steps = fill_steps
+        self.fresh = fresh
 
-    def route(self, fleet: Fleet, pool: TrajectoryPool, sketch: AdmissionSketch) -> list[Placement]:
+    def route(
+        self,
+        fleet: Fleet,
+        pool: TrajectoryPool,
+        sketch: AdmissionSketch,
+        ps_version: int | None = None,
+    ) -> list[Placement]:
         """Decide routes; updates ``fleet``'s loads and reserves in ``sketch`` as it goes."""
-        return self.run(fleet, pool.levels(), sketch)
+        return self.run(fleet, pool.levels(), sketch, fresh_from=self.fresh_from(ps_version))
+
+    def fresh_from(self, ps_version: int | None) -> int | None:
+        """The lowest instance version that may start new trajectories (None: any)."""
+        return ps_version if self.fresh else None
 
     def run(
         self,
@@ -106,8 +133,10 @@ class ThroughputRouting:
         levels: list[Level],
         sketch: AdmissionSketch,
         probe: Probe | None = None,
+        fresh_from: int | None = None,
     ) -> list[Placement]:
-        """Algorithm 3 over an already built MLQ; ``probe`` watches every decision."""
+        """Algorithm 3 over an already built MLQ; ``probe`` watches every decision;
+        ``fresh_from``: new trajectories go only to instances of at least this version."""
         mu, ideal_gain = self.mu, self.cost.ideal_gain
         bk = VersionBuckets.of(fleet)
         order, bver = bk.order, bk.versions
@@ -129,7 +158,10 @@ class ThroughputRouting:
             for v_level, trajs in levels:
                 initial = v_level is None
                 # Algorithm 2 for partial trajectories: instances of version >= V_traj.
-                first = 0 if v_level is None else bisect_left(bver, v_level)
+                if v_level is not None:
+                    first = bisect_left(bver, v_level)
+                else:
+                    first = 0 if fresh_from is None else bisect_left(bver, fresh_from)
                 table.fill_for(initial)  # the fill rule admits new trajectories only
                 for batch in batches(trajs, initial):
                     length = batch[0].length

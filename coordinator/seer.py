@@ -44,7 +44,11 @@ class _Routing(Protocol):
     """``coordinator.strategies.RoutingStrategy`` (which imports this module)."""
 
     def route(
-        self, fleet: Fleet, pool: TrajectoryPool, sketch: AdmissionSketch
+        self,
+        fleet: Fleet,
+        pool: TrajectoryPool,
+        sketch: AdmissionSketch,
+        ps_version: int | None = None,
     ) -> list[Placement]: ...
 
 
@@ -180,7 +184,13 @@ class SeerRouting:
         self.inner = inner
         self.context = context
 
-    def route(self, fleet: Fleet, pool: TrajectoryPool, sketch: AdmissionSketch) -> list[Placement]:
+    def route(
+        self,
+        fleet: Fleet,
+        pool: TrajectoryPool,
+        sketch: AdmissionSketch,
+        ps_version: int | None = None,
+    ) -> list[Placement]:
         levels = pool.levels()
         ctx = self.context
         on_instances = [t for pos in range(len(fleet)) for t in fleet.trajectories(pos)]
@@ -197,7 +207,7 @@ class SeerRouting:
                 ordered += initial_order(trajs, ctx)
             else:
                 ordered += seer_order(trajs, ctx)
-        return self.inner.route(fleet, TrajectoryPool(ordered), sketch)
+        return self.inner.route(fleet, TrajectoryPool(ordered), sketch, ps_version)
 
 
 def initial_order(trajs: Sequence[TrajectoryView], context: LengthContext) -> list[TrajectoryView]:

@@ -36,9 +36,16 @@ class MigrationStrategy(Protocol):
 
 
 class RoutingStrategy(Protocol):
-    def route(self, fleet: Fleet, pool: TrajectoryPool, sketch: AdmissionSketch) -> list[Placement]:
+    def route(
+        self,
+        fleet: Fleet,
+        pool: TrajectoryPool,
+        sketch: AdmissionSketch,
+        ps_version: int | None = None,
+    ) -> list[Placement]:
         """Routes for trajectories of ``pool``, each at most once. Updates ``fleet``'s loads
-        and Reserves every initial placement in ``sketch``."""
+        and Reserves every initial placement in ``sketch``. ``ps_version``: the PS's
+        version this cycle (None: unknown; a strategy may ignore it)."""
         ...
 
 
@@ -73,7 +80,9 @@ class Strategies:
 
 def build_strategies(config: CoordinatorConfig) -> Strategies:
     cost = config.cost_model.build()
-    throughput_routing = ThroughputRouting(cost, config.mu, config.fill_steps)
+    throughput_routing = ThroughputRouting(
+        cost, config.mu, config.fill_steps, fresh=config.fresh_admission
+    )
     routing: RoutingStrategy = (
         throughput_routing
         if config.routing == "throughput"

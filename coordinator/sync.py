@@ -63,6 +63,11 @@ class ThroughputSync:
     Algorithm 4 decision interrupting 1,300 version-0 trajectories mid-ramp-up; deferring
     only the instances that ran the oldest trajectories did worse than deferring every
     busy candidate (docs/simulator.md).
+
+    Fresh admission (the routing's ``fresh``): new trajectories start only at the PS's
+    version, so an initial trajectory is no reason to keep a lagging instance at its
+    version; only a partial trajectory it could resume is. The tentative pass routes the
+    same way.
     """
 
     def __init__(
@@ -117,8 +122,10 @@ class ThroughputSync:
         for pos in lagging:
             v = int(fleet.version[pos])
             if v not in routable:  # Algorithm 4 lines 5-9, once per version (Algorithm 2)
-                routable[v] = (bool(partial) and partial[0] <= v) or any(
-                    sketch.verify(v, g) for g in groups
+                # With fresh admission a lagging instance starts nothing new: only a
+                # partial trajectory is a reason to keep its version.
+                routable[v] = (bool(partial) and partial[0] <= v) or (
+                    not self.routing.fresh and any(sketch.verify(v, g) for g in groups)
                 )
             if not routable[v] and (self.max_kv is None or fleet.kv[pos] <= self.max_kv):
                 candidates.append(pos)
@@ -169,7 +176,8 @@ class ThroughputSync:
                 released.add(pos)
             return len(released) == len(queued)
 
-        self.routing.run(after, pool.levels(), sketch.sketch(), probe)
+        fresh = self.routing.fresh_from(ps_version)
+        self.routing.run(after, pool.levels(), sketch.sketch(), probe, fresh)
         return sorted(released)
 
     def _could_win(self, fleet: Fleet, levels: list[Level], candidates: list[int]) -> list[int]:
@@ -208,7 +216,8 @@ class ThroughputSync:
     ) -> list[int]:
         scratch = sketch.sketch()
         probe = _UpgradeProbe(self.routing, fleet, candidates, ps_version, scratch)
-        self.routing.run(fleet.copy(), levels, scratch, probe)
+        fresh = self.routing.fresh_from(ps_version)
+        self.routing.run(fleet.copy(), levels, scratch, probe, fresh)
         return sorted(probe.chosen)
 
 

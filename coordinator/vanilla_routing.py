@@ -41,7 +41,14 @@ class LeastLoadedRouting:
         self.sticky = sticky
         self.home: dict[TrajId, InstanceId] = {}
 
-    def route(self, fleet: Fleet, pool: TrajectoryPool, sketch: AdmissionSketch) -> list[Placement]:
+    def route(
+        self,
+        fleet: Fleet,
+        pool: TrajectoryPool,
+        sketch: AdmissionSketch,
+        ps_version: int | None = None,
+    ) -> list[Placement]:
+        del ps_version  # the vanilla counterpart admits wherever Algorithm 2 allows
         bk = VersionBuckets.of(fleet)
         count = (fleet.n_run + fleet.n_wait).tolist()
         bucket_of = [0] * len(fleet)

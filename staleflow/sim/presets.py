@@ -161,6 +161,7 @@ RULES: dict[str, dict[str, Any]] = {
     "estimation": {"estimation": False},
     "fill": {"fill_steps": None},
     "pull": {"pull_kv": None},
+    "fresh": {"fresh_admission": False},
     "improving": {"improving_moves": False},
     "critical": {"critical_speedup": None},
 }

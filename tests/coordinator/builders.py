@@ -73,6 +73,7 @@ def manager(version: int, eta: int = 1, batch: int = 4, group: int = 1) -> Stale
 PAPER_RULES: dict[str, Any] = {
     "estimation": False,
     "fill_steps": None,
+    "fresh_admission": False,
     "improving_moves": False,
     "critical_speedup": None,
     "pull_kv": None,

@@ -31,6 +31,14 @@ def test_vanilla_counterparts_are_chosen_independently() -> None:
     )
 
 
+def test_fresh_admission_is_wired_into_the_throughput_routing_and_sync() -> None:
+    on = build_strategies(CoordinatorConfig())
+    off = build_strategies(CoordinatorConfig(fresh_admission=False))
+    assert isinstance(on.routing, ThroughputRouting) and on.routing.fresh
+    assert isinstance(off.routing, ThroughputRouting) and not off.routing.fresh
+    assert isinstance(on.sync, ThroughputSync) and on.sync.routing is on.routing
+
+
 def test_cost_model_overrides() -> None:
     model = CostModelConfig(k1=1e-7, kv_budget=500_000).build()
     assert (model.k1, model.kv_budget, model.k2) == (1e-7, 500_000, 1.72e-3)
@@ -46,6 +54,8 @@ def test_cost_model_overrides() -> None:
         ({"phi_wait": 2.5}, "integer"),
         ({"phi_throughput": 0.5}, ">= 1"),
         ({"period_s": 0}, "> 0 seconds"),
+        ({"fresh_admission": "yes"}, "fresh_admission='yes' must be true or false"),
+        ({"estimation": 1}, "must be true or false"),
         ({"cost_model": CostModelConfig(preset="gpt-9")}, "coordinator.profiler"),
         ({"cost_model": CostModelConfig(kv_budget=-1)}, "kv_budget"),
     ],

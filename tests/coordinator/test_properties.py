@@ -38,6 +38,7 @@ ROUTING_NAMES = (*NAMES, "sticky")
 RULES_ON = {
     "estimation": True,
     "fill_steps": 100,
+    "fresh_admission": True,
     "improving_moves": True,
     "critical_speedup": 1.2,
     "pull_kv": 0.25,

@@ -68,6 +68,30 @@ def test_the_fill_rule_prefers_any_instance_with_room_then_gains() -> None:
     assert route(snap, initial(2, 2), fill_steps=100) == [0, 0]
 
 
+def test_fresh_admission_starts_new_work_only_at_the_ps_version() -> None:
+    # Instance 0 lags at version 2 and is empty: the waterfall (oldest version first)
+    # would start the new trajectory there, at version 2.
+    snap = snapshot(instance(0, 2), instance(1, 3, [1_000] * 10))
+    sketch = manager(3, batch=64).sketch  # eta = 1: version 2 is still admissible
+
+    def placed(routing: ThroughputRouting, ts: list[TrajectoryView], ps: int | None) -> list:
+        fleet = Fleet(snap)
+        return [
+            (fleet.ids[p.pos], p.v_traj)
+            for p in routing.route(fleet, TrajectoryPool(ts), sketch(), ps)
+        ]
+
+    paper, fresh = ThroughputRouting(COST, 0.3), ThroughputRouting(COST, 0.3, fresh=True)
+    assert placed(paper, initial(1), 3) == [(0, 2)]
+    assert placed(fresh, initial(1), 3) == [(1, 3)]
+    assert placed(fresh, initial(1), None) == [(0, 2)]  # no PS version given: as the paper
+    # A partial trajectory still resumes on the lagging instance (Algorithm 2).
+    assert placed(fresh, [partial(2)], 3) == [(0, 2)]
+    # With the whole fleet behind the PS nothing new starts until a Pull.
+    snap = snapshot(instance(0, 2), instance(1, 2))
+    assert placed(fresh, initial(1), 3) == []
+
+
 def test_a_slow_instance_gets_less() -> None:
     # Equal loads; instance 1 runs at half speed, so its gain is halved.
     snap = snapshot(instance(0, 3, [1_000] * 10), instance(1, 3, [1_000] * 10))

@@ -98,7 +98,9 @@ def brute_force_algorithm4(
     m: StalenessManager,
     routing: ThroughputRouting = ROUTING,
 ) -> list[int]:
-    """Algorithm 4 as written: one full tentative routing per candidate."""
+    """Algorithm 4 as written: one full tentative routing per candidate. With fresh
+    admission (``routing.fresh``) an initial trajectory is no reason to keep a version,
+    and every routing pass starts new trajectories at the PS's version only."""
     levels = TrajectoryPool(ts).ts_levels()
     out = []
     for pos in range(len(fleet)):
@@ -107,14 +109,14 @@ def brute_force_algorithm4(
             continue
         sketch = m.sketch()
         if any(
-            (t.v_traj is None and sketch.verify(v, t.group_id))
+            (t.v_traj is None and not routing.fresh and sketch.verify(v, t.group_id))
             or (t.v_traj is not None and v >= t.v_traj)
             for t in ts
         ):
             continue
         tentative = fleet.copy()
         tentative.set_version(pos, ps)
-        routed = routing.run(tentative, levels, m.sketch())
+        routed = routing.run(tentative, levels, m.sketch(), fresh_from=routing.fresh_from(ps))
         if any(p.pos == pos for p in routed):
             out.append(fleet.ids[pos])
     return out

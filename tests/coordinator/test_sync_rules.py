@@ -15,10 +15,11 @@ from coordinator.pool import TrajectoryPool
 from coordinator.routing import ThroughputRouting
 from coordinator.sync import ThroughputSync
 from staleness import StalenessManager
-from tests.coordinator.builders import COST, initial, instance, manager, snapshot
+from tests.coordinator.builders import COST, initial, instance, manager, partial, snapshot
 from tests.coordinator.test_sync import brute_force_algorithm4, scenarios
 
 ROUTING = ThroughputRouting(COST, 0.3, fill_steps=200)
+FRESH = ThroughputRouting(COST, 0.3, fill_steps=200, fresh=True)
 
 
 @settings(max_examples=150, deadline=None)
@@ -31,6 +32,30 @@ def test_single_pass_equals_algorithm4_with_fill_and_speeds(
     strategy = ThroughputSync(ROUTING)
     got = [fleet.ids[p] for p in strategy.select(fleet, TrajectoryPool(ts), ps, m.sketch())]
     assert got == brute_force_algorithm4(fleet, list(ts), ps, m, ROUTING)
+
+
+@settings(max_examples=150, deadline=None)
+@given(scenarios(), st.data())
+def test_single_pass_equals_algorithm4_with_fresh_admission(
+    case: tuple[Fleet, list[TrajectoryView], int, StalenessManager], data: st.DataObject
+) -> None:
+    fleet, ts, ps, m = case
+    fleet.speed = np.array([data.draw(st.sampled_from([0.5, 1.0, 1.7])) for _ in fleet.ids])
+    strategy = ThroughputSync(FRESH)
+    got = [fleet.ids[p] for p in strategy.select(fleet, TrajectoryPool(ts), ps, m.sketch())]
+    assert got == brute_force_algorithm4(fleet, list(ts), ps, m, FRESH)
+
+
+def test_with_fresh_admission_only_a_partial_trajectory_keeps_a_version() -> None:
+    # Instance 0 lags at version 2, empty; version 2 still admits the TS's new group.
+    m = manager(3, eta=1)
+    fleet = Fleet(snapshot(instance(0, 2), instance(1, 3, [1_000] * 80)))
+    assert ThroughputSync(ROUTING).select(fleet, TrajectoryPool(initial(1)), 3, m.sketch()) == []
+    fresh = ThroughputSync(FRESH)
+    assert fresh.select(fleet, TrajectoryPool(initial(1)), 3, m.sketch()) == [0]
+    # A partial trajectory it can resume at its version keeps it there.
+    ts = [*initial(1), partial(2, 500)]
+    assert fresh.select(fleet, TrajectoryPool(ts), 3, m.sketch()) == []
 
 
 def test_a_pull_waits_until_the_instance_has_drained() -> None:
