@@ -80,9 +80,10 @@ class Strategies:
 
 def build_strategies(config: CoordinatorConfig) -> Strategies:
     cost = config.cost_model.build()
-    throughput_routing = ThroughputRouting(
-        cost, config.mu, config.fill_steps, fresh=config.fresh_admission
-    )
+    # Fresh admission is a rule of the throughput routing; Algorithm 4's tentative pass
+    # must admit as the real routing does, so behind least-loaded routing it is off.
+    fresh = config.fresh_admission and config.routing == "throughput"
+    throughput_routing = ThroughputRouting(cost, config.mu, config.fill_steps, fresh=fresh)
     routing: RoutingStrategy = (
         throughput_routing
         if config.routing == "throughput"

@@ -37,6 +37,11 @@ def test_fresh_admission_is_wired_into_the_throughput_routing_and_sync() -> None
     assert isinstance(on.routing, ThroughputRouting) and on.routing.fresh
     assert isinstance(off.routing, ThroughputRouting) and not off.routing.fresh
     assert isinstance(on.sync, ThroughputSync) and on.sync.routing is on.routing
+    # Behind least-loaded routing, which starts new work at any version, Algorithm 4's
+    # tentative pass must not assume fresh admission.
+    for routing in ("vanilla", "sticky"):
+        sync = build_strategies(CoordinatorConfig(routing=routing)).sync
+        assert isinstance(sync, ThroughputSync) and not sync.routing.fresh
 
 
 def test_cost_model_overrides() -> None:
