@@ -181,6 +181,7 @@ def slot_pairs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     the seeds both ran of the per-seed throughput ratio (the same workload draws), with
     its lowest seed. What issue #17 asks of the ablation: ``gain > 1`` in every pair."""
     by = {(r["system"], r["seed"]): float(r["tokens_per_s"]) for r in runs}
+    seeds = sorted({seed for _, seed in by})
     out: list[dict[str, Any]] = []
     for slot, at in SLOTS.items():
         for combo in COMBOS:
@@ -189,8 +190,8 @@ def slot_pairs(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
             on = combo[:at] + "1" + combo[at + 1 :]
             ratios = [
                 by[(on, seed)] / by[(combo, seed)]
-                for (name, seed) in by
-                if name == combo and (on, seed) in by and by[(combo, seed)] > 0
+                for seed in seeds
+                if by.get((combo, seed), 0.0) > 0 and (on, seed) in by
             ]
             if ratios:
                 with_ = combo.replace(combo[at - 1 : at + 1], "")
