@@ -192,6 +192,17 @@ class CoordinatorConfig:
         },
     )
 
+    critical_tail: int = field(
+        default=8,
+        metadata={
+            "help": "the oldest version's trajectories in flight are the trainer's critical "
+            "path once at most this many per instance remain: the critical-path rule may "
+            "move them, and the throughput synchronisation does not Pull an instance "
+            "running one while its Pulls are deferred (pull_kv) (coordinator/critical.py, "
+            "sync.py); 1: one per instance, the rule's first version"
+        },
+    )
+
     seer: SeerConfig = field(default_factory=SeerConfig)
     race: RaceConfig = field(default_factory=RaceConfig)
 
@@ -254,6 +265,15 @@ class CoordinatorConfig:
             raise ConfigError(
                 f"coordinator.critical_speedup={self.critical_speedup!r} must be > 1 (e.g. "
                 "1.5: move a critical trajectory where its steps are 1.5x faster), or null"
+            )
+        if (
+            isinstance(self.critical_tail, bool)
+            or not isinstance(self.critical_tail, int)
+            or self.critical_tail < 1
+        ):
+            raise ConfigError(
+                f"coordinator.critical_tail={self.critical_tail!r} must be an integer >= 1 "
+                "(trajectories of the oldest version per instance, e.g. 8)"
             )
         for name in ("estimation", "fresh_admission", "improving_moves"):
             if not isinstance(getattr(self, name), bool):

@@ -12,8 +12,9 @@ latency (Eq. 11), on a slow instance more. Neither throughput routing nor Algori
 looks at this: they maximise the fleet's instantaneous throughput.
 
 What. Each cycle the rule looks at the trajectories on instances (running or queued) whose
-``V_traj`` is the oldest in flight (on an instance or waiting in the TS). Once they are few enough to be
-the tail of their buffer (at most one per instance), each one whose instance's estimated
+``V_traj`` is the oldest in flight (on an instance or waiting in the TS). Once they are few
+enough to be the tail of their buffers (at most ``tail`` per instance), each one whose
+instance's estimated
 step latency is at least ``speedup`` times the latency it would have on the best other
 instance (including the trajectory itself, with the instance's estimated speed), or that
 is queued where it is, is
@@ -25,6 +26,16 @@ generated tokens since, the rule Algorithm 5 already follows.
 
 The coordinator never knows how many tokens a trajectory still has to go; the rule uses
 only the fact that the oldest trajectories are the ones the trainer waits for.
+
+Why ``tail`` trajectories per instance, and not one (the first version of this rule). In
+the warm-up every buffer up to ``eta`` holds version-0 groups, and the longest of them
+(cap-length on a heavy tail) decide when buffer ``eta`` is Ready. With one per instance
+the rule woke when the trainer already waited: on `heavy-tail` (η = 3, 64 instances) the
+last version-0 trajectories then ran in batches of 60-100 that the PS's newer groups had
+refilled, and step 4 waited 307 s. Eight per instance moves them while they can still
+catch up (docs/simulator.md, "The critical tail"). ``oldest_tail`` is shared with the
+synchronisation, which does not Pull an instance running one (sync.py), and with the
+tail race (race.py, one per instance).
 """
 
 from __future__ import annotations
@@ -35,7 +46,6 @@ import numpy as np
 
 from coordinator.cost_model import CostModel
 from coordinator.fleet import Fleet
-from coordinator.gains import spare
 from coordinator.pool import TrajectoryPool
 from coordinator.types import TrajectoryView
 from staleness.types import TrajId
@@ -46,14 +56,19 @@ Move = tuple[int, TrajectoryView, int]  # (from position, trajectory, to positio
 class CriticalPath:
     """Chooses critical trajectories to move and where (module docstring)."""
 
-    def __init__(self, cost: CostModel, *, speedup: float = 1.5, fill_steps: int = 0) -> None:
+    def __init__(
+        self, cost: CostModel, *, speedup: float = 1.5, fill_steps: int = 0, tail: int = 1
+    ) -> None:
         if not speedup > 1.0:
             raise ValueError(f"speedup must be > 1 (got {speedup})")
         if fill_steps < 0:
             raise ValueError(f"fill_steps must be >= 0 (got {fill_steps})")
+        if tail < 1:
+            raise ValueError(f"tail must be >= 1 trajectory per instance (got {tail})")
         self.cost = cost
         self.speedup = speedup
         self.fill_steps = fill_steps  # headroom a destination keeps (gains.spare)
+        self.tail = tail
         self._moved_at: dict[TrajId, int] = {}
 
     def select(
@@ -66,7 +81,7 @@ class CriticalPath:
         one qualifies: nothing new is admissible at their version, so they drain, and a
         trajectory moved there stays in a light batch; an up-to-date instance is refilled
         by routing in the same cycle."""
-        oldest, on = _oldest_on_instances(fleet, pool)
+        oldest, on = oldest_tail(fleet, pool, self.tail)
         if not on:
             return []
         c = self.cost
@@ -74,43 +89,62 @@ class CriticalPath:
         queued = {t.traj_id for pos, t in on if t in fleet.wait[pos]}
         n, kv = fleet.n_run.copy(), fleet.kv.copy()
         open_ = (fleet.n_wait == 0) & (fleet.version >= oldest)
+        if not open_.any():
+            return []
         draining = fleet.version < ps_version if ps_version is not None else None
+        # With a trajectory of length L, a destination's step latency is a + b * L and it
+        # has room when ``room >= k5 * L`` (the fill rule's test, gains.spare); a move
+        # updates its own entries only. Both a and b only grow as moves load a destination,
+        # so min(a) + min(b) * L bounds every later choice from below: a running trajectory
+        # whose instance is not ``speedup`` times slower than that can never move, and is
+        # skipped without touching the arrays. With ``tail`` per instance the tail holds
+        # thousands at 1,024 instances, and this loop runs every cycle.
+        speed = fleet.speed
+        a = (c.k1 * kv + np.maximum(c.k2, c.k3 * (n + 1.0)) + c.k4) * speed
+        b = c.k1 * c.k5 * speed
+        room = c.kv_budget - kv - c.k5 * (n + 1.0) * self.fill_steps
+        a_min, b_min = float(a[open_].min()), float(b[open_].min())
         out: list[Move] = []
         # Longest first: the longest have generated most and, in a heavy tail, have the
         # most still to generate.
         for pos, t in sorted(on, key=lambda pt: (-pt[1].length, pt[1].traj_id)):
+            stays = t.traj_id not in queued  # a queued one makes no progress where it is
+            if stays and lat[pos] < self.speedup * (a_min + b_min * t.length):
+                continue
             if self._moved_at.get(t.traj_id, -1) >= t.length:
                 continue
-            ok = open_ & spare(c, n, kv, t.length, self.fill_steps)
-            ok[pos] = False
-            if not ok.any():
-                break
-            if draining is not None and (ok & draining).any():
-                ok &= draining
-            after = c.k1 * (kv + c.k5 * t.length) + np.maximum(c.k2, c.k3 * (n + 1.0)) + c.k4
-            after *= fleet.speed
-            candidates = np.flatnonzero(ok)
-            best = int(candidates[after[candidates].argmin()])
-            # A queued one makes no progress where it is: any open destination is better.
-            if t.traj_id not in queued and lat[pos] < self.speedup * after[best]:
+            was_open, open_[pos] = open_[pos], False
+            ok = open_ & (room >= c.k5 * t.length)
+            open_[pos] = was_open
+            if draining is not None:
+                preferred = ok & draining
+                if preferred.any():
+                    ok = preferred
+            after = np.where(ok, a + b * t.length, np.inf)
+            best = int(after.argmin())
+            if not ok[best]:
+                continue  # no room for this one: a shorter one may still fit
+            if stays and lat[pos] < self.speedup * after[best]:
                 continue
             out.append((pos, t, best))
             self._moved_at[t.traj_id] = t.length
             n[best] += 1.0
             kv[best] += c.k5 * t.length
+            a[best] = (c.k1 * kv[best] + max(c.k2, c.k3 * (n[best] + 1.0)) + c.k4) * speed[best]
+            room[best] = c.kv_budget - kv[best] - c.k5 * (n[best] + 1.0) * self.fill_steps
         if len(self._moved_at) > 1 << 16:  # forget trajectories long gone
             self._moved_at.clear()
         return out
 
 
-def _oldest_on_instances(
-    fleet: Fleet, pool: TrajectoryPool
+def oldest_tail(
+    fleet: Fleet, pool: TrajectoryPool, per_instance: int = 1
 ) -> tuple[int, list[tuple[int, TrajectoryView]]]:
     """The lowest ``V_traj`` in flight (on an instance or partial in the TS) and the
     trajectories of that version on instances, with their positions, when they are the
-    tail of their version (at most one per instance, counting those in the TS); none
-    otherwise. ``map`` over an attribute getter keeps the per-trajectory work in C: this
-    runs every cycle over every trajectory in flight."""
+    tail of their version (at most ``per_instance`` per instance, counting those in the
+    TS); none otherwise. ``map`` over an attribute getter keeps the per-trajectory work in
+    C: this runs every cycle over every trajectory in flight."""
     partial = [v for v, _ in pool.levels() if v is not None]
     oldest = min(partial) if partial else None
     versions: list[list[int]] = []
@@ -126,8 +160,8 @@ def _oldest_on_instances(
         return 0, []
     count = sum(vs.count(oldest) for vs in versions)
     count += sum(len(ts) for v, ts in pool.levels() if v == oldest)
-    if count > len(fleet):
-        return oldest, []  # not the tail yet: moving hundreds would cost more than it saves
+    if count > per_instance * len(fleet):
+        return oldest, []  # not the tail yet: moving thousands would cost more than it saves
     on = []
     for pos, vs in enumerate(versions):
         if oldest in vs:

@@ -15,7 +15,7 @@ engines sample with a per-trajectory seed, so the continuation is identical and 
 time it takes differs. A copy on another version would be a different sample.
 
 What. After routing, while the oldest ``V_traj`` in flight is the tail of its buffer
-(``critical._oldest_on_instances``: at most as many trajectories as instances), each
+(``critical.oldest_tail``: at most as many trajectories as instances), each
 running trajectory of that version is a candidate, holders of largest estimated step
 latency first (the most to gain). Its destination is an instance with nothing running or
 queued, the holder's version, KV to spare for the prefix (``gains.spare``) and not already
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coordinator.cost_model import CostModel
-from coordinator.critical import _oldest_on_instances
+from coordinator.critical import oldest_tail
 from coordinator.fleet import Fleet
 from coordinator.gains import spare
 from coordinator.pool import TrajectoryPool
@@ -74,7 +74,7 @@ class TailRace:
         running per trajectory; ``hosting``: instances running a copy, which a snapshot
         need not show (a copy is no trajectory of its destination). Pure."""
         racing = racing or {}
-        _, on = _oldest_on_instances(fleet, pool)
+        _, on = oldest_tail(fleet, pool)
         if not on:
             return []
         c = self.cost

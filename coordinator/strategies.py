@@ -103,7 +103,9 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
         # full and a deferred Pull comes late or never (R0S1M1 made 0.86x R0S0M0 with it,
         # 1.03x without: docs/simulator.md, Ablation).
         pull_kv = config.pull_kv if config.routing == "throughput" else None
-        sync = ThroughputSync(throughput_routing, release, pull_kv)
+        # Holding the instances that run the critical tail is a deferred Pull too.
+        held_tail = config.critical_tail if pull_kv is not None else None
+        sync = ThroughputSync(throughput_routing, release, pull_kv, held_tail)
     elif config.synchronization == "drain":
         drain = DrainGlobalSync()  # it also holds routing until the fleet has drained
         sync, hold = drain, drain
@@ -125,7 +127,12 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
     estimator = SpeedEstimator(cost) if config.estimation and uses_speed else None
     # The critical-path rule moves trajectories: part of the throughput migration slot.
     critical = (
-        CriticalPath(cost, speedup=config.critical_speedup, fill_steps=config.fill_steps or 0)
+        CriticalPath(
+            cost,
+            speedup=config.critical_speedup,
+            fill_steps=config.fill_steps or 0,
+            tail=config.critical_tail,
+        )
         if config.critical_speedup is not None and config.migration == "throughput"
         else None
     )

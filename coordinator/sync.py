@@ -6,6 +6,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from coordinator.critical import oldest_tail
 from coordinator.fleet import Fleet
 from coordinator.gains import routing_gains
 from coordinator.pool import Level, TrajectoryPool
@@ -64,6 +65,16 @@ class ThroughputSync:
     only the instances that ran the oldest trajectories did worse than deferring every
     busy candidate (docs/simulator.md).
 
+    Critical holds (beyond Algorithm 4, only with ``hold_tail`` set, which
+    ``build_strategies`` sets with ``pull_kv``). Once the oldest version in flight is the
+    tail of its buffers (``critical.oldest_tail``, at most ``hold_tail`` per instance), an
+    instance running one of those trajectories is not Pulled: those are what the trainer
+    waits for, and a lagging instance is where they run fastest. It admits nothing new (fresh
+    admission), so its batch only shrinks, while a Pull would re-prefill them elsewhere, in
+    a batch that routing then refills with the PS's newest groups. In the simulator the
+    last version-0 trajectories of `heavy-tail`'s warm-up ran in batches of 60-100 that way
+    (docs/simulator.md, "The critical tail").
+
     Fresh admission (the routing's ``fresh``): new trajectories start only at the PS's
     version, so an initial trajectory is no reason to keep a lagging instance at its
     version; only a partial trajectory it could resume is. The tentative pass routes the
@@ -75,6 +86,7 @@ class ThroughputSync:
         routing: ThroughputRouting,
         phi_wait: int | None = None,
         pull_kv: float | None = None,
+        hold_tail: int | None = None,
     ) -> None:
         if phi_wait is not None and phi_wait < 0:
             raise ValueError(f"phi_wait must be >= 0 or None (got {phi_wait})")
@@ -87,6 +99,9 @@ class ThroughputSync:
         # Deferred Pulls (pull_kv): a candidate is Pulled only once the KV of what it runs
         # is at most this share of the budget. None: Algorithm 4 as written.
         self.max_kv = None if pull_kv is None else pull_kv * routing.cost.kv_budget
+        if hold_tail is not None and hold_tail < 1:
+            raise ValueError(f"hold_tail must be >= 1 trajectory per instance (got {hold_tail})")
+        self.hold_tail = hold_tail  # None: no critical holds
 
     def select(
         self, fleet: Fleet, pool: TrajectoryPool, ps_version: int, sketch: AdmissionSketch
@@ -95,7 +110,10 @@ class ThroughputSync:
         if not lagging:
             return []
         levels = pool.ts_levels()
-        chosen = self._algorithm4(fleet, levels, lagging, ps_version, sketch)
+        # Algorithm 4 keeps these; the queue release below may still Pull one.
+        held = _running_tail(fleet, pool, self.hold_tail) if self.hold_tail else set()
+        candidates = [p for p in lagging if p not in held]
+        chosen = self._algorithm4(fleet, levels, candidates, ps_version, sketch)
         if self.phi_wait is None:
             return chosen
         taken = set(chosen)
@@ -219,6 +237,13 @@ class ThroughputSync:
         fresh = self.routing.fresh_from(ps_version)
         self.routing.run(fleet.copy(), levels, scratch, probe, fresh)
         return sorted(probe.chosen)
+
+
+def _running_tail(fleet: Fleet, pool: TrajectoryPool, per_instance: int) -> set[int]:
+    """Positions running a trajectory of the oldest version's tail (a queued one makes no
+    progress where it is: no reason to keep its instance's version)."""
+    _, on = oldest_tail(fleet, pool, per_instance)
+    return {pos for pos, t in on if t in fleet.run[pos]}
 
 
 class _UpgradeProbe:

@@ -61,6 +61,8 @@ def test_cost_model_overrides() -> None:
         ({"period_s": 0}, "> 0 seconds"),
         ({"fresh_admission": "yes"}, "fresh_admission='yes' must be true or false"),
         ({"estimation": 1}, "must be true or false"),
+        ({"critical_tail": 0}, "critical_tail=0 must be an integer >= 1"),
+        ({"critical_tail": True}, "critical_tail=True must be an integer >= 1"),
         ({"cost_model": CostModelConfig(preset="gpt-9")}, "coordinator.profiler"),
         ({"cost_model": CostModelConfig(kv_budget=-1)}, "kv_budget"),
     ],

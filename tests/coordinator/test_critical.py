@@ -6,6 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from coordinator import InstanceSnapshot, Interrupt, Route, TrajRecord, plan_cycle
 from coordinator.critical import CriticalPath
@@ -64,6 +67,16 @@ def test_nothing_moves_before_the_tail() -> None:
     assert moves(fleet, [partial(OLD), partial(OLD)]) == []
 
 
+def test_a_wider_tail_wakes_the_rule_earlier() -> None:
+    # 3 instances, 4 trajectories of the oldest version: the tail at two per instance
+    fleet = Fleet(snapshot(mixed(0, 2, [1_000] * 4, 60), instance(1, 2), instance(2, 2)))
+    assert moves(fleet) == []
+    wide = CriticalPath(COST, speedup=1.5, fill_steps=0, tail=2)
+    assert len(moves(fleet, rule=wide)) == 4
+    with pytest.raises(ValueError, match="tail"):
+        CriticalPath(COST, tail=0)
+
+
 def test_not_worth_it_below_the_speedup() -> None:
     # instance 0 runs 2 trajectories: moving one to an idle instance barely helps
     assert moves(Fleet(snapshot(mixed(0, 2, [1_000], 1), instance(1, 2)))) == []
@@ -120,3 +133,59 @@ def test_the_cycle_interrupts_and_routes_the_move() -> None:
 
 def test_records_are_plain_views() -> None:
     assert isinstance(running([1], OLD)[0], TrajRecord)
+
+
+def _unfiltered(rule: CriticalPath, fleet: Fleet, pool: TrajectoryPool) -> list:
+    """The rule's loop without its lower-bound skip: every tail trajectory is tried."""
+    from coordinator.critical import oldest_tail
+    from coordinator.gains import spare
+
+    oldest, on = oldest_tail(fleet, pool, rule.tail)
+    c, out = rule.cost, []
+    lat = fleet.latencies(c)
+    n, kv = fleet.n_run.copy(), fleet.kv.copy()
+    open_ = (fleet.n_wait == 0) & (fleet.version >= oldest)
+    for pos, t in sorted(on, key=lambda pt: (-pt[1].length, pt[1].traj_id)):
+        ok = open_ & spare(c, n, kv, t.length, rule.fill_steps)
+        ok[pos] = False
+        if not ok.any():
+            continue
+        after = c.k1 * (kv + c.k5 * t.length) + np.maximum(c.k2, c.k3 * (n + 1.0)) + c.k4
+        after *= fleet.speed
+        best = int(np.flatnonzero(ok)[after[ok].argmin()])
+        if t not in fleet.wait[pos] and lat[pos] < rule.speedup * after[best]:
+            continue
+        out.append((fleet.ids[pos], t.traj_id, fleet.ids[best]))
+        n[best] += 1.0
+        kv[best] += c.k5 * t.length
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    loads=st.lists(
+        st.tuples(
+            st.lists(st.integers(100, 30_000), max_size=4),  # oldest-version lengths
+            st.integers(0, 90),  # newer trajectories running
+            st.integers(0, 2),  # queued oldest ones
+            st.floats(0.5, 2.0),  # speed factor
+        ),
+        min_size=2,
+        max_size=6,
+    ),
+    tail=st.integers(1, 4),
+    fill=st.sampled_from([0, 200]),
+)
+def test_the_lower_bound_skips_only_trajectories_that_cannot_move(
+    loads: list[tuple[list[int], int, int, float]], tail: int, fill: int
+) -> None:
+    """The rule skips a running trajectory whose instance is not ``speedup`` times slower
+    than a bound on every destination; it must decide exactly as trying every one."""
+    insts = [
+        mixed(i, 2, crit, others, queued=[500] * q) for i, (crit, others, q, _) in enumerate(loads)
+    ]
+    fleet = Fleet(snapshot(*insts))
+    fleet.speed = np.array([speed for *_, speed in loads])
+    rule = CriticalPath(COST, speedup=1.5, fill_steps=fill, tail=tail)
+    want = _unfiltered(rule, fleet, TrajectoryPool([]))
+    assert moves(fleet, rule=rule) == want

@@ -69,6 +69,41 @@ def test_a_pull_waits_until_the_instance_has_drained() -> None:
         assert deferred.select(fleet, TrajectoryPool(ts), 3, m.sketch()) == ([0] if pulled else [])
 
 
+def test_an_instance_running_the_critical_tail_keeps_its_version() -> None:
+    """The oldest version's last trajectories run fastest where nothing new joins them."""
+    m = manager(3, eta=1)  # version 1 admits nothing any more
+    ts = initial(1, 4)
+    newer = instance(1, 3, [1_000] * 80)
+    deferred = ThroughputSync(ROUTING, pull_kv=0.25)
+    held = ThroughputSync(ROUTING, pull_kv=0.25, hold_tail=1)
+    # Instance 0 lags and runs two trajectories of V_traj 1, the oldest in flight: with
+    # two instances, the tail at one per instance.
+    tail = Fleet(snapshot(instance(0, 1, [1_000] * 2, v_traj=1), newer))
+    assert deferred.select(tail, TrajectoryPool(ts), 3, m.sketch()) == [0]
+    assert held.select(tail, TrajectoryPool(ts), 3, m.sketch()) == []
+    # Three are not the tail yet, unless the tail is wider.
+    three = Fleet(snapshot(instance(0, 1, [1_000] * 3, v_traj=1), newer))
+    assert held.select(three, TrajectoryPool(ts), 3, m.sketch()) == [0]
+    wide = ThroughputSync(ROUTING, pull_kv=0.25, hold_tail=2)
+    assert wide.select(three, TrajectoryPool(ts), 3, m.sketch()) == []
+    # The oldest trajectory runs elsewhere (V_traj 0 on instance 2): instance 0 is Pulled.
+    other = Fleet(
+        snapshot(instance(0, 1, [1_000], v_traj=1), newer, instance(2, 3, [1_000], v_traj=0))
+    )
+    assert held.select(other, TrajectoryPool(ts), 3, m.sketch()) == [0]
+
+
+def test_critical_holds_come_with_deferred_pulls_and_share_the_tail() -> None:
+    s = build_strategies(CoordinatorConfig(critical_tail=5))
+    assert isinstance(s.sync, ThroughputSync) and s.sync.hold_tail == 5
+    assert s.critical is not None and s.critical.tail == 5
+    for overrides in ({"pull_kv": None}, {"routing": "vanilla"}):
+        sync = build_strategies(CoordinatorConfig(**overrides)).sync  # type: ignore[arg-type]
+        assert isinstance(sync, ThroughputSync) and sync.hold_tail is None
+    with pytest.raises(ValueError, match="hold_tail"):
+        ThroughputSync(ROUTING, hold_tail=0)
+
+
 def test_pull_kv_is_validated() -> None:
     with pytest.raises(ValueError, match="pull_kv"):
         ThroughputSync(ROUTING, pull_kv=1.5)
