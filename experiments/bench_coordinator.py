@@ -51,7 +51,10 @@ class Scene:
 
 
 def build_scene(instances: int, ts_trajs: int, scenario: str, seed: int) -> Scene:
-    """``steady``: mid-run load; ``cold``: idle instances and a TS of initial trajectories.
+    """``steady``: mid-run load; ``cold``: idle instances and a TS of initial trajectories;
+    ``tail``: the steady load with the oldest version down to about 6 trajectories per
+    instance, inside the critical tail (``coordinator.critical_tail``, 8), where the
+    critical-path rule and the synchronisation's holds weigh every one of them.
 
     Steady state, as in §6.5: in-flight groups fill 95% of the manager's capacity (so the
     oldest versions admit no new group); members run on instances no older than their
@@ -64,7 +67,9 @@ def build_scene(instances: int, ts_trajs: int, scenario: str, seed: int) -> Scen
     batch = 128 * max(1, instances // 128)  # groups per step, scaled with the cluster
     m = StalenessManager(StalenessConfig(eta=ETA, batch_size=batch, group_size=GROUP), VERSION)
     ages = [VERSION, VERSION - 1, VERSION - 2, VERSION - 3]
-    steady = scenario == "steady"
+    steady = scenario != "cold"
+    # Group versions, oldest last; "tail" leaves the oldest version a few per instance.
+    p_version = [0.3, 0.3, 0.3, 0.1] if scenario == "tail" else [0.1, 0.2, 0.3, 0.4]
     versions = rng.choice(ages, instances, p=[0.6, 0.25, 0.1, 0.05]) if steady else None
     if versions is None:
         versions = np.full(instances, VERSION)
@@ -76,7 +81,7 @@ def build_scene(instances: int, ts_trajs: int, scenario: str, seed: int) -> Scen
     partial: list[TrajRecord] = []
     next_traj = next_group = 0
     for _ in range(int(0.95 * batch * (ETA + 1)) if steady else 0):
-        v = int(rng.choice(ages, p=[0.1, 0.2, 0.3, 0.4]))
+        v = int(rng.choice(ages, p=p_version))
         hosts = [i for i in np.flatnonzero(versions >= v).tolist() if i not in drained]
         if not m.verify(v) or not hosts:
             continue
@@ -187,7 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         "128:2048, 100 ms at 1024:8192)",
     )
     parser.add_argument(
-        "--scenarios", nargs="+", default=["steady", "cold"], choices=["steady", "cold"]
+        "--scenarios",
+        nargs="+",
+        default=["steady", "cold", "tail"],
+        choices=["steady", "cold", "tail"],
     )
     parser.add_argument(
         "--strategies",

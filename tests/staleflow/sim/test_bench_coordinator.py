@@ -1,0 +1,51 @@
+"""experiments/bench_coordinator.py: its scenes are what they claim, and it writes its
+figures."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from coordinator import CoordinatorConfig, build_strategies
+from coordinator.fleet import Fleet
+from coordinator.pool import TrajectoryPool
+
+BENCH = Path(__file__).resolve().parents[3] / "experiments" / "bench_coordinator.py"
+
+
+def _bench() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_coordinator", BENCH)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def _oldest_per_instance(bench: ModuleType, scene: Any) -> float:
+    oldest = bench.VERSION - bench.ETA
+    on = [t for s in scene.snapshot.instances for t in s.run_trajs + s.wait_trajs]
+    count = sum(t.v_traj == oldest for t in on) + sum(t.v_traj == oldest for t in scene.ts)
+    return count / len(scene.snapshot.instances)
+
+
+def test_the_tail_scene_is_inside_the_critical_tail_and_the_rule_acts_there(
+    tmp_path: Path,
+) -> None:
+    bench = _bench()
+    tail, steady = (bench.build_scene(128, 1024, s, 0) for s in ("tail", "steady"))
+    limit = CoordinatorConfig().critical_tail
+    assert _oldest_per_instance(bench, tail) <= limit < _oldest_per_instance(bench, steady)
+    rule = build_strategies(CoordinatorConfig()).critical
+    assert rule is not None
+    fleet = Fleet(tail.snapshot)
+    assert rule.select(fleet, TrajectoryPool(tail.ts), bench.VERSION)  # it moves some
+    out = tmp_path / "bench.json"
+    args = ["--sizes", "128:1024", "--scenarios", "tail", "--repeats", "3", "--json", str(out)]
+    assert bench.main(args) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["scenario"] == "tail" and row["median_cpu_ms"] > 0
