@@ -14,15 +14,14 @@ looks at this: they maximise the fleet's instantaneous throughput.
 What. Each cycle the rule looks at the trajectories on instances (running or queued) whose
 ``V_traj`` is the oldest in flight (on an instance or waiting in the TS). Once they are few
 enough to be the tail of their buffers (at most ``tail`` per instance), each one whose
-instance's estimated
-step latency is at least ``speedup`` times the latency it would have on the best other
-instance (including the trajectory itself, with the instance's estimated speed), or that
-is queued where it is, is
-interrupted and routed, in the same cycle, to the instance of least step latency with it,
-instead of being left to the throughput routing. A destination must have KV to spare
-with it (the fill rule's test, ``gains.spare``) (a move that gets the trajectory preempted helps
-nothing) and have no queue. A trajectory moved once is not moved again until it has
-generated tokens since, the rule Algorithm 5 already follows.
+instance's estimated step latency is at least ``speedup`` times the latency it would have
+on the best other instance (including the trajectory itself, with the instance's
+estimated speed), or that is queued where it is, is interrupted and routed, in the same
+cycle, to the instance of least step latency with it, instead of being left to the
+throughput routing. A destination must have KV to spare with it (the fill rule's test,
+``gains.spare``: a move that gets the trajectory preempted helps nothing) and have no
+queue. A trajectory moved once is not moved again until it has generated tokens since,
+the rule Algorithm 5 already follows.
 
 The coordinator never knows how many tokens a trajectory still has to go; the rule uses
 only the fact that the oldest trajectories are the ones the trainer waits for.

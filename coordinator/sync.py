@@ -243,7 +243,7 @@ def _running_tail(fleet: Fleet, pool: TrajectoryPool, per_instance: int) -> set[
     """Positions running a trajectory of the oldest version's tail (a queued one makes no
     progress where it is: no reason to keep its instance's version)."""
     _, on = oldest_tail(fleet, pool, per_instance)
-    return {pos for pos, t in on if t in fleet.run[pos]}
+    return {pos for pos, t in on if t not in fleet.wait[pos]}  # queues are short; runs not
 
 
 class _UpgradeProbe:
