@@ -106,7 +106,11 @@ class CriticalPath:
         out: list[Move] = []
         # Longest first: the longest have generated most and, in a heavy tail, have the
         # most still to generate.
-        for pos, t in sorted(on, key=lambda pt: (-pt[1].length, pt[1].traj_id)):
+        # (Two stable sorts on scalar keys: a tuple key per trajectory allocates enough
+        # to set off the garbage collector's full pass at 1,024 instances.)
+        on.sort(key=_TRAJ_ID)
+        on.sort(key=_LENGTH, reverse=True)
+        for pos, t in on:
             stays = t.traj_id not in queued  # a queued one makes no progress where it is
             if stays and lat[pos] < self.speedup * (a_min + b_min * t.length):
                 continue
@@ -157,15 +161,26 @@ def oldest_tail(
                 oldest = low
     if oldest is None:
         return 0, []
-    count = sum(vs.count(oldest) for vs in versions)
-    count += sum(len(ts) for v, ts in pool.levels() if v == oldest)
+    counts = [vs.count(oldest) for vs in versions]
+    count = sum(counts) + sum(len(ts) for v, ts in pool.levels() if v == oldest)
     if count > per_instance * len(fleet):
         return oldest, []  # not the tail yet: moving thousands would cost more than it saves
     on = []
-    for pos, vs in enumerate(versions):
-        if oldest in vs:
-            on.extend((pos, t) for t in fleet.trajectories(pos) if t.v_traj == oldest)
+    for pos, k in enumerate(counts):
+        if k:  # find its k with list.index (in C), not a Python pass over the batch
+            vs, trajs, i = versions[pos], fleet.trajectories(pos), -1
+            for _ in range(k):
+                i = vs.index(oldest, i + 1)
+                on.append((pos, trajs[i]))
     return oldest, on
 
 
 _V_TRAJ = attrgetter("v_traj")
+
+
+def _TRAJ_ID(pt: tuple[int, TrajectoryView]) -> int:
+    return pt[1].traj_id
+
+
+def _LENGTH(pt: tuple[int, TrajectoryView]) -> int:
+    return pt[1].length
