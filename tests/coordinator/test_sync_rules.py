@@ -86,6 +86,12 @@ def test_an_instance_running_the_critical_tail_keeps_its_version() -> None:
     assert held.select(three, TrajectoryPool(ts), 3, m.sketch()) == [0]
     wide = ThroughputSync(ROUTING, pull_kv=0.25, hold_tail=2)
     assert wide.select(three, TrajectoryPool(ts), 3, m.sketch()) == []
+    # One version behind the PS the hold would starve the next buffer: no hold. (Fresh
+    # admission: a new group is no reason to keep the version either.)
+    fresh_held = ThroughputSync(FRESH, pull_kv=0.25, hold_tail=1)
+    for v_traj, pulled in ((2, [0]), (1, [])):
+        fleet = Fleet(snapshot(instance(0, 2, [1_000] * 2, v_traj=v_traj), newer))
+        assert fresh_held.select(fleet, TrajectoryPool(ts), 3, m.sketch()) == pulled
     # The oldest trajectory runs elsewhere (V_traj 0 on instance 2): instance 0 is Pulled.
     other = Fleet(
         snapshot(instance(0, 1, [1_000], v_traj=1), newer, instance(2, 3, [1_000], v_traj=0))
