@@ -162,8 +162,10 @@ class CoordinatorConfig:
         metadata={
             "help": "throughput synchronisation Pulls a lagging instance only once the KV "
             "cache of what it runs is at most this share of the budget: a Pull interrupts "
-            "and re-prefills all of it (coordinator/sync.py); with the throughput routing "
-            "only (least-loaded routing keeps caches full); null: Algorithm 4 as written"
+            "and re-prefills all of it; only while the fleet is loaded (a mean batch of at "
+            "least k2/k3 or a mean KV of at least this share; coordinator/sync.py); with the "
+            "throughput routing only (least-loaded routing keeps caches full); null: "
+            "Algorithm 4 as written"
         },
     )
     fresh_admission: bool = field(

@@ -41,6 +41,11 @@ class CostModel:
         if not self.kv_budget > 0.0:
             raise ValueError(f"cost model kv_budget must be > 0 tokens (got {self.kv_budget})")
 
+    @property
+    def knee(self) -> float:
+        """``k2 / k3``: the running count above which a step turns compute-bound."""
+        return self.k2 / self.k3 if self.k3 > 0.0 else float("inf")
+
     def step_latency(self, n: float, kv: float) -> float:
         """Eq. 11: seconds per decode step."""
         return self.k1 * kv + max(self.k2, self.k3 * n) + self.k4

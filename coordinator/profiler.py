@@ -91,7 +91,7 @@ def fit_cost_model(
         model=model,
         mean_relative_error=float(rel.mean()),
         max_relative_error=float(rel.max()),
-        knee=k2 / k3 if k3 > 0 else float("inf"),
+        knee=model.knee,
         samples=len(samples),
     )
 

@@ -99,6 +99,38 @@ def test_an_instance_running_the_critical_tail_keeps_its_version() -> None:
     assert held.select(other, TrajectoryPool(ts), 3, m.sketch()) == [0]
 
 
+def test_pulls_are_deferred_only_in_a_loaded_fleet() -> None:
+    """Light on both terms of Eq. 11 (a mean batch below k2 / k3, a mean KV below pull_kv
+    of the budget), a drained instance steps no faster than a refilled one and a Pull's
+    trajectories find light batches: neither the KV deferral nor the hold applies."""
+    m = manager(3, eta=1)  # version 1 admits nothing any more
+    ts = initial(1, 4)
+    deferred = ThroughputSync(ROUTING, pull_kv=0.25)  # 25K of the 100K budget
+    held = ThroughputSync(ROUTING, pull_kv=0.25, hold_tail=1)
+    crossover = COST.k2 / COST.k3  # 13.8 trajectories
+    # Instance 1 is up to date and queued (it wins no routing decision), with `batch`
+    # running trajectories in `kv` tokens; instance 0 lags.
+    for batch, kv, loaded in (
+        (10, 10_000, False),
+        (24, 12_000, False),  # a mean batch of 13
+        (26, 12_000, True),  # 14
+        (2, 60_000, True),  # a mean KV of 45K: few trajectories, long ones
+    ):
+        newer = instance(1, 3, [1_000] * batch, wait=1, kv=kv)
+        # Instance 0 holds 30K of KV, over pull_kv: the KV deferral.
+        heavy = Fleet(snapshot(instance(0, 1, [15_000] * 2), newer))
+        assert deferred.loaded(heavy) == loaded
+        assert (heavy.n_run.mean() >= crossover or heavy.kv.mean() >= 25_000) == loaded
+        want = [] if loaded else [0]
+        assert deferred.select(heavy, TrajectoryPool(ts), 3, m.sketch()) == want
+        # Instance 0 runs the critical tail in 2K of KV: the hold.
+        tail = Fleet(snapshot(instance(0, 1, [1_000] * 2, v_traj=1), newer))
+        assert deferred.select(tail, TrajectoryPool(ts), 3, m.sketch()) == [0]
+        assert held.loaded(tail) == (tail.n_run.mean() >= crossover or tail.kv.mean() >= 25_000)
+        want = [] if held.loaded(tail) else [0]
+        assert held.select(tail, TrajectoryPool(ts), 3, m.sketch()) == want
+
+
 def test_critical_holds_come_with_deferred_pulls_and_share_the_tail() -> None:
     s = build_strategies(CoordinatorConfig(critical_tail=5))
     assert isinstance(s.sync, ThroughputSync) and s.sync.hold_tail == 5
