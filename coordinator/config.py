@@ -177,6 +177,15 @@ class CoordinatorConfig:
             "too, as in the paper"
         },
     )
+    whole_groups: bool = field(
+        default=True,
+        metadata={
+            "help": "throughput routing places every member of a group in the pass that "
+            "starts it, the rest on the best instance with room even below mu, so a group "
+            "starts at one version (coordinator/routing.py); false: a pass may stop inside "
+            "a group, as in the paper"
+        },
+    )
     improving_moves: bool = field(
         default=True,
         metadata={
@@ -277,7 +286,7 @@ class CoordinatorConfig:
                 f"coordinator.critical_tail={self.critical_tail!r} must be an integer >= 1 "
                 "(trajectories of the oldest version per instance, e.g. 8)"
             )
-        for name in ("estimation", "fresh_admission", "improving_moves"):
+        for name in ("estimation", "fresh_admission", "whole_groups", "improving_moves"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
                     f"coordinator.{name}={getattr(self, name)!r} must be true or false"

@@ -27,6 +27,7 @@ from coordinator.gains import GainTable
 from coordinator.pool import Level, TrajectoryPool, batches
 from coordinator.types import TrajectoryView
 from staleness.interface import AdmissionSketch
+from staleness.types import GroupId
 
 
 class Placement(NamedTuple):
@@ -94,6 +95,16 @@ class ThroughputRouting:
       every one of them then in the last version-0 buffer, which waited for them
       (docs/simulator.md). A lagging instance still resumes partial trajectories
       (Algorithm 2 as written) and otherwise drains until synchronisation Pulls it.
+    - whole groups (``whole_groups``): once a pass has placed one member of a group, it
+      places the rest of that group in the same pass, on the best instance with room for
+      it, even below ``mu``'s threshold. Algorithm 3 withholds trajectory by trajectory,
+      so a pass could stop in the middle of a group. The group's version is set by its
+      first members, so the rest it left in the TS had the same deadline but started
+      when a later cycle found room, with fresh admission only after a Pull, at a newer
+      version: a GRPO group of mixed policies, and the last buffer of its version
+      waiting for it. The simulator measured six members of a version-0 group left in
+      the TS at t = 0, started at t = 530 s, gating buffer 3 until 1,167 s on
+      `heavy-tail` (docs/simulator.md).
     """
 
     def __init__(
@@ -103,6 +114,7 @@ class ThroughputRouting:
         fill_steps: int | None = None,
         *,
         fresh: bool = False,
+        whole_groups: bool = False,
     ) -> None:
         if not 0.0 < mu <= 1.0:
             raise ValueError(f"mu must be in (0, 1] (got {mu})")
@@ -112,6 +124,7 @@ class ThroughputRouting:
         self.mu = mu
         self.fill_steps = fill_steps
         self.fresh = fresh
+        self.whole_groups = whole_groups
 
     def route(
         self,
@@ -154,6 +167,7 @@ class ThroughputRouting:
         best, place = table.best, table.place
         verify, reserve = sketch.verify, sketch.reserve
         out: list[Placement] = []
+        started: set[GroupId] = set()  # groups with a member placed in this pass
         try:
             for v_level, trajs in levels:
                 initial = v_level is None
@@ -183,6 +197,8 @@ class ThroughputRouting:
                                 continue
                             sel, sel_b = j, b
                             break
+                        if sel < 0 and initial and self.whole_groups and t.group_id in started:
+                            sel, sel_b, gain = _with_room(best, verify, bver, first, t, refused)
                         if probe is not None:
                             if sel < 0:
                                 probe(t, length, thr, None, 0.0, None)
@@ -193,6 +209,7 @@ class ThroughputRouting:
                             return out  # withheld: stop, lower priorities wait (Alg. 3 l. 41)
                         v = bver[sel_b] if v_level is None else v_level
                         if initial:
+                            started.add(t.group_id)
                             reserve(t.group_id, t.traj_id, v)
                             if v < floor:  # the group's version may have moved down
                                 floor = v
@@ -203,3 +220,26 @@ class ThroughputRouting:
         finally:
             fleet.n_run[order] = table.n
             fleet.kv[order] = table.kv
+
+
+def _with_room(
+    best: Callable[[int, float], tuple[int, float]],
+    verify: Callable[[int, GroupId | None], bool],
+    bver: list[int],
+    first: int,
+    t: TrajectoryView,
+    refused: set[int],
+) -> tuple[int, int, float]:
+    """(index, bucket, gain) of the best instance, from bucket ``first`` on, that has room
+    for ``t`` and whose version Algorithm 2 admits its group at, whatever the gain;
+    (-1, -1, 0.0) if none has room."""
+    sel, sel_b, gain = -1, -1, -np.inf
+    for b in range(first, len(bver)):
+        j, g = best(b, t.length)
+        if g == -np.inf or g <= gain:
+            continue
+        if b in refused or not verify(bver[b], t.group_id):
+            refused.add(b)
+            continue
+        sel, sel_b, gain = j, b, g
+    return (sel, sel_b, gain) if sel >= 0 else (-1, -1, 0.0)

@@ -83,7 +83,9 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
     # Fresh admission is a rule of the throughput routing; Algorithm 4's tentative pass
     # must admit as the real routing does, so behind least-loaded routing it is off.
     fresh = config.fresh_admission and config.routing == "throughput"
-    throughput_routing = ThroughputRouting(cost, config.mu, config.fill_steps, fresh=fresh)
+    throughput_routing = ThroughputRouting(
+        cost, config.mu, config.fill_steps, fresh=fresh, whole_groups=config.whole_groups
+    )
     routing: RoutingStrategy = (
         throughput_routing
         if config.routing == "throughput"

@@ -305,8 +305,10 @@ class _UpgradeProbe:
     ) -> bool:
         keep = self.pos != sel_pos  # routed at its old version after all: no Pull needed
         # The waterfall stops in an older group before it reaches ps_version; otherwise the
-        # upgraded instance competes if Algorithm 2 admits it at ps_version.
-        reaches = sel_version is None or sel_version >= self.ps_version
+        # upgraded instance competes if Algorithm 2 admits it at ps_version. A decision
+        # below the threshold placed the rest of a group (routing's whole_groups) after
+        # the waterfall had found nothing: the upgraded instance would have been found.
+        reaches = sel_version is None or sel_version >= self.ps_version or sel_gain < thr
         if reaches and (t.v_traj is not None or self.sketch.verify(self.ps_version, t.group_id)):
             key = (length, t.v_traj is None)
             if key != self._key:

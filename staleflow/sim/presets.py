@@ -162,6 +162,7 @@ RULES: dict[str, dict[str, Any]] = {
     "fill": {"fill_steps": None},
     "pull": {"pull_kv": None},
     "fresh": {"fresh_admission": False},
+    "whole-groups": {"whole_groups": False},
     "improving": {"improving_moves": False},
     "critical": {"critical_speedup": None},
 }

@@ -74,6 +74,7 @@ PAPER_RULES: dict[str, Any] = {
     "estimation": False,
     "fill_steps": None,
     "fresh_admission": False,
+    "whole_groups": False,
     "improving_moves": False,
     "critical_speedup": None,
     "pull_kv": None,

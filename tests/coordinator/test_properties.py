@@ -39,6 +39,7 @@ RULES_ON = {
     "estimation": True,
     "fill_steps": 100,
     "fresh_admission": True,
+    "whole_groups": True,
     "improving_moves": True,
     "critical_speedup": 1.2,
     "pull_kv": 0.25,

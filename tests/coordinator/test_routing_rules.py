@@ -92,6 +92,32 @@ def test_fresh_admission_starts_new_work_only_at_the_ps_version() -> None:
     assert placed(fresh, initial(1), 3) == []
 
 
+def test_a_started_group_is_placed_whole() -> None:
+    """Algorithm 3 withholds trajectory by trajectory and may stop inside a group. With
+    whole_groups the pass places the rest of a group it started wherever there is room,
+    even below mu, and still stops before the next group; never into a queue."""
+    sketch = manager(3, batch=64, group=16).sketch
+
+    def placed(snap: Snapshot, ts: list[TrajectoryView], whole: bool) -> list[tuple]:
+        fleet = Fleet(snap)
+        routing = ThroughputRouting(COST, 0.3, None, whole_groups=whole)
+        return [
+            (fleet.ids[p.pos], p.traj.group_id, p.v_traj)
+            for p in routing.route(fleet, TrajectoryPool(ts), sketch())
+        ]
+
+    busy = snapshot(instance(0, 3, [1_000] * 70))
+    ts = initial(1, 16) + initial(2, 16)
+    assert placed(busy, ts, False) == [(0, 1, 3)] * 5  # mu stops inside group 1
+    assert placed(busy, ts, True) == [(0, 1, 3)] * 16  # group 1 whole; group 2 waits
+    # The rest goes where there is room: instance 0 has KV for two more trajectories.
+    snap = snapshot(instance(0, 3, [1_000] * 5, kv=99_750), instance(1, 3, [1_000] * 70))
+    assert [i for i, _, _ in placed(snap, initial(3, 16), False)] == [0, 0, 1, 1, 1, 1, 1]
+    assert [i for i, _, _ in placed(snap, initial(3, 16), True)] == [0, 0] + [1] * 14
+    full = snapshot(instance(0, 3, [1_000] * 5, kv=99_750))
+    assert len(placed(full, initial(4, 16), True)) == 2
+
+
 def test_a_slow_instance_gets_less() -> None:
     # Equal loads; instance 1 runs at half speed, so its gain is halved.
     snap = snapshot(instance(0, 3, [1_000] * 10), instance(1, 3, [1_000] * 10))

@@ -123,10 +123,14 @@ def brute_force_algorithm4(
 
 
 @st.composite
-def scenarios(draw: st.DrawFn) -> tuple[Fleet, list[TrajectoryView], int, StalenessManager]:
+def scenarios(
+    draw: st.DrawFn, group: int = 1
+) -> tuple[Fleet, list[TrajectoryView], int, StalenessManager]:
+    """A fleet, the TS, the PS's version and the manager; the TS's new groups have
+    ``group`` members (groups in flight are tracked with one)."""
     ps = draw(st.integers(2, 5))
     eta = draw(st.integers(0, 2))
-    m = manager(ps, eta=eta, batch=draw(st.integers(1, 4)), group=1)
+    m = manager(ps, eta=eta, batch=draw(st.integers(1, 4)), group=group)
     for g in range(draw(st.integers(0, 6))):  # groups already in flight
         v = draw(st.integers(max(0, ps - eta), ps))
         if m.verify(v):
@@ -138,7 +142,7 @@ def scenarios(draw: st.DrawFn) -> tuple[Fleet, list[TrajectoryView], int, Stalen
         insts.append(instance(i, v, [draw(st.sampled_from([200, 1_000, 1_500]))] * n))
     ts: list[TrajectoryView] = []
     for g in range(draw(st.integers(0, 6))):
-        ts += initial(g, 1, draw(st.sampled_from([100, 2_000])))
+        ts += initial(g, group, draw(st.sampled_from([100, 2_000])))
     for _ in range(draw(st.integers(0, 3))):
         ts.append(partial(draw(st.integers(max(0, ps - 3), ps)), 500))
     return Fleet(snapshot(*insts)), ts, ps, m

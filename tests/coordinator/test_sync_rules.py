@@ -46,6 +46,35 @@ def test_single_pass_equals_algorithm4_with_fresh_admission(
     assert got == brute_force_algorithm4(fleet, list(ts), ps, m, FRESH)
 
 
+@settings(max_examples=150, deadline=None)
+@given(scenarios(group=4), st.booleans(), st.data())
+def test_single_pass_equals_algorithm4_with_whole_groups(
+    case: tuple[Fleet, list[TrajectoryView], int, StalenessManager],
+    fresh: bool,
+    data: st.DataObject,
+) -> None:
+    # A decision below the threshold (the rest of a started group) is one the upgraded
+    # instance would have won, whichever version the rest went to.
+    fleet, ts, ps, m = case
+    fleet.speed = np.array([data.draw(st.sampled_from([0.5, 1.0, 1.7])) for _ in fleet.ids])
+    routing = ThroughputRouting(COST, 0.3, fill_steps=200, fresh=fresh, whole_groups=True)
+    strategy = ThroughputSync(routing)
+    got = [fleet.ids[p] for p in strategy.select(fleet, TrajectoryPool(ts), ps, m.sketch())]
+    assert got == brute_force_algorithm4(fleet, list(ts), ps, m, routing)
+
+
+def test_an_upgrade_would_win_the_rest_of_a_group() -> None:
+    # Instance 1 (version 2, busy) clears mu for 5 members of the group; whole_groups
+    # places the other 11 there too. Upgraded, the empty instance 0 would have taken
+    # them instead: Algorithm 4 Pulls it.
+    m = manager(3, eta=1, batch=64, group=16)  # version 1 admits nothing any more
+    fleet = Fleet(snapshot(instance(0, 1), instance(1, 2, [1_000] * 70)))
+    ts = initial(1, 16)
+    routing = ThroughputRouting(COST, 0.3, None, whole_groups=True)
+    assert ThroughputSync(routing).select(fleet, TrajectoryPool(ts), 3, m.sketch()) == [0]
+    assert brute_force_algorithm4(fleet, ts, 3, m, routing) == [0]
+
+
 def test_with_fresh_admission_only_a_partial_trajectory_keeps_a_version() -> None:
     # Instance 0 lags at version 2, empty; version 2 still admits the TS's new group.
     m = manager(3, eta=1)
