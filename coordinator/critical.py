@@ -56,7 +56,13 @@ class CriticalPath:
     """Chooses critical trajectories to move and where (module docstring)."""
 
     def __init__(
-        self, cost: CostModel, *, speedup: float = 1.5, fill_steps: int = 0, tail: int = 1
+        self,
+        cost: CostModel,
+        *,
+        speedup: float = 1.5,
+        fill_steps: int = 0,
+        tail: int = 1,
+        moved_at: dict[TrajId, int] | None = None,
     ) -> None:
         if not speedup > 1.0:
             raise ValueError(f"speedup must be > 1 (got {speedup})")
@@ -68,7 +74,9 @@ class CriticalPath:
         self.speedup = speedup
         self.fill_steps = fill_steps  # headroom a destination keeps (gains.spare)
         self.tail = tail
-        self._moved_at: dict[TrajId, int] = {}
+        # traj_id -> its length when last moved; shared with the migration strategy
+        # (build_strategies): a trajectory either moved is left alone until it decodes
+        self._moved_at: dict[TrajId, int] = {} if moved_at is None else moved_at
 
     def select(
         self, fleet: Fleet, pool: TrajectoryPool, ps_version: int | None = None

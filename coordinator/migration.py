@@ -7,6 +7,7 @@ import numpy as np
 from coordinator.cost_model import CostModel
 from coordinator.fleet import Fleet
 from coordinator.types import TrajectoryView
+from staleness.types import TrajId
 
 Migration = tuple[int, tuple[TrajectoryView, ...]]  # (instance position, trajectories)
 
@@ -38,7 +39,11 @@ class ThroughputMigration:
       every cycle, and long trajectories whose re-prefill outlasts the cycle period would
       otherwise bounce between instances without ever decoding; and a queue given back by
       case 1 and queued again elsewhere by a least-loaded router would be given back again
-      every cycle (both found by the simulator).
+      every cycle (both found by the simulator). The record is shared with the
+      critical-path rule (``moved_at``): it moved six tail trajectories a cycle onto the
+      fastest instance and case 2 moved them off again in the next, each move a
+      re-prefill of 9-11K tokens, until that instance owed 335 s of prefill and stalled
+      (`hetero-0.2`, docs/simulator.md).
 
     With ``min_gain`` set, case 2 moves only the trajectories whose move pays (the
     *improving moves*): taken shortest first (the cheapest to re-prefill), a trajectory
@@ -59,6 +64,7 @@ class ThroughputMigration:
         phi_wait: int,
         phi_throughput: float,
         min_gain: float | None = None,
+        moved_at: dict[TrajId, int] | None = None,
     ) -> None:
         if phi_wait < 0:
             raise ValueError(f"phi_wait must be >= 0 (got {phi_wait})")
@@ -70,7 +76,9 @@ class ThroughputMigration:
         self.phi_wait = phi_wait
         self.phi_throughput = phi_throughput
         self.min_gain = min_gain
-        self._moved_at: dict[int, int] = {}  # traj_id -> length when case 2 last moved it
+        # traj_id -> its length when it was last moved; shared with the critical-path rule
+        # (build_strategies), so neither moves what the other has just moved
+        self._moved_at: dict[TrajId, int] = {} if moved_at is None else moved_at
 
     def select(self, fleet: Fleet) -> list[Migration]:
         out: list[Migration] = []

@@ -71,7 +71,7 @@ class ThroughputRouting:
     """Algorithm 3: MLQ by ``V_traj``, waterfall over version groups against
     ``mu * ΔT_ideal``, withholding (and stopping) when nothing clears the threshold.
 
-    Two departures, both off when their argument is None/absent:
+    Departures from the paper, each off when its argument is None or False:
 
     - instances compare by their estimated speed (``Fleet.speed``, coordinator.estimation):
       Eq. 3 on an instance whose steps take ``s`` times the model's is the model's gain

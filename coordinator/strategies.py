@@ -19,6 +19,7 @@ from coordinator.seer import LengthContext, SeerRouting
 from coordinator.sync import GreedySync, ThroughputSync
 from coordinator.vanilla_routing import LeastLoadedRouting
 from staleness.interface import AdmissionSketch
+from staleness.types import TrajId
 
 
 class SyncStrategy(Protocol):
@@ -113,12 +114,16 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
         sync, hold = drain, drain
     else:
         sync = GreedySync()
+    # Trajectories just moved, by migration or the critical-path rule: neither moves one
+    # again before it has decoded where it went (migration.py).
+    moved_at: dict[TrajId, int] = {}
     migration: MigrationStrategy = (
         ThroughputMigration(
             cost,
             config.phi_wait,
             config.phi_throughput,
             config.mu if config.improving_moves else None,
+            moved_at,
         )
         if config.migration == "throughput"
         else NoMigration()
@@ -134,6 +139,7 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
             speedup=config.critical_speedup,
             fill_steps=config.fill_steps or 0,
             tail=config.critical_tail,
+            moved_at=moved_at,
         )
         if config.critical_speedup is not None and config.migration == "throughput"
         else None

@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from coordinator import InstanceSnapshot, Interrupt, Route, TrajRecord, plan_cycle
 from coordinator.critical import CriticalPath
 from coordinator.fleet import Fleet
+from coordinator.migration import ThroughputMigration
 from coordinator.pool import TrajectoryPool
+from coordinator.strategies import MigrationStrategy
 from tests.coordinator.builders import (
     COST,
     instance,
@@ -189,3 +191,33 @@ def test_the_lower_bound_skips_only_trajectories_that_cannot_move(
     rule = CriticalPath(COST, speedup=1.5, fill_steps=fill, tail=tail)
     want = _unfiltered(rule, fleet, TrajectoryPool([]))
     assert moves(fleet, rule=rule) == want
+
+
+def test_migration_leaves_a_trajectory_the_rule_just_moved() -> None:
+    """The two movers share one record (build_strategies): what the critical rule has just
+    moved, Algorithm 5's case 2 does not move again before it has decoded where it went.
+    Without that the simulator saw tail trajectories bounce every cycle onto the fastest
+    instance and off again, each move a re-prefill, until that instance stalled."""
+    strat = strategies(critical_speedup=1.5, improving_moves=True)
+    assert strat.critical is not None
+    src = mixed(0, 3, [6_000], 60)
+    crit = ids(src)[0]
+    fleet = Fleet(snapshot(src, instance(1, 3, [1_000] * 2)))
+    assert [
+        (t.traj_id, fleet.ids[b]) for _, t, b in strat.critical.select(fleet, TrajectoryPool([]), 3)
+    ] == [(crit, 1)]
+
+    def after(length: int) -> Fleet:
+        """The next snapshots: the moved trajectory, the shortest, runs on instance 1 beside
+        long ones; instance 2 is idle, so case 2 unloads instance 1 shortest first."""
+        run = (TrajRecord(crit, -1, OLD, length, 50), *running([8_000] * 10, 3))
+        busy = InstanceSnapshot(1, sum(t.length for t in run), run, (), (), 3)
+        return Fleet(snapshot(instance(0, 3, [1_000] * 2), busy, instance(2, 3)))
+
+    def case_2(migration: MigrationStrategy, fleet: Fleet) -> list[int]:
+        return [t.traj_id for _, ts in migration.select(fleet) for t in ts]
+
+    alone = ThroughputMigration(COST, phi_wait=3, phi_throughput=5.0, min_gain=0.3)
+    assert crit in case_2(alone, after(6_000))  # on its own, case 2 would move it back
+    assert crit not in case_2(strat.migration, after(6_000))
+    assert crit in case_2(strat.migration, after(6_001))  # once it has decoded, it may
