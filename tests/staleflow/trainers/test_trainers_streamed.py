@@ -100,10 +100,13 @@ def test_a_streamed_step_equals_the_step_on_the_whole_batch(parts):
     assert trainer.version == 1
     moved = max(float((w_whole[k] - before[k]).abs().max()) for k in before)
     assert moved > 1e-3  # the step did something worth comparing
-    # the gradients were compared in _whole_and_streamed; the weights agree as far as
-    # Adam's g / (|g| + eps) lets float rounding of near-zero gradients agree
+    # The gradients were compared tightly in _whole_and_streamed. The weights agree as far
+    # as Adam's first step, lr * g / (|g| + eps), lets float rounding of near-zero
+    # gradients agree: there it can differ by up to lr (1e-2). A tenth of lr still catches
+    # a missing or mis-scaled part, which moves weights by about lr. (1e-4 held until the
+    # dependencies resolved on 2026-11-24 put one element at 1.004e-4.)
     for k in before:
-        torch.testing.assert_close(w_streamed[k], w_whole[k], rtol=0, atol=1e-4)
+        torch.testing.assert_close(w_streamed[k], w_whole[k], rtol=0, atol=1e-3)
     # the grad norm is taken before clipping: a wrong denominator would scale it
     for key in ("train/grad_norm", "train/loss", "train/clip_frac", "train/kl_behav"):
         assert m_streamed[key] == pytest.approx(m_whole[key], rel=1e-5, abs=1e-7), key
@@ -117,8 +120,8 @@ def test_failed_rewards_are_left_out_of_a_streamed_step_as_of_a_whole_one():
     _, (m_whole, w_whole), (m_streamed, w_streamed), _ = _whole_and_streamed(
         [[1], [0, 3], [2]], errors
     )
-    for k in w_whole:
-        torch.testing.assert_close(w_streamed[k], w_whole[k], rtol=1e-4, atol=1e-5)
+    for k in w_whole:  # as above: the gradients were compared tightly
+        torch.testing.assert_close(w_streamed[k], w_whole[k], rtol=0, atol=1e-3)
     assert m_streamed["train/reward_errors"] == m_whole["train/reward_errors"] == 5
 
 
