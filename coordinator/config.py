@@ -148,12 +148,14 @@ class CoordinatorConfig:
         },
     )
     fill_steps: int | None = field(
-        default=2000,
+        default=6000,
         metadata={
             "help": "throughput routing places every admissible new trajectory on an instance "
             "whose KV cache, with it, still holds this many decode steps of the whole "
-            "batch, whatever mu says (coordinator/gains.py spare()); null: mu decides "
-            "everywhere, as in the paper"
+            "batch, whatever mu says (coordinator/gains.py spare()); set it near your mean "
+            "response length (about a third of the response cap on reasoning workloads), "
+            "the growth each running trajectory is still expected to make; null: mu "
+            "decides everywhere, as in the paper"
         },
     )
 

@@ -85,7 +85,10 @@ class ThroughputRouting:
       staleness window ages. Beyond it Eq. 3 and mu decide as in the paper. Partial
       trajectories keep Eq. 3 and mu: a long one brings its whole prefix to re-prefill
       and keeps growing, and routing them by the fill rule too tripled preemptions in the
-      simulator (docs/simulator.md).
+      simulator (docs/simulator.md). The headroom is the growth each running trajectory
+      is still expected to make, so its default (6,000) is about a mean response at a
+      20K cap: with 2,000 the rule filled caches that the batch then outgrew, and
+      StaleFlow without the rule beat StaleFlow with it on every skewed workload.
     - fresh admission (``fresh``): a new trajectory starts only on an instance at the PS's
       version. Algorithm 3's waterfall visits the oldest versions first, so a lagging
       instance takes new work at its old version: the trajectory's data is staler, and
