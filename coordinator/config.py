@@ -304,3 +304,12 @@ class CoordinatorConfig:
         if not isinstance(self.cost_model, CostModelConfig):
             raise ConfigError("coordinator.cost_model must be a CostModelConfig")
         self.cost_model.build()  # fail now, not at the first cycle
+
+    def for_responses(self, max_response: int) -> CoordinatorConfig:
+        """This config for responses capped at ``max_response`` tokens: the fill rule's
+        headroom is the growth a running trajectory is still expected to make, and none
+        grows past the cap, so a larger headroom would only withhold work (at the
+        launch's default 32-token cap, 6,000 would leave two trajectories per instance)."""
+        if self.fill_steps is None or self.fill_steps <= max_response:
+            return self
+        return replace(self, fill_steps=max_response)

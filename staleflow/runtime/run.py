@@ -53,11 +53,12 @@ def cause(exc: BaseException) -> str:
 
 def control_config(cfg: RunConfig) -> ControlConfig:
     """The staleness manager's and the coordinator's sections; the coordinator plans with
-    the engines' real KV budget unless the config names one."""
+    the engines' real KV budget unless the config names one, and for the rollout's
+    response cap."""
     from coordinator.config import CostModelConfig
     from staleflow.runtime.control import ControlConfig
 
-    coordinator = cfg.coordinator
+    coordinator = cfg.coordinator.for_responses(cfg.rollout.max_response_tokens)
     cost = coordinator.cost_model
     if isinstance(cost, CostModelConfig) and cost.kv_budget is None:
         budget = float(cfg.rollout.kv_budget_tokens)

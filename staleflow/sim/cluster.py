@@ -138,7 +138,7 @@ class SimCluster:
                 batch_redundancy=config.batch_redundancy,
                 group_redundancy=config.group_redundancy,
             ),
-            config.coordinator,
+            config.coordinator.for_responses(config.workload.max_response),
             ts=self.ts,
             planes=self.planes,
             snapshots=lambda: [i.snapshot() for i in self.instances.values()],

@@ -21,6 +21,16 @@ def test_defaults_are_the_papers() -> None:
     assert s.cost.k1 == 7.28e-8
 
 
+def test_the_fill_headroom_never_exceeds_the_response_cap() -> None:
+    c = CoordinatorConfig()
+    assert c.fill_steps == 6000
+    assert c.for_responses(32).fill_steps == 32  # no trajectory grows past the cap
+    assert c.for_responses(20_000) is c  # a cap above the headroom changes nothing
+    off = CoordinatorConfig(fill_steps=None)
+    assert off.for_responses(32).fill_steps is None  # the rule stays off
+    assert c.for_responses(32).mu == c.mu  # nothing else moves
+
+
 def test_vanilla_counterparts_are_chosen_independently() -> None:
     s = build_strategies(CoordinatorConfig(routing="vanilla", migration="vanilla"))
     assert isinstance(s.routing, LeastLoadedRouting)

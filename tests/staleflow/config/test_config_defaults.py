@@ -39,6 +39,17 @@ def test_embedded_coordinator_default_leaves_the_class_default_alone():
     assert CoordinatorConfig().cost_model.kv_budget is None
 
 
+def test_the_control_plane_plans_for_the_rollouts_response_cap():
+    from staleflow.runtime.run import control_config
+
+    cfg = load_config(None, ["rollout.max_response_tokens=64"])
+    assert control_config(cfg).coordinator.fill_steps == 64  # headroom: one whole response
+    budget = ["rollout.kv_budget_tokens=65536", "coordinator.cost_model.kv_budget=65536"]
+    own = ["model.checkpoint=/models/m", "rollout.max_response_tokens=8000", *budget]
+    long = load_config(None, own)  # (the built-in model's context is shorter)
+    assert control_config(long).coordinator.fill_steps == CoordinatorConfig().fill_steps
+
+
 def test_sections_are_frozen():
     cfg = RunConfig()
     with pytest.raises(dataclasses.FrozenInstanceError):

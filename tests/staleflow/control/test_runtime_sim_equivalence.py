@@ -79,7 +79,10 @@ class RuntimeTwin(SimCluster):
     def __init__(self, config: ClusterConfig, decisions: list[Decision]) -> None:
         super().__init__(config)
         self.plane = ControlPlane(
-            ControlConfig(self.loop.manager.config, config.coordinator),  # the same settings
+            ControlConfig(  # the same settings
+                self.loop.manager.config,
+                config.coordinator.for_responses(config.workload.max_response),
+            ),
             ts=self.ts,
             instances={i: SimHandle(self, inst) for i, inst in self.instances.items()},
             ps_version=lambda: self.trainer.ps_version,
