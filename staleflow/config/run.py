@@ -188,16 +188,20 @@ class RunConfig:
                 "cannot hold even one trajectory: raise it above rollout.max_response_tokens "
                 f"plus the prompt (max_response_tokens={rollout.max_response_tokens})",
             )
-        if self.coordinator.race.enabled and rollout.backend == "sglang":
+        if (
+            self.coordinator.race.enabled
+            and rollout.backend == "sglang"
+            and not rollout.sglang.deterministic
+        ):
             # a copy must sample the original's tokens (runtime/races.py): the embedded
             # engine keys its draws by (seed, trajectory, token index), vLLM by (seed,
             # trajectory, resume point) and the race resubmits its original at the fork;
-            # the SGLang adapter does not seed requests
+            # SGLang by (seed, position), but only with deterministic inference on
             raise ConfigError(
                 "coordinator.race.enabled=True with rollout.backend=sglang: the tail race "
-                "needs an engine whose copies sample the same tokens, and the SGLang adapter "
-                "does not seed its requests yet; use rollout.backend=embedded or vllm, or set "
-                "coordinator.race.enabled=false"
+                "needs copies that sample the original's tokens, which SGLang does only with "
+                "deterministic inference; set rollout.sglang.deterministic=true (slower "
+                "kernels), or set coordinator.race.enabled=false"
             )
         if not model.checkpoint:
             self._check_builtin_context()

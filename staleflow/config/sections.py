@@ -236,6 +236,14 @@ class SGLangOptions:
     extra_server_args: str = field(
         default="", metadata=_help("appended to each launch_server command line")
     )
+    deterministic: bool = field(
+        default=False,
+        metadata=_help(
+            "start each server with --enable-deterministic-inference: a trajectory samples "
+            "the same tokens on any instance and after any resume (each request is seeded "
+            "by trajectory), as coordinator.race needs; batch-invariant kernels are slower"
+        ),
+    )
     startup_timeout_s: float = field(
         default=900.0, metadata=_help("how long a server may take to become healthy")
     )

@@ -101,6 +101,7 @@ def build_engine(
             mem_fraction_static=o.mem_fraction_static or None,
             python=o.python,
             extra_args=o.extra_server_args,
+            deterministic=o.deterministic,
             startup_timeout_s=o.startup_timeout_s,
         )
         source = None

@@ -25,6 +25,17 @@ enforces, because an adapter can get it wrong:
   and the tokens so far; ``/generate`` must carry the sampling settings the fake was
   started with (it has one sampler), ``input_ids`` and ``return_logprob``.
 
+Seeds, as a server started with ``--enable-deterministic-inference`` (``deterministic``)
+uses them: each token is drawn from the request's ``sampling_params.sampling_seed`` (42
+when absent, ``sampling/sampling_batch_info.py:157``) and its position in prompt +
+response (``layers/sampler.py`` ``multinomial_with_seed``), here by the embedded engine's
+keyed sampler with the seed as its trajectory key and the position as its token index.
+So a request resumed from any point, on any fake at the same weights, draws what one run
+straight through would. What the fake does not model: batch-invariant kernels (the
+embedded engine's logits do not depend on the batch anyway), and two requests with one
+seed in flight on one server (refused here; real SGLang would run both). Without
+``deterministic`` the seed is ignored, as SGLang ignores it.
+
 Per-token versions are reported as SGLang does, ``meta_info.weight_versions`` spans of
 string versions set by the ``weight_version`` of each update ("default" before the first).
 """
@@ -84,11 +95,17 @@ class HTTPFailure(Exception):
 
 
 class _Generation:
-    def __init__(self, rid: str, traj_id: int, prompt: np.ndarray, max_new: int) -> None:
+    def __init__(
+        self, rid: str, traj_id: int, ids: np.ndarray, max_new: int, deterministic: bool
+    ) -> None:
         self.rid = rid
-        self.prompt = prompt
         self.traj_id = traj_id
-        self.max_new = max_new
+        # Deterministic: the engine sees all input ids but the first as the response so far,
+        # so its token index is the position the next token is drawn at, minus one.
+        self.skip = len(ids) - 1 if deterministic else 0
+        self.prompt = ids[: len(ids) - self.skip]
+        self.prefix = ids[len(ids) - self.skip :]
+        self.max_response = self.skip + max_new
         self.done = threading.Event()
         self.output: EngineOutput | None = None
         self.aborted = False
@@ -121,6 +138,7 @@ class FakeSGLangServer:
         max_running: int = 16,
         max_seq_len: int = 256,
         seed: int = 0,
+        deterministic: bool = False,
         tp_size: int = 1,
         custom_weight_loaders: tuple[str, ...] = (
             "staleflow.engines.sglang.loader.load_from_parameter_server",
@@ -139,6 +157,7 @@ class FakeSGLangServer:
                 seed=seed,
             ),
         )
+        self.deterministic = deterministic
         self.tp_size = tp_size
         self.custom_weight_loaders = custom_weight_loaders
         self.weight_version = "default"
@@ -284,10 +303,29 @@ class FakeSGLangServer:
                 400, f"fake: stop_token_ids={stops} but the fake stops at {cfg.eos_ids}"
             )
         max_new = int(sp.get("max_new_tokens", 128))
+        seed = sp.get("sampling_seed")
+        if seed is not None and (
+            not isinstance(seed, int) or isinstance(seed, bool) or not -(2**63) <= seed < 2**63
+        ):  # sampling_params.py:302
+            raise HTTPFailure(400, f"sampling_seed must be an integer, got {seed!r}")
         with self._lock:
-            gen = _Generation(rid, next(self._ids), np.asarray(ids, dtype=np.int32), max_new)
-            e_i, e_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
-            request = GenerationRequest(gen.traj_id, gen.prompt, e_i, e_f, e_i, max_new)
+            if self.deterministic:
+                key = (42 if seed is None else seed) % 2**63
+                if key in self._gens:
+                    raise HTTPFailure(400, f"fake: two requests in flight with seed {key}")
+            else:
+                key = next(self._ids)
+            ids_ = np.asarray(ids, dtype=np.int32)
+            gen = _Generation(rid, key, ids_, max_new, self.deterministic)
+            n = len(gen.prefix)
+            request = GenerationRequest(
+                gen.traj_id,
+                gen.prompt,
+                gen.prefix,
+                np.zeros(n, np.float32),
+                np.zeros(n, np.int32),
+                gen.max_response,
+            )
             try:
                 self.engine.submit([request])
             except ValueError as exc:
@@ -300,7 +338,7 @@ class FakeSGLangServer:
     def _answer(self, gen: _Generation, prompt_tokens: int) -> Any:
         out = gen.output
         assert out is not None
-        tokens = out.tokens.tolist()
+        tokens = out.tokens[gen.skip :].tolist()
         if gen.aborted:
             finish: dict[str, Any] | None = {"type": "abort", "message": "Abort before prefill"}
         elif out.finish_reason == "stop":
@@ -308,7 +346,7 @@ class FakeSGLangServer:
         else:
             finish = {"type": "length", "length": len(tokens)}
         spans: list[dict[str, Any]] = []
-        for i, v in enumerate(out.versions.tolist()):
+        for i, v in enumerate(out.versions[gen.skip :].tolist()):
             label = self._version_labels[v]
             if spans and spans[-1]["version"] == label:
                 spans[-1]["end"] = i + 1
@@ -323,7 +361,8 @@ class FakeSGLangServer:
             "num_retractions": gen.retractions,
             "weight_version": self.weight_version,
             "output_token_logprobs": [
-                [lp, tok, None] for lp, tok in zip(out.logprobs.tolist(), tokens, strict=True)
+                [lp, tok, None]
+                for lp, tok in zip(out.logprobs[gen.skip :].tolist(), tokens, strict=True)
             ],
         }
         if spans:
@@ -364,7 +403,7 @@ class FakeSGLangServer:
     def _resubmit(self, traj_id: int, part: EngineOutput) -> GenerationRequest:
         gen = self._gens[traj_id]
         return GenerationRequest(
-            traj_id, gen.prompt, part.tokens, part.logprobs, part.versions, gen.max_new
+            traj_id, gen.prompt, part.tokens, part.logprobs, part.versions, gen.max_response
         )
 
     def _continue(self, body: dict[str, Any]) -> Any:  # http_server.py:1844
@@ -510,6 +549,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--custom-weight-loader", nargs="*", default=[])
+    parser.add_argument("--enable-deterministic-inference", action="store_true")
     args, _ = parser.parse_known_args(argv)
     if os.environ.get("FAKE_SGLANG_FAIL_AT_START"):
         raise SystemExit(f"fake: failing at start-up as asked ({args.model_path})")
@@ -521,6 +561,7 @@ def main(argv: list[str] | None = None) -> None:
         top_p=float(os.environ.get("FAKE_SGLANG_TOP_P", "1.0")),
         eos_token_id=int(eos) if eos else None,
         custom_weight_loaders=tuple(args.custom_weight_loader),
+        deterministic=args.enable_deterministic_inference,
         port=args.port,
     ).start()
     print(f"fake SGLang {SGLANG_VERSION} serving {args.model_path} at {server.url}", flush=True)

@@ -5,7 +5,8 @@ Built on SGLang 0.5.23's HTTP API (paths under ``python/sglang/srt/``):
 * generate: ``POST /generate`` (``entrypoints/http_server.py:928``) with
   ``GenerateReqInput`` fields (``managers/io_struct.py:177``) ``rid``, ``input_ids``,
   ``sampling_params`` (``sampling/sampling_params.py:140``: ``max_new_tokens``,
-  ``temperature``, ``top_p``, ``stop_token_ids``, ``ignore_eos``, ``no_stop_trim``),
+  ``temperature``, ``top_p``, ``stop_token_ids``, ``ignore_eos``, ``no_stop_trim``,
+  ``sampling_seed``),
   ``return_logprob``, ``logprob_start_len=-1`` (output tokens only). The answer has
   ``output_ids`` and ``meta_info`` (``managers/tokenizer_manager.py:2507-2569``):
   ``finish_reason.type`` (stop / length / abort), ``output_token_logprobs`` as
@@ -97,6 +98,15 @@ class SGLangEngine:
     """A :class:`~staleflow.engines.base.RolloutEngine` (and, with a ``parameter_server``
     and ``weight_sync="tensor"``, a ``SelfPullingEngine``) over one SGLang server.
 
+    Every request carries ``sampling_seed``, the run's seed keyed by trajectory. A server
+    started with ``--enable-deterministic-inference`` (``ServerSpec.deterministic``) draws
+    each token from that seed and the token's position in prompt + response, with
+    batch-invariant kernels (``layers/sampler.py`` ``multinomial_with_seed``, fed
+    ``forward_batch.positions`` at ``model_executor/model_runner.py:2161``; the seeds are
+    read only in that mode, ``sampling/sampling_batch_info.py:157``). A trajectory then
+    samples the same tokens on any instance at the same weights and after any resume,
+    which the tail race needs (``staleflow/runtime/races.py``). Other servers ignore it.
+
     ``server_alive`` (optional) tells whether the server process still runs, so that a
     failed call can say the server died; ``on_close`` runs at :meth:`close` (stopping a
     server the caller started).
@@ -167,6 +177,10 @@ class SGLangEngine:
                 "ignore_eos": not eos,
                 "no_stop_trim": True,  # keep the stop token, as every engine here does
                 "skip_special_tokens": False,
+                # Used only by a server with --enable-deterministic-inference, which draws
+                # each token from (seed, position): a trajectory then samples the same
+                # tokens on any instance and after any resume (class doc).
+                "sampling_seed": cfg.request_seed(req.traj_id),
             },
             "return_logprob": True,
             "logprob_start_len": -1,

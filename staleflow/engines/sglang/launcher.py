@@ -38,6 +38,9 @@ class ServerSpec:
     port: int = 0  # 0: a free port
     python: str = ""  # the interpreter with sglang installed ("": this one)
     extra_args: str = ""
+    # --enable-deterministic-inference: tokens drawn from (request seed, position) with
+    # batch-invariant kernels, slower (the SGLang adapter's class doc).
+    deterministic: bool = False
     startup_timeout_s: float = 900.0
     env: dict[str, str] = field(default_factory=dict)
 
@@ -62,6 +65,8 @@ class ServerSpec:
         ]
         if self.mem_fraction_static is not None:
             argv += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.deterministic:
+            argv.append("--enable-deterministic-inference")  # arg_groups/fields/exec_.py:1153
         return argv + shlex.split(self.extra_args)
 
 

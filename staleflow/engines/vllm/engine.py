@@ -135,7 +135,7 @@ class VLLMEngine:
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,
             # keyed by (run seed, trajectory, resume point): reproducible per trajectory
-            seed=(cfg.seed * 1_000_003 + r.traj_id * 7_919 + len(r.tokens)) % (2**31),
+            seed=cfg.request_seed(r.traj_id, len(r.tokens)),
         )
 
     def interrupt(self, traj_ids: Iterable[int]) -> dict[int, EngineOutput]:

@@ -96,7 +96,8 @@ from staleflow.config import (
         (
             ["coordinator.race.enabled=true", "rollout.backend=sglang"],
             "coordinator.race.enabled=True with rollout.backend=sglang: the tail race needs "
-            "an engine whose copies sample the same tokens",
+            "copies that sample the original's tokens, which SGLang does only with "
+            "deterministic inference; set rollout.sglang.deterministic=true",
         ),
         (["coordinator.race.copies=0"], "coordinator.race.copies=0 must be an integer >= 1"),
     ],
@@ -155,3 +156,15 @@ def test_doubtful_settings_warn(caplog):
 def test_the_tail_race_runs_on_the_embedded_engine():
     config = load_config(None, ["coordinator.race.enabled=true"])
     assert config.coordinator.race.enabled and config.rollout.backend == "embedded"
+
+
+def test_the_tail_race_runs_on_sglang_with_deterministic_inference():
+    config = load_config(
+        None,
+        [
+            "coordinator.race.enabled=true",
+            "rollout.backend=sglang",
+            "rollout.sglang.deterministic=true",
+        ],
+    )
+    assert config.coordinator.race.enabled and config.rollout.sglang.deterministic

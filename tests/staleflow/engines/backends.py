@@ -188,6 +188,7 @@ def open_backend(name: str, folder: Path, model: Any, log_dir: Path) -> Backend:
             kv_budget_tokens=KV_BUDGET,
             max_running=MAX_RUNNING,
             max_seq_len=MAX_SEQ,
+            deterministic=True,  # as the race needs (test_contract)
         ).start()
         engine = SGLangEngine(SGLangHTTP(fake.url), config)
         backend = Backend(name, engine, reference, eos, [fake.stop, engine.close])
@@ -195,7 +196,9 @@ def open_backend(name: str, folder: Path, model: Any, log_dir: Path) -> Backend:
         return backend
     from staleflow.engines.sglang import ServerSpec, start_sglang_engine
 
-    spec = ServerSpec(model_path=str(folder), log_path=str(log_dir / "sglang.log"))
+    spec = ServerSpec(
+        model_path=str(folder), log_path=str(log_dir / "sglang.log"), deterministic=True
+    )
     engine = start_sglang_engine(spec, config)
     return Backend(name, engine, reference, eos, [engine.close])
 

@@ -281,14 +281,8 @@ def test_a_race_copy_resumed_at_the_originals_point_samples_its_tokens(backend, 
     response, under the same weights, samples the same tokens whatever ran beside it, so
     a copy forked where its original resumed keeps what the original would have. The
     embedded engine keys draws by token index, vLLM by resume point (the race resubmits
-    the original at the fork)."""
-    if backend.name.startswith("sglang"):
-        # the SGLang adapter does not seed requests: launch refuses the race with it
-        from staleflow.config import ConfigError, load_config
-
-        with pytest.raises(ConfigError, match="does not seed its requests"):
-            load_config(None, ["coordinator.race.enabled=true", "rollout.backend=sglang"])
-        return
+    the original at the fork), SGLang with deterministic inference by position (the
+    suite's servers run with it: launch refuses the race on SGLang without it)."""
     tid = next(_ids)
     first = request(traj_id=tid, max_response=6)
     eng.submit([first])

@@ -166,19 +166,65 @@ def _fake_python(tmp_path: Path, *, fail: bool = False) -> Path:
     return script
 
 
-def _spec(tmp_path: Path, folder: Path, eos: int, *, fail: bool = False) -> ServerSpec:
+def _spec(
+    tmp_path: Path,
+    folder: Path,
+    eos: int | None,
+    *,
+    fail: bool = False,
+    deterministic: bool = False,
+) -> ServerSpec:
     return ServerSpec(
         model_path=str(folder),
         log_path=str(tmp_path / "logs" / "instance-0.log"),
         python=str(_fake_python(tmp_path, fail=fail)),
+        deterministic=deterministic,
         startup_timeout_s=120,
         env={
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
             "FAKE_SGLANG_TEMPERATURE": str(TEMPERATURE),
             "FAKE_SGLANG_TOP_P": str(TOP_P),
-            "FAKE_SGLANG_EOS": str(eos),
+            "FAKE_SGLANG_EOS": "" if eos is None else str(eos),
         },
     )
+
+
+def test_a_trajectory_samples_the_same_tokens_wherever_and_whenever_it_resumes(
+    tmp_path, folder
+) -> None:
+    """What lets launch run the tail race on SGLang (``rollout.sglang.deterministic``):
+    every request is seeded by its trajectory and a deterministic server draws by (seed,
+    position), so a trajectory stopped on one server and resumed on another continues as
+    one run straight through would, and another trajectory with the same prompt samples
+    its own tokens. One server is a subprocess started from ``ServerSpec`` (the flag on
+    its command line), the other in process."""
+    spec = _spec(tmp_path, folder, None, deterministic=True)
+    assert "--enable-deterministic-inference" in spec.argv(1)
+    assert "--enable-deterministic-inference" not in _spec(tmp_path, folder, None).argv(1)
+    a = start_sglang_engine(spec, config(folder, None))
+    b_server = FakeSGLangServer(
+        build_model(0), temperature=TEMPERATURE, top_p=TOP_P, eos_token_id=None, deterministic=True
+    ).start()
+    b = SGLangEngine(SGLangHTTP(b_server.url), config(folder, None))
+    e_i, e_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
+    prompt = req(7).prompt
+
+    def run(engine: SGLangEngine, r: GenerationRequest) -> np.ndarray:
+        engine.submit([r])
+        return drain(engine)[r.traj_id]
+
+    try:
+        whole = run(a, GenerationRequest(7, prompt, e_i, e_f, e_i, 24))
+        assert len(whole.tokens) == 24
+        first = run(b, GenerationRequest(7, prompt, e_i, e_f, e_i, 9))  # stops at 9 tokens
+        resumed = GenerationRequest(7, prompt, first.tokens, first.logprobs, first.versions, 24)
+        assert run(a, resumed).tokens.tolist() == whole.tokens.tolist()
+        other = run(b, GenerationRequest(8, prompt, e_i, e_f, e_i, 24))
+        assert other.tokens.tolist() != whole.tokens.tolist(), "requests are not seeded"
+    finally:
+        a.close()
+        b.close()
+        b_server.stop()
 
 
 def test_a_server_that_dies_at_start_up_is_reported_with_its_log(tmp_path, folder) -> None:
