@@ -116,8 +116,8 @@ class CriticalPath:
         # most still to generate.
         # (Two stable sorts on scalar keys: a tuple key per trajectory allocates enough
         # to set off the garbage collector's full pass at 1,024 instances.)
-        on.sort(key=_TRAJ_ID)
-        on.sort(key=_LENGTH, reverse=True)
+        on.sort(key=_traj_id)
+        on.sort(key=_length, reverse=True)
         for pos, t in on:
             stays = t.traj_id not in queued  # a queued one makes no progress where it is
             if stays and lat[pos] < self.speedup * (a_min + b_min * t.length):
@@ -186,9 +186,9 @@ def oldest_tail(
 _V_TRAJ = attrgetter("v_traj")
 
 
-def _TRAJ_ID(pt: tuple[int, TrajectoryView]) -> int:
+def _traj_id(pt: tuple[int, TrajectoryView]) -> int:
     return pt[1].traj_id
 
 
-def _LENGTH(pt: tuple[int, TrajectoryView]) -> int:
+def _length(pt: tuple[int, TrajectoryView]) -> int:
     return pt[1].length

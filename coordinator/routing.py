@@ -17,7 +17,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -39,6 +39,20 @@ class Placement(NamedTuple):
     traj: TrajectoryView
     v_traj: int
     initial: bool  # V_traj is assigned by this decision and must be Reserved
+
+
+class RoutingStrategy(Protocol):
+    def route(
+        self,
+        fleet: Fleet,
+        pool: TrajectoryPool,
+        sketch: AdmissionSketch,
+        ps_version: int | None = None,
+    ) -> list[Placement]:
+        """Routes for trajectories of ``pool``, each at most once. Updates ``fleet``'s loads
+        and Reserves every initial placement in ``sketch``. ``ps_version``: the PS's
+        version this cycle (None: unknown; a strategy may ignore it)."""
+        ...
 
 
 # probe(traj, length, threshold, chosen_version, chosen_gain, chosen_pos) -> stop the pass?

@@ -30,26 +30,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from coordinator.fleet import Fleet
 from coordinator.pool import TrajectoryPool
-from coordinator.routing import Placement
+from coordinator.routing import Placement, RoutingStrategy
 from coordinator.types import TrajectoryView
 from staleness.interface import AdmissionSketch
 from staleness.types import GroupId, TrajId
-
-
-class _Routing(Protocol):
-    """``coordinator.strategies.RoutingStrategy`` (which imports this module)."""
-
-    def route(
-        self,
-        fleet: Fleet,
-        pool: TrajectoryPool,
-        sketch: AdmissionSketch,
-        ps_version: int | None = None,
-    ) -> list[Placement]: ...
 
 
 def chunk_cap(response_len: int, max_response: int, chunk_tokens: int | None) -> int:
@@ -180,7 +167,7 @@ class SeerRouting:
     """A routing strategy that orders each MLQ level as Algorithm 1 does, then lets
     ``inner`` (the configured routing) place the trajectories in that order."""
 
-    def __init__(self, inner: _Routing, context: LengthContext) -> None:
+    def __init__(self, inner: RoutingStrategy, context: LengthContext) -> None:
         self.inner = inner
         self.context = context
 

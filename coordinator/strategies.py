@@ -14,7 +14,7 @@ from coordinator.fleet import Fleet
 from coordinator.migration import Migration, NoMigration, ThroughputMigration
 from coordinator.pool import TrajectoryPool
 from coordinator.race import TailRace
-from coordinator.routing import Placement, ThroughputRouting
+from coordinator.routing import RoutingStrategy, ThroughputRouting
 from coordinator.seer import LengthContext, SeerRouting
 from coordinator.sync import GreedySync, ThroughputSync
 from coordinator.vanilla_routing import LeastLoadedRouting
@@ -33,20 +33,6 @@ class SyncStrategy(Protocol):
 class MigrationStrategy(Protocol):
     def select(self, fleet: Fleet) -> list[Migration]:
         """(position, trajectories) to interrupt; the lists are disjoint. Pure."""
-        ...
-
-
-class RoutingStrategy(Protocol):
-    def route(
-        self,
-        fleet: Fleet,
-        pool: TrajectoryPool,
-        sketch: AdmissionSketch,
-        ps_version: int | None = None,
-    ) -> list[Placement]:
-        """Routes for trajectories of ``pool``, each at most once. Updates ``fleet``'s loads
-        and Reserves every initial placement in ``sketch``. ``ps_version``: the PS's
-        version this cycle (None: unknown; a strategy may ignore it)."""
         ...
 
 

@@ -104,9 +104,12 @@ class TrajectoryServerService:
         return wire.pack_plain(self._ts.export_state())
 
     def take_batch(
-        self, group_ids: Sequence[int], select: Mapping[int, Sequence[int]] | None
+        self,
+        group_ids: Sequence[int],
+        select: Mapping[int, Sequence[int]] | None,
+        read: Sequence[int] = (),
     ) -> bytes:
-        return wire.pack(self._ts.take_batch(group_ids, select))
+        return wire.pack(self._ts.take_batch(group_ids, select, read))
 
     def read_batch(
         self, group_ids: Sequence[int], select: Mapping[int, Sequence[int]] | None
@@ -269,10 +272,13 @@ class TrajectoryServerClient:
         return wire.unpack_plain(self._call("export_state"))
 
     def take_batch(
-        self, group_ids: Iterable[int], select: Mapping[int, Sequence[int]] | None = None
+        self,
+        group_ids: Iterable[int],
+        select: Mapping[int, Sequence[int]] | None = None,
+        read: Iterable[int] = (),
     ) -> TrainingBatch:
         plain = None if select is None else {g: tuple(ids) for g, ids in select.items()}
-        reply = self._call("take_batch", tuple(group_ids), plain)
+        reply = self._call("take_batch", tuple(group_ids), plain, tuple(read))
         return wire.unpack(reply, TrainingBatch)
 
     def read_batch(

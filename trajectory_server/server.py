@@ -28,12 +28,7 @@ from typing import Any
 import numpy as np
 
 from trajectory_server import persist, validate
-from trajectory_server.errors import (
-    InvalidPayload,
-    InvalidTransition,
-    NotHolder,
-    VersionConflict,
-)
+from trajectory_server.errors import InvalidPayload, InvalidTransition, NotHolder, VersionConflict
 from trajectory_server.interface import PromptSource
 from trajectory_server.records import (
     COMPLETED,
@@ -405,14 +400,20 @@ class TrajectoryServer:
         self,
         group_ids: Iterable[int],
         select: Mapping[int, Sequence[int]] | None = None,
+        read: Iterable[int] = (),
     ) -> TrainingBatch:
         """Hand the completed trajectories of consumed groups to the trainer and forget
         the groups. ``select`` restricts a group to the given completed trajectory ids.
-        Members not taken are dropped and reported in ``TrainingBatch.dropped``."""
+        Members not taken are dropped and reported in ``TrainingBatch.dropped``. Groups in
+        ``read`` (read already, :meth:`read_batch`) are forgotten but not handed back."""
         plan = self._batch_plan(group_ids, select, "take_batch")
+        known = set(read)
+        if extra := known - {group.group_id for group, _ in plan}:
+            raise InvalidTransition(f"read names groups {sorted(extra)} not given to take")
         groups, dropped = [], []
         for group, taken in plan:
-            groups.append(self._training_group(group, taken))
+            if group.group_id not in known:
+                groups.append(self._training_group(group, taken))
             for t in taken:
                 self._s.drop(t)
             self._s.consumed_trajs += len(taken)

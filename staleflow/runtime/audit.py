@@ -9,19 +9,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from trajectory_server.types import TrainingBatch
-
-
-class BatchSource(Protocol):
-    def take_batch(
-        self, group_ids: Iterable[int], select: Mapping[int, Sequence[int]] | None = None
-    ) -> TrainingBatch: ...
-
-    def read_batch(
-        self, group_ids: Iterable[int], select: Mapping[int, Sequence[int]] | None = None
-    ) -> TrainingBatch: ...
+from staleflow.runtime.training import BatchSource
+from trajectory_server.types import TrainingBatch, TrainingGroup
 
 
 class AuditedBatches:
@@ -30,17 +21,26 @@ class AuditedBatches:
 
     def __init__(self, source: BatchSource, path: str | Path, version: Callable[[], int]) -> None:
         self._source, self._path, self._version = source, Path(path), version
+        self._read: dict[int, TrainingGroup] = {}
 
     def read_batch(
         self, group_ids: Iterable[int], select: Mapping[int, Sequence[int]] | None = None
     ) -> TrainingBatch:
         """A streamed group is written down when its batch is taken, not when read."""
-        return self._source.read_batch(group_ids, select)
+        batch = self._source.read_batch(group_ids, select)
+        self._read.update((g.group_id, g) for g in batch.groups)
+        return batch
 
     def take_batch(
-        self, group_ids: Iterable[int], select: Mapping[int, Sequence[int]] | None = None
+        self,
+        group_ids: Iterable[int],
+        select: Mapping[int, Sequence[int]] | None = None,
+        read: Iterable[int] = (),
     ) -> TrainingBatch:
-        batch = self._source.take_batch(group_ids, select)
+        read = tuple(read)
+        batch = self._source.take_batch(group_ids, select, read)
+        groups = [self._read[g] for g in read] + list(batch.groups)
+        self._read.clear()
         version = self._version()
         lines = [
             json.dumps(
@@ -53,7 +53,7 @@ class AuditedBatches:
                     "versions": t.versions.tolist(),
                 }
             )
-            for g in batch.groups
+            for g in groups
             for t in g.trajectories
         ]
         with self._path.open("a", encoding="utf-8") as f:

@@ -21,7 +21,7 @@ import numpy as np
 
 from staleflow.runtime.interface import ControlHandle, StepReport, StopRequested
 from staleflow.trainers.interface import StreamingTrainer
-from trajectory_server.types import AbortedTrajectory, TrainingBatch
+from trajectory_server.types import AbortedTrajectory, TrainingBatch, TrainingGroup
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +39,13 @@ class TrainerLike(Protocol):
 
 
 class BatchSource(Protocol):
+    """The TS as the trainer sees it (``TrajectoryServer`` or its client)."""
+
     def take_batch(
-        self, group_ids: Iterable[int], select: Mapping[int, Sequence[int]] | None = None
+        self,
+        group_ids: Iterable[int],
+        select: Mapping[int, Sequence[int]] | None = None,
+        read: Iterable[int] = (),
     ) -> TrainingBatch: ...
 
     def read_batch(
@@ -106,6 +111,39 @@ class TrainedStep:
     digest: BatchDigest
 
 
+class StreamedGroups:
+    """The groups a streaming trainer read from the TS before their buffer was Consumed.
+    The Consume then takes them without their payloads (``take_batch(read=...)``), so a
+    streamed batch crosses the wire once; the digest and the audit still see all of it."""
+
+    def __init__(self) -> None:
+        self._groups: dict[int, TrainingGroup] = {}
+
+    def read(self, ts: BatchSource, select: Mapping[int, Sequence[int]]) -> TrainingBatch:
+        part = ts.read_batch(list(select), select)
+        self._groups.update((g.group_id, g) for g in part.groups)
+        return part
+
+    def take(
+        self, ts: BatchSource, select: Mapping[int, Sequence[int]], streamed: Collection[int]
+    ) -> tuple[TrainingBatch, TrainingBatch]:
+        """Take the consumed groups ``select``: the whole batch, and the part of it the
+        trainer has not trained on yet (the groups not ``streamed``)."""
+        read = [g for g in select if g in streamed and g in self._groups]
+        taken = ts.take_batch(list(select), select, read)
+        groups = {g: self._groups[g] for g in read} | {g.group_id: g for g in taken.groups}
+        self._groups.clear()
+        whole = tuple(groups[g] for g in select)  # in the order asked, as take_batch hands
+        rest = tuple(g for g in taken.groups if g.group_id not in streamed)
+        return (
+            TrainingBatch(whole, taken.dropped, taken.temperature),
+            TrainingBatch(rest, taken.dropped, taken.temperature),
+        )
+
+    def clear(self) -> None:
+        self._groups.clear()
+
+
 @runtime_checkable
 class StepDriver(Protocol):
     """One trainer, in one process or a pool, as the loop drives it."""
@@ -152,6 +190,7 @@ class LocalStepDriver:
 
     def __init__(self, trainer: TrainerLike, ts: BatchSource, pusher: Pusher) -> None:
         self.trainer, self._ts, self._pusher = trainer, ts, pusher
+        self._read = StreamedGroups()
 
     @property
     def version(self) -> int:
@@ -161,11 +200,7 @@ class LocalStepDriver:
         self, select: Mapping[int, Sequence[int]], streamed: Collection[int] = ()
     ) -> TrainedStep:
         v = self.trainer.version
-        batch = self._ts.take_batch(list(select), select)
-        rest = batch
-        if streamed:  # the whole batch leaves the TS; the trainer still lacks the rest
-            groups = tuple(g for g in batch.groups if g.group_id not in streamed)
-            rest = TrainingBatch(groups, batch.dropped, batch.temperature)
+        batch, rest = self._read.take(self._ts, select, streamed)
         metrics = dict(self.trainer.train_step(rest))
         return TrainedStep(metrics, BatchDigest.of(batch, v))
 
@@ -175,11 +210,12 @@ class LocalStepDriver:
 
     def stream(self, select: Mapping[int, Sequence[int]]) -> None:
         trainer: StreamingTrainer = self.trainer  # type: ignore[assignment]
-        trainer.stream(self._ts.read_batch(list(select), select))
+        trainer.stream(self._read.read(self._ts, select))
 
     def drop_stream(self) -> None:
         trainer: StreamingTrainer = self.trainer  # type: ignore[assignment]
         trainer.drop_stream()
+        self._read.clear()
 
     def publish(self, version: int) -> PushHandleLike:
         return self._pusher.push_async(version, self.trainer.export_weights())

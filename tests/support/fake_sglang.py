@@ -315,8 +315,8 @@ class FakeSGLangServer:
                     raise HTTPFailure(400, f"fake: two requests in flight with seed {key}")
             else:
                 key = next(self._ids)
-            ids_ = np.asarray(ids, dtype=np.int32)
-            gen = _Generation(rid, key, ids_, max_new, self.deterministic)
+            input_ids = np.asarray(ids, dtype=np.int32)
+            gen = _Generation(rid, key, input_ids, max_new, self.deterministic)
             n = len(gen.prefix)
             request = GenerationRequest(
                 gen.traj_id,

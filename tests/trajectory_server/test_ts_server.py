@@ -277,6 +277,33 @@ def test_read_batch_is_what_take_batch_hands_out_and_changes_nothing(make_ts, re
         ts.read_batch([0])
 
 
+def test_take_batch_forgets_the_groups_read_before_without_handing_them_again(ts, response):
+    """A streamed group crosses the wire once: ``read=`` names groups the trainer read
+    already, which leave the TS like the rest but come back without their payloads."""
+    complete_group(ts, 0, response)
+    complete_group(ts, 1, response)
+    ts.route(ts.group_members(2), 0, "inst")
+    ts.complete(4, *response(1, 0), reward=1.0, finish_reason="stop")
+    ts.read_batch([0])
+    batch = ts.take_batch([0, 1, 2], read=[0])
+    assert [g.group_id for g in batch.groups] == [1, 2]
+    assert [(d.traj_id, d.state) for d in batch.dropped] == [(5, TrajState.ROUTED)]
+    s = ts.stats()
+    assert (s.consumed_groups, s.consumed_trajectories, s.aborted_trajectories) == (3, 5, 1)
+    with pytest.raises(UnknownGroup, match="already consumed"):
+        ts.take_batch([0])
+
+
+def test_take_batch_refuses_read_groups_it_was_not_given_and_changes_nothing(ts, response):
+    complete_group(ts, 0, response)
+    complete_group(ts, 1, response)
+    state = wire.pack_plain(ts.export_state())
+    with pytest.raises(InvalidTransition, match=r"read names groups \[1\] not given"):
+        ts.take_batch([0], read=[0, 1])
+    assert wire.pack_plain(ts.export_state()) == state
+    assert [g.group_id for g in ts.take_batch([0, 1], read=[1]).groups] == [0]
+
+
 def test_abort_in_any_state_and_group_removal(ts, response):
     ts.route([0, 2], 1, "i")
     ts.complete(2, *response(1, 1), reward=0.0, finish_reason="stop")

@@ -45,9 +45,12 @@ class RankActor:
         import torch
 
         torch.set_num_threads(spec.section.num_threads)
+        from staleflow.runtime.training import StreamedGroups
+
         self._spec, self._rank_id = spec, rank
         self._rank: Any = None
         self._ts: Any = None
+        self._read = StreamedGroups()  # a data leader's streamed groups until the Consume
 
     def rendezvous(self) -> str:
         """``host:port`` where rank 0 waits for the others."""
@@ -135,12 +138,11 @@ class RankActor:
         rank = self._rank
         part = digest = None
         if rank.is_data_leader:
-            select = select or {}
-            part = self._ts.take_batch(list(select), select) if select else TrainingBatch(())
-            digest = BatchDigest.of(part, rank.version)
-            if streamed:
-                rest = tuple(g for g in part.groups if g.group_id not in streamed)
-                part = TrainingBatch(rest, part.dropped, part.temperature)
+            whole = part = TrainingBatch(())
+            if select:
+                whole, part = self._read.take(self._ts, select, streamed)
+            self._read.clear()  # a leader with no group this step may still hold reads
+            digest = BatchDigest.of(whole, rank.version)
         metrics = rank.train_step(part)
         rank.start_push()
         return metrics, digest
@@ -152,12 +154,12 @@ class RankActor:
 
         part = None
         if self._rank.is_data_leader:
-            select = select or {}
-            part = self._ts.read_batch(list(select), select) if select else TrainingBatch(())
+            part = self._read.read(self._ts, select) if select else TrainingBatch(())
         self._rank.stream(part)
 
     def drop_stream(self) -> None:
         self._rank.drop_stream()
+        self._read.clear()
 
     def wait_push(self, version: int) -> None:
         """Return once this rank's Push of ``version`` is done (at once if it was fenced)."""
@@ -259,6 +261,7 @@ class MegatronTrainer:
         self.spec = spec
         self.ranks = list(ranks)
         self._version = int(version)
+        self._streamed_by: dict[int, int] = {}  # group -> the data leader that streamed it
         # a step, a checkpoint and a refill each call every rank: two of them interleaved
         # could meet different ranks in different orders, and their collectives deadlock
         self._lock = threading.Lock()
@@ -287,17 +290,19 @@ class MegatronTrainer:
 
         from staleflow.runtime.training import BatchDigest, TrainedStep
 
-        # the groups still to train are shared out evenly; the streamed ones only leave the
-        # TS, with replica 0
+        # the groups still to train are shared out evenly; each streamed one only leaves
+        # the TS, with the data leader that read it (which has its payload already)
         rest = {g: ids for g, ids in select.items() if g not in streamed}
         done = {g: ids for g, ids in select.items() if g in streamed}
         with self._lock:
+            shares = self._shares(rest, done, self._streamed_by)
             calls = [
                 rank.step.remote(mine, tuple(done))
-                for rank, mine in zip(self.ranks, self._shares(rest, done), strict=True)
+                for rank, mine in zip(self.ranks, shares, strict=True)
             ]
             results = ray.get(calls)
             self._version += 1
+            self._streamed_by.clear()
         metrics = results[0][0]
         digest = BatchDigest.merge(d for _, d in results if d is not None)
         return TrainedStep(metrics, digest)
@@ -311,22 +316,28 @@ class MegatronTrainer:
         import ray
 
         with self._lock:
-            shares = zip(self.ranks, self._shares(select), strict=True)
-            ray.get([rank.stream.remote(mine) for rank, mine in shares])
+            shares = self._shares(select)
+            calls = zip(self.ranks, shares, strict=True)
+            ray.get([rank.stream.remote(mine) for rank, mine in calls])
+            for g, mine in enumerate(shares):
+                self._streamed_by.update((gid, g) for gid in mine or ())
 
     def drop_stream(self) -> None:
         import ray
 
         with self._lock:
             ray.get([r.drop_stream.remote() for r in self.ranks])
+            self._streamed_by.clear()
 
     def _shares(
         self,
         select: Mapping[int, Sequence[int]],
         extra: Mapping[int, Sequence[int]] | None = None,
+        owners: Mapping[int, int] | None = None,
     ) -> list[dict[int, tuple[int, ...]] | None]:
         """Per global rank: its replica's groups of ``select`` (balanced, whole groups) if it
-        is the replica's data leader, else None. ``extra`` goes to replica 0's leader."""
+        is the replica's data leader, else None. A group of ``extra`` goes to the leader
+        ``owners`` names for it (global rank), else to replica 0's."""
         s = self.spec.section
         parts = assign_groups({g: len(ids) for g, ids in select.items()}, s.dp)
         out: list[dict[int, tuple[int, ...]] | None] = []
@@ -335,9 +346,10 @@ class MegatronTrainer:
             mine = None
             if self._leaders.get(replica) == g:
                 mine = {gid: tuple(select[gid]) for gid in parts[replica]}
-                if replica == 0 and extra:
-                    mine.update({gid: tuple(ids) for gid, ids in extra.items()})
             out.append(mine)
+        for gid, ids in (extra or {}).items():
+            owner = (owners or {}).get(gid, self._leaders[0])
+            out[owner] = {**(out[owner] or {}), gid: tuple(ids)}
         return out
 
     def publish(self, version: int) -> _PoolPush:

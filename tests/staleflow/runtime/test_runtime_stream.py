@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 
 import pytest
 
+from staleflow.runtime.audit import AuditedBatches, read_audit
 from staleflow.runtime.interface import StopRequested
-from staleflow.runtime.training import TrainingLoop
+from staleflow.runtime.training import BatchSource, TrainingLoop
 from tests.staleflow.runtime.fakes import CountingTrainer, SyncPusher
 from tests.staleflow.runtime.test_runtime_inprocess import Wired, _assert_conserved, run, wire
+from trajectory_server import TrajectoryServer
 from trajectory_server.types import TrainingBatch
+
+Select = Mapping[int, Sequence[int]]
 
 
 class StreamingTrainer(CountingTrainer):
@@ -26,6 +31,7 @@ class StreamingTrainer(CountingTrainer):
         self.parts: list[list[TrainingBatch]] = [[]]
         self.streamed_now = threading.Event()  # a part of the current step came in
         self.dropped = 0
+        self.handed: Handed | None = None
 
     def stream(self, part: TrainingBatch) -> None:
         assert part.groups and not part.dropped
@@ -45,6 +51,26 @@ class StreamingTrainer(CountingTrainer):
         return {}
 
 
+class Handed:
+    """The TS as the training loop sees it, counting the groups each call hands over
+    with their payloads."""
+
+    def __init__(self, ts: TrajectoryServer) -> None:
+        self.ts, self.groups = ts, Counter[int]()
+
+    def read_batch(self, group_ids: Iterable[int], select: Select | None = None) -> TrainingBatch:
+        return self._count(self.ts.read_batch(group_ids, select))
+
+    def take_batch(
+        self, group_ids: Iterable[int], select: Select | None = None, read: Iterable[int] = ()
+    ) -> TrainingBatch:
+        return self._count(self.ts.take_batch(group_ids, select, read))
+
+    def _count(self, batch: TrainingBatch) -> TrainingBatch:
+        self.groups.update(g.group_id for g in batch.groups)
+        return batch
+
+
 def _wake(w: Wired) -> None:
     """Held trajectories leave an instance's generation thread asleep: after the hold
     changed, wake it (as a submit would)."""
@@ -53,13 +79,17 @@ def _wake(w: Wired) -> None:
             h.instance._work.notify_all()
 
 
-def _streaming(w: Wired) -> StreamingTrainer:
+def _streaming(w: Wired, audit: Path | None = None) -> StreamingTrainer:
     trainer = StreamingTrainer(lambda: _wake(w))
+    trainer.handed = Handed(w.ts)
     w.trainer = trainer
+    source: BatchSource = trainer.handed
+    if audit is not None:
+        source = AuditedBatches(source, audit, lambda: trainer.version)
     w.loop = TrainingLoop(
         trainer,
         control=w.control,
-        ts=w.ts,
+        ts=source,
         pusher=SyncPusher(w.ps),
         consume_timeout_s=30,
         stream=True,
@@ -67,14 +97,14 @@ def _streaming(w: Wired) -> StreamingTrainer:
     return trainer
 
 
-def test_groups_are_trained_before_their_buffer_is_ready_and_the_step_gets_the_rest():
+def test_groups_are_trained_before_their_buffer_is_ready_and_the_step_gets_the_rest(tmp_path):
     """eta=0, two groups of two per step: the TS holds exactly one step's groups, so step
     ``k`` has trajectories ``4k..4k+3`` and the second group holds ``4k+3``. That one is
     held until the trainer streamed a group of the same step: the buffer can only turn
     Ready if streaming works (else the Consume times out)."""
     box: list[StreamingTrainer] = []
     w = wire(0, hold=lambda tid: tid % 4 == 3 and not box[0].streamed_now.is_set())
-    trainer = _streaming(w)
+    trainer = _streaming(w, audit=tmp_path / "audit.jsonl")
     box.append(trainer)
     reports = run(w, steps=4)
     w.control.check()
@@ -95,6 +125,15 @@ def test_groups_are_trained_before_their_buffer_is_ready_and_the_step_gets_the_r
             t.traj_id for g in groups for t in g.trajectories
         )
     assert max(seen.values()) == 1 and len(seen) == 16
+    # each group's payload crossed from the TS once: the Consume did not send the streamed
+    # ones again, and the step's digest (consumed_traj_ids above) still has all of them
+    assert trainer.handed is not None
+    assert len(trainer.handed.groups) == 8 and set(trainer.handed.groups.values()) == {1}
+    # the audit trail still writes every trajectory once, streamed or not, when taken
+    lines = read_audit(tmp_path / "audit.jsonl")
+    assert sorted(line["traj_id"] for line in lines) == list(range(16))
+    assert all(len(line["tokens"]) == len(line["versions"]) > 0 for line in lines)
+    assert [line["version"] for line in lines] == [v for v in range(4) for _ in range(4)]
     _assert_conserved(w)
     assert [rec.streamed_groups for rec in w.control.records()] == [
         r.streamed_groups for r in reports
