@@ -129,6 +129,7 @@ class StreamedGroups:
     ) -> tuple[TrainingBatch, TrainingBatch]:
         """Take the consumed groups ``select``: the whole batch, and the part of it the
         trainer has not trained on yet (the groups not ``streamed``)."""
+        streamed = set(streamed)
         read = [g for g in select if g in streamed and g in self._groups]
         taken = ts.take_batch(list(select), select, read)
         groups = {g: self._groups[g] for g in read} | {g.group_id: g for g in taken.groups}

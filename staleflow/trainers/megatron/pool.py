@@ -292,6 +292,7 @@ class MegatronTrainer:
 
         # the groups still to train are shared out evenly; each streamed one only leaves
         # the TS, with the data leader that read it (which has its payload already)
+        streamed = set(streamed)
         rest = {g: ids for g, ids in select.items() if g not in streamed}
         done = {g: ids for g, ids in select.items() if g in streamed}
         with self._lock:
