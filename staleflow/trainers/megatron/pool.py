@@ -44,9 +44,9 @@ class RankActor:
     def __init__(self, spec: RankSpec, rank: int) -> None:
         import torch
 
-        torch.set_num_threads(spec.section.num_threads)
         from staleflow.runtime.training import StreamedGroups
 
+        torch.set_num_threads(spec.section.num_threads)
         self._spec, self._rank_id = spec, rank
         self._rank: Any = None
         self._ts: Any = None
