@@ -4,7 +4,8 @@ finding 3 (docs/simulator.md, "Finding 3").
 For each system, on one workload of the matrix at one eta, it records per run:
 
 - the trainer's wait before each step (the time its buffer took to become Ready after
-  the previous step ended), so the warm-up's share of the run is visible;
+  the previous step ended), so the warm-up's share of the run is visible, and when each
+  step started and how many tokens its batch held (which groups the first buffers got);
 - ``withheld``: initial trajectories the staleness manager admitted at version 0 that
   stayed in the TS while some instance still had KV to spare, summed over the cycles
   before the first step (instance-seconds of admissible work left unrouted);
@@ -16,7 +17,8 @@ For each system, on one workload of the matrix at one eta, it records per run:
     python experiments/sim_rampup.py --workload hetero-0.2 --rollout-gpus 64 \\
         --systems staleflow-paper,staleflow,vanilla,sticky --seeds 0,1 --jobs 2
 
-Writes rampup.{csv,json} into --out (default results/sim_rampup/).
+Writes rampup.{csv,json} into --out (default results/sim_rampup/). ``--small`` runs the
+workload's shape on the ``tiny`` preset's scale: a smoke test, not a measurement.
 """
 
 from __future__ import annotations
@@ -49,11 +51,12 @@ class Run(NamedTuple):
     seed: int
     steps: int
     rollout_gpus: int | None
+    small: bool = False
 
 
 def simulate(run: Run) -> dict[str, Any]:
     base = WORKLOADS[run.workload].config(
-        run.eta, steps=run.steps, seed=run.seed, rollout_gpus=run.rollout_gpus
+        run.eta, steps=run.steps, seed=run.seed, rollout_gpus=run.rollout_gpus, small=run.small
     )
     cluster = SimCluster(system(run.system, base))
     trainer = cluster.trainer
@@ -98,10 +101,13 @@ def simulate(run: Run) -> dict[str, Any]:
         "seed": run.seed,
         "tokens_per_s": s.tokens_per_s,
         "steady_tokens_per_s": s.steady_tokens_per_s,
+        "seconds": s.seconds,
         "rampup_s": s.rampup_s,
         "warmup_waits_s": sum(waits[:warm]),
         "steady_waits_s": sum(waits[warm:]),
         "waits_s": [round(w) for w in waits],
+        "starts_s": [round(t) for t in starts],
+        "batch_tokens": list(trainer.step_tokens),
         "withheld": probe["withheld"],
         "v0_last_start_s": max(v0_start.values(), default=0.0),
         "pull_interrupted_warmup": probe["pull_interrupted_warmup"],
@@ -122,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--systems", default="staleflow-paper,staleflow,vanilla,sticky")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--small", action="store_true", help="tiny-scale smoke run (no measurement)")
     add_seed_options(p)
     args = p.parse_args(argv)
     try:
@@ -130,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     steps = args.steps or args.eta + 8
     tasks = [
-        Run(name, args.workload, args.eta, seed, steps, args.rollout_gpus)
+        Run(name, args.workload, args.eta, seed, steps, args.rollout_gpus, args.small)
         for seed in seeds
         for name in args.systems.split(",")
         if name
@@ -150,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(f"The warm-up ({where})", rows, cols)
     for r in rows:
         print(f"{r['system']} seed={r['seed']}: waits before each step {r['waits_s']}")
+        print(f"{r['system']} seed={r['seed']}: steps start at {r['starts_s']}")
+        batches = ", ".join(f"{n / 1e6:.1f}" for n in r["batch_tokens"])
+        print(f"{r['system']} seed={r['seed']}: batches (M tokens) [{batches}]")
     paths = write_rows(results_dir(args.out, SCRIPT), "rampup", rows)
     print("wrote " + ", ".join(str(x) for x in paths))
     return 0
