@@ -307,14 +307,11 @@ def test_cpu_times_read_this_machine():
 
 
 def test_the_threads_benchmark_prints_a_row_per_setting(tmp_path, capsys, monkeypatch):
-    import importlib.util
     import sys
-    from pathlib import Path
 
-    path = Path(__file__).resolve().parents[3] / "experiments" / "bench_warmup.py"
-    spec = importlib.util.spec_from_file_location("bench_warmup", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    from tests.support.experiments import load
+
+    bench = load("bench_warmup")
     monkeypatch.setattr(
         bench, "build_arithmetic_model", lambda *a, **k: build_arithmetic_model("micro")
     )

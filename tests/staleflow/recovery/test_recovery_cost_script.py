@@ -4,22 +4,17 @@ all of it without progress reports, less with them (the TS kept what was reporte
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-pytest.importorskip("torch")
+from tests.support.experiments import load
 
-SCRIPT = Path(__file__).resolve().parents[3] / "experiments" / "recovery_cost.py"
+pytest.importorskip("torch")
 
 
 def test_the_script_measures_tokens_regenerated_per_kill(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("recovery_cost", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load("recovery_cost")
     out = tmp_path / "cost.json"
     args = ["--progress", "0,0.1", "--rounds", "1", "--response-tokens", "48", "--json", str(out)]
     assert module.main(args) == 0

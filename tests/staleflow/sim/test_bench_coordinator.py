@@ -3,9 +3,7 @@ figures."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -13,17 +11,11 @@ from typing import Any
 from coordinator import CoordinatorConfig, build_strategies
 from coordinator.fleet import Fleet
 from coordinator.pool import TrajectoryPool
-
-BENCH = Path(__file__).resolve().parents[3] / "experiments" / "bench_coordinator.py"
+from tests.support.experiments import load
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_coordinator", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load("bench_coordinator")
 
 
 def _oldest_per_instance(bench: ModuleType, scene: Any) -> float:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
 import itertools
 import json
 from pathlib import Path
@@ -19,10 +18,10 @@ from staleflow.sim.report import seed_list, stats
 from staleflow.sim.scaling import scale, value
 from staleflow.sim.summary import staleness_per_buffer
 from staleflow.sim.timeline import Timeline
+from tests.support.experiments import load
 
 pytest.importorskip("matplotlib")
 
-EXPERIMENTS = Path(__file__).resolve().parents[3] / "experiments"
 SCRIPTS = (
     "sim_eta_sweep",
     "sim_ablation",
@@ -34,11 +33,7 @@ SCRIPTS = (
 
 
 def _script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load(name)
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
@@ -18,10 +17,10 @@ import pytest
 from staleflow.config import RunConfig, save_config
 from staleflow.runtime.record import StepRecord, instance_steps, step_busy
 from staleflow.runtime.runfolder import RunFolderError, read_run_folder
+from tests.support.experiments import load
 
 pytest.importorskip("matplotlib")
 
-EXPERIMENTS = Path(__file__).resolve().parents[3] / "experiments"
 
 INSTANCES = 2
 IDLE = (0.1, 0.3)  # cumulative idle ratio per instance, constant: every step alike
@@ -105,11 +104,7 @@ def run_folder(
 
 
 def _script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load(name)
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:

@@ -3,7 +3,6 @@ tables, its verdicts and the independent staleness audit they rest on."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
@@ -15,16 +14,11 @@ import pytest
 from staleflow.sim import SimCluster, system
 from staleflow.sim.audit import StalenessAudit
 from staleflow.sim.presets import WORKLOADS
-
-EXPERIMENTS = Path(__file__).resolve().parents[3] / "experiments"
+from tests.support.experiments import load
 
 
 def _matrix() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sim_matrix", EXPERIMENTS / "sim_matrix.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("sim_matrix")
 
 
 def test_the_matrix_runs_audits_and_resumes(

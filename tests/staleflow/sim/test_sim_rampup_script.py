@@ -3,22 +3,17 @@ it prints (waits, starts, batch sizes) agrees with itself and with the run's thr
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-EXPERIMENTS = Path(__file__).resolve().parents[3] / "experiments"
+from tests.support.experiments import load
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sim_rampup", EXPERIMENTS / "sim_rampup.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("sim_rampup")
 
 
 def test_the_step_record_is_consistent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -5,22 +5,17 @@ switches."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-EXPERIMENTS = Path(__file__).resolve().parents[3] / "experiments"
+from tests.support.experiments import load
 
 
 def _script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("sim_seeds", EXPERIMENTS / "sim_seeds.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("sim_seeds")
 
 
 def test_off_and_on_side_by_side_over_seeds(tmp_path: Path) -> None:
