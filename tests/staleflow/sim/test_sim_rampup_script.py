@@ -5,22 +5,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
 from tests.support.experiments import load
 
 
-def _script() -> ModuleType:
-    return load("sim_rampup")
-
-
 def test_the_step_record_is_consistent(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     steps = 4
     argv = ["--workload", "heavy-tail", "--small", "--eta", "1", "--steps", str(steps)]
     argv += ["--systems", "staleflow,sticky", "--seeds", "0,", "--out", str(tmp_path)]
-    assert _script().main(argv) == 0
+    assert load("sim_rampup").main(argv) == 0
     rows = json.loads((tmp_path / "rampup.json").read_text())
     assert sorted(r["system"] for r in rows) == ["staleflow", "sticky"]
     out = capsys.readouterr().out
