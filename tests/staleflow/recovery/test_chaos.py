@@ -22,10 +22,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -43,9 +46,9 @@ SEED = 20261124
 RUN = [
     *MICRO_RUN,
     f"eta={ETA}",
-    # the rollout must be the slowest stage, so that the stop (sent just after a step's
-    # record) always finds responses in the middle: the tiny model (about 5 ms a token
-    # here), untrained, kept from its EOS by nucleus sampling, so that every response runs
+    # the rollout must be the slowest stage, so that instances are mostly decoding (and
+    # the stop, sent while one is, finds responses in the middle): the tiny model (about
+    # 5 ms a token here), untrained, kept from its EOS by nucleus sampling, so that every response runs
     # to 128 tokens, decoded one at a time per instance. With the micro model and whole
     # batches decoded at once, every response of a batch was often finished and waiting
     # for its reward when the stop came.
@@ -61,7 +64,7 @@ TIMEOUT_S = 240.0  # per wait; a loaded CI machine is slow, never this slow
 
 
 def _launch(tmp_path: Path, *args: str, log: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "staleflow.cli", "launch", "--no-live", "--no-dashboard", *args]
+    cmd = [sys.executable, "-m", "staleflow.cli", "launch", "--no-live", *args]
     out = (tmp_path / log).open("w")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=os.getcwd())
@@ -88,6 +91,33 @@ def _live(run_dir: Path) -> dict | None:
         return json.loads((run_dir / "live.json").read_text())
     except (OSError, ValueError):
         return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dashboard(log: Path) -> str | None:
+    """The URL the run printed (another port than asked for if that one was taken)."""
+    found = re.search(r"dashboard at (http://\S+/)", log.read_text(errors="replace"))
+    return found.group(1) if found else None
+
+
+def _mid_response(url: str) -> bool:
+    """Some instance is decoding a response and has another routed behind it: a stop
+    sent now finds partial responses even if the one running ends before the interrupt
+    comes (about a second later: the launcher polls its stop event every 0.5 s). Right
+    after a step, which is when the stop used to be sent, the instances are idle or
+    between responses about 5% of the time (sampled from the dashboard), and then the
+    stop interrupted nothing."""
+    try:
+        with urllib.request.urlopen(f"{url}api/instances?trajectories=true", timeout=5) as r:
+            instances = json.load(r)["instances"]
+    except (OSError, ValueError, KeyError):
+        return False  # not up yet, or between recoveries
+    return any(i.get("run_trajs") and i.get("wait_trajs") for i in instances)
 
 
 def _steps(run_dir: Path) -> int:
@@ -126,10 +156,13 @@ def _conserved(ck, consumed_before: int) -> None:
 def test_kills_a_stop_and_a_resume_lose_nothing_and_keep_the_bound(tmp_path):
     rng = random.Random(SEED)
     runs = tmp_path / "runs"
-    first = _launch(tmp_path, "steps=1000000", f"run_dir={runs}", *RUN, log="first.log")
+    # the dashboard shows the instances' trajectories: the stop is sent while they decode
+    dash = ["dashboard=true", f"dashboard_port={_free_port()}"]
+    first = _launch(tmp_path, "steps=1000000", f"run_dir={runs}", *RUN, *dash, log="first.log")
     log = tmp_path / "first.log"
     try:
         run_dir = _wait(first, lambda: next(runs.glob("*/live.json"), None), "the run", log).parent
+        url = _wait(first, lambda: _dashboard(log), "the dashboard", log)
         _wait(first, lambda: _steps(run_dir) >= 2, "two steps", log)
         victims = ["instance/0", "instance/1", "reward/0", "ps/0"]
         rng.shuffle(victims)
@@ -147,6 +180,7 @@ def test_kills_a_stop_and_a_resume_lose_nothing_and_keep_the_bound(tmp_path):
         _wait(first, restarted, f"{', '.join(victims)} to be restarted", log)
         after = _steps(run_dir) + 2
         _wait(first, lambda: _steps(run_dir) >= after, f"step {after}", log)
+        _wait(first, lambda: _mid_response(url), "an instance in the middle of a response", log)
         first.send_signal(signal.SIGTERM)
         assert first.wait(TIMEOUT_S) == 0, _tail(log)
     finally:
@@ -174,7 +208,9 @@ def test_kills_a_stop_and_a_resume_lose_nothing_and_keep_the_bound(tmp_path):
 
     target = steps + 5
     _resumes_the_manager_written(run_dir, target)
-    second = _launch(tmp_path, "--resume", str(run_dir), f"steps={target}", log="second.log")
+    second = _launch(
+        tmp_path, "--no-dashboard", "--resume", str(run_dir), f"steps={target}", log="second.log"
+    )
     try:
         assert second.wait(TIMEOUT_S * 2) == 0, _tail(tmp_path / "second.log")
     finally:
