@@ -44,6 +44,7 @@ from coordinator import CoordinatorConfig
 from coordinator.types import InstanceSnapshot
 from staleflow.control import ControlLoop, Decision
 from staleflow.recovery.events import RecoveryEvent, RecoveryLog
+from staleflow.rollout.instance import InstanceTimes
 from staleflow.runtime.fleet_ops import FleetOps, LostInstance, RecoverableStore
 from staleflow.runtime.interface import (
     InstanceGone,
@@ -397,6 +398,8 @@ class ControlPlane:
             elif kind == "consume":
                 self._queue_consume(*payload)
             elif kind == "lost":
+                if payload[0] in self.members:  # not a second report of the same loss
+                    self.metrics.instance_lost(payload[0])
                 self.fleet.lost(*payload)
                 if self.races is not None:
                     self.races.instance_left(payload[0])
@@ -412,12 +415,13 @@ class ControlPlane:
         try:
             if kind == "join":
                 result: Any = self.fleet.add(*arg)
-                self.metrics.instances = list(self.members)
+                self.metrics.instance_joined(arg[0])
             elif kind == "remove":
                 if self.races is not None:
                     self.races.instance_left(arg)
+                last = self._times_of(arg)
                 result = self.fleet.remove(arg)
-                self.metrics.instances = list(self.members)
+                self.metrics.instance_removed(arg, last)
             elif kind == "replay":
                 result = self.fleet.replay_completions()
             else:
@@ -537,13 +541,16 @@ class ControlPlane:
             self._clock() - self.metrics.started, kind, subject, detail, len(self.metrics.records)
         )
 
-    def _record_step(self, report: StepReport) -> None:
-        times = {}
-        for i in list(self.members):
-            try:
-                times[i] = self.members[i].times()
-            except InstanceGone as exc:
+    def _times_of(self, inst: int) -> InstanceTimes | None:
+        try:
+            return self.members[inst].times()
+        except InstanceGone as exc:
+            if inst in self.members:  # else not a member: the caller names the mistake
                 self._post_lost(exc, ())
+            return None
+
+    def _record_step(self, report: StepReport) -> None:
+        times = {i: t for i in list(self.members) if (t := self._times_of(i)) is not None}
         seer = self.coordinator.strategies.seer
         self.metrics.on_step(
             report,

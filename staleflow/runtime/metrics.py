@@ -2,7 +2,9 @@
 
 Time shares follow Table 3: every rollout instance-second of the run so far is split into
 Pull, Route, Interrupt (the coordinator's commands, timed by the executor's planes),
-prefill and decode (timed by the engine), and idle.
+prefill and decode (timed by the engine), and idle. An instance counts its own seconds
+from its start, so the seconds of one that was lost (and restarted under its id) and
+those of the run before a resume are carried here: the shares cover the whole run.
 """
 
 from __future__ import annotations
@@ -40,17 +42,44 @@ class StepMetrics:
         self.trained_tokens = 0
         self._window = _Window()
         self._last_step_at = started
+        # Table 3 seconds of instances that are gone (lost, removed, or before a resume),
+        # and each live instance's latest: an instance's own counters start at zero
+        self._carried: Counter[str] = Counter()
+        self._latest: dict[int, dict[str, float]] = {}
+        self._instance_s = 0.0  # the shares' denominator: instances x seconds, summed
 
     def continue_from(self, records: Sequence[StepRecord]) -> None:
         """A resumed run (``docs/recovery.md``): step numbers, elapsed time, trained
-        tokens and the staleness totals go on from a checkpoint's ``records``."""
+        tokens, the staleness totals and the rollout time shares go on from a
+        checkpoint's ``records``."""
         if not records:
             return
         self.records = list(records)
-        self.started -= records[-1].elapsed_s
+        last = records[-1]
+        self.started -= last.elapsed_s
         self.trained_tokens = sum(r.tokens or 0 for r in records)
         for r in records:
             self.staleness_total.update(r.staleness)
+        self._instance_s = last.elapsed_s * max(len(self.instances), 1)
+        shares = last.time_share
+        self._carried.update({k: shares[k] * self._instance_s for k in TABLE3 if k in shares})
+
+    def instance_lost(self, inst: int) -> None:
+        """``inst`` is gone: its seconds up to the last step stay in the shares (those
+        since are not known), its slot stays in the denominator until it is back, and
+        its successor under the same id counts from zero."""
+        self._carried.update(self._latest.pop(inst, {}))
+
+    def instance_removed(self, inst: int, times: InstanceTimes | None) -> None:
+        """``inst`` left the run (elastic rollout): ``times``, its last (asked as it
+        left; None if it could not answer), stay in the shares; its slot goes."""
+        last = self._latest.pop(inst, {})
+        self._carried.update(_seconds(times) if times is not None else last)
+        self.instances = [i for i in self.instances if i != inst]
+
+    def instance_joined(self, inst: int) -> None:
+        if inst not in self.instances:
+            self.instances.append(inst)
 
     def on_rewarded(self, r: Rewarded) -> None:
         self.rewarded_total += 1
@@ -78,10 +107,17 @@ class StepMetrics:
         elapsed = max(now - self.started, 1e-9)
         step_wall = max(now - self._last_step_at, 1e-9)
         self._last_step_at = now
+        # the fleet's size now stands for the whole step (joins and removals are rare)
+        self._instance_s += step_wall * max(len(self.instances), 1)
         self.trained_tokens += report.tokens
         self.staleness_total.update(report.staleness)
         w, self._window = self._window, _Window()
         idle = {i: idle_ratio(t.idle_s, t.busy_s) for i, t in instance_times.items()}
+        # one that did not answer keeps its latest seconds until it is declared lost
+        self._latest.update({i: _seconds(t) for i, t in instance_times.items()})
+        seconds = Counter(self._carried)
+        for own in self._latest.values():
+            seconds.update(own)
         rec = StepRecord(
             step=len(self.records) + 1,
             version=report.version,
@@ -112,7 +148,7 @@ class StepMetrics:
             staleness={int(k): int(n) for k, n in sorted(report.staleness.items())},
             instance_idle={i: r for i, r in sorted(idle.items()) if r is not None},
             instance_version={i: int(v) for i, v in sorted((instance_versions or {}).items())},
-            time_share=_time_shares(instance_times, elapsed, len(self.instances)),
+            time_share={k: seconds.get(k, 0.0) / self._instance_s for k in TABLE3},
             command_latency_s=dict(command_seconds),
             # the trainer's own metrics (train/loss, ...); the fields above take precedence
             extra={
@@ -124,10 +160,8 @@ class StepMetrics:
         return rec
 
 
-def _time_shares(
-    times: Mapping[int, InstanceTimes], elapsed: float, instances: int
-) -> dict[str, float]:
-    """Shares of all rollout instance-seconds so far (Table 3).
+def _seconds(t: InstanceTimes) -> dict[str, float]:
+    """One instance's seconds in each of Table 3's rollout columns, from its start.
 
     Pull / Route / Interrupt count the time each command kept an instance from
     generating (fetching and loading weights; fetching routed trajectories from the TS
@@ -135,15 +169,11 @@ def _time_shares(
     instances measure it. The control plane's view of the same commands, which adds the
     RPC and the wait for the decode step in progress, is ``command_latency_s``.
     """
-    total = max(elapsed * max(instances, 1), 1e-9)
-    held: Counter[str] = Counter()
-    for t in times.values():
-        held.update(t.command_s)
-    seconds = {
-        "pull": held["pull"],
-        "route": held["route"],
-        "interrupt": held["interrupt"] + held["abort"],
-        "prefill": sum(t.prefill_s for t in times.values()),
-        "decode": sum(t.decode_s for t in times.values()),
+    held = t.command_s
+    return {
+        "pull": held.get("pull", 0.0),
+        "route": held.get("route", 0.0),
+        "interrupt": held.get("interrupt", 0.0) + held.get("abort", 0.0),
+        "prefill": t.prefill_s,
+        "decode": t.decode_s,
     }
-    return {k: seconds[k] / total for k in TABLE3}

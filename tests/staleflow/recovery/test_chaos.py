@@ -19,6 +19,7 @@ states; ``metrics.jsonl``):
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
@@ -37,6 +38,7 @@ import pytest
 
 from staleflow.recovery import list_checkpoints, read_checkpoint
 from staleflow.runtime.audit import read_audit
+from staleflow.runtime.record import TABLE3
 from tests.staleflow.runtime.launch_checks import MICRO_RUN
 
 pytestmark = pytest.mark.ray
@@ -221,6 +223,9 @@ def test_kills_a_stop_and_a_resume_lose_nothing_and_keep_the_bound(tmp_path):
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     assert [r["step"] for r in records] == list(range(1, target + 1))  # its step count
     assert records[-1]["recovery/resumed"] == 1.0
+    for kind in TABLE3:  # an instance's seconds outlive it, and the first run's the stop
+        held = [r[f"rollout/time_share/{kind}"] * r["time/elapsed_s"] * 2 for r in records]
+        assert all(b >= a * (1 - 1e-9) for a, b in itertools.pairwise(held)), (kind, held)
     final = list_checkpoints(run_dir)[-1]
     end = read_checkpoint(final)
     assert end.steps == target
