@@ -148,7 +148,7 @@ class ControlPlane:
         self.config = config
         self.members = Members(instances, holders)
         self._ts = ts
-        self._gather = gather or _each_snapshot(self.members)
+        self._gather = gather or self.members.snapshots
         self._clock = clock
         self.planes = RuntimePlanes(self.members, on_gone=self._on_gone)
         self.loop = ControlLoop(
@@ -398,8 +398,7 @@ class ControlPlane:
             elif kind == "consume":
                 self._queue_consume(*payload)
             elif kind == "lost":
-                if payload[0] in self.members:  # not a second report of the same loss
-                    self.metrics.instance_lost(payload[0])
+                self.metrics.instance_lost(payload[0])
                 self.fleet.lost(*payload)
                 if self.races is not None:
                     self.races.instance_left(payload[0])
@@ -587,18 +586,3 @@ def _races(plane: ControlPlane, ts: Any, last: Mapping[str, float]) -> RuntimeRa
         speeds=estimator.relative if estimator is not None else None,
         totals=last,
     )
-
-
-def _each_snapshot(members: Members) -> Snapshots:
-    """Ask each instance in turn (an in-process run)."""
-
-    def gather(instances: Sequence[int]) -> list[InstanceSnapshot | InstanceGone]:
-        out: list[InstanceSnapshot | InstanceGone] = []
-        for i in instances:
-            try:
-                out.append(members[i].snapshot())
-            except InstanceGone as exc:
-                out.append(exc)
-        return out
-
-    return gather

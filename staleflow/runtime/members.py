@@ -6,8 +6,9 @@ asking for one that left raises :class:`~staleflow.runtime.interface.InstanceGon
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 
+from coordinator.types import InstanceSnapshot
 from staleflow.runtime.interface import InstanceGone, InstanceHandle
 from trajectory_server.types import InstanceId
 
@@ -63,3 +64,14 @@ class Members(Mapping[int, InstanceHandle]):
             if self._handles.pop(inst, None) is None:
                 return None
             return self._holders.pop(inst)
+
+    def snapshots(self, instances: Sequence[int]) -> list[InstanceSnapshot | InstanceGone]:
+        """Ask each of ``instances`` in turn (an in-process run); one that is gone
+        answers with its :class:`~staleflow.runtime.interface.InstanceGone`."""
+        out: list[InstanceSnapshot | InstanceGone] = []
+        for i in instances:
+            try:
+                out.append(self[i].snapshot())
+            except InstanceGone as exc:
+                out.append(exc)
+        return out
