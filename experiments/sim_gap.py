@@ -1,5 +1,6 @@
 """Why StaleFlow and the in-flight-limited baseline are close on the simulator: the
-measurements behind docs/simulator.md, "Why our gains differ from the paper's".
+measurements behind "Why our gains differed from the paper's" in
+experiments/log/simulator-2026-11-22-before-the-rules.md.
 
 Sections (``--sections``, default all), each StaleFlow against ``vanilla`` (R0S0M0, the
 in-flight-limited baseline) on the §6.5 preset at ``--eta``:

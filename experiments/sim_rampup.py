@@ -1,5 +1,5 @@
 """Where the first eta + 1 steps go: the measurements behind the diagnosis of the review's
-finding 3 (docs/simulator.md, "Finding 3").
+finding 3 (experiments/log/simulator-2026-11-22-before-the-rules.md, "Finding 3").
 
 For each system, on one workload of the matrix at one eta, it records per run:
 
