@@ -90,7 +90,7 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
         # throughput routing guarantees (Eq. 3 never routes into a queue). Least-loaded
         # routing queues every admissible trajectory on the instances, so their KV stays
         # full and a deferred Pull comes late or never (R0S1M1 made 0.86x R0S0M0 with it,
-        # 1.03x without: docs/simulator.md, Ablation).
+        # 1.03x without: docs/simulator.md, Strategies).
         pull_kv = config.pull_kv if config.routing == "throughput" else None
         # Holding the instances that run the critical tail is a deferred Pull too.
         held_tail = config.critical_tail if pull_kv is not None else None

@@ -9,7 +9,8 @@ Every number of the paper preset is explained in ``docs/simulator.md``; the shor
   ~61 GB of bf16 weights fit one 96 GB H20), so instances have one GPU each; the paper
   tunes the rollout/training split without reporting it; 64 rollout + 64 training GPUs
   gave StaleFlow the highest simulated throughput at eta = 3 of the splits 96/32, 80/48
-  and 64/64 (docs/simulator.md has the figures), so it is the default.
+  and 64/64 (experiments/log/simulator-2026-11-22-before-the-rules.md, "The GPU split is
+  not it", has the figures), so it is the default.
 - batch 128 x group 16 (§6.1), eta = 3 (§6.5), response cap 20K (§6.1/§6.4; §6.5 itself
   uses 40K, available with ``max_response=40_000``), prompts capped at 2K (§6.1).
 """
