@@ -333,6 +333,14 @@ class ControlPlane:
         if self._failure is None:
             self._drain_inbox()  # the last step's report may have arrived as we stopped
 
+    def settle(self) -> int:
+        """After :meth:`stop` (the end-of-run audit): interrupt every member and take out
+        the gone ones as the loop would (``FleetOps.lost``); returns what came back."""
+        assert self._thread is None or not self._thread.is_alive(), "settle() before stop()"
+        returned = self.fleet.interrupt_all()
+        self._drain_inbox()  # the losses the interrupts found, and those posted since
+        return returned
+
     def _serve(self) -> None:
         try:
             while not self._stop.is_set():
