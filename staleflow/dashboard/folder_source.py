@@ -32,7 +32,8 @@ from staleflow.dashboard.interface import (
 from staleflow.dashboard.runconfig import read_run_config
 from staleflow.dashboard.timeline import SeqLog
 from staleflow.runtime.record import RecordError, StepRecord, instance_steps
-from staleflow.runtime.runfolder import optional_int, read_summary
+from staleflow.runtime.runfolder import METRICS, optional_int, read_summary
+from staleflow.runtime.runstate import CRASHED, FINISHED, STOPPED, RunState, read_state
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class FolderSource:
         self._last_pull: dict[int, float] = {}
         self._last_push: float | None = None
         self._summary: dict[str, Any] | None = None
+        self._state = RunState("unknown", "not read yet")
         self._config, self._cost_model, self._config_note = read_run_config(self.path)
         self._refresh()
 
@@ -84,11 +86,15 @@ class FolderSource:
                 return
             self._checked = now
             self._read_metrics()
-            if self._summary is None:
-                self._summary = read_summary(self.path)
+            self._state = read_state(self.path)
+            summary = self._summary
+            if summary is None or summary.get("launch") != self._state.launch:
+                summary = read_summary(self.path)
+            # a resumed launch that has not ended cleanly shows no earlier launch's summary
+            self._summary = summary if self._state.owns(summary) else None
 
     def _read_metrics(self) -> None:
-        path = self.path / "metrics.jsonl"
+        path = self.path / METRICS
         try:
             with path.open("rb") as f:
                 f.seek(self._offset)
@@ -189,10 +195,12 @@ class FolderSource:
             ps_version=last.ps_version if last else None,
             steps=len(self._records),
             elapsed_s=last.elapsed_s if last else 0.0,
-            finished=self._summary is not None,
+            finished=self._state.kind in (FINISHED, STOPPED, CRASHED),
             cycles=last.cycles if last else None,
             discarded=last.discarded if last else None,
-            notes=(_FOLDER_NOTE,),
+            notes=(_FOLDER_NOTE, f"run {self._state.kind}: {self._state.detail}"),
+            phase=self._state.phase,
+            state=self._state.kind,
         )
 
     def records(self, since: int, limit: int) -> Page[StepRecord]:

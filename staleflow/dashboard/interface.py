@@ -83,6 +83,9 @@ class LiveView:
     # what the launcher says it is doing ("training 20 steps with eta=3", "saving the
     # checkpoint"...), for a source whose launcher tells it; None otherwise
     phase: str | None = None
+    # a run folder's state (staleflow.runtime.runstate): finished, running, stopped,
+    # crashed or unknown; None where ``finished`` says it all (a live or simulated run)
+    state: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

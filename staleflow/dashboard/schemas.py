@@ -72,6 +72,12 @@ class RunOut(BaseModel):
     phase: str | None = Field(
         None, description="what the launcher is doing now, when it tells the dashboard"
     )
+    state: str | None = Field(
+        None,
+        description="a run folder's state (state.json): finished, running, stopped "
+        "(resumable), crashed or unknown (another machine's, or a folder written before "
+        "state.json); null for a live or simulated run, where `finished` says it",
+    )
     notes: list[str]
     placement: dict[str, Any] = Field(
         default_factory=dict,
@@ -264,6 +270,7 @@ def run_out(info: RunInfo, live: LiveView) -> RunOut:
         pending_commands=live.pending_commands,
         actions=list(info.actions),
         phase=live.phase,
+        state=live.state,
         notes=[*info.notes, *live.notes],
         placement=dict(info.placement),
     )

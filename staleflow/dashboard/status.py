@@ -20,7 +20,7 @@ def status_view(source: RunSource, summary: Mapping[str, Any] | None = None) -> 
     last_page = source.records(max(total - 1, 0), 1).items
     last = last_page[0] if last_page else None
     unit = "virtual s" if info.clock == "virtual" else "s"
-    state = "finished" if live.finished else "running"
+    state = live.state or ("finished" if live.finished else "running")
     head = Table(title=f"{info.name} ({info.kind}, {state})", show_header=False)
     head.add_column("")
     head.add_column("", justify="right")

@@ -12,6 +12,7 @@ job took the room since the check) stops the launch naming it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Mapping
@@ -46,6 +47,52 @@ def import_ray() -> Any:
     return ray
 
 
+def startup_error(address: str, exc: BaseException) -> str:
+    """The one-line reason a Ray start or join failed, with what to do."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    why = lines[0] if lines else type(exc).__name__
+    if address:
+        return (
+            f"cannot join the Ray cluster at {address}: {why}; start one with "
+            "`ray start --head` (deploy/ and docs/cluster.md show how)"
+        )
+    return (
+        f"Ray did not start on this machine: {why}. Nothing of the run was changed: "
+        "retry (a loaded machine can miss Ray's 30 s start-up wait), or start Ray once "
+        "with `ray start --head` and launch with address=auto"
+    )
+
+
+def _children() -> set[int]:
+    try:
+        import psutil
+    except ImportError:  # ray[default] brings it; without it nothing is cleaned up
+        return set()
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _stop_started(ray: Any, before: set[int]) -> None:
+    """After a failed ``ray.init``: the processes it started (GCS, raylet, agents) are
+    owned by a node object Ray never kept, so ``ray.shutdown`` may not reach them;
+    terminate this process's children that were not there before it."""
+    try:
+        ray.shutdown()
+    except Exception as exc:
+        logger.debug("ray.shutdown after a failed start: %s", exc)
+    try:
+        import psutil
+    except ImportError:
+        return
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for p in new:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(new, timeout=5)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+
+
 class RayCluster:
     """A connection to the Ray cluster of a run; :meth:`shutdown` leaves a joined cluster
     running and stops one this process started."""
@@ -68,13 +115,12 @@ class RayCluster:
                 check_reachable(address)
             except (ConnectionError, ValueError) as exc:
                 raise LaunchError(str(exc)) from None
+        before = _children()
         try:
             ray.init(**init_kwargs(address, local_cpus))
-        except (ConnectionError, RuntimeError) as exc:  # e.g. auto with no cluster here
-            raise LaunchError(
-                f"cannot join the Ray cluster at {address or 'this machine'}: {exc}; start "
-                "one with `ray start --head` (deploy/ and docs/cluster.md show how)"
-            ) from None
+        except Exception as exc:  # Ray raises a bare Exception when its start-up times out
+            _stop_started(ray, before)
+            raise LaunchError(startup_error(address, exc)) from None
         return cls(ray, started=True, address=address or "local")
 
     def driver_node(self) -> str:

@@ -333,6 +333,17 @@ class ControlPlane:
         if self._failure is None:
             self._drain_inbox()  # the last step's report may have arrived as we stopped
 
+    def settle(self) -> int:
+        """After :meth:`stop` (the end-of-run audit): interrupt every member and take out
+        the gone ones as the loop would (``FleetOps.lost``); returns what came back."""
+        if self._thread is not None:  # stop() waits 10 s; a round in flight may take longer
+            self._thread.join(60)
+            if self._thread.is_alive():
+                raise ControlPlaneError("the control loop did not stop: nothing to settle")
+        returned = self.fleet.interrupt_all()
+        self._drain_inbox()  # the losses the interrupts found, and those posted since
+        return returned
+
     def _serve(self) -> None:
         try:
             while not self._stop.is_set():

@@ -159,6 +159,12 @@ class ControlActor:
     def lost(self, inst: int, reason: str) -> None:
         self._plane.lost(inst, reason)
 
+    def settle(self) -> dict[int, Any]:
+        """After :meth:`stop`: every member interrupted, the gone ones out of the run with
+        their trajectories back in the TS; the members left, by instance."""
+        self._plane.settle()
+        return {i: h for i, (_, h) in self.members().items()}
+
     def join(self, inst: int, handle: Any, holder: str, version: int, kind: str) -> None:
         self._plane.join(inst, InstanceClient(handle, inst), holder, version, kind).result()
 

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from staleflow.runtime.cluster import ACTOR_NAMESPACE, actor_name
+from staleflow.runtime.runfolder import LIVE
 
-LIVE = "live.json"  # written by the supervisor while the run is up
+__all__ = ["LIVE", "ScaleError", "find_run", "request_scale"]
 
 
 class ScaleError(RuntimeError):

@@ -26,6 +26,7 @@ import json
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,8 @@ from staleflow.runtime.placement import plan_placement
 from staleflow.runtime.record import StepRecord, reward_mean, trainer_idle_ratio
 from staleflow.runtime.run import Run, cause
 from staleflow.runtime.rundir import RunOutput
+from staleflow.runtime.runfolder import SUMMARY
+from staleflow.runtime.runstate import CRASHED, FINISHED, STOPPED, StateWriter
 from staleflow.runtime.stopping import graceful_stop
 
 if TYPE_CHECKING:
@@ -233,21 +236,25 @@ def build_dataset(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
 # -- after the run ---------------------------------------------------------------------------
 
 
-def summarise(
-    records: list[StepRecord], reports: list[Any], facts: dict[str, Any]
-) -> dict[str, Any]:
-    """What the final table and ``summary.json`` show."""
+def summarise(records: list[StepRecord], facts: dict[str, Any]) -> dict[str, Any]:
+    """What the final table and ``summary.json`` show, from every step's record: a
+    resumed run's ``records`` are the whole run's (the checkpoint's, then this launch's),
+    so the summary agrees with the whole ``metrics.jsonl``. Records written before the
+    per-step token histogram (``staleness/token_hist/<k>``) lack it: then
+    ``token_staleness_steps`` says how many steps the token histogram covers."""
     if not records:
         return {"steps": 0, **facts}
     last = records[-1]
     k = max(1, len(records) // 4)
-    staleness: dict[int, int] = {}
-    tokens: dict[int, int] = {}
-    for rep in reports:
-        for s, n in rep.staleness.items():
-            staleness[int(s)] = staleness.get(int(s), 0) + int(n)
-        for s, n in rep.token_staleness.items():
-            tokens[int(s)] = tokens.get(int(s), 0) + int(n)
+    staleness: Counter[int] = Counter()
+    tokens: Counter[int] = Counter()
+    token_steps = 0
+    for rec in records:
+        staleness.update(rec.staleness)
+        if rec.token_staleness:
+            tokens.update(rec.token_staleness)
+            token_steps += 1
+    partial = {"token_staleness_steps": token_steps} if token_steps < len(records) else {}
     return {
         "steps": len(records),
         "elapsed_s": last.elapsed_s,
@@ -255,12 +262,13 @@ def summarise(
         "reward_start": reward_mean(records[:k]),
         "reward_end": reward_mean(records[-k:]),
         "staleness_hist": dict(sorted(staleness.items())),
-        "staleness_max": max(staleness) if staleness else 0,
+        "staleness_max": max((s for s, n in staleness.items() if n), default=0),
         "token_staleness_hist": dict(sorted(tokens.items())),
         "on_policy_tokens": set(tokens) <= {0},
         "trainer_idle_ratio": trainer_idle_ratio(records),
         "rollout_idle_ratio": last.rollout_idle_ratio,
         "time_share": last.time_shares(),
+        **partial,
         **facts,
     }
 
@@ -370,6 +378,8 @@ def _launch_on(
     else:  # the steps after the checkpoint are done again
         out = RunOutput.resume(resume.path.parents[1], cfg, resume.metrics, resume.version)
     phase(f"run folder {out.path}")
+    state = StateWriter(out.path, resumed=resume is not None)
+    state.phase("starting")
     run = Run(cfg, out.path, cluster=cluster, placement=placement, phase=phase)
     records = [StepRecord.from_flat(r) for r in resume.metrics] if resume is not None else []
     waits = TrainingWaits(progress, cfg, on_tick)
@@ -397,13 +407,21 @@ def _launch_on(
             stop_watching = on_started(run)
         todo = cfg.steps - run.steps_before
         phase(f"training {todo} steps with eta={cfg.eta}" + (" (resumed)" if resume else ""))
+        state.phase("training")
         with waits:
-            reports = run.train(todo, record, waits.on_tick(), stop=stop)
+            reports = run.train(
+                todo, record, waits.on_tick(), stop=stop, on_done=lambda: state.phase("finishing")
+            )
         stopped = len(reports) < todo
         if not stopped:
             run.save_checkpoint(out.path / "checkpoint")
+        state.phase("auditing")
         facts["audit"] = run.audit()
         failed = False
+    except BaseException as exc:
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        state.end(STOPPED if interrupted else CRASHED, _ended(exc))
+        raise
     finally:
         if stop_watching is not None:
             stop_watching()  # before the actors it polls go away
@@ -418,8 +436,12 @@ def _launch_on(
     facts["stopped"] = stopped
     if last is not None:
         facts["resume_from"] = str(last)
-    summary = summarise(records, reports, facts)
-    (out.path / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    facts["launch"] = state.launch  # status tells this launch's summary from an earlier one's
+    summary = summarise(records, facts)
+    tmp = out.path / f".{SUMMARY}.tmp"
+    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    tmp.replace(out.path / SUMMARY)
+    state.end(STOPPED if stopped else FINISHED, "a signal asked it to stop" if stopped else "")
     consumed = [
         {
             "version": r.version,
@@ -430,6 +452,12 @@ def _launch_on(
         for r in reports
     ]
     return RunResult(out.path, records, summary, consumed, stopped, last)
+
+
+def _ended(exc: BaseException) -> str:
+    if isinstance(exc, KeyboardInterrupt):
+        return "stopped at once by a second signal: resume from the previous checkpoint"
+    return f"{type(exc).__name__}: {cause(exc)}"
 
 
 def check_placement(cfg: RunConfig, phase: Phase = _log_phase) -> Placement:

@@ -146,6 +146,7 @@ class StepMetrics:
             probe_error=probes.mean_error if probes is not None and probes.groups else None,
             streamed_groups=report.streamed_groups,
             staleness={int(k): int(n) for k, n in sorted(report.staleness.items())},
+            token_staleness={int(k): int(n) for k, n in sorted(report.token_staleness.items())},
             instance_idle={i: r for i, r in sorted(idle.items()) if r is not None},
             instance_version={i: int(v) for i, v in sorted((instance_versions or {}).items())},
             time_share={k: seconds.get(k, 0.0) / self._instance_s for k in TABLE3},

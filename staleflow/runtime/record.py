@@ -11,8 +11,8 @@ The flat form maps ``area/name`` keys to numbers (docs/launch.md lists them):
 
 - one key per scalar field (its ``key`` in the field's metadata, e.g. ``time/elapsed_s``);
 - one key per item of a per-instance or per-kind field: ``staleness/hist/<k>``,
-  ``rollout/idle_ratio/<inst>``, ``rollout/version/<inst>``, ``rollout/time_share/<kind>``,
-  ``coordinator/latency_s/<kind>``;
+  ``staleness/token_hist/<k>``, ``rollout/idle_ratio/<inst>``, ``rollout/version/<inst>``,
+  ``rollout/time_share/<kind>``, ``coordinator/latency_s/<kind>``;
 - the derived keys ``staleness/mean``, ``staleness/max``, ``rollout/idle_ratio`` (mean
   over instances) and ``rollout/time_share/commands`` (Pull + Route + Interrupt), written
   for charts and recomputed, never trusted, on reading;
@@ -87,6 +87,8 @@ class StepRecord:
     streamed_groups: int | None = _scalar("trainer/streamed_groups", whole=True)
     # V_buf - V_traj -> trajectories of this step's batch
     staleness: Mapping[int, int] = _per("staleness/hist/", whole=True)
+    # V_buf - (the version that generated it) -> generated tokens of this step's batch
+    token_staleness: Mapping[int, int] = _per("staleness/token_hist/", whole=True)
     # per instance, cumulative over the run: idle seconds / lifetime
     instance_idle: Mapping[int, float] = _per("rollout/idle_ratio/")
     instance_version: Mapping[int, int] = _per("rollout/version/", whole=True)

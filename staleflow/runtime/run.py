@@ -338,10 +338,12 @@ class Run:
         on_tick: Callable[[Any], None] | None = None,
         poll_s: float = 0.5,
         stop: threading.Event | None = None,
+        on_done: Callable[[], None] | None = None,
     ) -> list[Any]:
         """Run ``steps`` training steps (fewer if ``stop`` is set: the run then stops
         gracefully); stream records; write the checkpoints the control plane cuts,
-        the last one when the run stops or ends; return the trainer's reports."""
+        the last one when the run stops or ends (``on_done`` is called before it);
+        return the trainer's reports."""
         assert self.control is not None and self.trainer is not None and self.cluster is not None
         assert self.supervisor is not None
         ray = self.cluster.ray
@@ -375,6 +377,8 @@ class Run:
             reports = ray.get(done_ref)
         except Exception as exc:
             raise LaunchError(f"the trainer stopped: {cause(exc)}; {self._resume_hint()}") from exc
+        if on_done is not None:
+            on_done()
         self.supervisor.heal_ps()  # the run ends with the last version on every replica
         ray.get(control.request_stop.remote())  # the end of the run is a stop, too
         self._write(self._final_cut())
@@ -433,32 +437,87 @@ class Run:
     def audit(self) -> dict[str, Any]:
         """After training: stop routing, call every trajectory back to the TS and wait for
         the reward path, then count. Every trajectory ever created must be consumed,
-        aborted, queued or completed in the TS, none left routed or on an instance; and
-        every PS replica must hold the trainer's last version (``ps_latest``)."""
+        aborted, queued or completed in the TS, none left routed, rewarding or on an
+        instance; and every PS replica must hold the trainer's last version
+        (``ps_latest``).
+
+        An actor may die here as anywhere else, and is handled as the run handles it: the
+        instances counted are the control plane's members, and one found gone leaves the
+        way a lost one does (its trajectories back in the TS with their versions and
+        reservations); the supervisor replaces a lost reward worker (what it held is
+        scored by another) and restarts a lost PS replica (refilled by the trainer)."""
         assert self.control is not None and self.cluster is not None and self.ps is not None
         ray = self.cluster.ray
-        events = ray.get(self.control.control.events.remote())
-        ray.get(self.control.control.stop.remote())
-        live = self.supervisor.live_instances() if self.supervisor else self.instances
-        for h in live.values():
-            held = ray.get(h.held.remote())
-            ray.get(h.interrupt.remote(sorted(held)))
-        ray.get([h.drain.remote() for h in live.values()])
-        left = sum(len(ray.get(h.held.remote())) for h in live.values())
+        control = self.control.control
+        ray.get(control.stop.remote())
+        left = self._settle_instances()
+        if self.supervisor is not None:
+            self.supervisor.finish()
         stats = ray.get(self.control.ts.handle.stats.remote())
-        replicas = self.ps.actors
-        infos = ray.get([h.info.remote() for h in replicas.values()])
+        events = ray.get(control.events.remote())
         return {
-            "ps_latest": {role: info.latest for role, info in zip(replicas, infos, strict=True)},
+            "ps_latest": self._ps_latest(),
             "created": stats.created_trajectories,
             "consumed": stats.consumed_trajectories,
             "aborted": stats.aborted_trajectories,
             "queued": stats.queued,
             "routed": stats.routed,
+            "rewarding": stats.rewarding,
             "completed": stats.completed,
             "on_instances": left,
             "recovery": dict(Counter(e.kind for e in events)),  # events by kind
         }
+
+    def _settle_instances(self, rounds: int = 5) -> int:
+        """The trajectories still on the control plane's members once each is
+        interrupted and its hand-offs to reward workers are done; a member that died
+        leaves the run (``ControlActor.settle``) and is not counted."""
+        from staleflow.runtime.actors import gone
+
+        assert self.control is not None and self.cluster is not None
+        ray, control = self.cluster.ray, self.control.control
+        for _ in range(rounds):
+            members = ray.get(control.settle.remote())
+            left, lost = 0, False
+            for inst, h in sorted(members.items()):
+                try:
+                    held = ray.get(h.held.remote())
+                    if held:
+                        ray.get(h.interrupt.remote(sorted(held)))
+                    ray.get(h.drain.remote())
+                    left += len(ray.get(h.held.remote()))
+                except Exception as exc:
+                    dead = gone(inst, exc)
+                    if dead is None:
+                        raise
+                    ray.get(
+                        control.lost.remote(inst, f"during the end-of-run audit: {dead.reason}")
+                    )
+                    lost = True
+            if not lost:
+                return left
+        raise LaunchError(
+            f"rollout instances kept dying during the end-of-run audit ({rounds} rounds)"
+        )
+
+    def _ps_latest(self, tries: int = 3) -> dict[str, int | None]:
+        """Every replica's newest version; a replica lost meanwhile is restarted and
+        refilled first (``Supervisor.heal_ps``)."""
+        assert self.ps is not None and self.cluster is not None
+        ray = self.cluster.ray
+        for attempt in range(tries):
+            replicas = dict(self.ps.actors)
+            try:
+                infos = ray.get([h.info.remote() for h in replicas.values()], timeout=120)
+                return {role: info.latest for role, info in zip(replicas, infos, strict=True)}
+            except Exception as exc:
+                if self.supervisor is None or attempt == tries - 1:
+                    raise LaunchError(
+                        f"a PS replica did not answer the audit: {cause(exc)}"
+                    ) from exc
+                logger.warning("a PS replica did not answer the audit (%s): healing", cause(exc))
+                self.supervisor.heal_ps()
+        raise AssertionError("unreachable")
 
     def save_checkpoint(self, path: Path) -> None:
         assert self.trainer is not None

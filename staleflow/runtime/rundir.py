@@ -19,9 +19,9 @@ from typing import IO
 from staleflow.config import RunConfig, save_config
 from staleflow.engines.factory import ENGINE_MODEL_DIR
 from staleflow.runtime.record import StepRecord
-from staleflow.runtime.runfolder import CONFIG, METRICS
+from staleflow.runtime.runfolder import AUDIT, CONFIG, METRICS, STATE
 
-AUDIT = "audit.jsonl"  # with recovery.audit_log: every consumed trajectory
+__all__ = ["AUDIT", "RunOutput"]
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class RunOutput:
             self.discard()
 
     def discard(self) -> None:
-        for name in (CONFIG, METRICS):
+        for name in (CONFIG, METRICS, STATE):
             (self.path / name).unlink(missing_ok=True)
         # the built-in policy saved for vLLM / SGLang to load: ours, and large; an engine's
         # logs are kept (with the warning below), they say why the start failed

@@ -31,7 +31,11 @@ from staleflow.runtime.record import (
     read_records,
 )
 
+# the files of a run folder, named here only (``staleflow.recovery`` names its checkpoints)
 CONFIG, METRICS, SUMMARY = "config.yaml", "metrics.jsonl", "summary.json"
+STATE = "state.json"  # the launch's phase and outcome (staleflow.runtime.runstate)
+LIVE = "live.json"  # written by the supervisor while the run is up
+AUDIT = "audit.jsonl"  # with recovery.audit_log: every consumed trajectory
 HOW_TO_MAKE = (
     "a run folder is what `staleflow launch` writes, e.g. `staleflow launch --eta 3 --steps 20` "
     "prints 'run folder runs/<time>-<name>'; experiments/launch_eta_sweep.py makes one per eta"

@@ -30,8 +30,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from staleflow.runtime.elastic import LIVE
 from staleflow.runtime.errors import LaunchError
+from staleflow.runtime.runfolder import LIVE
 
 if TYPE_CHECKING:
     from staleflow.config import RecoveryConfig
@@ -161,38 +161,101 @@ class Supervisor:
         assert pool is not None
         for wid, actor in list(pool.workers.items()):
             error = self._ping(wid, actor.ping)
-            if error is None:
-                continue
-            self._kill(actor)
-            del pool.workers[wid]
-            self.dead_workers.add(wid)
-            role = pool.role_of[wid]
-            n = self.restarts.get(role, 0) + 1
-            if n <= self.config.max_restarts:
-                from staleflow.runtime.pools.rewards import spawn_worker
+            if error is not None:
+                self._lose_worker(wid, actor, error)
+                # the completions it stored but never reported are applied on the loop
+                self._asked.append(("a replay", self.control.replay_completions.remote()))
 
-                assert self.run.ctx is not None and self.run.control is not None
-                self.restarts[role] = n
-                spawn_worker(self.run.ctx, pool, role, n, self.run.control)
-            if not pool.workers:
-                raise LaunchError(
-                    f"every reward worker was lost ({role}: {error}) and out of restarts; "
-                    f"{self.run._resume_hint()}"
-                )
-            for inst_actor in self.live_instances().values():
-                inst_actor.set_rewards.remote(pool.live())
-            moved = self._sweep_rewards()
-            # the completions it stored but never reported are applied on the loop
-            self._asked.append(("a replay", self.control.replay_completions.remote()))
-            self._note(
-                "reward_worker_lost",
-                role,
-                f"{wid}: {error}; {moved} trajectories scored elsewhere",
-                reassigned=moved,
+    def _lose_worker(self, wid: str, actor: Any, error: str) -> int:
+        """Replace a dead reward worker; what it held goes to a live one (returns how
+        many)."""
+        pool = self.run.reward_pool
+        assert pool is not None
+        self._kill(actor)
+        del pool.workers[wid]
+        self.dead_workers.add(wid)
+        role = pool.role_of[wid]
+        n = self.restarts.get(role, 0) + 1
+        if n <= self.config.max_restarts:
+            from staleflow.runtime.pools.rewards import spawn_worker
+
+            assert self.run.ctx is not None and self.run.control is not None
+            self.restarts[role] = n
+            spawn_worker(self.run.ctx, pool, role, n, self.run.control)
+        if not pool.workers:
+            raise LaunchError(
+                f"every reward worker was lost ({role}: {error}) and out of restarts; "
+                f"{self.run._resume_hint()}"
             )
-            if n <= self.config.max_restarts:
-                self._note("reward_worker_restarted", role, f"incarnation {n}")
-            self.write_live()
+        for inst_actor in self.live_instances().values():
+            inst_actor.set_rewards.remote(pool.live())
+        moved = self._sweep_rewards()
+        self._note(
+            "reward_worker_lost",
+            role,
+            f"{wid}: {error}; {moved} trajectories scored elsewhere",
+            reassigned=moved,
+        )
+        if n <= self.config.max_restarts:
+            self._note("reward_worker_restarted", role, f"incarnation {n}")
+        self.write_live()
+        return moved
+
+    # -- the end of the run --------------------------------------------------------------
+
+    def finish(self, timeout_s: float = 120.0) -> None:
+        """The end of the run, once the control loop stopped and every instance was
+        settled (``Run.audit``): the instances the control plane gave up on leave
+        without a restart, and those still starting are stopped, so the supervisor's
+        instances are the control plane's members again; every reward worker answers
+        or is replaced, and what the dead ones held is scored (waited for); every PS
+        replica holds the last version."""
+        rollout = self.run.rollout
+        assert rollout is not None
+        for lost in self.ray.get(self.control.take_lost.remote()):
+            self._kill(rollout.actors.get(lost.inst))
+            self.removed.add(lost.inst)
+        for inst, p in self.pending.items():
+            self._kill(p.actor)
+            self.removed.add(inst)
+        self.pending.clear()
+        members = set(self.ray.get(self.control.members.remote()))
+        if set(self.live_instances()) != members:  # a death the audit has not settled
+            logger.warning("instances %s vs members %s", sorted(self.live_instances()), members)
+        self._settle_rewards(timeout_s)
+        self.heal_ps()
+        self.write_live()
+
+    def _settle_rewards(self, timeout_s: float) -> None:
+        """Until the TS holds nothing REWARDING: ping every worker (replacing the dead
+        ones) and have a live worker score what dead ones held. The control loop has
+        stopped: the completions land in the TS, which is what the audit counts."""
+        pool = self.run.reward_pool
+        assert pool is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for wid, actor in list(pool.workers.items()):
+                try:
+                    self.ray.get(actor.ping.remote(), timeout=60)
+                except self.ray.exceptions.GetTimeoutError:
+                    continue  # still starting, or busy scoring: asked again next round
+                except Exception as exc:
+                    self._lose_worker(wid, actor, _first_line(exc))
+            if self.ray.get(self.ts.handle.stats.remote()).rewarding == 0:
+                return
+            first = next(iter(pool.workers))
+            moves = [(dead, first) for dead in self.dead_workers]
+            moves += [(w, w) for w in pool.workers]  # sent before, maybe never arrived
+            refs = []
+            for src, dst in moves:
+                tasks = self.ts.reassign_rewards(src, dst)
+                if tasks:
+                    refs.append(pool.workers[dst].process_tasks.remote(list(tasks)))
+            try:
+                self.ray.get(refs, timeout=max(deadline - time.monotonic(), 1.0))
+            except Exception as exc:  # it died too: the next round replaces it
+                logger.warning("scoring at the end of the run failed: %s", _first_line(exc))
+        logger.warning("trajectories still rewarding after %g s at the end of the run", timeout_s)
 
     def redispatch_rewards(self) -> int:
         """After a resume: what was being scored at the stop goes to a live worker."""

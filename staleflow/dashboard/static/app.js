@@ -97,7 +97,7 @@ function render() {
 
 function renderHeader(run, ps) {
   $("run-name").textContent = run.name + " (" + run.kind + ")";
-  const status = run.finished ? "finished" : "running";
+  const status = run.state || (run.finished ? "finished" : "running");
   setStatus(status);
   const unit = run.clock === "virtual" ? " virtual s" : " s";
   const facts = [

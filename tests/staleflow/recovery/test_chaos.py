@@ -38,6 +38,7 @@ import pytest
 from staleflow.recovery import list_checkpoints, read_checkpoint
 from staleflow.runtime.audit import read_audit
 from staleflow.runtime.record import TABLE3
+from staleflow.runtime.runstate import FINISHED, STOPPED, read_state
 from tests.staleflow.runtime.launch_checks import MICRO_RUN
 
 pytestmark = pytest.mark.ray
@@ -184,6 +185,7 @@ def test_kills_a_stop_and_a_resume_lose_nothing_and_keep_the_bound(tmp_path):
             first.kill()
             first.wait()
 
+    assert read_state(run_dir).kind == STOPPED  # staleflow status: stopped, resumable
     stopped = read_checkpoint(run_dir)
     steps = _steps(run_dir)
     assert stopped.steps == steps == len(stopped.metrics)  # the stop checkpointed its last step
@@ -216,6 +218,14 @@ def test_kills_a_stop_and_a_resume_lose_nothing_and_keep_the_bound(tmp_path):
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     assert [r["step"] for r in records] == list(range(1, target + 1))  # its step count
+    # the summary covers the whole run across the resume, as metrics.jsonl does
+    summary = json.loads((run_dir / "summary.json").read_text())
+    whole: Counter[str] = Counter()
+    for r in records:
+        whole.update({k.rsplit("/", 1)[1]: int(v) for k, v in r.items() if "staleness/hist/" in k})
+    assert summary["steps"] == target and summary["staleness_hist"] == dict(whole), summary
+    state = read_state(run_dir)
+    assert state.kind == FINISHED and state.owns(summary), state
     assert records[-1]["recovery/resumed"] == 1.0
     for kind in TABLE3:  # an instance's seconds outlive it, and the first run's the stop
         held = [r[f"rollout/time_share/{kind}"] * r["time/elapsed_s"] * 2 for r in records]
