@@ -445,6 +445,7 @@ class ControlPlane:
             )
         else:
             self._consume = (version, future)
+            self.loop.trainer_asks()
 
     def _serve_consume(self) -> None:
         if self._consume is None or self._cut is not None:
