@@ -14,6 +14,7 @@ from coordinator.config import (
     ConfigError,
     CoordinatorConfig,
     CostModelConfig,
+    FreshnessConfig,
     RaceConfig,
     SeerConfig,
 )
@@ -51,6 +52,7 @@ __all__ = [
     "CostModelFit",
     "CycleStats",
     "EnginePlane",
+    "FreshnessConfig",
     "InProcessExecutor",
     "InstanceId",
     "InstanceSnapshot",

@@ -120,6 +120,53 @@ class RaceConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class FreshnessConfig:
+    """eta as a ceiling, not a target (coordinator/freshness.py)."""
+
+    enabled: bool = field(
+        default=False,
+        metadata={
+            "help": "admit a new group no earlier than it must start to be complete when the "
+            "trainer wants its buffer (the trainer's measured step time, the group's "
+            "estimated completion time and a learned margin), so the data is as fresh as "
+            "the speed allows; gives way to today's admission while the trainer waits; "
+            "false: admit as soon as eta allows, as in the paper"
+        },
+    )
+    quantile: float = field(
+        default=0.9,
+        metadata={
+            "help": "the margin is this quantile of how late recent groups finished against "
+            "their estimate (seconds); higher starts groups earlier (staler, safer)"
+        },
+    )
+    give_way: float = field(
+        default=0.02,
+        metadata={
+            "help": "the rule steps aside while the trainer's mean wait for its buffer over "
+            "its last steps exceeds this share of its step time (the rollout binds, or the "
+            "rule started groups too late)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(
+                f"coordinator.freshness.enabled={self.enabled!r} must be true or false"
+            )
+        if isinstance(self.quantile, bool) or not 0.5 <= self.quantile < 1.0:
+            raise ConfigError(
+                f"coordinator.freshness.quantile={self.quantile!r} is out of range: use a "
+                "quantile in [0.5, 1) (e.g. 0.9: the margin covers 9 groups in 10)"
+            )
+        if isinstance(self.give_way, bool) or not 0.0 <= self.give_way <= 1.0:
+            raise ConfigError(
+                f"coordinator.freshness.give_way={self.give_way!r} is out of range: use a "
+                "share of the trainer's step time in [0, 1] (e.g. 0.02)"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class CoordinatorConfig:
     """Strategies (§5.3 or their §6.5 vanilla counterparts), their hyper-parameters and the
     cycle period. Each strategy is chosen independently."""
@@ -218,6 +265,7 @@ class CoordinatorConfig:
 
     seer: SeerConfig = field(default_factory=SeerConfig)
     race: RaceConfig = field(default_factory=RaceConfig)
+    freshness: FreshnessConfig = field(default_factory=FreshnessConfig)
 
     def __post_init__(self) -> None:
         for name in ("routing", "synchronization", "migration"):
@@ -301,6 +349,8 @@ class CoordinatorConfig:
             raise ConfigError("coordinator.seer must be a SeerConfig")
         if not isinstance(self.race, RaceConfig):
             raise ConfigError("coordinator.race must be a RaceConfig")
+        if not isinstance(self.freshness, FreshnessConfig):
+            raise ConfigError("coordinator.freshness must be a FreshnessConfig")
         if not isinstance(self.cost_model, CostModelConfig):
             raise ConfigError("coordinator.cost_model must be a CostModelConfig")
         self.cost_model.build()  # fail now, not at the first cycle

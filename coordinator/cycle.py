@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from coordinator.aborts import AbortRequests
@@ -39,12 +39,19 @@ def plan_cycle(
 ) -> list[Command]:
     """Algorithm 1 on a validated snapshot. Routes are Reserved in ``sketch`` only."""
     S = Fleet(snapshot)
-    if strategies.estimator is not None:
-        strategies.estimator.observe(snapshot)
-        S.speed = strategies.estimator.relative(S.ids)
-    commands = _decide(S, ts_trajs, ps_version, sketch, strategies, aborts)
-    if strategies.estimator is not None:
-        strategies.estimator.note(commands)
+    estimator, fresh = strategies.estimator, strategies.freshness
+    if estimator is not None:
+        estimator.observe(snapshot)
+        S.speed = estimator.relative(S.ids)
+    held: set[GroupId] = set()
+    if fresh is not None:  # new groups that need not start yet (freshness.py)
+        factors = estimator.factors(S.ids) if estimator is not None else None
+        held = fresh.hold(ts_trajs, sketch, S, snapshot.taken_at, factors)
+    commands = _decide(S, ts_trajs, ps_version, sketch, strategies, aborts, held)
+    if estimator is not None:
+        estimator.note(commands)
+    if fresh is not None:
+        fresh.note(commands, snapshot.taken_at)
     return commands
 
 
@@ -55,16 +62,20 @@ def _decide(
     sketch: AdmissionSketch,
     strategies: Strategies,
     aborts: AbortRequests | None,
+    held: set[GroupId],
 ) -> list[Command]:
     commands: list[Command] = []
     if aborts:
         for pos, trajs in aborts.on_instances(S):
             commands.append(Abort(S.ids[pos], _ids(trajs)))
             S.discard(pos, trajs, strategies.cost.k5)
+    excluded: Collection[GroupId] = aborts.groups if aborts else ()
+    if held:  # neither routed nor a reason to Pull this cycle
+        excluded = held | set(excluded)
     ts = TrajectoryPool(
         ts_trajs,
         excluded_trajs=aborts.trajs if aborts else (),
-        excluded_groups=aborts.groups if aborts else (),
+        excluded_groups=excluded,
     )
     for pos in strategies.sync.select(S, ts, ps_version, sketch):  # lines 3-8
         trajs = S.discard_all(pos)

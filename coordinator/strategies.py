@@ -11,6 +11,7 @@ from coordinator.critical import CriticalPath
 from coordinator.drain_sync import DrainGlobalSync
 from coordinator.estimation import SpeedEstimator
 from coordinator.fleet import Fleet
+from coordinator.freshness import FreshnessRule
 from coordinator.migration import Migration, NoMigration, ThroughputMigration
 from coordinator.pool import TrajectoryPool
 from coordinator.race import TailRace
@@ -63,6 +64,9 @@ class Strategies:
     # no trajectories of their destination, so whoever runs them applies its decisions
     # after the cycle (the simulator so far); None when off.
     race: TailRace | None = None
+    # eta as a ceiling (coordinator/freshness.py): new groups held back until they must
+    # start; fed by the control loop; None when off.
+    freshness: FreshnessRule | None = None
 
 
 def build_strategies(config: CoordinatorConfig) -> Strategies:
@@ -138,6 +142,12 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
         if config.race.enabled
         else None
     )
+    fresh_cfg = config.freshness
+    freshness = (
+        FreshnessRule(cost, quantile=fresh_cfg.quantile, give_way=fresh_cfg.give_way)
+        if fresh_cfg.enabled
+        else None
+    )
     return Strategies(
         sync=sync,
         migration=migration,
@@ -148,4 +158,5 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
         critical=critical,
         seer=seer,
         race=race,
+        freshness=freshness,
     )

@@ -7,6 +7,14 @@ rollout time spent in Pull / Route / Interrupt (the paper's Table 3).
     python experiments/launch_eta_sweep.py --steps 10 rollout.instances=4
     python experiments/launch_eta_sweep.py --etas 0 --stream --repeats 3   # RolloutPipe
 
+``--freshness`` runs every eta twice, with ``coordinator.freshness.enabled`` off and on
+(eta as a ceiling, coordinator/freshness.py), and reports, per eta, the mean staleness,
+the share of tokens the off-policy correction clipped or masked, throughput on / off and
+the held-out reward side by side, over ``--seeds`` (issue 36's acceptance run)::
+
+    python experiments/launch_eta_sweep.py --etas 3 --freshness --steps 200 --seeds 3 \
+        --json results/freshness.json
+
 ``--stream`` runs every eta twice, with ``trainer.stream`` off and on (RolloutPipe's
 complete-group pipelining), and reports the trainer's idle share, the mean step time
 (at eta = 0 the time from a buffer's first route to the end of its step, RolloutPipe's
@@ -38,12 +46,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="training steps per run")
     p.add_argument("--repeats", type=int, default=1, help="runs per eta (alternating)")
     p.add_argument("--stream", action="store_true", help="each eta with trainer.stream off and on")
+    p.add_argument(
+        "--freshness",
+        action="store_true",
+        help="each eta with coordinator.freshness.enabled off and on",
+    )
+    p.add_argument(
+        "--seeds", type=int, default=1, help="run every variant with seeds 0..N-1 (seed=)"
+    )
     p.add_argument("--out", default="results/launch", help="run folders go here")
     p.add_argument("--json", help="write the figures to this JSON file")
     return p.parse_args(argv)
 
 
-def run_one(args: argparse.Namespace, eta: int, stream: bool = False) -> dict[str, Any]:
+def run_one(
+    args: argparse.Namespace,
+    eta: int,
+    stream: bool = False,
+    fresh: bool | None = None,
+    seed: int | None = None,
+) -> dict[str, Any]:
     from staleflow.config import load_config
     from staleflow.runtime.launch import launch
 
@@ -55,15 +77,27 @@ def run_one(args: argparse.Namespace, eta: int, stream: bool = False) -> dict[st
         f"steps={args.steps}",
         f"run_dir={args.out}",
         f"trainer.stream={str(stream).lower()}",
+        *([f"coordinator.freshness.enabled={str(fresh).lower()}"] if fresh is not None else []),
+        *([f"seed={seed}"] if seed is not None else []),
     ]
     cfg = load_config(args.config, overrides)
-    print(f"-- eta={eta} stream={stream}: {args.steps} steps", file=sys.stderr, flush=True)
+    print(
+        f"-- eta={eta} stream={stream} freshness={fresh} seed={seed}: {args.steps} steps",
+        file=sys.stderr,
+        flush=True,
+    )
     result = launch(cfg)
     s = result.summary
     steps = [r.step_s for r in result.records[1:] if r.step_s is not None]  # not the first
     return {
         "eta": eta,
         "stream": stream,
+        "freshness": bool(fresh),
+        "seed": cfg.seed,
+        "staleness_mean": s.get("staleness_mean"),
+        "corrected_frac": s.get("corrected_frac"),
+        "eval_reward_start": s.get("eval_reward_start"),
+        "eval_reward_end": s.get("eval_reward_end"),
         "step_s_mean": sum(steps) / len(steps) if steps else float("nan"),
         "streamed_groups": sum(r.streamed_groups or 0 for r in result.records),
         "run_dir": str(result.run_dir),
@@ -88,18 +122,29 @@ def main(argv: list[str] | None = None) -> int:
     if any(e < 0 for e in args.etas):
         print("--etas must be >= 0", file=sys.stderr)
         return 2
+    if args.seeds < 1:
+        print("--seeds must be >= 1", file=sys.stderr)
+        return 2
     streams = (False, True) if args.stream else (False,)
+    freshness: tuple[bool | None, ...] = (False, True) if args.freshness else (None,)
+    seeds: tuple[int | None, ...] = tuple(range(args.seeds)) if args.seeds > 1 else (None,)
     runs = [
-        run_one(args, eta, stream)
+        run_one(args, eta, stream, fresh, seed)
         for _ in range(args.repeats)
+        for seed in seeds
         for eta in args.etas
         for stream in streams
+        for fresh in freshness
     ]
     table = Table(title=f"staleflow launch, {args.steps} steps per run")
     for col in (
         "eta",
         "stream",
+        "fresh",
+        "seed",
         "tokens/s",
+        "mean staleness",
+        "clipped/masked",
         "step s",
         "streamed groups",
         "reward first→last",
@@ -115,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(
             str(r["eta"]),
             "on" if r["stream"] else "off",
+            "on" if r["freshness"] else "off",
+            str(r["seed"]),
             f"{r['tokens_per_s']:.1f}",
+            _fmt(r["staleness_mean"], ".2f"),
+            _fmt(r["corrected_frac"], ".2%"),
             f"{r['step_s_mean']:.2f}",
             str(r["streamed_groups"]),
             f"{r['reward_start']:.3f}→{r['reward_end']:.3f}",
@@ -128,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     Console(width=max(Console().width, 120)).print(table)
     by_eta: dict[int, list[float]] = {}
     for r in runs:
-        if not r["stream"]:
+        if not r["stream"] and not r["freshness"]:
             by_eta.setdefault(r["eta"], []).append(r["tokens_per_s"])
     means = {eta: sum(v) / len(v) for eta, v in by_eta.items()}
     ratios = {}
@@ -143,6 +192,17 @@ def main(argv: list[str] | None = None) -> int:
             f"eta={eta}, stream on / off: tokens/s {g['tokens_per_s']:.3f}x, step time "
             f"{g['step_s']:.3f}x, trainer idle {g['idle_off']:.1%} -> {g['idle_on']:.1%}"
         )
+    fresh_cmp = freshness_comparison(runs) if args.freshness else {}
+    for eta, c in fresh_cmp.items():
+        print(
+            f"eta={eta}, freshness off | on over {c['seeds']} seed(s): mean staleness "
+            f"{_fmt(c['staleness_off'], '.2f')} | {_fmt(c['staleness_on'], '.2f')}, clipped or "
+            f"masked {_fmt(c['corrected_off'], '.2%')} | {_fmt(c['corrected_on'], '.2%')}, "
+            f"tokens/s on / off {c['tokens_per_s_ratio']:.3f}x "
+            f"({_spread(c['tokens_per_s_ratios'])}), held-out reward at the end "
+            f"{_fmt(c['eval_end_off'], '.3f')} | {_fmt(c['eval_end_on'], '.3f')} "
+            f"(per seed {_spread(c['eval_end_off_seeds'])} | {_spread(c['eval_end_on_seeds'])})"
+        )
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(
@@ -152,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                     "mean_tokens_per_s": means,
                     "ratio_vs_eta0": ratios,
                     "stream_gain": stream_gain,
+                    "freshness": fresh_cmp,
                 },
                 indent=2,
             )
@@ -160,12 +221,73 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _spread(values: list[float | None]) -> str:
+    return " ".join(_fmt(v, ".3f") for v in values)
+
+
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return sum(known) / len(known) if known else None
+
+
+def freshness_comparison(runs: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per eta (not streamed): freshness off against on, seed by seed (the same seed
+    pairs the same config), then means over the seeds (repeats averaged first)."""
+    out: dict[int, dict[str, Any]] = {}
+    for eta in sorted({r["eta"] for r in runs}):
+
+        def side(fresh: bool, key: str, seed: int, eta: int = eta) -> float | None:
+            return _mean(
+                [
+                    r[key]
+                    for r in runs
+                    if r["eta"] == eta
+                    and not r["stream"]
+                    and r["freshness"] == fresh
+                    and r["seed"] == seed
+                ]
+            )
+
+        seeds = sorted({r["seed"] for r in runs if r["eta"] == eta})
+        ratios = []
+        for seed in seeds:
+            off, on = side(False, "tokens_per_s", seed), side(True, "tokens_per_s", seed)
+            ratios.append(on / off if on is not None and off else None)
+        per = {
+            key: {fresh: [side(fresh, key, seed) for seed in seeds] for fresh in (False, True)}
+            for key in ("staleness_mean", "corrected_frac", "eval_reward_end", "tokens_per_s")
+        }
+        known = [x for x in ratios if x is not None]
+        out[eta] = {
+            "seeds": len(seeds),
+            "staleness_off": _mean(per["staleness_mean"][False]),
+            "staleness_on": _mean(per["staleness_mean"][True]),
+            "corrected_off": _mean(per["corrected_frac"][False]),
+            "corrected_on": _mean(per["corrected_frac"][True]),
+            "tokens_per_s_off": _mean(per["tokens_per_s"][False]),
+            "tokens_per_s_on": _mean(per["tokens_per_s"][True]),
+            "tokens_per_s_ratio": sum(known) / len(known) if known else float("nan"),
+            "tokens_per_s_ratios": ratios,
+            "eval_end_off": _mean(per["eval_reward_end"][False]),
+            "eval_end_on": _mean(per["eval_reward_end"][True]),
+            "eval_end_off_seeds": per["eval_reward_end"][False],
+            "eval_end_on_seeds": per["eval_reward_end"][True],
+        }
+    return out
+
+
 def _stream_gains(runs: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
     """Per eta: streamed over not streamed (means over repeats) of tokens/s and step
     time, and the trainer's idle share of each."""
 
     def mean(eta: int, stream: bool, key: str) -> float:
-        values = [r[key] for r in runs if r["eta"] == eta and r["stream"] == stream]
+        values = [
+            r[key] for r in runs if r["eta"] == eta and r["stream"] == stream and not r["freshness"]
+        ]
         return sum(values) / len(values)
 
     return {

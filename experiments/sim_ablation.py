@@ -6,7 +6,8 @@ one) runs on the same simulated cluster; throughput is normalised to all-vanilla
 of the same seed (the same workload draws), then summarised over ``--seeds``. A
 throughput slot includes its rules beyond the paper (``staleflow.sim.presets.system``).
 ``--rules`` adds ``staleflow-paper`` (Algorithms 3-5 exactly), ``staleflow-no-<rule>``
-for each rule (``staleflow.sim.presets.RULES``) and the ``sticky`` baseline.
+for each rule (``staleflow.sim.presets.RULES``), ``staleflow+fresh`` (the freshness rule
+on) and the ``sticky`` baseline.
 
     python experiments/sim_ablation.py --preset paper-6.5 --eta 3 --max-response 40000 \
         --steps 10 --seeds 3 --jobs 2
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from staleflow.sim import SimCluster, system
-from staleflow.sim.presets import RULES, WORKLOADS
+from staleflow.sim.presets import FRESH, RULES, WORKLOADS
 from staleflow.sim.report import (
     add_seed_options,
     parser,
@@ -46,7 +47,12 @@ from staleflow.sim.report import (
 
 SCRIPT = "sim_ablation"
 COMBOS = [f"R{r}S{s}M{m}" for r, s, m in itertools.product("01", repeat=3)]
-RULE_ROWS = ["staleflow-paper", *(f"staleflow-no-{rule}" for rule in RULES), "sticky"]
+RULE_ROWS = [
+    "staleflow-paper",
+    *(f"staleflow-no-{rule}" for rule in RULES),
+    f"staleflow{FRESH}",
+    "sticky",
+]
 
 
 class Run(NamedTuple):

@@ -33,6 +33,14 @@ cell and baseline) and matrix_splits.{csv,json} into --out (default
 results/sim_matrix/); ``--json PATH`` writes all of it, with the verdicts, to one file.
 Each run is also appended to matrix_runs.jsonl as it finishes; ``--resume`` keeps those
 and runs only the rest (the full matrix takes hours on two cores).
+``--freshness`` adds ``staleflow+fresh`` (StaleFlow with the freshness rule on,
+coordinator/freshness.py) at StaleFlow's split and seeds, and reports per cell freshness
+off against on: throughput on / off (per seed, then the mean), mean staleness of each and
+whether the trainer binds, with one verdict per requirement of issue 36::
+
+    python experiments/sim_matrix.py --etas 1,3,5 --seeds 3 --freshness --jobs 2 \
+        --json results/freshness_matrix.json
+
 ``--small`` runs the same matrix on the ``tiny`` preset's scale: a smoke test of the
 script, not a measurement.
 """
@@ -50,6 +58,12 @@ from typing import Any, NamedTuple
 
 from staleflow.sim import SimCluster, system
 from staleflow.sim.audit import StalenessAudit
+from staleflow.sim.freshness import (
+    FRESH_SYSTEM,
+    freshness_cells,
+    freshness_verdicts,
+    print_freshness,
+)
 from staleflow.sim.presets import WORKLOADS, Layout
 from staleflow.sim.report import (
     add_seed_options,
@@ -110,6 +124,7 @@ def simulate(run: Run) -> dict[str, Any]:
         "preemptions": s.preemptions,
         "estimate_error": s.estimate_error,
         "max_staleness": max(s.max_staleness_per_batch, default=0),
+        "staleness_mean": _mean_staleness(s.staleness),
         "audit_max_staleness": audit.max_staleness,
         "audit_max_staleness_oldest_token": audit.max_staleness_oldest_token,
         "audit_trajectories": audit.trajectories,
@@ -152,6 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--steps", type=int, default=0, help="training steps per run; 0: eta + 8")
     p.add_argument("--small", action="store_true", help="tiny-scale smoke run (no measurement)")
+    p.add_argument(
+        "--freshness",
+        action="store_true",
+        help=f"add {FRESH_SYSTEM} at StaleFlow's split and compare freshness off and on",
+    )
     p.add_argument(
         "--resume",
         action="store_true",
@@ -255,19 +275,32 @@ def main(argv: list[str] | None = None) -> int:
                     runs.append(
                         Run(w, name, eta, seed, steps(eta), split(w, name, eta), args.small)
                     )
+    if args.freshness:  # StaleFlow's own split: the rule is the only difference
+        for w in workloads:
+            for eta in etas:
+                for seed in seeds:
+                    g = split(w, "staleflow", eta)
+                    runs.append(Run(w, FRESH_SYSTEM, eta, seed, steps(eta), g, args.small))
     _execute(args.jobs, [r for r in runs if r not in done], done, "matrix", journal)
     rows = [done[r] for r in runs]
-    cells = cell_rows(rows, workloads, etas, systems)
+    main_rows = [r for r in rows if r["system"] != FRESH_SYSTEM]
+    cells = cell_rows(main_rows, workloads, etas, systems)
     verdicts = verdict_lines(rows, cells, workloads, etas)
+    fresh_cells = freshness_cells(rows, workloads, etas) if args.freshness else []
+    verdicts += freshness_verdicts(fresh_cells)
     if same := same_split_line([done[r] for r in dict.fromkeys(search + runs)]):
         verdicts.append(same)
-    print_cells(cells, rows)
+    print_cells(cells, main_rows)
+    if fresh_cells:
+        print_freshness(fresh_cells)
     for line in verdicts:
         print(line)
     took = time.perf_counter() - started
     print(f"{len(done)} runs in {took / 60:.1f} min (--jobs {args.jobs})")
     paths = write_rows(out, "matrix_runs", rows) + write_rows(out, "matrix_cells", cells)
     paths += write_rows(out, "matrix_splits", split_rows)
+    if fresh_cells:
+        paths += write_rows(out, "matrix_freshness", fresh_cells)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
@@ -277,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cells": cells,
                     "splits": split_rows,
                     "verdicts": verdicts,
+                    "freshness": fresh_cells,
                     "minutes": took / 60,
                     "seeds": seeds,
                     "etas": etas,
@@ -500,6 +534,11 @@ def same_split_line(rows: list[dict[str, Any]]) -> str | None:
         f"seed={r['seed']} {r['rollout_gpus']} rollout GPUs vs {base}): "
         + ("PASS" if not below else f"FAIL ({below} below)")
     )
+
+
+def _mean_staleness(hist: dict[int, int]) -> float:
+    total = sum(hist.values())
+    return sum(k * n for k, n in hist.items()) / total if total else 0.0
 
 
 def _audited(row: dict[str, Any]) -> int:

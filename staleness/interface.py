@@ -56,3 +56,28 @@ class AdmissionSketch(AdmissionControl, Protocol):
     def sketch(self) -> AdmissionSketch:
         """A further copy of this sketch (for tentative decisions)."""
         ...
+
+    # What pacing admission needs (``coordinator.freshness``): how far ahead of the trainer
+    # the tracked groups already reach, and whether a group is new.
+
+    @property
+    def eta(self) -> int:
+        """The staleness bound."""
+        ...
+
+    @property
+    def capacity(self) -> int:
+        """Entries per buffer (``batch_size`` x (1 + batch redundancy))."""
+        ...
+
+    @property
+    def tracked(self) -> int:
+        """Groups in the window (occupied and reserved, this sketch's reserves included):
+        they fill buffers from the trainer's on, so a new group goes to buffer
+        ``version + tracked // capacity`` or later."""
+        ...
+
+    def tracks(self, group_id: GroupId) -> bool:
+        """Has ``group_id`` a reserved or occupied entry (or has it left for good)? False
+        for a group no member of which was ever admitted."""
+        ...

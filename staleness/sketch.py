@@ -67,6 +67,21 @@ class Sketch:
     def version(self) -> int:
         return self._counts.version
 
+    @property
+    def eta(self) -> int:
+        return self._counts.eta
+
+    @property
+    def capacity(self) -> int:
+        return self._counts.capacity
+
+    @property
+    def tracked(self) -> int:
+        return sum(self._counts.reserved) + sum(self._counts.pinned)
+
+    def tracks(self, group_id: GroupId) -> bool:
+        return self._group_version(group_id) is not None
+
     def _group_version(self, group_id: GroupId) -> int | None:
         v = self._groups.get(group_id)
         return v if v is not None else self._parent_group(group_id)

@@ -126,6 +126,7 @@ class ControlLoop:
         now: a completion the manager already has (a report replayed after a lost reward
         worker, :meth:`replay`) is skipped."""
         context = self.coordinator.strategies.seer
+        fresh = self.coordinator.strategies.freshness
         applied: list[FinishedLike] = []
         for f in finished:
             try:
@@ -135,6 +136,10 @@ class ControlLoop:
                 continue
             if context is not None:
                 context.finished(f.group_id, f.traj_id, f.response_len)
+            if fresh is not None:
+                fresh.finished(f.group_id, f.response_len)
+                if outcome.occupied:
+                    fresh.completed(f.group_id, self._clock())
             applied.append(f)
             if self.on_decision is not None:
                 self.on_decision(Occupied(self._clock(), f.group_id, f.traj_id, outcome))
@@ -182,11 +187,21 @@ class ControlLoop:
             except StalenessError as exc:  # its group settled meanwhile: nothing held
                 logger.debug("reserve of trajectory %d not released: %s", tid, exc)
 
+    def trainer_asks(self) -> None:
+        """The trainer is idle and asks for its next buffer (the freshness rule's pace:
+        from here until the Consume it waits). Repeated asks keep the first."""
+        fresh = self.coordinator.strategies.freshness
+        if fresh is not None:
+            fresh.pace.asked(self._clock())
+
     def consume(self) -> ConsumedBatch | None:
         """Consume the trainer's buffer if it is Ready (None otherwise)."""
         if not self.manager.is_ready():
             return None
         batch = self.manager.consume()
+        fresh = self.coordinator.strategies.freshness
+        if fresh is not None:
+            fresh.consumed((g.group_id for g in batch.groups), self._clock())
         if self.on_decision is not None:
             self.on_decision(Consumed(self._clock(), batch))
         if batch.aborted_groups:

@@ -58,7 +58,7 @@ from staleflow.runtime.members import Members
 from staleflow.runtime.metrics import StepMetrics
 from staleflow.runtime.planes import RuntimePlanes
 from staleflow.runtime.races import RuntimeRaces
-from staleflow.runtime.record import StepRecord
+from staleflow.runtime.record import StepRecord, freshness_keys
 from staleness import ConsumedBatch, StalenessConfig, StalenessManager
 from staleness.types import ManagerView, TrajId
 from trajectory_server.types import AbortedTrajectory, InstanceId, TSStats
@@ -456,6 +456,7 @@ class ControlPlane:
             )
         else:
             self._consume = (version, future)
+            self.loop.trainer_asks()
 
     def _serve_consume(self) -> None:
         if self._consume is None or self._cut is not None:
@@ -562,6 +563,7 @@ class ControlPlane:
     def _record_step(self, report: StepReport) -> None:
         times = {i: t for i in list(self.members) if (t := self._times_of(i)) is not None}
         seer = self.coordinator.strategies.seer
+        fresh = self.coordinator.strategies.freshness
         self.metrics.on_step(
             report,
             now=self._clock(),
@@ -572,7 +574,11 @@ class ControlPlane:
             # asked now, not read from the last cycle's snapshot: a whole step can fit in
             # one coordinator period, and the record would then miss the newest Pull
             instance_versions={s.inst: s.inst_version for s in self._snapshots()},
-            totals={**self.recovery.totals(), **(self.races.totals() if self.races else {})},
+            totals={
+                **self.recovery.totals(),
+                **(self.races.totals() if self.races else {}),
+                **(freshness_keys(fresh.state) if fresh is not None else {}),
+            },
             probes=seer.accuracy() if seer is not None else None,
         )
 

@@ -89,6 +89,11 @@ def summary_table(summary: dict[str, Any], eta: int) -> Table:
             "staleness (V_buf - V_traj: trajectories)",
             " ".join(f"{k}:{v}" for k, v in summary.get("staleness_hist", {}).items()),
         ),
+        (
+            "mean staleness; tokens clipped or masked",
+            f"{fmt(summary.get('staleness_mean'), '.2f')}; "
+            f"{fmt(summary.get('corrected_frac'), '.2%')}",
+        ),
         ("trainer idle", fmt(summary.get("trainer_idle_ratio"), ".1%")),
         ("rollout idle", fmt(summary.get("rollout_idle_ratio"), ".1%")),
         (

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -41,7 +42,7 @@ from staleflow.runtime.evaluation import held_out_reward
 from staleflow.runtime.fitting import Placement, fit
 from staleflow.runtime.phases import TrainingWaits, actors_phase
 from staleflow.runtime.placement import plan_placement
-from staleflow.runtime.record import StepRecord, reward_mean, trainer_idle_ratio
+from staleflow.runtime.record import CORRECTED, StepRecord, reward_mean, trainer_idle_ratio
 from staleflow.runtime.run import Run, cause
 from staleflow.runtime.rundir import RunOutput
 from staleflow.runtime.runfolder import SUMMARY
@@ -263,6 +264,8 @@ def summarise(records: list[StepRecord], facts: dict[str, Any]) -> dict[str, Any
         "reward_end": reward_mean(records[-k:]),
         "staleness_hist": dict(sorted(staleness.items())),
         "staleness_max": max((s for s, n in staleness.items() if n), default=0),
+        "staleness_mean": _mean_of(staleness),
+        "corrected_frac": corrected_frac(records),
         "token_staleness_hist": dict(sorted(tokens.items())),
         "on_policy_tokens": set(tokens) <= {0},
         "trainer_idle_ratio": trainer_idle_ratio(records),
@@ -271,6 +274,28 @@ def summarise(records: list[StepRecord], facts: dict[str, Any]) -> dict[str, Any
         **partial,
         **facts,
     }
+
+
+def _mean_of(hist: dict[int, int]) -> float | None:
+    total = sum(hist.values())
+    return sum(k * n for k, n in hist.items()) / total if total else None
+
+
+def corrected_frac(records: list[StepRecord]) -> float | None:
+    """The share of all trained tokens the off-policy correction clipped or masked
+    (``train/corrected_frac`` of each step, weighted by its tokens); None if no step
+    reported it."""
+    done = [
+        (r.extra[CORRECTED], r.tokens or 0)
+        for r in records
+        if CORRECTED in r.extra and math.isfinite(r.extra[CORRECTED])
+    ]
+    tokens = sum(n for _, n in done)
+    if not done:
+        return None
+    if not tokens:
+        return sum(f for f, _ in done) / len(done)
+    return sum(f * n for f, n in done) / tokens
 
 
 # -- the launch ------------------------------------------------------------------------------

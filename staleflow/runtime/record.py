@@ -221,6 +221,24 @@ _MAPPINGS = tuple(f for f in fields(StepRecord) if "prefix" in f.metadata)
 _REQUIRED = _SCALARS[:3]  # step, version, time/elapsed_s
 STEP, VERSION, ELAPSED = (f.metadata["key"] for f in _REQUIRED)
 STALENESS_MEAN, STALENESS_MAX = "staleness/mean", "staleness/max"
+# the trainer's share of a step's tokens the off-policy correction clipped or masked
+# (staleflow/trainers/rl.py), shown beside the staleness it grows with
+CORRECTED = "train/corrected_frac"
+
+
+def freshness_keys(state: Any) -> dict[str, float]:
+    """The freshness rule at the step (``coordinator.freshness.FreshnessState``), for
+    ``extra``: seconds a new group needs (estimate + margin), the margin, the trainer's
+    measured step, the groups held back at the last cycle, and 1 while it gives way."""
+    return {
+        "freshness/need_s": float(state.need_s),
+        "freshness/margin_s": float(state.margin_s),
+        "freshness/step_s": float(state.step_s),
+        "freshness/held_groups": float(state.held_groups),
+        "freshness/giving_way": float(state.giving_way),
+    }
+
+
 ROLLOUT_IDLE = "rollout/idle_ratio"
 COMMANDS_SHARE = "rollout/time_share/commands"
 _DERIVED = (STALENESS_MEAN, STALENESS_MAX, ROLLOUT_IDLE, COMMANDS_SHARE)

@@ -288,6 +288,7 @@ class SimCluster:
         the groups occupied in it so far while it is not (``stream_training``)."""
         if self.trainer.busy:
             return
+        self.loop.trainer_asks()
         batch = self.loop.consume()
         if batch is not None:
             self._train(t, batch)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from coordinator import CoordinatorConfig, CostModelConfig
+from coordinator import CoordinatorConfig, CostModelConfig, FreshnessConfig
 from staleflow.sim.cluster import ClusterConfig
 from staleflow.sim.engine import EngineCosts
 from staleflow.sim.trainer import TrainerCosts
@@ -166,7 +166,11 @@ RULES: dict[str, dict[str, Any]] = {
     "whole-groups": {"whole_groups": False},
     "improving": {"improving_moves": False},
     "critical": {"critical_speedup": None},
+    # off by default so far: ``staleflow-no-freshness`` is ``staleflow`` until it is on
+    "freshness": {"freshness": FreshnessConfig()},
 }
+# ``<system>+fresh``: that system with the freshness rule on (coordinator/freshness.py).
+FRESH = "+fresh"
 PAPER_RULES: dict[str, Any] = {k: v for off in RULES.values() for k, v in off.items()}
 
 
@@ -202,7 +206,13 @@ def system(name: str, config: ClusterConfig, layout: Layout | None = None) -> Cl
       critical-path rule in M1, speed estimation in any).
     - ``staleflow-paper``: the throughput strategies exactly as the paper writes them
       (:data:`RULES` all off); ``staleflow-no-<rule>``: StaleFlow without one rule.
+    - ``<system>+fresh``: any of these with the freshness rule on (eta as a ceiling:
+      coordinator/freshness.py), e.g. ``staleflow+fresh``.
     """
+    if name.endswith(FRESH):
+        out = system(name.removesuffix(FRESH), config, layout)
+        fresh = replace(out.coordinator.freshness, enabled=True)
+        return replace(out, coordinator=replace(out.coordinator, freshness=fresh), name=name)
     if name == "staleflow":
         return replace(_strategies(config, "throughput", "throughput", "throughput"), name=name)
     if name == "staleflow-paper" or name.startswith("staleflow-no-"):

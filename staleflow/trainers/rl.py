@@ -355,7 +355,17 @@ def score(
     return backend.token_stats(scaled, mb.targets[mb.mask])
 
 
-_LOSS_SUMS = ("loss", "clipped", "weight", "capped", "ratio", "entropy", "kl", "tokens")
+_LOSS_SUMS = (
+    "loss",
+    "clipped",
+    "weight",
+    "capped",
+    "corrected",
+    "ratio",
+    "entropy",
+    "kl",
+    "tokens",
+)
 
 
 @dataclass(slots=True)
@@ -401,6 +411,9 @@ def micro_loss(
         s["clipped"] += float(out.clipped.sum())
         s["weight"] += float(out.weights.sum())
         s["capped"] += float(out.capped.sum())
+        # what the off-policy correction took out of the gradient, either way: the staler
+        # the data, the more of it (coordinator/freshness.py; docs/staleness.md)
+        s["corrected"] += float((out.clipped | out.capped).sum())
         s["ratio"] += float(out.ratio.sum())
         s["entropy"] += float(entropy.sum())
         s["kl"] += float(approx_kl(logprobs, behav).sum())
@@ -568,6 +581,7 @@ def step_metrics(
         "train/importance_weight_min": w_min if math.isfinite(w_min) else nan,
         "train/importance_weight_max": w_max if math.isfinite(w_max) else nan,
         "train/is_capped_frac": sums["capped"] / n,
+        "train/corrected_frac": sums["corrected"] / n,
         "train/ratio_mean": sums["ratio"] / n,
         "train/entropy": sums["entropy"] / n,
         "train/kl_behav": sums["kl"] / n,

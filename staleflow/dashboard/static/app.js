@@ -89,6 +89,7 @@ function render() {
   renderRecoveries();
   drawLoad($("load-chart"), o.run);
   drawStaleness($("staleness-chart"), o.run);
+  drawFreshness($("freshness-chart"), o.run);
   drawThroughput($("throughput-chart"), o.run);
   drawReward($("reward-chart"));
   drawIdle($("idle-chart"));
@@ -351,6 +352,16 @@ function drawIdle(canvas) {
     { label: "trainer", colour: "#c62828", points: r.filter((x) => x["trainer/idle_ratio"] !== undefined).map((x) => [x.step, x["trainer/idle_ratio"]]) },
     { label: "rollout (mean)", colour: "#1565c0", points: r.filter((x) => x["rollout/idle_ratio"] !== undefined).map((x) => [x.step, x["rollout/idle_ratio"]]) },
   ], { xLabel: "step", yLabel: "idle share", yMax: 1, empty: "no training step yet" });
+}
+
+function drawFreshness(canvas, run) {
+  // 1: every sample as stale as eta allows (eta as a target); lower: fresher data
+  const r = state.records;
+  const eta = run.eta || 1;
+  lineChart(canvas, [
+    { label: "mean staleness / eta", colour: "#6a1b9a", points: r.filter((x) => x["staleness/mean"] !== undefined).map((x) => [x.step, x["staleness/mean"] / eta]) },
+    { label: "tokens clipped or masked", colour: "#ef6c00", points: r.filter((x) => x["train/corrected_frac"] !== undefined).map((x) => [x.step, x["train/corrected_frac"]]) },
+  ], { xLabel: "step", yLabel: "share", yMax: 1, empty: "no training step yet" });
 }
 
 function drawStaleness(canvas, run) {

@@ -88,6 +88,7 @@ def flat_record(step: int) -> dict[str, float]:
         "staleness/hist/0": 3.0,
         "staleness/hist/1": 1.0,
         "staleness/mean": 0.25,
+        "train/corrected_frac": 0.125,
         "ps/version": float(step),
     }
     for i in range(INSTANCES):

@@ -25,7 +25,14 @@ def test_the_page_links_its_own_script_and_style(client):
     html = r.text
     assert '<script src="static/app.js">' in html
     assert '<link rel="stylesheet" href="static/style.css">' in html
-    for element in ("buffers", "instances", "load-chart", "staleness-chart", "throughput-chart"):
+    for element in (
+        "buffers",
+        "instances",
+        "load-chart",
+        "staleness-chart",
+        "freshness-chart",
+        "throughput-chart",
+    ):
         assert f'id="{element}"' in html
     # no CDN: every src/href is relative to the app (or a data: URI)
     for url in re.findall(r'(?:src|href)="([^"]+)"', html):

@@ -63,6 +63,9 @@ def test_parses_with_the_reference_parser_and_carries_the_state():
     assert samples["staleflow_last_step_throughput_tokens_per_s"][0].value == 500
     hist = {s.labels["staleness"]: s.value for s in samples["staleflow_last_step_staleness_groups"]}
     assert hist == {"0": 3, "1": 1}
+    # staleness as a first-class metric: its mean, and the correction's share beside it
+    assert samples["staleflow_last_step_staleness_mean"][0].value == 0.25
+    assert samples["staleflow_last_step_train_corrected_frac"][0].value == 0.125
     # the unknown measured throughput of instance 2 (NaN) is exported as NaN
     measured = {
         s.labels["instance"]: s.value

@@ -66,6 +66,9 @@ def test_step_line_and_summary_carry_the_figures():
     assert "0.250 → 0.400" in text
     assert "1.00% / 2.00% / 0.00%" in text
     assert "812.5 trained tokens/s" in text
+    assert "mean staleness; tokens clipped or masked" not in text or "-; -" in text
+    summary |= {"staleness_mean": 1.25, "corrected_frac": 0.045}
+    assert "1.25; 4.50%" in _text(summary_table(summary, eta=3))
 
 
 # -- the waits before training ------------------------------------------------------------

@@ -219,3 +219,24 @@ def test_workloads_are_defined_before_any_run() -> None:
     assert WORKLOADS["gpus-512"].config(3, steps=4, rollout_gpus=192).instances == 192
     with pytest.raises(ValueError, match="rollout_gpus"):
         WORKLOADS["preset-20k"].config(3, steps=4, rollout_gpus=128)
+
+
+def test_freshness_adds_the_rule_at_staleflows_split_and_compares_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--freshness``: staleflow+fresh runs at StaleFlow's split and seeds, and the
+    comparison names each cell's throughput ratio, both mean stalenesses and the
+    verdicts of issue 36."""
+    out = tmp_path / "m.json"
+    args = ["--small", "--workloads", "preset-20k", "--etas", "3", "--systems", "staleflow"]
+    args += ["--seeds", "1", "--splits", "0.5", "--steps", "6", "--freshness"]
+    assert _matrix().main([*args, "--out", str(tmp_path / "o"), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    runs = {(r["system"], r["rollout_gpus"]) for r in data["runs"]}
+    assert {s for s, _ in runs} == {"staleflow", "staleflow+fresh"}
+    assert len({g for _, g in runs}) == 1  # the same split
+    (cell,) = data["freshness"]
+    assert cell["seeds"] == 1 and cell["ratio"] > 0
+    assert 0 <= cell["staleness_on"] <= 3 and 0 <= cell["staleness_off"] <= 3
+    assert sum("freshness on >= 0.98x" in v for v in data["verdicts"]) == 1
+    assert "Freshness off | on" in capsys.readouterr().out

@@ -27,7 +27,16 @@ COMBOS = [f"R{r}S{s}M{m}" for r, s, m in itertools.product("01", repeat=3)]
 # default layout is the paper preset's 64 + 64).
 TINY = Layout(4, 4)
 # R1S1M1 is staleflow and R0S0M0 is vanilla under other names.
-SYSTEMS = ["staleflow", "staleflow-paper", "sticky", "vanilla", "pipeline", "sync", *COMBOS[1:-1]]
+SYSTEMS = [
+    "staleflow",
+    "staleflow+fresh",
+    "staleflow-paper",
+    "sticky",
+    "vanilla",
+    "pipeline",
+    "sync",
+    *COMBOS[1:-1],
+]
 
 Consumed = list[tuple[int, list[tuple[int, np.ndarray]]]]  # (V_buf, [(V_traj, versions)])
 
@@ -123,12 +132,11 @@ def per_buffer_versions(consumed: Consumed) -> list[tuple[int, set[int], set[int
     ]
 
 
+@pytest.mark.parametrize("name", ["staleflow", "staleflow+fresh"])
 @pytest.mark.parametrize("seed", range(4))
-def test_eta_zero_staleflow_consumes_versions_like_sync(seed: int) -> None:
+def test_eta_zero_staleflow_consumes_versions_like_sync(name: str, seed: int) -> None:
     steps = 4
-    ours = per_buffer_versions(
-        run(SimCluster(system("staleflow", tiny(eta=0, steps=steps, seed=seed))))
-    )
+    ours = per_buffer_versions(run(SimCluster(system(name, tiny(eta=0, steps=steps, seed=seed)))))
     sync = per_buffer_versions(
         run(SimCluster(system("sync", tiny(eta=0, steps=steps, seed=seed), TINY)))
     )

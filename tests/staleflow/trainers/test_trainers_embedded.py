@@ -111,6 +111,7 @@ def test_metrics():
     assert metrics["train/importance_weight_mean"] == pytest.approx(1.0, abs=1e-4)
     assert metrics["train/kl_behav"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["train/clip_frac"] == 0.0
+    assert metrics["train/corrected_frac"] == 0.0
     assert 0.0 < metrics["train/entropy"] <= math.log(17) + 1e-5
     assert metrics["train/grad_norm"] > 0
 
@@ -122,6 +123,7 @@ def test_stale_behaviour_policy_is_capped_or_clipped():
     assert metrics["train/importance_weight_mean"] == pytest.approx(2.0, rel=1e-5)
     assert metrics["train/is_capped_frac"] == 1.0
     assert metrics["train/clip_frac"] == 0.0
+    assert metrics["train/corrected_frac"] == 1.0  # every token truncated
     assert metrics["train/kl_behav"] == pytest.approx(math.e - 2.0, rel=1e-4)
     # decoupled PPO drops the tokens above the cap (AReaL): no weight left, no update
     model, tokenizer, trainer = _setup(is_cap=2.0)
@@ -136,6 +138,7 @@ def test_stale_behaviour_policy_is_capped_or_clipped():
     model, tokenizer, trainer = _setup(off_policy="none")
     metrics = trainer.train_step(_batch(model, tokenizer, shift=1.0))
     assert metrics["train/clip_frac"] == pytest.approx(3 / 11)
+    assert metrics["train/corrected_frac"] == pytest.approx(3 / 11)  # clipped, none capped
     assert metrics["train/ratio_mean"] == pytest.approx(math.e, rel=1e-4)
 
 
