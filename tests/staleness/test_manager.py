@@ -36,14 +36,14 @@ W, R_, S = BufferState.WAITING, BufferState.READY, BufferState.STUCK
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"eta": -1}, "eta must be an integer >= 0"),
-        ({"batch_size": 0}, "batch_size must be an integer >= 1"),
-        ({"group_size": 0}, "group_size must be an integer >= 1"),
+        ({"eta": -1}, "eta=-1 is negative: use 0 for synchronous RL"),
+        ({"batch_size": 0}, "batch_size=0 is too small: use at least 1 group"),
+        ({"group_size": 0}, "group_size=0 is too small: use at least 1 trajectory"),
         (
             {"batch_redundancy": -0.5},
             r"batch_redundancy=-0.5 is out of range: use a ratio in \[0, 16\)",
         ),
-        ({"eta": 1.5}, "eta must be an integer"),
+        ({"eta": 1.5}, "eta=1.5 is not an integer"),
     ],
 )
 def test_bad_config_is_rejected_with_the_fix(kwargs, match):
@@ -438,5 +438,5 @@ def test_discarded_completions_report_a_ready_buffer():
 
 @pytest.mark.parametrize("key", ["eta", "batch_size", "group_size"])
 def test_config_refuses_a_bool_as_a_count(key):
-    with pytest.raises(InvalidConfig, match=f"{key} must be an integer"):
+    with pytest.raises(InvalidConfig, match=f"{key}=True is not an integer"):
         StalenessManager(StalenessConfig(**{key: True}))
