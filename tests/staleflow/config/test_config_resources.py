@@ -88,5 +88,5 @@ def test_one_tensor_parallel_key_sizes_the_vllm_engine(tmp_path):
     cfg = load_config(None, ["rollout.backend=vllm", "rollout.tensor_parallel=2"])
     options = engine_options(cfg.rollout, checkpoint=str(tmp_path), run_dir=tmp_path)
     assert options.tensor_parallel == 2
-    with pytest.raises(ConfigError, match="rollout.tensor_parallel=2 needs a tensor-parallel"):
+    with pytest.raises(ConfigError, match=r"rollout\.tensor_parallel=2 needs a tensor-parallel"):
         load_config(None, ["rollout.tensor_parallel=2"])  # the embedded engine
