@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields, replace
 
 from coordinator.cost_model import PRESETS, CostModel
@@ -13,6 +14,20 @@ SYNC_NAMES = (*STRATEGY_NAMES, "drain")
 # Routing has one more: "sticky", least-loaded routing where a trajectory keeps its first
 # instance (the in-flight-limited systems' fixed assignment, coordinator/vanilla_routing.py).
 ROUTING_NAMES = (*STRATEGY_NAMES, "sticky")
+
+
+# Largest values of the numeric keys (their metadata "max", checked by the run
+# configuration before anything starts), each with why.
+MAX_COEFFICIENT = 1e6
+COEFFICIENT_WHY = (
+    "seconds per KV token or trajectory, or KV tokens per token: a million is no engine"
+)
+MAX_KV_TOKENS = float(2**31 - 1)
+KV_WHY = "KV tokens of one instance, indexed by int32 offsets (rollout.kv_budget_tokens)"
+MAX_TOKENS = 2**24
+TOKENS_WHY = "tokens of one response: 16M is above any model's context (the longest, 10M)"
+MAX_QUEUE = 65_536
+MAX_COPIES = 10_000
 
 
 class ConfigError(ValueError):
@@ -28,12 +43,24 @@ class CostModelConfig:
     """
 
     preset: str = field(default="qwen3-30b-a3b-h20", metadata={"help": f"one of {sorted(PRESETS)}"})
-    k1: float | None = None
-    k2: float | None = None
-    k3: float | None = None
-    k4: float | None = None
-    k5: float | None = None
-    kv_budget: float | None = None
+    k1: float | None = field(
+        default=None, metadata={"max": MAX_COEFFICIENT, "max_why": COEFFICIENT_WHY}
+    )
+    k2: float | None = field(
+        default=None, metadata={"max": MAX_COEFFICIENT, "max_why": COEFFICIENT_WHY}
+    )
+    k3: float | None = field(
+        default=None, metadata={"max": MAX_COEFFICIENT, "max_why": COEFFICIENT_WHY}
+    )
+    k4: float | None = field(
+        default=None, metadata={"max": MAX_COEFFICIENT, "max_why": COEFFICIENT_WHY}
+    )
+    k5: float | None = field(
+        default=None, metadata={"max": MAX_COEFFICIENT, "max_why": COEFFICIENT_WHY}
+    )
+    kv_budget: float | None = field(
+        default=None, metadata={"max": MAX_KV_TOKENS, "max_why": KV_WHY}
+    )
 
     def build(self) -> CostModel:
         if self.preset not in PRESETS:
@@ -47,6 +74,16 @@ class CostModelConfig:
             for f in fields(self)
             if f.name != "preset" and getattr(self, f.name) is not None
         }
+        for name, value in overrides.items():
+            # k5 and the KV budget divide: they must be > 0; the others are times, >= 0
+            positive = name in ("k5", "kv_budget")
+            if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+                example = getattr(PRESETS[self.preset], name)
+                raise ConfigError(
+                    f"coordinator.cost_model.{name}={value!r} must be a number "
+                    f"{'> 0' if positive else '>= 0'}: use e.g. {example:g} (the "
+                    f"{self.preset} preset's), or null for the preset's"
+                )
         try:
             return replace(PRESETS[self.preset], **overrides)
         except ValueError as e:
@@ -69,7 +106,9 @@ class SeerConfig:
         default=8192,
         metadata={
             "help": "response tokens one route may add before the trajectory returns to the "
-            "TS to be re-placed (Seer: 8K); only used when enabled"
+            "TS to be re-placed (Seer: 8K); only used when enabled",
+            "max": MAX_TOKENS,
+            "max_why": TOKENS_WHY,
         },
     )
 
@@ -106,7 +145,11 @@ class RaceConfig:
     )
     copies: int = field(
         default=1,
-        metadata={"help": "copies one trajectory may have racing at once (besides itself)"},
+        metadata={
+            "help": "copies one trajectory may have racing at once (besides itself)",
+            "max": MAX_COPIES,
+            "max_why": "copies race on idle instances, and no cluster runs more than 10,000",
+        },
     )
 
     def __post_init__(self) -> None:
@@ -178,13 +221,36 @@ class CoordinatorConfig:
     migration: str = field(default="throughput", metadata={"help": "throughput | vanilla"})
     mu: float = field(
         default=0.3,
-        metadata={"help": "route only where the gain is >= mu x an idle instance's gain"},
+        metadata={
+            "help": "route only where the gain is >= mu x an idle instance's gain",
+            "max": 1.0,
+            "max_why": "a share of an idle instance's gain",
+        },
     )
-    phi_wait: int = field(default=3, metadata={"help": "queued trajectories kept per instance"})
+    phi_wait: int = field(
+        default=3,
+        metadata={
+            "help": "queued trajectories kept per instance",
+            "max": MAX_QUEUE,
+            "max_why": "trajectories queued on one instance, at most its batch slots (rollout.max_running)",
+        },
+    )
     phi_throughput: float = field(
-        default=5.0, metadata={"help": "max ratio of highest to lowest instance throughput"}
+        default=5.0,
+        metadata={
+            "help": "max ratio of highest to lowest instance throughput",
+            "max": 1000.0,
+            "max_why": "a ratio of instance throughputs: no fleet is 1,000x uneven",
+        },
     )
-    period_s: float = field(default=1.0, metadata={"help": "seconds between snapshot cycles"})
+    period_s: float = field(
+        default=1.0,
+        metadata={
+            "help": "seconds between snapshot cycles",
+            "max": 3600.0,
+            "max_why": "seconds between routing cycles: an hour routes nothing",
+        },
+    )
     cost_model: CostModelConfig = field(default_factory=CostModelConfig)
     estimation: bool = field(
         default=True,
@@ -202,7 +268,9 @@ class CoordinatorConfig:
             "batch, whatever mu says (coordinator/gains.py spare()); set it near your mean "
             "response length (about a third of the response cap on reasoning workloads), "
             "the growth each running trajectory is still expected to make; null: mu "
-            "decides everywhere, as in the paper"
+            "decides everywhere, as in the paper",
+            "max": MAX_TOKENS,
+            "max_why": "decode steps of headroom: no response is longer",
         },
     )
 
@@ -214,7 +282,9 @@ class CoordinatorConfig:
             "and re-prefills all of it; only while the fleet is loaded (a mean batch of at "
             "least k2/k3 or a mean KV of at least this share; coordinator/sync.py); with the "
             "throughput routing only (least-loaded routing keeps caches full); null: "
-            "Algorithm 4 as written"
+            "Algorithm 4 as written",
+            "max": 1.0,
+            "max_why": "a share of the KV budget",
         },
     )
     fresh_admission: bool = field(
@@ -248,7 +318,9 @@ class CoordinatorConfig:
         metadata={
             "help": "move a trajectory of the oldest buffer's tail to the instance where its "
             "steps are at least this many times faster (coordinator/critical.py); null: "
-            "off, as in the paper"
+            "off, as in the paper",
+            "max": 1000.0,
+            "max_why": "a speed ratio between instances, bounded as phi_throughput",
         },
     )
 
@@ -259,7 +331,9 @@ class CoordinatorConfig:
             "path once at most this many per instance remain: the critical-path rule may "
             "move them, and the throughput synchronisation does not Pull an instance "
             "running one while its Pulls are deferred (pull_kv) (coordinator/critical.py, "
-            "sync.py); 1: one per instance, the rule's first version"
+            "sync.py); 1: one per instance, the rule's first version",
+            "max": MAX_QUEUE,
+            "max_why": "trajectories per instance, at most its batch slots",
         },
     )
 

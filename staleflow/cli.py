@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from staleness import StalenessManager
+
+
+def print_text(console: Any, text: str, *, style: str = "", label: str = "") -> None:
+    """Print ``text`` verbatim, after ``label`` in ``style`` when given. Messages are never
+    read as rich markup: "pip install -e '.[megatron]'" printed as markup loses its extra
+    (rich takes ``[megatron]`` for a style tag), and a path may hold brackets too."""
+    from rich.text import Text
+
+    line = Text.assemble((label, style), " ", text) if label else Text(text, style=style)
+    console.print(line, highlight=False)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -147,15 +158,15 @@ def cmd_launch(args: argparse.Namespace) -> int:
     console = Console()
 
     def say(text: str) -> None:
-        console.print(f"[dim]{text}[/]", highlight=False)
+        print_text(console, text, style="dim")
 
     if args.check:
         try:
             check_placement(cfg, say)
         except LaunchError as exc:
-            console.print(f"[red]staleflow launch --check:[/] {exc}", highlight=False)
+            print_text(console, str(exc), label="staleflow launch --check:", style="red")
             return 1
-        console.print("the cluster holds this placement", highlight=False)
+        print_text(console, "the cluster holds this placement")
         return 0
 
     dashboard = None
@@ -188,7 +199,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
                 progress=view.progress,
             )
     except LaunchError as exc:
-        console.print(f"[red]staleflow launch failed:[/] {exc}", highlight=False)
+        print_text(console, str(exc), label="staleflow launch failed:", style="red")
         return 1
     except KeyboardInterrupt:  # Ctrl-C: launch's teardown has run; no traceback
         console.print("[yellow]staleflow launch: interrupted, the actors stopped[/]")
@@ -196,10 +207,10 @@ def cmd_launch(args: argparse.Namespace) -> int:
     result.summary["run_dir"] = str(result.run_dir)
     console.print(summary_table(result.summary, cfg.eta))
     if result.stopped:
-        console.print(
+        print_text(
+            console,
             f"stopped after step {len(result.records)} of {cfg.steps}; the checkpoint is "
             f"{result.checkpoint}. Resume with: staleflow launch --resume {result.run_dir}",
-            highlight=False,
         )
     return 0
 
@@ -310,9 +321,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"staleflow profile: {exc}", file=sys.stderr)
         return 2
-    console.print(
-        f"[dim]profiling the embedded engine on the built-in {args.preset} model: "
-        f"running {running} x prompt lengths {lengths}, {args.steps} timed steps each[/]"
+    print_text(
+        console,
+        f"profiling the embedded engine on the built-in {args.preset} model: "
+        f"running {running} x prompt lengths {lengths}, {args.steps} timed steps each",
+        style="dim",
     )
     try:
         result = profile_embedded(
@@ -344,8 +357,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         f"(mean relative error {fit.mean_relative_error:.1%}, knee at {fit.knee:.1f} running; "
         f"{result.seconds:.0f} s)"
     )
-    console.print(f"saved to {path}; use it with: staleflow launch --config {path}")
-    console.print("or as overrides: " + " ".join(overrides(result)))
+    print_text(console, f"saved to {path}; use it with: staleflow launch --config {path}")
+    print_text(console, "or as overrides: " + " ".join(overrides(result)))
     return 0
 
 

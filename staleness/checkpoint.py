@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from staleness.errors import CorruptState
+from staleness.errors import CorruptState, InvalidConfig
 from staleness.feasibility import AdmissionCounts
 from staleness.types import StalenessConfig
 
@@ -54,6 +54,35 @@ def _count(value: object, what: str) -> int:
     return value
 
 
+# what a damaged or edited state can do about it: the saved state is the thing at fault
+_RESTORE_FIX = (
+    "the saved state was damaged or edited: restore an earlier one (a run keeps its newest "
+    "checkpoints in checkpoints/), not this one"
+)
+
+
+def _saved_config(raw: object) -> StalenessConfig:
+    """The saved protocol settings. A value the protocol refuses (``batch_size=0``) is a
+    fault of the saved state, not of a configuration: ``CorruptState``, not
+    ``InvalidConfig``."""
+    if not isinstance(raw, dict):
+        raise CorruptState(
+            f"staleness state field 'config' must be a dict of {', '.join(PROTOCOL_KEYS)}, "
+            f"got {raw!r}; {_RESTORE_FIX}"
+        )
+    unknown = sorted(map(str, set(raw) - set(PROTOCOL_KEYS)))
+    missing = [key for key in PROTOCOL_KEYS if key not in raw]
+    if unknown or missing:
+        raise CorruptState(
+            f"staleness state field 'config' has unknown keys {unknown} or lacks {missing}; "
+            f"{_RESTORE_FIX}"
+        )
+    try:
+        return StalenessConfig(**raw)
+    except InvalidConfig as exc:
+        raise CorruptState(f"staleness state field 'config': {exc}. Here {_RESTORE_FIX}") from exc
+
+
 def parse_state(state: Any) -> SavedState:
     """Check the shape of a saved state; every problem names the field to fix."""
     if not isinstance(state, dict):
@@ -64,8 +93,8 @@ def parse_state(state: Any) -> SavedState:
         raise CorruptState(
             f"unsupported staleness state format {state.get('format')!r}; expected {FORMAT}"
         )
+    config = _saved_config(state.get("config"))
     try:
-        config = StalenessConfig(**state["config"])
         saved = SavedState(
             config,
             state["version"],

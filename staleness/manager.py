@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from staleness import checkpoint, explain
-from staleness.bounds import REDUNDANCY_HINT, redundancy_ok
+from staleness.bounds import config_problem
 from staleness.errors import (
     DuplicateTrajectory,
     InvalidConfig,
@@ -63,21 +63,17 @@ class _Group:
         self.buffer: int | None = None  # the buffer an occupied group is committed to
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)  # True is not a count
-
-
 def validate_config(config: StalenessConfig) -> None:
-    if not _is_int(config.eta) or config.eta < 0:
-        raise InvalidConfig(f"eta must be an integer >= 0 (0 = synchronous), got {config.eta!r}")
-    if not _is_int(config.batch_size) or config.batch_size < 1:
-        raise InvalidConfig(f"batch_size must be an integer >= 1, got {config.batch_size!r}")
-    if not _is_int(config.group_size) or config.group_size < 1:
-        raise InvalidConfig(f"group_size must be an integer >= 1, got {config.group_size!r}")
-    for name in ("batch_redundancy", "group_redundancy"):
-        value = getattr(config, name)
-        if not redundancy_ok(value):
-            raise InvalidConfig(f"{name}={value!r} is out of range: {REDUNDANCY_HINT}")
+    # StalenessConfig checks itself when built; its fields may have been set since
+    problem = config_problem(
+        config.eta,
+        config.batch_size,
+        config.group_size,
+        config.batch_redundancy,
+        config.group_redundancy,
+    )
+    if problem is not None:
+        raise InvalidConfig(problem)
 
 
 class StalenessManager:

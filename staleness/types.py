@@ -1,4 +1,5 @@
-"""Plain data exchanged with the staleness manager (the contract; no logic).
+"""Plain data exchanged with the staleness manager (the contract; no logic beyond
+:class:`StalenessConfig` refusing settings the protocol cannot hold).
 
 Vocabulary (paper §4):
 - ``V_traj``: the oldest policy version tolerated over a trajectory's whole generation.
@@ -13,6 +14,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+
+from staleness.bounds import config_problem
+from staleness.errors import InvalidConfig
 
 GroupId = int
 TrajId = int
@@ -134,6 +138,19 @@ class StalenessConfig:
     group_size: int = 1
     batch_redundancy: float = 0.0
     group_redundancy: float = 0.0
+
+    def __post_init__(self) -> None:
+        # refused here, with the protocol's own error, before a ring of eta + 1 buffers
+        # is allocated (eta=10**20 raised OverflowError there, 2**62 MemoryError)
+        problem = config_problem(
+            self.eta,
+            self.batch_size,
+            self.group_size,
+            self.batch_redundancy,
+            self.group_redundancy,
+        )
+        if problem is not None:
+            raise InvalidConfig(problem)
 
     @property
     def buffer_capacity(self) -> int:

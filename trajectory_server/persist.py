@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from staleness.bounds import config_problem
 from trajectory_server.errors import CorruptState, InvalidConfig
 from trajectory_server.records import QUEUED, ROUTED, GroupRecord, TrajRecord
 from trajectory_server.store import TrajectoryStore, as_prompt
@@ -28,6 +29,8 @@ from trajectory_server.types import TrajectoryServerConfig, TrajState
 FORMAT = 1
 # Settings that change what the saved trajectories mean; capacity and refill may change.
 PROTOCOL_KEYS = ("eta", "batch_size", "group_size", "group_redundancy", "batch_redundancy")
+# staleness.bounds.config_problem's order
+_BOUNDED_KEYS = ("eta", "batch_size", "group_size", "batch_redundancy", "group_redundancy")
 _COUNTERS = (
     "next_traj",
     "next_group",
@@ -93,6 +96,13 @@ def check_config(config: TrajectoryServerConfig, state: Mapping[str, Any]) -> No
     saved = state.get("config")
     if not isinstance(saved, Mapping):
         raise CorruptState("trajectory server state lacks its 'config'")
+    # settings no run could have had (batch_size=0) are a damaged state, not another run's
+    problem = config_problem(*(saved.get(key) for key in _BOUNDED_KEYS))
+    if problem is not None:
+        raise CorruptState(
+            f"trajectory server state field 'config': {problem}. Here the saved state was "
+            "damaged or edited: restore an earlier one, not this one"
+        )
     for key in PROTOCOL_KEYS:
         if saved.get(key) != getattr(config, key):
             raise InvalidConfig(

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from staleness.bounds import REDUNDANCY_HINT, redundancy_ok
+from staleness.bounds import config_problem
 from trajectory_server.errors import InvalidConfig
 
 TrajId = int
@@ -65,16 +65,16 @@ class TrajectoryServerConfig:
             raise InvalidConfig(
                 f"temperature={self.temperature}; use the rollout's sampling temperature (> 0)"
             )
-        if self.eta < 0:
-            raise InvalidConfig(f"eta={self.eta} is negative; use 0 for synchronous RL")
-        if self.batch_size < 1:
-            raise InvalidConfig(f"batch_size={self.batch_size}; it must be at least 1")
-        if self.group_size < 1:
-            raise InvalidConfig(f"group_size={self.group_size}; it must be at least 1")
-        for name in ("group_redundancy", "batch_redundancy"):
-            value = getattr(self, name)
-            if not redundancy_ok(value):
-                raise InvalidConfig(f"{name}={value!r} is out of range: {REDUNDANCY_HINT}")
+        # the staleness manager's bounds (staleness.bounds): what one accepts, both do
+        problem = config_problem(
+            self.eta,
+            self.batch_size,
+            self.group_size,
+            self.batch_redundancy,
+            self.group_redundancy,
+        )
+        if problem is not None:
+            raise InvalidConfig(problem)
         if self.capacity_groups is not None and self.capacity_groups < 1:
             raise InvalidConfig(
                 f"capacity_groups={self.capacity_groups}; it must be at least 1, "

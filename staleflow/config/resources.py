@@ -16,6 +16,13 @@ import re
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from staleflow.config.checks import (
+    MAX_NODE_GPUS,
+    MAX_THREADS,
+    MAX_WAIT_S,
+    NODE_GPUS_WHY,
+    WAIT_WHY,
+)
 from staleflow.config.sections import _help, require
 from staleflow.config.walk import check_types
 
@@ -42,7 +49,12 @@ class CpuPool:
     KEY: ClassVar[str] = "resources"
 
     cpus: float = field(
-        default=1.0, metadata=_help("CPU cores reserved for each member of the pool")
+        default=1.0,
+        metadata=_help(
+            "CPU cores reserved for each member of the pool",
+            float(MAX_THREADS),
+            "CPU cores of one bundle, on one node: no node has more",
+        ),
     )
     node_resource: str = field(
         default="",
@@ -93,7 +105,12 @@ class CpuPool:
 class GpuPool(CpuPool):
     """A pool whose members may also hold GPUs."""
 
-    gpus: float = field(default=0.0, metadata=_help("GPUs reserved for each member of the pool"))
+    gpus: float = field(
+        default=0.0,
+        metadata=_help(
+            "GPUs reserved for each member of the pool", float(MAX_NODE_GPUS), NODE_GPUS_WHY
+        ),
+    )
 
     def __post_init__(self) -> None:
         CpuPool.__post_init__(self)
@@ -157,7 +174,9 @@ class ResourcesConfig:
         metadata=_help(
             "seconds to wait for Ray to reserve the placement once the cluster was found "
             "to hold it (another job may take the room meanwhile); then the launch stops "
-            "naming what is still pending"
+            "naming what is still pending",
+            MAX_WAIT_S,
+            WAIT_WHY,
         ),
     )
 

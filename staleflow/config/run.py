@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from coordinator.config import ConfigError, CoordinatorConfig, CostModelConfig
+from staleflow.config.checks import INT32_MAX, STEPS_WHY
 from staleflow.config.recovery import RecoveryConfig
 from staleflow.config.resources import ResourcesConfig
 from staleflow.config.sections import (
@@ -22,13 +23,22 @@ from staleflow.config.sections import (
     require,
     require_at_least,
 )
-from staleflow.config.walk import check_types
+from staleflow.config.walk import check_tree_bounds, check_types
 from staleflow.rewards.registry import resolve_reward_kind
-from staleness.bounds import REDUNDANCY_HINT, redundancy_ok
+from staleness.bounds import (
+    ETA_WHY,
+    HELD_WHY,
+    MAX_ETA,
+    MAX_HELD_TRAJECTORIES,
+    MAX_REDUNDANCY,
+    config_problem,
+)
 
 if TYPE_CHECKING:
     from staleness import StalenessConfig
     from trajectory_server.types import TrajectoryServerConfig
+
+REDUNDANCY_WHY = "a ratio r runs floor(n x (1 + r)) members for n needed: 16 runs 17x the work"
 
 # The embedded default (a few-million-parameter model on CPU) steps in milliseconds, so
 # the coordinator cycles faster than CoordinatorConfig's cluster default of 1 s. No cost
@@ -53,9 +63,20 @@ class RunConfig:
     """Everything ``staleflow launch`` needs; the defaults run the built-in arithmetic task
     on one CPU machine with embedded backends. Each component receives its own section."""
 
-    eta: int = field(default=3, metadata=_help("staleness bound: 0 is synchronous on-policy RL"))
-    steps: int = field(default=200, metadata=_help("training steps"))
-    seed: int = field(default=0, metadata=_help("seed of sampling, data order and init"))
+    eta: int = field(
+        default=3,
+        metadata=_help("staleness bound: 0 is synchronous on-policy RL", MAX_ETA, ETA_WHY),
+    )
+    steps: int = field(default=200, metadata=_help("training steps", INT32_MAX, STEPS_WHY))
+    seed: int = field(
+        default=0,
+        metadata=_help(
+            "seed of sampling, data order and init",
+            2**62,
+            "the embedded engine keys its draws by it as an int64, and the evaluation and "
+            "the data add offsets to it",
+        ),
+    )
     run_dir: str = field(
         default="runs", metadata=_help("parent folder; each run gets a timestamped subfolder")
     )
@@ -69,28 +90,47 @@ class RunConfig:
     )
     # 32 x 8: at 8 groups a step the default run's rollout idled three quarters of the
     # time and the gradient was too noisy to improve the tiny policy (docs/launch.md)
-    batch_size: int = field(default=32, metadata=_help("groups per training step"))
-    group_size: int = field(default=8, metadata=_help("trajectories per group (G)"))
+    batch_size: int = field(
+        default=32,
+        metadata=_help("groups per training step", MAX_HELD_TRAJECTORIES, HELD_WHY),
+    )
+    group_size: int = field(
+        default=8,
+        metadata=_help("trajectories per group (G)", MAX_HELD_TRAJECTORIES, HELD_WHY),
+    )
     group_redundancy: float = field(
         default=0.0,
-        metadata=_help("extra trajectories per group, as a share of G (in [0, 16))"),
+        metadata=_help(
+            "extra trajectories per group, as a share of G (in [0, 16))",
+            MAX_REDUNDANCY,
+            REDUNDANCY_WHY,
+        ),
     )
     batch_redundancy: float = field(
         default=0.0,
-        metadata=_help("extra groups per staleness buffer, as a share of batch_size"),
+        metadata=_help(
+            "extra groups per staleness buffer, as a share of batch_size",
+            MAX_REDUNDANCY,
+            REDUNDANCY_WHY,
+        ),
     )
     checkpoint_every: int = field(
         default=0,
         metadata=_help(
             "save the run's state every N steps (staleflow launch --resume continues from "
-            "it); 0 = only when the run stops or ends"
+            "it); 0 = only when the run stops or ends",
+            INT32_MAX,
+            STEPS_WHY,
         ),
     )
     eval_problems: int = field(
         default=512,
         metadata=_help(
             "held-out problems of the built-in task scored before and after training, at "
-            "rollout.temperature (the run's improvement); 0 = off"
+            "rollout.temperature (the run's improvement); 0 = off",
+            2**20,
+            "each is sampled twice, before and after training, while nothing else runs: "
+            "2**20 takes hours on the embedded engine",
         ),
     )
     dashboard: bool = field(
@@ -104,7 +144,9 @@ class RunConfig:
         default=8266,
         metadata=_help(
             "port of the dashboard on 127.0.0.1; if taken, a free one is used and printed "
-            "(8265 is Ray's own dashboard)"
+            "(8265 is Ray's own dashboard)",
+            65535,
+            "a TCP port number has 16 bits",
         ),
     )
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -117,16 +159,28 @@ class RunConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     coordinator: CoordinatorConfig = field(default_factory=_embedded_coordinator)
 
+    # Keys that were replaced: the message says which key to use instead.
+    MOVED_KEYS: ClassVar[dict[str, str]] = {
+        # one tensor-parallel setting: the generic key sizes vLLM's TP and reserves each
+        # rank's resources; two keys could disagree (issue 32)
+        "rollout.vllm.tensor_parallel_size": (
+            "the tensor-parallel size of every backend is rollout.tensor_parallel (vLLM's "
+            "included; it also reserves resources.rollout for each rank): set "
+            "rollout.tensor_parallel instead"
+        ),
+    }
+
     def __post_init__(self) -> None:
         check_types(self, "")
-        require(self.eta >= 0, "eta", self.eta, "is negative: use 0 for synchronous RL, e.g. 3")
+        # the staleness protocol's own bounds (staleness.bounds), so the staleness manager
+        # and the trajectory server accept whatever passes here
+        problem = config_problem(
+            self.eta, self.batch_size, self.group_size, self.batch_redundancy, self.group_redundancy
+        )
+        if problem is not None:
+            raise ConfigError(problem)
         require_at_least("steps", self.steps, 1, "training step")
         require(self.seed >= 0, "seed", self.seed, "is negative: use a seed >= 0")
-        require_at_least("batch_size", self.batch_size, 1, "group per step")
-        require_at_least("group_size", self.group_size, 1, "trajectory per group")
-        for key in ("group_redundancy", "batch_redundancy"):
-            value = getattr(self, key)
-            require(redundancy_ok(value), key, value, f"is out of range: {REDUNDANCY_HINT}")
         require_at_least("checkpoint_every", self.checkpoint_every, 0, "steps (0 = at the end)")
         require_at_least("eval_problems", self.eval_problems, 0, "problems (0 = off)")
         require(
@@ -142,6 +196,10 @@ class RunConfig:
             "is not usable in a folder name: use letters, digits, '.', '_' and '-'",
         )
         require(bool(self.run_dir), "run_dir", self.run_dir, "is empty: use e.g. runs")
+        # every numeric key's declared bounds (the "max" of its metadata), NaN and
+        # infinities too: after each section's own checks (more specific messages), before
+        # the checks across sections (which would compare an absurd value with another)
+        check_tree_bounds(self)
         self._check_across_sections()
 
     def _check_across_sections(self) -> None:
@@ -173,14 +231,15 @@ class RunConfig:
             )
         # (a vLLM/SGLang rollout of the built-in policy loads it from the run folder; the
         # megatron trainer builds its model from the policy's HF config, the built-in too)
-        if rollout.backend in ("embedded", "vllm"):  # both size their KV cache to it
+        if rollout.backend == "embedded":
             require(
                 rollout.tensor_parallel == 1,
                 "rollout.tensor_parallel",
                 rollout.tensor_parallel,
                 "needs a tensor-parallel engine: the embedded engine runs in one process; "
-                "use rollout.tensor_parallel=1",
+                "use rollout.tensor_parallel=1, or rollout.backend=vllm or sglang",
             )
+        if rollout.backend in ("embedded", "vllm"):  # both size their KV cache to it
             require(
                 rollout.kv_budget_tokens >= rollout.max_response_tokens + 1,
                 "rollout.kv_budget_tokens",

@@ -7,26 +7,46 @@ The ``coordinator`` section is :class:`coordinator.config.CoordinatorConfig`.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 from coordinator.config import ConfigError
 from staleflow.config.checks import (
+    ACTORS_WHY,
+    BATCH_TOKENS_WHY,
+    MAX_ACTORS,
+    MAX_BATCH_TOKENS,
+    MAX_SEQUENCE_TOKENS,
+    MAX_THREADS,
+    MAX_WAIT_S,
+    SEQUENCE_WHY,
+    THREADS_WHY,
+    WAIT_WHY,
     _help,
     require,
     require_at_least,
     require_choice,
     require_positive,
 )
+from staleflow.config.rollout import (
+    ROLLOUT_BACKENDS as ROLLOUT_BACKENDS,
+)
+from staleflow.config.rollout import (
+    RolloutConfig as RolloutConfig,
+)
+from staleflow.config.rollout import (
+    SGLangOptions as SGLangOptions,
+)
+from staleflow.config.rollout import (
+    VLLMOptions as VLLMOptions,
+)
 from staleflow.config.walk import check_types
 from staleflow.rewards.registry import AUTO, reward_names
+from staleness.bounds import MAX_HELD_TRAJECTORIES
 
 DATA_TASKS = ("arithmetic", "gsm8k", "dapo", "jsonl", "parquet")
 FILE_TASKS = DATA_TASKS[1:]
-ROLLOUT_BACKENDS = ("embedded", "vllm", "sglang")
-SGLANG_WEIGHT_SYNCS = ("tensor", "disk")  # staleflow.engines.sglang.config.WEIGHT_SYNCS
 TRAINER_BACKENDS = ("embedded", "megatron")
 OFF_POLICY_MODES = ("decoupled", "tis", "none")
 CAP_MODES = ("auto", "truncate", "mask")
@@ -60,14 +80,18 @@ class ModelConfig:
         default=1200,
         metadata=_help(
             "most supervised warm-up steps of the built-in model (it stops earlier at "
-            "model.warmup_target)"
+            "model.warmup_target)",
+            1_000_000,
+            "supervised steps of the built-in model, which reaches its target in about 1,200: a million is days",
         ),
     )
     warmup_target: float = field(
         default=0.25,
         metadata=_help(
             "stop the warm-up once its sampled validation accuracy reaches this share, so "
-            "RL starts from a policy that is sometimes right; 0 = all warmup_steps"
+            "RL starts from a policy that is sometimes right; 0 = all warmup_steps",
+            1.0,
+            "a share of problems solved",
         ),
     )
     warmup: bool = field(
@@ -121,7 +145,12 @@ class DataConfig:
     )
     path: str = field(default="", metadata=_help("local .jsonl or .parquet file of a file task"))
     difficulty: int = field(
-        default=2, metadata=_help("level of the arithmetic task, 1 (one-digit sums) to 5")
+        default=2,
+        metadata=_help(
+            "level of the arithmetic task, 1 (one-digit sums) to 5",
+            5,
+            "the built-in task has levels 1 to 5",
+        ),
     )
     tokenizer: str = field(
         default="",
@@ -131,7 +160,8 @@ class DataConfig:
         ),
     )
     max_prompt_tokens: int = field(
-        default=512, metadata=_help("prompts longer than this are skipped")
+        default=512,
+        metadata=_help("prompts longer than this are skipped", MAX_SEQUENCE_TOKENS, SEQUENCE_WHY),
     )
 
     def __post_init__(self) -> None:
@@ -156,162 +186,6 @@ class DataConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class VLLMOptions:
-    """rollout.backend=vllm: one in-process vLLM engine per instance (docs/engines.md)."""
-
-    KEY: ClassVar[str] = "rollout.vllm"
-
-    model_path: str = field(
-        default="",
-        metadata=_help(
-            "checkpoint folder vLLM loads the architecture from; empty: model.checkpoint, or "
-            "the built-in policy saved into the run folder"
-        ),
-    )
-    tensor_parallel_size: int = field(default=1, metadata=_help("GPUs per instance (1 on CPU)"))
-    gpu_memory_utilization: float = field(
-        default=0.9, metadata=_help("vLLM's share of each GPU's memory (ignored on CPU)")
-    )
-    dtype: str = field(
-        default="float32", metadata=_help("float32 | bfloat16 | float16 | auto (weights and KV)")
-    )
-    extra_args: str = field(
-        default="",
-        metadata=_help('more vllm.EngineArgs as a JSON object, e.g. {"enforce_eager": false}'),
-    )
-
-    def __post_init__(self) -> None:
-        check_types(self, self.KEY)
-        require_at_least(f"{self.KEY}.tensor_parallel_size", self.tensor_parallel_size, 1, "GPU")
-        require(
-            0.0 < self.gpu_memory_utilization <= 1.0,
-            f"{self.KEY}.gpu_memory_utilization",
-            self.gpu_memory_utilization,
-            "is out of range: use (0, 1]",
-        )
-        require_choice(f"{self.KEY}.dtype", self.dtype, ("float32", "bfloat16", "float16", "auto"))
-        if self.extra_args:
-            try:
-                parsed = json.loads(self.extra_args)
-            except ValueError:
-                parsed = None
-            require(
-                isinstance(parsed, dict),
-                f"{self.KEY}.extra_args",
-                self.extra_args,
-                'is not a JSON object: write e.g. {"max_num_batched_tokens": 4096}',
-            )
-
-
-@dataclass(frozen=True, slots=True)
-class SGLangOptions:
-    """rollout.backend=sglang: one sglang.launch_server per instance (docs/engines.md)."""
-
-    KEY: ClassVar[str] = "rollout.sglang"
-
-    model_path: str = field(
-        default="",
-        metadata=_help(
-            "checkpoint folder the servers load; empty: model.checkpoint, or the built-in "
-            "policy saved into the run folder"
-        ),
-    )
-    tp_size: int = field(default=1, metadata=_help("GPUs per server (tensor parallel)"))
-    mem_fraction_static: float = field(
-        default=0.0, metadata=_help("SGLang's --mem-fraction-static; 0 leaves SGLang's default")
-    )
-    weight_sync: str = field(
-        default="tensor",
-        metadata=_help(
-            "tensor (each TP rank pulls from the parameter server) | disk "
-            "(/update_weights_from_disk on a RAM folder)"
-        ),
-    )
-    disk_dir: str = field(
-        default="/dev/shm", metadata=_help("RAM-backed folder for weight_sync=disk")
-    )
-    python: str = field(
-        default="", metadata=_help("interpreter with sglang installed; empty: this one")
-    )
-    extra_server_args: str = field(
-        default="", metadata=_help("appended to each launch_server command line")
-    )
-    deterministic: bool = field(
-        default=False,
-        metadata=_help(
-            "start each server with --enable-deterministic-inference: a trajectory samples "
-            "the same tokens on any instance and after any resume (each request is seeded "
-            "by trajectory), as coordinator.race needs; batch-invariant kernels are slower"
-        ),
-    )
-    startup_timeout_s: float = field(
-        default=900.0, metadata=_help("how long a server may take to become healthy")
-    )
-
-    def __post_init__(self) -> None:
-        check_types(self, self.KEY)
-        require_at_least(f"{self.KEY}.tp_size", self.tp_size, 1, "GPU")
-        require(
-            0.0 <= self.mem_fraction_static < 1.0,
-            f"{self.KEY}.mem_fraction_static",
-            self.mem_fraction_static,
-            "is out of range: use [0, 1) (0: SGLang's default)",
-        )
-        require_choice(f"{self.KEY}.weight_sync", self.weight_sync, SGLANG_WEIGHT_SYNCS)
-        require_positive(f"{self.KEY}.startup_timeout_s", self.startup_timeout_s, "900")
-
-
-@dataclass(frozen=True, slots=True)
-class RolloutConfig:
-    """The rollout instances and how they sample."""
-
-    KEY: ClassVar[str] = "rollout"
-
-    backend: str = field(
-        default="embedded",
-        metadata=_help("embedded (CPU, in process) | vllm (in process; CPU or GPU) | sglang (GPU)"),
-    )
-    instances: int = field(default=2, metadata=_help("rollout instances"))
-    tensor_parallel: int = field(
-        default=1,
-        metadata=_help(
-            "TP ranks of one instance, all on one node (each asks resources.rollout's "
-            "cpus and gpus)"
-        ),
-    )
-    temperature: float = field(default=1.0, metadata=_help("sampling temperature (> 0)"))
-    top_p: float = field(default=1.0, metadata=_help("nucleus sampling mass, in (0, 1]"))
-    max_response_tokens: int = field(
-        default=32, metadata=_help("a response stops at this many tokens")
-    )
-    kv_budget_tokens: int = field(
-        default=16384,
-        metadata=_help(
-            "KV-cache capacity of one instance, in tokens (vLLM's cache is sized to it; "
-            "SGLang sizes its own)"
-        ),
-    )
-    max_running: int = field(default=64, metadata=_help("trajectories an instance decodes at once"))
-    num_threads: int = field(
-        default=1, metadata=_help("CPU threads of one embedded instance (torch)")
-    )
-    vllm: VLLMOptions = field(default_factory=VLLMOptions)
-    sglang: SGLangOptions = field(default_factory=SGLangOptions)
-
-    def __post_init__(self) -> None:
-        check_types(self, self.KEY)
-        require_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS)
-        require_at_least("rollout.instances", self.instances, 1, "rollout instance")
-        require_at_least("rollout.tensor_parallel", self.tensor_parallel, 1, "rank")
-        require_positive("rollout.temperature", self.temperature, "1.0 (RL needs sampling)")
-        require(0.0 < self.top_p <= 1.0, "rollout.top_p", self.top_p, "is out of range: use (0, 1]")
-        require_at_least("rollout.max_response_tokens", self.max_response_tokens, 1, "token")
-        require_at_least("rollout.kv_budget_tokens", self.kv_budget_tokens, 1, "token")
-        require_at_least("rollout.max_running", self.max_running, 1, "trajectory")
-        require_at_least("rollout.num_threads", self.num_threads, 1, "thread")
-
-
-@dataclass(frozen=True, slots=True)
 class RewardConfig:
     """How finished responses are graded."""
 
@@ -324,12 +198,14 @@ class RewardConfig:
             "| math_verify | exact"
         ),
     )
-    workers: int = field(default=1, metadata=_help("reward workers"))
+    workers: int = field(default=1, metadata=_help("reward workers", MAX_ACTORS, ACTORS_WHY))
     timeout_s: float = field(
         default=5.0,
         metadata=_help(
             "seconds one response may take to grade before it scores 0; 0 = no limit. "
-            "Enforced by a killable child process for math_verify"
+            "Enforced by a killable child process for math_verify",
+            MAX_WAIT_S,
+            WAIT_WHY,
         ),
     )
 
@@ -365,18 +241,50 @@ class TrainerConfig:
     )
     # measured on the default run: 1e-4 and above destabilise the warmed tiny policy
     # (3e-4 collapses it to ~0 reward), 3e-5 barely moves it in 200 steps
-    lr: float = field(default=5e-5, metadata=_help("AdamW learning rate"))
-    adam_beta1: float = field(default=0.9, metadata=_help("AdamW beta1, in [0, 1)"))
-    adam_beta2: float = field(default=0.999, metadata=_help("AdamW beta2, in [0, 1)"))
-    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay"))
-    max_grad_norm: float = field(default=1.0, metadata=_help("gradient-norm clipping bound"))
+    lr: float = field(
+        default=5e-5,
+        metadata=_help(
+            "AdamW learning rate",
+            1.0,
+            "an AdamW update moves each weight by about lr: above 1 it moves it by more than its own scale",
+        ),
+    )
+    adam_beta1: float = field(
+        default=0.9, metadata=_help("AdamW beta1, in [0, 1)", 1.0, "a decay rate, in [0, 1)")
+    )
+    adam_beta2: float = field(
+        default=0.999, metadata=_help("AdamW beta2, in [0, 1)", 1.0, "a decay rate, in [0, 1)")
+    )
+    weight_decay: float = field(
+        default=0.0,
+        metadata=_help(
+            "AdamW weight decay",
+            1.0,
+            "AdamW scales each weight by 1 - lr x weight_decay per update, which must stay in [0, 1]",
+        ),
+    )
+    max_grad_norm: float = field(
+        default=1.0,
+        metadata=_help(
+            "gradient-norm clipping bound",
+            1e6,
+            "a float32 gradient norm: a bound above a million never clips",
+        ),
+    )
     eps_low: float = field(
-        default=0.2, metadata=_help("lower clip range: ratios below 1 - eps_low are clipped")
+        default=0.2,
+        metadata=_help(
+            "lower clip range: ratios below 1 - eps_low are clipped",
+            1.0,
+            "ratios below 1 - eps_low are clipped, and a ratio is never negative",
+        ),
     )
     eps_high: float = field(
         default=0.28,
         metadata=_help(
-            "upper clip range: ratios above 1 + eps_high are clipped (DAPO clip-higher)"
+            "upper clip range: ratios above 1 + eps_high are clipped (DAPO clip-higher)",
+            100.0,
+            "a clip range of ratios up to 1 + eps_high: above 100 it never clips",
         ),
     )
     off_policy: str = field(
@@ -387,7 +295,12 @@ class TrainerConfig:
         ),
     )
     is_cap: float = field(
-        default=5.0, metadata=_help("cap on the importance weights of the off-policy correction")
+        default=5.0,
+        metadata=_help(
+            "cap on the importance weights of the off-policy correction",
+            1e6,
+            "an importance weight of a million is a 14-nat logprob gap: a cap above never caps",
+        ),
     )
     is_cap_mode: str = field(
         default="auto",
@@ -400,39 +313,64 @@ class TrainerConfig:
         default="grpo", metadata=_help("grpo | dapo (group-relative advantages)")
     )
     micro_batch_size: int = field(
-        default=32, metadata=_help("at most this many trajectories per forward/backward pass")
+        default=32,
+        metadata=_help(
+            "at most this many trajectories per forward/backward pass",
+            MAX_HELD_TRAJECTORIES,
+            "a micro-batch is part of a step's batch, see batch_size",
+        ),
     )
     micro_batch_tokens: int = field(
         default=8192,
         metadata=_help(
             "at most this many padded tokens per forward/backward pass (a longer sequence "
-            "gets one of its own)"
+            "gets one of its own)",
+            MAX_BATCH_TOKENS,
+            BATCH_TOKENS_WHY,
         ),
     )
     updates_per_step: int = field(
         default=1,
-        metadata=_help("optimizer updates per training step (PPO mini-batches of the batch)"),
+        metadata=_help(
+            "optimizer updates per training step (PPO mini-batches of the batch)",
+            1024,
+            "PPO mini-batches of one batch: each needs groups of its own",
+        ),
     )
-    num_threads: int = field(default=1, metadata=_help("CPU threads of each trainer process"))
+    num_threads: int = field(
+        default=1, metadata=_help("CPU threads of each trainer process", MAX_THREADS, THREADS_WHY)
+    )
     tp: int = field(
         default=1,
-        metadata=_help("tensor-parallel size (megatron): must divide the attention and KV heads"),
+        metadata=_help(
+            "tensor-parallel size (megatron): must divide the attention and KV heads",
+            1024,
+            "it must divide the attention heads, and no model has more than 1,024",
+        ),
     )
     pp: int = field(
         default=1,
         metadata=_help(
             "pipeline-parallel size (megatron): stages of equal layer counts, so it must "
-            "divide the model's layers; micro-batches run through Megatron's 1F1B schedule"
+            "divide the model's layers; micro-batches run through Megatron's 1F1B schedule",
+            1024,
+            "it must divide the layers, and no model has more than 1,024",
         ),
     )
     dp: int = field(
         default=1,
-        metadata=_help("data-parallel size (megatron): each DP rank trains on its own groups"),
+        metadata=_help(
+            "data-parallel size (megatron): each DP rank trains on its own groups",
+            MAX_ACTORS,
+            ACTORS_WHY,
+        ),
     )
     ranks: int = field(
         default=0,
         metadata=_help(
-            "trainer processes to start (megatron); 0 = dp x tp x pp, which it must equal"
+            "trainer processes to start (megatron); 0 = dp x tp x pp, which it must equal",
+            MAX_ACTORS,
+            ACTORS_WHY,
         ),
     )
     load: str = field(
@@ -454,7 +392,9 @@ class TrainerConfig:
         default=900.0,
         metadata=_help(
             "stop the run with an error when the trainer waits longer than this for its "
-            "next batch (a wedged rollout); 0 waits forever"
+            "next batch (a wedged rollout); 0 waits forever",
+            MAX_WAIT_S,
+            WAIT_WHY,
         ),
     )
 
@@ -575,7 +515,11 @@ class PSConfig:
     )
     num_slots: int = field(
         default=3,
-        metadata=_help("weight versions held at once (one written while others are read)"),
+        metadata=_help(
+            "weight versions held at once (one written while others are read)",
+            64,
+            "each slot holds a whole copy of the policy's weights in memory",
+        ),
     )
 
     def __post_init__(self) -> None:

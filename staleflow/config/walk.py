@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import math
 import re
 import types
 import typing
@@ -121,6 +122,59 @@ def check_types(obj: object, prefix: str) -> None:
             )
 
 
+def numeric_bounds(f: dataclasses.Field) -> tuple[float | None, str, float | None]:
+    """``(most, why, least)`` declared in a numeric field's metadata (``max``,
+    ``max_why``, ``min``); None where a bound is not declared."""
+    return f.metadata.get("max"), str(f.metadata.get("max_why", "")), f.metadata.get("min")
+
+
+def format_bound(value: float) -> str:
+    """A bound as a user would type it: ``604800``, ``2147483647``, ``0.5``, ``1e-06``."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def bound_problem(key: str, value: float, f: dataclasses.Field) -> str | None:
+    """Why ``value`` is outside the bounds of the numeric field ``f``, with the fix, or
+    None. A float must be finite: no key means anything by NaN or an infinity."""
+    most, why, least = numeric_bounds(f)
+    if isinstance(value, float) and not math.isfinite(value):
+        limit = f" up to {format_bound(most)}" if most is not None else ""
+        return f"{key}={value!r} is not a number: use a finite one{limit}, e.g. {f.default!r}"
+    if most is not None and value > most:
+        return f"{key}={value!r} is too large: use at most {format_bound(most)} ({why})"
+    if least is not None and value < least:
+        return (
+            f"{key}={value!r} is too small: use at least {format_bound(least)}, e.g. {f.default!r}"
+        )
+    return None
+
+
+def check_bounds(obj: object, prefix: str) -> None:
+    """Raise :class:`ConfigError` for the first numeric field of ``obj`` (not of its
+    sections) outside its declared bounds."""
+    fmap = {f.name: f for f in dataclasses.fields(obj)}  # type: ignore[arg-type]
+    for name, tp in field_types(type(obj)).items():
+        base, _ = split_optional(tp)
+        value = getattr(obj, name)
+        if base in (int, float) and matches(value, base):
+            problem = bound_problem(_join(prefix, name), value, fmap[name])
+            if problem is not None:
+                raise ConfigError(problem)
+
+
+def check_tree_bounds(obj: object, prefix: str = "") -> None:
+    """:func:`check_bounds` of ``obj`` and every section under it. The run configuration
+    calls it last, so a section's own check (with its more specific message) speaks
+    first, and every key is bounded, the coordinator's too."""
+    check_bounds(obj, prefix)
+    for name in field_types(type(obj)):
+        value = getattr(obj, name)
+        if dataclasses.is_dataclass(value):
+            check_tree_bounds(value, _join(prefix, name))
+
+
 def coerce(value: object, tp: Any, key: str, raw: str | None = None) -> object:
     """A parsed (YAML) value as a value of the leaf type ``tp``, or a :class:`ConfigError`.
 
@@ -200,6 +254,9 @@ def suggest(key: str, root: type) -> list[str]:
 
 
 def _unknown_key(key: str, root: type, siblings: Iterator[str]) -> ConfigError:
+    moved = getattr(root, "MOVED_KEYS", {}).get(key)
+    if moved:
+        return ConfigError(f"{key} is no longer a key: {moved}")
     guesses = suggest(key, root)
     if guesses:
         hint = "did you mean " + " or ".join(repr(g) for g in guesses) + "?"
@@ -292,5 +349,9 @@ def config_keys(cls: type, defaults: object | None = None) -> list[ConfigKey]:
         value: object = defaults
         for part in key.split("."):
             value = getattr(value, part)
-        out.append(ConfigKey(key, type_name(tp), value, str(f.metadata.get("help", ""))))
+        text = str(f.metadata.get("help", ""))
+        most, why, _ = numeric_bounds(f)
+        if most is not None:
+            text += f" (at most {format_bound(most)}: {why})"
+        out.append(ConfigKey(key, type_name(tp), value, text))
     return out

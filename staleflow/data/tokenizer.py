@@ -233,6 +233,21 @@ class HFTokenizer:
             out = out["input_ids"]
         return np.asarray(out, dtype=np.int32)
 
+    def describe_ids(self, ids: Sequence[int]) -> list[str]:
+        """``"<id> '<token>'"`` for each id, saying which are tokens the tokenizer added
+        (``added_tokens_decoder``: a class such as Qwen2Tokenizer adds its own specials)."""
+        added = self._tok.added_tokens_decoder
+        kind = type(self._tok).__name__
+        out = []
+        for i in ids:
+            token = added.get(i)
+            if token is None:
+                out.append(f"{i} {self._tok.convert_ids_to_tokens(i)!r}")
+            else:
+                what = "special token" if token.special else "token"
+                out.append(f"{i} {token.content!r} (an added {what} of {kind})")
+        return out
+
     def __repr__(self) -> str:
         return f"HFTokenizer({self._path!r}, vocab_size={self.vocab_size})"
 

@@ -26,6 +26,7 @@ class EngineOptions:
 
     section: VLLMOptions | SGLangOptions  # model_path is never empty here
     log_dir: str
+    tensor_parallel: int = 1  # rollout.tensor_parallel: vLLM's tensor_parallel_size
 
 
 def engine_options(
@@ -50,7 +51,9 @@ def engine_options(
             save_pretrained(model, tokenizer, folder)
             path = str(folder)
         section = dataclasses.replace(section, model_path=path)
-    return EngineOptions(section=section, log_dir=str(run_dir))
+    return EngineOptions(
+        section=section, log_dir=str(run_dir), tensor_parallel=rollout.tensor_parallel
+    )
 
 
 def build_engine(
@@ -73,7 +76,7 @@ def build_engine(
             VLLMEngineConfig(
                 **common,
                 model_path=o.model_path,
-                tensor_parallel_size=o.tensor_parallel_size,
+                tensor_parallel_size=options.tensor_parallel,
                 gpu_memory_utilization=o.gpu_memory_utilization,
                 dtype=o.dtype,
                 extra_args=json.loads(o.extra_args or "{}"),

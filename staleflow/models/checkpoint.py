@@ -141,9 +141,26 @@ def load_pretrained(
         raise ModelError(f"{p}: cannot load the model: {exc}") from None
     rows = model.get_input_embeddings().weight.shape[0]
     if tokenizer.vocab_size > rows:
-        raise ModelError(
-            f"{p}: the tokenizer has {tokenizer.vocab_size} ids but the model's embedding "
-            f"only {rows} rows"
-        )
+        raise ModelError(_ids_beyond_embedding(p, tokenizer, rows))
     logger.info("loaded %s (%s) from %s", type(model).__name__, raw["model_type"], p)
     return model, tokenizer
+
+
+def _ids_beyond_embedding(p: Path, tokenizer: Tokenizer, rows: int) -> str:
+    """Why the tokenizer does not fit the embedding: the ids beyond it, by name (often
+    special tokens that the tokenizer's class adds: transformers loads a tokenizer whose
+    tokenizer_config.json names no class by config.json's model_type, and Qwen2Tokenizer
+    then adds '<|endoftext|>'), and the fix."""
+    extra = list(range(rows, tokenizer.vocab_size))
+    describe = getattr(tokenizer, "describe_ids", None)
+    names = describe(extra[:8]) if describe is not None else [str(i) for i in extra[:8]]
+    more = f" and {len(extra) - 8} more" if len(extra) > 8 else ""
+    return (
+        f"{p}: the tokenizer has {tokenizer.vocab_size} ids but the model's embedding only "
+        f"{rows} rows; beyond it: {', '.join(names)}{more}. Use the tokenizer the model was "
+        "trained with (data.tokenizer=<its folder>; a tokenizer_config.json without "
+        "'tokenizer_class' is loaded by config.json's model_type, whose class may add "
+        "special tokens of its own), or remove these tokens from tokenizer_config.json's "
+        "added_tokens_decoder and tokenizer.json's added_tokens, or resize the model's "
+        f"embedding to {tokenizer.vocab_size} rows (resize_token_embeddings) and save it"
+    )

@@ -56,6 +56,7 @@ CHECKPOINTS = "checkpoints"
 MANIFEST = "MANIFEST.json"
 TRAINER = "trainer"
 _RUN, _STALENESS, _TRAJECTORIES = "run.msgpack", "staleness.msgpack", "trajectories.msgpack"
+STALENESS_FILE = _STALENESS  # the staleness manager's exported state, in each checkpoint
 _NAME = re.compile(r"^step-(\d{8})(?:-(\d+))?$")
 _CHUNK = 1 << 20
 

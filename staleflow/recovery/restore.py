@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from staleflow.recovery.checkpoint import Checkpoint
+from staleflow.recovery.checkpoint import STALENESS_FILE, Checkpoint
 from staleflow.recovery.errors import CorruptCheckpoint
 from staleness import StalenessManager
 from staleness.errors import StalenessError
@@ -53,7 +53,9 @@ def restore_run(
     try:
         manager = StalenessManager.restore(dict(checkpoint.staleness))
     except StalenessError as exc:
-        raise CorruptCheckpoint(f"{checkpoint.path}: staleness state: {exc}") from exc
+        # a saved state the protocol refuses is the file's fault (CorruptState), whatever
+        # the value: name the file, so the user knows which checkpoint to leave behind
+        raise CorruptCheckpoint(f"{checkpoint.path / STALENESS_FILE}: {exc}") from exc
     ts = TrajectoryServer.restore(ts_config, source, checkpoint.trajectories)
     if manager.version != checkpoint.version:
         raise CorruptCheckpoint(

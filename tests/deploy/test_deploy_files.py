@@ -86,7 +86,7 @@ def test_the_cluster_launcher_yaml_is_complete_and_holds_the_placement():
         nodes += [Node(f"{name}/{i}", "", dict(node_type["resources"])) for i in range(count)]
     workers = sum(t["max_workers"] for n, t in types.items() if n != spec["head_node_type"])
     assert workers <= spec["max_workers"]
-    assert any("ray start --head" in c for c in spec["head_start_ray_commands"])
+    assert any("ray-node head" in c for c in spec["head_start_ray_commands"])
     _check_cluster(nodes)
 
 
@@ -156,23 +156,49 @@ def test_the_slurm_script_is_valid_bash_and_its_nodes_hold_the_placement():
     assert re.search(r"^staleflow launch --config .* --address ", text, re.MULTILINE)
 
 
-def test_every_file_starts_ray_with_unniced_workers():
-    """Ray starts worker processes at nice 15 unless RAY_worker_niceness says otherwise:
-    every actor of a run (engines, trainer ranks, the control plane) would then yield the
-    CPU to any other process on its node."""
+RAY_NODE = DEPLOY / "ray-node"
+
+
+def test_the_node_script_starts_ray_unniced_and_with_token_auth():
+    """Ray starts worker processes at nice 15 unless RAY_worker_niceness says otherwise,
+    and (Ray >= 2.59) a raylet without RAY_AUTH_MODE=token never joins a head that has a
+    token: deploy/ray-node exports both before it starts Ray."""
+    subprocess.run(["bash", "-n", str(RAY_NODE)], check=True)
+    if shutil.which("shellcheck"):
+        result = subprocess.run(["shellcheck", str(RAY_NODE)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout
+    text = RAY_NODE.read_text()
+    first_start = text.index("exec ray start")
+    for line in ("export RAY_worker_niceness=0", "export RAY_AUTH_MODE=token"):
+        assert text.index(line) < first_start, line
+
+
+def test_every_file_starts_ray_unniced_and_with_token_auth():
     launcher = yaml.safe_load((DEPLOY / "ray-cluster.yaml").read_text())
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
-        starts = [c for c in launcher[key] if "ray start" in c]
-        assert starts and all("RAY_worker_niceness=0 ray start" in c for c in starts), key
+        starts = [c for c in launcher[key] if "ray start" in c or "ray-node" in c]
+        assert starts and all("deploy/ray-node " in c for c in starts), key
+    # the launcher machine's token reaches every node
+    assert "~/.ray/auth_token" in launcher["file_mounts"].values()
     spec = yaml.safe_load((DEPLOY / "kuberay" / "raycluster.yaml").read_text())
+    assert spec["spec"]["authOptions"] == {"mode": "token"}
+    major, minor = (int(x) for x in spec["spec"]["rayVersion"].split(".")[:2])
+    assert (major, minor) >= (2, 52), "KubeRay's authOptions needs Ray >= 2.52"
     groups = [spec["spec"]["headGroupSpec"], *spec["spec"]["workerGroupSpecs"]]
     for group in groups:
         for container in group["template"]["spec"]["containers"]:
-            env = {e["name"]: e["value"] for e in container.get("env", [])}
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}
             assert env.get("RAY_worker_niceness") == "0", container["name"]
     text = SBATCH.read_text()
-    exported = text.index("export RAY_worker_niceness=0")
-    assert exported < text.index("ray start"), "exported before the first ray start"
+    first_start = text.index('start_node "$head"')
+    for line in (
+        "export RAY_worker_niceness=0",
+        "export RAY_AUTH_MODE=token",
+        "export RAY_AUTH_TOKEN",
+    ):
+        assert text.index(line) < first_start, f"{line} before the first node starts"
+    assert "ray start" not in text.replace("`ray start`", ""), "nodes start with ray-node"
+    assert '"$ray_node" "$@"' in text
 
 
 def test_cluster_docs_walk_through_every_file():
@@ -182,6 +208,8 @@ def test_cluster_docs_walk_through_every_file():
         "deploy/ray-cluster.yaml",
         "deploy/slurm/staleflow.sbatch",
         "deploy/kuberay/raycluster.yaml",
+        "deploy/ray-node",
+        "RAY_AUTH_MODE=token",
         "staleflow launch --check",
     ):
         assert name in doc, name

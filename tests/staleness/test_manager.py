@@ -21,6 +21,7 @@ from staleness import (
     StalenessViolation,
     UnknownGroup,
 )
+from staleness.bounds import MAX_ETA
 
 
 def states(m: StalenessManager) -> list[tuple[int, BufferState, int, int]]:
@@ -36,14 +37,14 @@ W, R_, S = BufferState.WAITING, BufferState.READY, BufferState.STUCK
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"eta": -1}, "eta must be an integer >= 0"),
-        ({"batch_size": 0}, "batch_size must be an integer >= 1"),
-        ({"group_size": 0}, "group_size must be an integer >= 1"),
+        ({"eta": -1}, "eta=-1 is negative: use 0 for synchronous RL"),
+        ({"batch_size": 0}, "batch_size=0 is too small: use at least 1 group"),
+        ({"group_size": 0}, "group_size=0 is too small: use at least 1 trajectory"),
         (
             {"batch_redundancy": -0.5},
             r"batch_redundancy=-0.5 is out of range: use a ratio in \[0, 16\)",
         ),
-        ({"eta": 1.5}, "eta must be an integer"),
+        ({"eta": 1.5}, "eta=1.5 is not an integer"),
     ],
 )
 def test_bad_config_is_rejected_with_the_fix(kwargs, match):
@@ -438,5 +439,39 @@ def test_discarded_completions_report_a_ready_buffer():
 
 @pytest.mark.parametrize("key", ["eta", "batch_size", "group_size"])
 def test_config_refuses_a_bool_as_a_count(key):
-    with pytest.raises(InvalidConfig, match=f"{key} must be an integer"):
+    with pytest.raises(InvalidConfig, match=f"{key}=True is not an integer"):
         StalenessManager(StalenessConfig(**{key: True}))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("batch_size", 0), ("eta", -1), ("eta", 10**20), ("group_size", True)],
+)
+def test_a_saved_state_with_invalid_settings_is_corrupt_naming_the_field(field, value):
+    # the settings were valid when saved: a value the protocol refuses means the state
+    # was damaged or edited (CorruptState), not a configuration to fix (InvalidConfig)
+    m = StalenessManager(StalenessConfig(eta=1, batch_size=2, group_size=2))
+    state = m.export_state()
+    bad = {**state, "config": {**state["config"], field: value}}
+    with pytest.raises(CorruptState) as err:
+        StalenessManager.restore(bad)
+    assert not isinstance(err.value, InvalidConfig)
+    message = str(err.value)
+    assert f"field 'config': {field}={value!r}" in message
+    assert "restore an earlier one" in message
+    with pytest.raises(CorruptState, match=r"unknown keys \['extra'\] or lacks \['eta'\]"):
+        config = {k: v for k, v in state["config"].items() if k != "eta"}
+        StalenessManager.restore({**state, "config": {**config, "extra": 1}})
+
+
+@pytest.mark.parametrize("eta", [10**20, 2**62, MAX_ETA + 1])
+def test_an_eta_the_manager_cannot_hold_is_refused_by_the_config_itself(eta):
+    # was OverflowError (10**20) and MemoryError (2**62) where the rings were allocated
+    with pytest.raises(InvalidConfig, match=rf"eta={eta} is too large: use at most {MAX_ETA}"):
+        StalenessConfig(eta=eta)
+    StalenessManager(StalenessConfig(eta=MAX_ETA))  # the bound itself is usable
+
+
+def test_more_trajectories_than_the_protocol_holds_are_refused_naming_the_keys():
+    with pytest.raises(InvalidConfig, match=r"eta=1024, batch_size=1024, group_size=1 hold"):
+        StalenessConfig(eta=1024, batch_size=1024)

@@ -72,3 +72,21 @@ def test_pools_pin_to_node_groups_and_survive_a_yaml_round_trip(tmp_path):
     assert cfg.resources.trainer.node_resource == "staleflow_trainer"
     assert cfg.rollout.tensor_parallel == 4
     assert load_config(save_config(cfg, tmp_path / "run.yaml"), []) == cfg
+
+
+def test_one_tensor_parallel_key_sizes_the_vllm_engine(tmp_path):
+    # rollout.vllm.tensor_parallel_size and rollout.tensor_parallel were never checked
+    # against each other: the generic key is the one, and the other names it
+    with pytest.raises(
+        ConfigError,
+        match=r"rollout\.vllm\.tensor_parallel_size is no longer a key: .*set "
+        r"rollout\.tensor_parallel instead",
+    ):
+        load_config(None, ["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=2"])
+    from staleflow.engines.factory import engine_options
+
+    cfg = load_config(None, ["rollout.backend=vllm", "rollout.tensor_parallel=2"])
+    options = engine_options(cfg.rollout, checkpoint=str(tmp_path), run_dir=tmp_path)
+    assert options.tensor_parallel == 2
+    with pytest.raises(ConfigError, match=r"rollout\.tensor_parallel=2 needs a tensor-parallel"):
+        load_config(None, ["rollout.tensor_parallel=2"])  # the embedded engine

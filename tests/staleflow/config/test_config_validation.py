@@ -66,7 +66,10 @@ from staleflow.config import (
         (["coordinator.mu=2"], "coordinator.mu=2.0 is out of range"),
         (["coordinator.routing=random"], "coordinator.routing='random' is unknown"),
         (["coordinator.cost_model.preset=a100"], "coordinator.cost_model.preset='a100'"),
-        (["coordinator.cost_model.k5=0"], "coordinator.cost_model: cost model k5 must be > 0"),
+        (
+            ["coordinator.cost_model.k5=0"],
+            "coordinator.cost_model.k5=0.0 must be a number > 0: use e.g.",
+        ),
         # across sections
         (["data.task=gsm8k"], "data.path='' is required for data.task=gsm8k"),
         (["data.task=dapo", "data.path=d.parquet"], "model.checkpoint='' is required"),

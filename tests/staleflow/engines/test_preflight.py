@@ -48,16 +48,12 @@ def test_vllm_not_installed_stops_launch_before_the_run_folder(tmp_path):
 
 
 def test_vllm_tensor_parallel_beyond_the_gpus_names_the_key(with_vllm):
-    with pytest.raises(BackendSettingError, match=r"tensor_parallel_size=2 .* no GPU: use 1"):
-        check_rollout_backend(
-            _cfg("rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=2"), gpus=0
-        )
+    with pytest.raises(BackendSettingError, match=r"rollout.tensor_parallel=2 .* no GPU: use 1"):
+        check_rollout_backend(_cfg("rollout.backend=vllm", "rollout.tensor_parallel=2"), gpus=0)
     with pytest.raises(
-        BackendSettingError, match=r"tensor_parallel_size=4 .* 2 GPU\(s\): use at most 2"
+        BackendSettingError, match=r"rollout.tensor_parallel=4 .* 2 GPU\(s\): use at most 2"
     ):
-        check_rollout_backend(
-            _cfg("rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=4"), gpus=2
-        )
+        check_rollout_backend(_cfg("rollout.backend=vllm", "rollout.tensor_parallel=4"), gpus=2)
 
 
 def test_vllm_on_cpu_refuses_heads_its_kernels_lack(with_vllm, tmp_path):

@@ -176,3 +176,43 @@ def test_models_package_imports_without_torch_for_presets():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def _qwen2_folder_with_a_classless_tokenizer(folder):
+    """A tiny Qwen2 checkpoint whose tokenizer (one id per character, saved by
+    PreTrainedTokenizerFast) names no 'tokenizer_class': transformers then loads it by
+    config.json's model_type as Qwen2Tokenizer, which adds '<|endoftext|>'."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    words = ["<unk>", "</s>", *"abcdefghijklmnopqrstuvwxyz0123456789"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    config = Qwen2Config(
+        vocab_size=len(words),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
+    Qwen2ForCausalLM(config).save_pretrained(folder)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(folder)
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    settings.pop("tokenizer_class", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    return len(words)
+
+
+def test_a_tokenizer_beyond_the_embedding_is_refused_naming_the_extra_ids(tmp_path):
+    rows = _qwen2_folder_with_a_classless_tokenizer(tmp_path)
+    with pytest.raises(ModelError) as err:
+        load_pretrained(tmp_path)
+    message = str(err.value)
+    assert f"has {rows + 1} ids but the model's embedding only {rows} rows" in message
+    # where the extra id came from: its token, and the class that added it
+    assert f"{rows} '<|endoftext|>' (an added special token of Qwen2Tokenizer)" in message
+    # and the fix
+    assert "data.tokenizer=" in message and "resize_token_embeddings" in message

@@ -1,0 +1,226 @@
+"""The ``rollout`` section: the rollout instances, how they sample, and the options of
+each engine backend (``rollout.vllm``, ``rollout.sglang``). Messages name the dotted key
+and the fix, as in :mod:`staleflow.config.sections`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from staleflow.config.checks import (
+    ACTORS_WHY,
+    BATCH_TOKENS_WHY,
+    MAX_ACTORS,
+    MAX_BATCH_TOKENS,
+    MAX_NODE_GPUS,
+    MAX_SEQUENCE_TOKENS,
+    MAX_THREADS,
+    MAX_WAIT_S,
+    NODE_GPUS_WHY,
+    SEQUENCE_WHY,
+    THREADS_WHY,
+    WAIT_WHY,
+    _help,
+    require,
+    require_at_least,
+    require_choice,
+    require_positive,
+)
+from staleflow.config.walk import check_types
+
+ROLLOUT_BACKENDS = ("embedded", "vllm", "sglang")
+SGLANG_WEIGHT_SYNCS = ("tensor", "disk")  # staleflow.engines.sglang.config.WEIGHT_SYNCS
+
+
+@dataclass(frozen=True, slots=True)
+class VLLMOptions:
+    """rollout.backend=vllm: one in-process vLLM engine per instance (docs/engines.md).
+
+    Its tensor-parallel size is ``rollout.tensor_parallel``, the one key that also reserves
+    each rank's resources (``rollout.vllm.tensor_parallel_size`` is refused, naming it)."""
+
+    KEY: ClassVar[str] = "rollout.vllm"
+
+    model_path: str = field(
+        default="",
+        metadata=_help(
+            "checkpoint folder vLLM loads the architecture from; empty: model.checkpoint, or "
+            "the built-in policy saved into the run folder"
+        ),
+    )
+    gpu_memory_utilization: float = field(
+        default=0.9,
+        metadata=_help(
+            "vLLM's share of each GPU's memory (ignored on CPU)",
+            1.0,
+            "a share of each GPU's memory",
+        ),
+    )
+    dtype: str = field(
+        default="float32", metadata=_help("float32 | bfloat16 | float16 | auto (weights and KV)")
+    )
+    extra_args: str = field(
+        default="",
+        metadata=_help('more vllm.EngineArgs as a JSON object, e.g. {"enforce_eager": false}'),
+    )
+
+    def __post_init__(self) -> None:
+        check_types(self, self.KEY)
+        require(
+            0.0 < self.gpu_memory_utilization <= 1.0,
+            f"{self.KEY}.gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "is out of range: use (0, 1]",
+        )
+        require_choice(f"{self.KEY}.dtype", self.dtype, ("float32", "bfloat16", "float16", "auto"))
+        if self.extra_args:
+            try:
+                parsed = json.loads(self.extra_args)
+            except ValueError:
+                parsed = None
+            require(
+                isinstance(parsed, dict),
+                f"{self.KEY}.extra_args",
+                self.extra_args,
+                'is not a JSON object: write e.g. {"max_num_batched_tokens": 4096}',
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class SGLangOptions:
+    """rollout.backend=sglang: one sglang.launch_server per instance (docs/engines.md)."""
+
+    KEY: ClassVar[str] = "rollout.sglang"
+
+    model_path: str = field(
+        default="",
+        metadata=_help(
+            "checkpoint folder the servers load; empty: model.checkpoint, or the built-in "
+            "policy saved into the run folder"
+        ),
+    )
+    tp_size: int = field(
+        default=1, metadata=_help("GPUs per server (tensor parallel)", MAX_NODE_GPUS, NODE_GPUS_WHY)
+    )
+    mem_fraction_static: float = field(
+        default=0.0,
+        metadata=_help(
+            "SGLang's --mem-fraction-static; 0 leaves SGLang's default",
+            1.0,
+            "a share of each GPU's memory",
+        ),
+    )
+    weight_sync: str = field(
+        default="tensor",
+        metadata=_help(
+            "tensor (each TP rank pulls from the parameter server) | disk "
+            "(/update_weights_from_disk on a RAM folder)"
+        ),
+    )
+    disk_dir: str = field(
+        default="/dev/shm", metadata=_help("RAM-backed folder for weight_sync=disk")
+    )
+    python: str = field(
+        default="", metadata=_help("interpreter with sglang installed; empty: this one")
+    )
+    extra_server_args: str = field(
+        default="", metadata=_help("appended to each launch_server command line")
+    )
+    deterministic: bool = field(
+        default=False,
+        metadata=_help(
+            "start each server with --enable-deterministic-inference: a trajectory samples "
+            "the same tokens on any instance and after any resume (each request is seeded "
+            "by trajectory), as coordinator.race needs; batch-invariant kernels are slower"
+        ),
+    )
+    startup_timeout_s: float = field(
+        default=900.0,
+        metadata=_help("how long a server may take to become healthy", MAX_WAIT_S, WAIT_WHY),
+    )
+
+    def __post_init__(self) -> None:
+        check_types(self, self.KEY)
+        require_at_least(f"{self.KEY}.tp_size", self.tp_size, 1, "GPU")
+        require(
+            0.0 <= self.mem_fraction_static < 1.0,
+            f"{self.KEY}.mem_fraction_static",
+            self.mem_fraction_static,
+            "is out of range: use [0, 1) (0: SGLang's default)",
+        )
+        require_choice(f"{self.KEY}.weight_sync", self.weight_sync, SGLANG_WEIGHT_SYNCS)
+        require_positive(f"{self.KEY}.startup_timeout_s", self.startup_timeout_s, "900")
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutConfig:
+    """The rollout instances and how they sample."""
+
+    KEY: ClassVar[str] = "rollout"
+
+    backend: str = field(
+        default="embedded",
+        metadata=_help("embedded (CPU, in process) | vllm (in process; CPU or GPU) | sglang (GPU)"),
+    )
+    instances: int = field(default=2, metadata=_help("rollout instances", MAX_ACTORS, ACTORS_WHY))
+    tensor_parallel: int = field(
+        default=1,
+        metadata=_help(
+            "TP ranks of one instance, all on one node (each asks resources.rollout's "
+            "cpus and gpus)",
+            MAX_NODE_GPUS,
+            NODE_GPUS_WHY,
+        ),
+    )
+    temperature: float = field(
+        default=1.0,
+        metadata=_help(
+            "sampling temperature (> 0)",
+            100.0,
+            "logits are divided by it: above 100 sampling is uniform over the vocabulary to float32 precision",
+        ),
+    )
+    top_p: float = field(
+        default=1.0,
+        metadata=_help("nucleus sampling mass, in (0, 1]", 1.0, "a share of the probability mass"),
+    )
+    max_response_tokens: int = field(
+        default=32,
+        metadata=_help("a response stops at this many tokens", MAX_SEQUENCE_TOKENS, SEQUENCE_WHY),
+    )
+    kv_budget_tokens: int = field(
+        default=16384,
+        metadata=_help(
+            "KV-cache capacity of one instance, in tokens (vLLM's cache is sized to it; "
+            "SGLang sizes its own)",
+            MAX_BATCH_TOKENS,
+            BATCH_TOKENS_WHY,
+        ),
+    )
+    max_running: int = field(
+        default=64,
+        metadata=_help(
+            "trajectories an instance decodes at once",
+            65_536,
+            "sequences decoded in one batch: vLLM's default is 256, SGLang's a few thousand",
+        ),
+    )
+    num_threads: int = field(
+        default=1,
+        metadata=_help("CPU threads of one embedded instance (torch)", MAX_THREADS, THREADS_WHY),
+    )
+    vllm: VLLMOptions = field(default_factory=VLLMOptions)
+    sglang: SGLangOptions = field(default_factory=SGLangOptions)
+
+    def __post_init__(self) -> None:
+        check_types(self, self.KEY)
+        require_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS)
+        require_at_least("rollout.instances", self.instances, 1, "rollout instance")
+        require_at_least("rollout.tensor_parallel", self.tensor_parallel, 1, "rank")
+        require_positive("rollout.temperature", self.temperature, "1.0 (RL needs sampling)")
+        require(0.0 < self.top_p <= 1.0, "rollout.top_p", self.top_p, "is out of range: use (0, 1]")
+        require_at_least("rollout.max_response_tokens", self.max_response_tokens, 1, "token")
+        require_at_least("rollout.kv_budget_tokens", self.kv_budget_tokens, 1, "token")
+        require_at_least("rollout.max_running", self.max_running, 1, "trajectory")
+        require_at_least("rollout.num_threads", self.num_threads, 1, "thread")
