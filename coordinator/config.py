@@ -180,7 +180,9 @@ class FreshnessConfig:
         default=0.9,
         metadata={
             "help": "the margin is this quantile of how late recent groups finished against "
-            "their estimate (seconds); higher starts groups earlier (staler, safer)"
+            "their estimate (seconds); higher starts groups earlier (staler, safer)",
+            "max": 1.0,
+            "max_why": "a quantile (the margin may not cover more than every group)",
         },
     )
     give_way: float = field(
@@ -188,7 +190,9 @@ class FreshnessConfig:
         metadata={
             "help": "the rule steps aside while the trainer's mean wait for its buffer over "
             "its last steps exceeds this share of its step time (the rollout binds, or the "
-            "rule started groups too late)"
+            "rule started groups too late)",
+            "max": 1.0,
+            "max_why": "a share of the trainer's step time",
         },
     )
 
