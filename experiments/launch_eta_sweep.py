@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_one(args: argparse.Namespace, eta: int, stream: bool = False) -> dict[str, Any]:
     from staleflow.config import load_config
-    from staleflow.runtime.launch import launch
+    from staleflow.runtime.driver.launch import launch
 
     # no dashboard: its poller would add RPCs to the runs being compared
     overrides = [

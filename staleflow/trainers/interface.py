@@ -1,7 +1,7 @@
 """The trainer contract of a trainer that lives in one process (the embedded one).
 
 A pool of ranks (``staleflow.trainers.megatron.MegatronTrainer``) is driven through
-``staleflow.runtime.training.StepDriver`` instead: its ranks take their parts of the batch
+``staleflow.runtime.workers.training_loop.StepDriver`` instead: its ranks take their parts of the batch
 and Push their shards themselves. Both report :data:`METRIC_KEYS`. Importable without
 torch; trainers exchange weights as numpy arrays.
 """
