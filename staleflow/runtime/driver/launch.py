@@ -43,10 +43,11 @@ from staleflow.runtime.driver.evaluation import held_out_reward
 from staleflow.runtime.driver.launch_progress import TrainingWaits, actors_phase
 from staleflow.runtime.driver.run import Run, cause
 from staleflow.runtime.driver.stopping import graceful_stop
+from staleflow.runtime.driver.supervisor import Supervisor
 from staleflow.runtime.errors import LaunchError, PlacementError
-from staleflow.runtime.placement.fitting import Placement, fit
-from staleflow.runtime.placement.plan import plan_placement
-from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE, RayCluster, local_cpus
+from staleflow.runtime.placement.fitting import Placement
+from staleflow.runtime.placement.placing import Phase, log_phase, place
+from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE, RayCluster
 
 if TYPE_CHECKING:
     from staleflow.data import PromptDataset
@@ -55,7 +56,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Phase = Callable[[str], None]
 # called with the started Run; what it returns is called before the actors go away
 OnStarted = Callable[[Run], Callable[[], None] | None]
 
@@ -85,10 +85,6 @@ class RunResult:
     checkpoint: Path | None = None  # the last run checkpoint written
 
 
-def _log_phase(text: str) -> None:
-    logger.info("%s", text)
-
-
 # -- before anything slow ------------------------------------------------------------------
 
 
@@ -108,50 +104,8 @@ def preflight(cfg: RunConfig) -> None:
             raise LaunchError(f"{what}: {path}: no such {thing} (set by {key})")
 
 
-def place(cfg: RunConfig, phase: Phase = _log_phase) -> tuple[RayCluster, Placement]:
-    """Join (or start) the Ray cluster and fit the placement plan to its nodes; print both.
-    Raises :class:`LaunchError` when the address does not answer and
-    :class:`PlacementError` naming what is missing when the cluster cannot hold the plan."""
-    plan = plan_placement(cfg)
-    # a local Ray keeps room for two more rollout instances (staleflow scale)
-    spare = 2 * cfg.rollout.tensor_parallel * cfg.resources.rollout.cpus
-    cluster = RayCluster.connect(cfg.address, local_cpus(plan.totals().get("CPU", 0.0) + spare))
-    try:
-        if cfg.address:
-            _warn_niceness(cluster, phase)
-        phase(f"placement plan (resources per member; docs/cluster.md), Ray at {cluster.address}:")
-        for line in plan.describe():
-            phase(f"  {line}")
-        placement = fit(plan, cluster.nodes())
-    except BaseException:
-        cluster.shutdown()
-        raise
-    phase(f"placed on {len(placement.nodes)} node(s):")
-    for line in placement.describe():
-        phase(f"  {line}")
-    return cluster, placement
-
-
-def _warn_niceness(cluster: RayCluster, phase: Phase) -> None:
-    """A joined cluster whose Ray starts workers niced (its default, 15) runs every actor
-    of the run behind any other process on its nodes: say so, and how to change it."""
-    from staleflow.runtime.placement.ray_cluster import worker_niceness
-
-    try:
-        nice = worker_niceness(cluster.ray)
-    except Exception as exc:  # a warning only: never stop a launch for it
-        logger.debug("could not ask the cluster's worker niceness: %s", exc)
-        return
-    if nice > 0:
-        phase(
-            f"warning: this Ray cluster runs worker processes at nice {nice}: every actor of "
-            "the run yields the CPU to any other process on its nodes. Start Ray with "
-            "RAY_worker_niceness=0 in the environment of `ray start` (deploy/ does)"
-        )
-
-
 def prepare_policy(
-    cfg: RunConfig, phase: Phase = _log_phase, progress: Progress = SILENT
+    cfg: RunConfig, phase: Phase = log_phase, progress: Progress = SILENT
 ) -> tuple[Any, Any, dict[str, Any]]:
     """(model, tokenizer, facts) for the run: a local checkpoint, or the warmed built-in
     (its warm-up reports a ``warmup`` phase to ``progress``)."""
@@ -300,7 +254,7 @@ def launch(
     dashboard there when ``cfg.dashboard``:
     :class:`staleflow.dashboard.launch_hook.LaunchDashboard`); what it returns is called
     before the actors go away."""
-    phase = on_phase or _log_phase
+    phase = on_phase or log_phase
     check_backends(cfg)
     preflight(cfg)
     cfg = cfg.resolved()  # each component gets its section with auto choices made
@@ -380,7 +334,9 @@ def _launch_on(
     phase(f"run folder {out.path}")
     state = StateWriter(out.path, resumed=resume is not None)
     state.phase("starting")
-    run = Run(cfg, out.path, cluster=cluster, placement=placement, phase=phase)
+    run = Run(
+        cfg, out.path, supervisor=Supervisor, cluster=cluster, placement=placement, phase=phase
+    )
     records = [StepRecord.from_flat(r) for r in resume.metrics] if resume is not None else []
     waits = TrainingWaits(progress, cfg, on_tick)
 
@@ -460,7 +416,7 @@ def _ended(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {cause(exc)}"
 
 
-def check_placement(cfg: RunConfig, phase: Phase = _log_phase) -> Placement:
+def check_placement(cfg: RunConfig, phase: Phase = log_phase) -> Placement:
     """``staleflow launch --check``: what the run would ask and where it would go, without
     starting it."""
     check_backends(cfg)

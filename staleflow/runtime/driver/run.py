@@ -16,13 +16,15 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from staleflow.config import RunConfig
 from staleflow.progress import SILENT_PHASE, Phase
 from staleflow.runtime.errors import LaunchError
+from staleflow.runtime.placement.placing import place
 
 if TYPE_CHECKING:
+    from staleflow.config import RecoveryConfig
     from staleflow.data import PromptDataset
     from staleflow.runfolder.step_record import StepRecord
     from staleflow.runtime.controller.control_plane import ControlConfig, Cut
@@ -33,12 +35,26 @@ if TYPE_CHECKING:
     from staleflow.runtime.driver.pools.rollout import RolloutPool
     from staleflow.runtime.driver.pools.trainer import TrainerPool
     from staleflow.runtime.driver.resume import ResumePoint
-    from staleflow.runtime.driver.supervisor import Supervisor
     from staleflow.runtime.placement.fitting import Placement
     from staleflow.runtime.placement.ray_cluster import RayCluster, Reservation
     from staleflow.runtime.workers.specs import ModelSpec, RolloutSpec, TrainerSpec
 
 logger = logging.getLogger(__name__)
+
+
+class RunSupervisor(Protocol):
+    """What the run asks of its supervisor (``staleflow.runtime.driver.supervisor``): it
+    is handed in, so that the run does not import the supervisor that reads it."""
+
+    def tick(self) -> None: ...
+    def heal_ps(self, timeout_s: float = ...) -> None: ...
+    def redispatch_rewards(self) -> int: ...
+    def finish(self, timeout_s: float = ...) -> None: ...
+    def close(self) -> None: ...
+
+
+# builds the supervisor of a started run (``Supervisor``, given by ``launch``)
+SupervisorFactory = Callable[["Run", "RecoveryConfig"], RunSupervisor]
 
 
 def cause(exc: BaseException) -> str:
@@ -130,6 +146,7 @@ class Run:
         cfg: RunConfig,
         run_dir: Path,
         *,
+        supervisor: SupervisorFactory,
         cluster: RayCluster | None = None,
         placement: Placement | None = None,
         phase: Callable[[str], None] | None = None,
@@ -148,7 +165,8 @@ class Run:
         self.rollout: RolloutPool | None = None
         self.trainer: TrainerPool | None = None
         self.placement_info: dict[str, Any] = {}
-        self.supervisor: Supervisor | None = None
+        self._supervise = supervisor
+        self.supervisor: RunSupervisor | None = None
         self.steps_before = 0  # steps done before this launch (a resumed run's)
         self.checkpoints: list[Path] = []  # written by this launch
         self.tag = uuid.uuid4().hex[:6]  # tells this launch's holder ids from earlier ones
@@ -204,7 +222,6 @@ class Run:
         from staleflow.runtime.driver.pools.rewards import build_rewards
         from staleflow.runtime.driver.pools.rollout import build_rollout
         from staleflow.runtime.driver.pools.trainer import build_trainer
-        from staleflow.runtime.driver.supervisor import Supervisor
         from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE
         from staleflow.runtime.workers.actors import InstanceRecovery
         from staleflow.runtime.workers.ps_healing import ReplicaResolver
@@ -212,8 +229,6 @@ class Run:
 
         cfg = self.cfg
         if self.cluster is None or self.placement is None:
-            from staleflow.runtime.driver.launch import place
-
             self.cluster, self.placement = place(cfg, self._phase)
         cluster, placement = self.cluster, self.placement
         self.reservation = cluster.reserve(
@@ -294,7 +309,7 @@ class Run:
                     f"checkpoint is at version {version}: the checkpoint is inconsistent; "
                     "resume from an earlier one"
                 )
-        self.supervisor = Supervisor(self, cfg.recovery)
+        self.supervisor = self._supervise(self, cfg.recovery)
         if resume is not None:
             self.supervisor.redispatch_rewards()  # what was being scored at the stop
             self.control.control.note.remote(

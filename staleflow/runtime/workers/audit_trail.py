@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from staleflow.runtime.workers.training_loop import BatchSource
+from staleflow.trainers.interface import BatchSource
 from trajectory_server.types import TrainingBatch, TrainingGroup
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from staleflow.trainers.interface import BatchDigest, StreamedGroups, TrainedStep
 from staleflow.trainers.megatron.split import assign_groups, coordinates
 
 if TYPE_CHECKING:
@@ -43,8 +44,6 @@ class RankActor:
 
     def __init__(self, spec: RankSpec, rank: int) -> None:
         import torch
-
-        from staleflow.runtime.workers.training_loop import StreamedGroups
 
         torch.set_num_threads(spec.section.num_threads)
         self._spec, self._rank_id = spec, rank
@@ -132,7 +131,6 @@ class RankActor:
         """One training step; a data leader takes its ``select``ed groups from the TS and
         trains those not ``streamed`` already. Returns the metrics and (data leaders) the
         digest of the part it took."""
-        from staleflow.runtime.workers.training_loop import BatchDigest
         from trajectory_server.types import TrainingBatch
 
         rank = self._rank
@@ -287,8 +285,6 @@ class MegatronTrainer:
         self, select: Mapping[int, Sequence[int]], streamed: Collection[int] = ()
     ) -> Any:
         import ray
-
-        from staleflow.runtime.workers.training_loop import BatchDigest, TrainedStep
 
         # the groups still to train are shared out evenly; each streamed one only leaves
         # the TS, with the data leader that read it (which has its payload already)

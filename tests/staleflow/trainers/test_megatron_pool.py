@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import ray
 
-from staleflow.runtime.workers.training_loop import BatchDigest
+from staleflow.trainers.interface import BatchDigest
 from staleflow.trainers.megatron.pool import MegatronTrainer
 
 

@@ -129,10 +129,11 @@ def test_a_dead_rollout_actor_is_restarted_and_instances_join_and_leave(tmp_path
     from staleflow.config import load_config
     from staleflow.runtime.driver.elastic import request_scale
     from staleflow.runtime.driver.launch import Run, build_dataset, prepare_policy
+    from staleflow.runtime.driver.supervisor import Supervisor
 
     cfg = load_config(None, ["eta=1", f"run_dir={tmp_path}", *MICRO_RUN])
     model, tokenizer, _ = prepare_policy(cfg)
-    run = Run(cfg, tmp_path)
+    run = Run(cfg, tmp_path, supervisor=Supervisor)
     records: list[dict[str, float]] = []
     stop = threading.Event()
     phase = {"name": "grow", "at": 0}
