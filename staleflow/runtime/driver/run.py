@@ -18,26 +18,44 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from coordinator.config import CostModelConfig
+from parameter_server import Layout
 from staleflow.config import RunConfig
+from staleflow.data import PromptSampler
 from staleflow.progress import SILENT_PHASE, Phase
+from staleflow.recovery import RunState, list_checkpoints, write_checkpoint
+from staleflow.runfolder.writer import AUDIT
+from staleflow.runtime.controller.control_plane import ControlConfig, Cut
+from staleflow.runtime.driver.pools import PoolContext
+from staleflow.runtime.driver.pools.controller import ControlPool, build_control
+from staleflow.runtime.driver.pools.parameter_server import (
+    PSPool,
+    build_parameter_server,
+    describe_weights,
+)
+from staleflow.runtime.driver.pools.rewards import RewardPool, build_rewards
+from staleflow.runtime.driver.pools.rollout import RolloutPool, build_rollout
+from staleflow.runtime.driver.pools.trainer import TrainerPool, build_trainer
 from staleflow.runtime.errors import LaunchError
 from staleflow.runtime.placement.placing import place
+from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE
+from staleflow.runtime.workers.actors import InstanceRecovery, gone
+from staleflow.runtime.workers.ps_healing import ReplicaResolver
+from staleflow.runtime.workers.specs import (
+    ModelSpec,
+    RewardSpec,
+    RolloutSpec,
+    TrainerSpec,
+    model_spec,
+)
 
 if TYPE_CHECKING:
     from staleflow.config import RecoveryConfig
     from staleflow.data import PromptDataset
     from staleflow.runfolder.step_record import StepRecord
-    from staleflow.runtime.controller.control_plane import ControlConfig, Cut
-    from staleflow.runtime.driver.pools import PoolContext
-    from staleflow.runtime.driver.pools.controller import ControlPool
-    from staleflow.runtime.driver.pools.parameter_server import PSPool
-    from staleflow.runtime.driver.pools.rewards import RewardPool
-    from staleflow.runtime.driver.pools.rollout import RolloutPool
-    from staleflow.runtime.driver.pools.trainer import TrainerPool
     from staleflow.runtime.driver.resume import ResumePoint
     from staleflow.runtime.placement.fitting import Placement
     from staleflow.runtime.placement.ray_cluster import RayCluster, Reservation
-    from staleflow.runtime.workers.specs import ModelSpec, RolloutSpec, TrainerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +89,6 @@ def control_config(cfg: RunConfig) -> ControlConfig:
     """The staleness manager's and the coordinator's sections; the coordinator plans with
     the engines' real KV budget unless the config names one, and for the rollout's
     response cap."""
-    from coordinator.config import CostModelConfig
-    from staleflow.runtime.controller.control_plane import ControlConfig
 
     coordinator = cfg.coordinator.for_responses(cfg.rollout.max_response_tokens)
     cost = coordinator.cost_model
@@ -94,7 +110,6 @@ def rollout_spec(
     """The rollout pool's spec; for vLLM / SGLang it resolves their options once, here in
     the driver (the model folder they load: ``model.checkpoint``, or ``policy`` saved into
     the run folder; the folder for their logs)."""
-    from staleflow.runtime.workers.specs import RolloutSpec
 
     r = cfg.rollout
     longest = int(dataset.prompt_lengths.max()) + r.max_response_tokens
@@ -119,8 +134,6 @@ def rollout_spec(
 def trainer_spec(
     cfg: RunConfig, model: ModelSpec, run_dir: Path, resume_from: str = ""
 ) -> TrainerSpec:
-    from staleflow.runfolder.writer import AUDIT
-    from staleflow.runtime.workers.specs import TrainerSpec
 
     return TrainerSpec(
         model=model,
@@ -212,20 +225,9 @@ class Run:
         checkpoint: the TS and the manager as restored, the PS and the trainer at its
         version (the trainer's weights, optimizer and RNG), the instances Pulling that
         version first."""
-        from parameter_server import Layout
+        # torch: imported once the run starts, not when `staleflow launch --check` loads this
         from parameter_server.torch_compat import state_dict_to_numpy
-        from staleflow.data import PromptSampler
         from staleflow.models.state import policy_state
-        from staleflow.runtime.driver.pools import PoolContext
-        from staleflow.runtime.driver.pools.controller import build_control
-        from staleflow.runtime.driver.pools.parameter_server import build_parameter_server
-        from staleflow.runtime.driver.pools.rewards import build_rewards
-        from staleflow.runtime.driver.pools.rollout import build_rollout
-        from staleflow.runtime.driver.pools.trainer import build_trainer
-        from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE
-        from staleflow.runtime.workers.actors import InstanceRecovery
-        from staleflow.runtime.workers.ps_healing import ReplicaResolver
-        from staleflow.runtime.workers.specs import RewardSpec, model_spec
 
         cfg = self.cfg
         if self.cluster is None or self.placement is None:
@@ -322,7 +324,6 @@ class Run:
     def _report_weights(self, layout: Any) -> None:
         """Print the replicas, the Pulls and the Push plan with the transports chosen, and
         hand them to the control actor, where the dashboard and status read them."""
-        from staleflow.runtime.driver.pools.parameter_server import describe_weights
 
         assert self.ps is not None and self.trainer is not None and self.control is not None
         assert self.cluster is not None and self.placement is not None
@@ -415,7 +416,6 @@ class Run:
 
     def _write(self, cut: Cut) -> Path:
         """Write one cut (the trainer writes its own part) and let training go on."""
-        from staleflow.recovery import RunState, write_checkpoint
 
         assert self.control is not None and self.trainer is not None
         trainer = self.trainer
@@ -442,7 +442,6 @@ class Run:
         return path
 
     def _resume_hint(self) -> str:
-        from staleflow.recovery import list_checkpoints
 
         found = list_checkpoints(self.run_dir)
         if not found:
@@ -487,7 +486,6 @@ class Run:
         """The trajectories still on the control plane's members once each is
         interrupted and its hand-offs to reward workers are done; a member that died
         leaves the run (``ControlActor.settle``) and is not counted."""
-        from staleflow.runtime.workers.actors import gone
 
         assert self.control is not None and self.cluster is not None
         ray, control = self.cluster.ray, self.control.control
