@@ -193,7 +193,7 @@ def measure_pull(engine: Any, model: torch.nn.Module, pulls: int) -> dict[str, f
     engine's load of the pulled weights, over ``pulls`` versions."""
     from parameter_server.torch_compat import layout_of_state_dict, state_dict_to_numpy
     from parameter_server.worker import PSWorker
-    from staleflow.runtime.weights import TransportPullSource
+    from staleflow.runtime.workers.weight_transfer import TransportPullSource
 
     state = {n: p.detach() for n, p in model.named_parameters()}
     layout = layout_of_state_dict(state)

@@ -8,7 +8,7 @@ Pushes each new version to a real PS worker (shared memory), as in a run:
 
 * embedded: one process; after each step it waits for the previous Push, copies the
   weights (``export_weights``) and hands them to a background Push, as
-  ``staleflow.runtime.training.TrainingLoop`` does. Exposed: the wait plus the copy.
+  ``staleflow.runtime.workers.training_loop.TrainingLoop`` does. Exposed: the wait plus the copy.
 * megatron tp=N: N gloo processes (``run_local``); each rank Pushes its own shards in the
   background right after its step and waits for that Push only before its next update
   (the fence). Exposed: the fence's wait (``train/push_wait_s``).

@@ -67,7 +67,7 @@ def run_one(
     seed: int | None = None,
 ) -> dict[str, Any]:
     from staleflow.config import load_config
-    from staleflow.runtime.launch import launch
+    from staleflow.runtime.driver.launch import launch
 
     # no dashboard: its poller would add RPCs to the runs being compared
     overrides = [

@@ -45,10 +45,10 @@ from staleflow.engines import engine_class
 from staleflow.engines.embedded import EmbeddedEngineConfig
 from staleflow.models.build import build_arithmetic_model
 from staleflow.models.state import policy_state
-from staleflow.runtime.components import RewardSpec, build_reward_stage, tokenizer_spec
-from staleflow.runtime.control import ControlConfig, ControlPlane
-from staleflow.runtime.instance_host import InstanceHost
-from staleflow.runtime.serialized import Serialized
+from staleflow.runtime.controller.control_plane import ControlConfig, ControlPlane
+from staleflow.runtime.in_process import Serialized
+from staleflow.runtime.workers.instance_host import InstanceHost
+from staleflow.runtime.workers.specs import RewardSpec, build_reward_stage, tokenizer_spec
 from staleness import StalenessConfig
 from trajectory_server import TrajectoryServer, TrajectoryServerConfig
 

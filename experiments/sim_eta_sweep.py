@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from staleflow.runtime.record import reward_mean, trainer_idle_ratio
-from staleflow.runtime.runfolder import RunFolder
+from staleflow.runfolder.reader import RunFolder
+from staleflow.runfolder.step_record import reward_mean, trainer_idle_ratio
 from staleflow.sim import PRESETS, SYSTEMS, SimCluster, system
 from staleflow.sim.presets import Layout
 from staleflow.sim.report import (

@@ -35,7 +35,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from staleflow.runtime.runfolder import RunFolder
+from staleflow.runfolder.reader import RunFolder
 from staleflow.sim import SimCluster, system
 from staleflow.sim.report import (
     add_runs_option,

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from staleflow.runtime.runfolder import RunFolder
+from staleflow.runfolder.reader import RunFolder
 from staleflow.sim import SimCluster, system
 from staleflow.sim.report import (
     add_runs_option,

@@ -24,7 +24,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rich.live import Live
 
     from staleflow.demo import run_demo
-    from staleflow.runtime.tables import buffers_table
+    from staleflow.runtime.driver.buffers_table import buffers_table
 
     console = Console()
     live = Live(console=console, refresh_per_second=8, transient=False) if args.live else None
@@ -120,9 +120,9 @@ def cmd_launch(args: argparse.Namespace) -> int:
 
     from staleflow.config import load_config
     from staleflow.progress import LatestLine
-    from staleflow.runtime.display import LaunchView, step_line, summary_table
-    from staleflow.runtime.launch import LaunchError, check_placement, launch
-    from staleflow.runtime.record import StepRecord
+    from staleflow.runfolder.step_record import StepRecord
+    from staleflow.runtime.driver.display import LaunchView, step_line, summary_table
+    from staleflow.runtime.driver.launch import LaunchError, check_placement, launch
 
     overrides = list(args.overrides)
     for flag, key in (("eta", "eta"), ("steps", "steps"), ("address", "address")):
@@ -133,7 +133,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
         overrides.append(f"dashboard={'true' if args.dashboard else 'false'}")
     resume = None
     if args.resume is not None:
-        from staleflow.runtime.resume import ResumeError, check_resume
+        from staleflow.runtime.driver.resume import ResumeError, check_resume
 
         if args.config:
             print(
@@ -535,7 +535,7 @@ def _add_scale(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    from staleflow.runtime.elastic import ScaleError, request_scale
+    from staleflow.runtime.driver.elastic import ScaleError, request_scale
 
     try:
         print(request_scale(args.run, args.address, args.instances, args.add, args.remove))

@@ -4,7 +4,7 @@ the actor start-up and the first buffer.
 A :class:`Progress` holds one :class:`Phase` per wait, in order, and tells its renderers
 when one starts, advances and finishes. Library code only reports (``phase.advance(loss=
 ...)``); what the user sees is the renderers' business: a live bar in a terminal
-(:class:`staleflow.runtime.display.TerminalProgress`), plain periodic lines when output
+(:class:`staleflow.runtime.driver.display.TerminalProgress`), plain periodic lines when output
 is a log (:class:`PlainLines`), the dashboard's phase line (:class:`LatestLine`). A library
 call given no ``Progress`` reports to :data:`SILENT`, a ``Progress`` that keeps no state
 and prints nothing. Standard library only, thread-safe (the dashboard reads from its own thread).

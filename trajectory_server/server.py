@@ -205,7 +205,7 @@ class TrajectoryServer:
     def fork(self, traj_id: int, instance_id: InstanceId) -> RoutedTrajectory | None:
         """What a race copy of a trajectory ROUTED to ``instance_id`` starts from (its
         response as last reported), or None if it is not routed there (any more). Changes
-        nothing: the copy completes, if it wins, in its holder's name (runtime/races.py)."""
+        nothing: the copy completes, if it wins, in its holder's name (runtime/controller/races.py)."""
         traj = self._s.trajs.get(traj_id)
         if traj is None or traj.state is not ROUTED or traj.holder != instance_id:
             return None

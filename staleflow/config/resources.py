@@ -5,7 +5,7 @@ instance, a trainer rank, a reward worker, a PS replica, the control actor and t
 trajectory server) asks for ``cpus`` (and ``gpus`` where a pool can use them) in its
 placement-group bundle. ``node_resource`` and ``node_label`` pin a pool to a node group:
 a custom Ray resource the group's nodes advertise (``ray start --resources``) or a Ray node
-label (``ray start --labels``). ``staleflow.runtime.placement`` turns this section into
+label (``ray start --labels``). ``staleflow.runtime.placement.plan`` turns this section into
 the placement plan.
 """
 

@@ -252,7 +252,7 @@ class RunConfig:
             and rollout.backend == "sglang"
             and not rollout.sglang.deterministic
         ):
-            # a copy must sample the original's tokens (runtime/races.py): the embedded
+            # a copy must sample the original's tokens (runtime/controller/races.py): the embedded
             # engine keys its draws by (seed, trajectory, token index), vLLM by (seed,
             # trajectory, resume point) and the race resubmits its original at the fork;
             # SGLang by (seed, position), but only with deterministic inference on

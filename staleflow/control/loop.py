@@ -16,7 +16,7 @@ and is where every decision of a run is taken:
   counts them); a Route that finds its trajectory gone gives its fresh Reserve back.
 
 Its drivers inject only the planes, the trajectory server, the snapshot and PS-version
-sources and the clock: ``staleflow.runtime.control.ControlPlane`` runs it on wall time on
+sources and the clock: ``staleflow.runtime.controller.control_plane.ControlPlane`` runs it on wall time on
 its own thread, ``staleflow.sim.cluster.SimCluster`` on virtual time. Neither drives the
 manager or the coordinator itself. Pure Python (no ray, torch), and single-threaded: one
 driver thread calls it (the executor's ``run_round`` may fan one round of commands out

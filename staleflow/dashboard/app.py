@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from staleflow.dashboard import prometheus, schemas
 from staleflow.dashboard.interface import ActionNotSupported, RunSource
-from staleflow.runtime.record import StepRecord
+from staleflow.runfolder.step_record import StepRecord
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ source, finished or still being written by ``staleflow launch``.
 A folder holds one record per training step and nothing between steps, so what the page
 draws from it is coarser than from a live run: instance load is the busy share of each
 step (from the cumulative per-instance idle ratio), and Pulls and Pushes are dated by the
-step whose record first shows the new version (``staleflow.runtime.record``, which the
+step whose record first shows the new version (``staleflow.runfolder.step_record``, which the
 experiment scripts read finished run folders with too). Buffers, trajectory
 counts and instance snapshots exist only while the run is alive: attach with
 ``--address`` for them.
@@ -31,9 +31,9 @@ from staleflow.dashboard.interface import (
 )
 from staleflow.dashboard.runconfig import read_run_config
 from staleflow.dashboard.timeline import SeqLog
-from staleflow.runtime.record import RecordError, StepRecord, instance_steps
-from staleflow.runtime.runfolder import METRICS, optional_int, read_summary
-from staleflow.runtime.runstate import CRASHED, FINISHED, STOPPED, RunState, read_state
+from staleflow.runfolder.reader import METRICS, optional_int, read_summary
+from staleflow.runfolder.run_state import CRASHED, FINISHED, STOPPED, RunState, read_state
+from staleflow.runfolder.step_record import RecordError, StepRecord, instance_steps
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from coordinator.cost_model import CostModel
 from coordinator.types import InstanceSnapshot
-from staleflow.runtime.record import StepRecord
+from staleflow.runfolder.step_record import StepRecord
 from staleness.types import ManagerView
 from trajectory_server.types import TSStats
 
@@ -46,7 +46,7 @@ class RunInfo:
     actions: tuple[str, ...] = ()  # what :meth:`RunSource.act` accepts
     notes: tuple[str, ...] = ()
     # live runs: nodes, where each actor runs, PS replicas, Pull routes and the Push plan
-    # (staleflow.runtime.fitting.Placement.as_dict plus "weights")
+    # (staleflow.runtime.placement.fitting.Placement.as_dict plus "weights")
     placement: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -83,7 +83,7 @@ class LiveView:
     # what the launcher says it is doing ("training 20 steps with eta=3", "saving the
     # checkpoint"...), for a source whose launcher tells it; None otherwise
     phase: str | None = None
-    # a run folder's state (staleflow.runtime.runstate): finished, running, stopped,
+    # a run folder's state (staleflow.runfolder.run_state): finished, running, stopped,
     # crashed or unknown; None where ``finished`` says it all (a live or simulated run)
     state: str | None = None
 
@@ -154,7 +154,7 @@ class RunSource(Protocol):
     def live(self) -> LiveView: ...
 
     def records(self, since: int, limit: int) -> Page[StepRecord]:
-        """Per-step records (:class:`~staleflow.runtime.record.StepRecord`)."""
+        """Per-step records (:class:`~staleflow.runfolder.step_record.StepRecord`)."""
         ...
 
     def load(self, since: int, limit: int) -> Page[LoadSample]: ...

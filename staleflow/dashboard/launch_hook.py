@@ -2,7 +2,7 @@
 ``127.0.0.1:<dashboard_port>`` (or a free port when that one is taken).
 
 The runtime does not know the dashboard: ``staleflow launch`` hands a
-:class:`LaunchDashboard` to :func:`staleflow.runtime.launch.launch` as ``on_started``, and
+:class:`LaunchDashboard` to :func:`staleflow.runtime.driver.launch.launch` as ``on_started``, and
 forwards its phases to :meth:`LaunchDashboard.phase`, which the page shows. A dashboard
 that cannot start is reported through ``say`` and the run goes on without it.
 """
@@ -31,7 +31,7 @@ class ServedDashboard:
 
 
 def start_dashboard(cfg: Any, run: Any, host: str = "127.0.0.1") -> ServedDashboard:
-    """Serve the dashboard of ``run`` (a :class:`staleflow.runtime.launch.Run` whose actors
+    """Serve the dashboard of ``run`` (a :class:`staleflow.runtime.driver.launch.Run` whose actors
     are up). Raises ``ImportError`` without FastAPI or uvicorn and ``OSError``
     (naming the fix) when no port can be bound at all."""
     from staleflow.dashboard.app import create_app

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 
 from staleflow.dashboard.interface import LiveView, PSView, RunInfo
-from staleflow.runtime.record import StepRecord
+from staleflow.runfolder.step_record import StepRecord
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _PREFIX = "staleflow_"

@@ -38,8 +38,8 @@ from staleflow.dashboard.interface import (
     RunInfo,
 )
 from staleflow.dashboard.timeline import InstanceObservation, Recorder, SeqLog
-from staleflow.runtime.cluster import ACTOR_NAMESPACE, actor_name
-from staleflow.runtime.record import StepRecord, idle_ratio
+from staleflow.runfolder.step_record import StepRecord, idle_ratio
+from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE, actor_name
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ class RayHandles:
 
 @dataclass(slots=True)
 class _State:
-    live: Any = None  # staleflow.runtime.control.LiveState
+    live: Any = None  # staleflow.runtime.controller.control_plane.LiveState
     ts: Any = None
     times: dict[int, Any] = field(default_factory=dict)
     ps: Any = None  # parameter_server.store.StoreInfo
@@ -118,7 +118,7 @@ class RaySource:
 
     @classmethod
     def from_run(cls, run: Any, cfg: Any, **kwargs: Any) -> RaySource:
-        """Over the actors of a :class:`staleflow.runtime.launch.Run` in this driver."""
+        """Over the actors of a :class:`staleflow.runtime.driver.launch.Run` in this driver."""
         from staleflow.config import config_to_dict
         from staleflow.dashboard.runconfig import cost_model_of
 
@@ -143,7 +143,7 @@ class RaySource:
         run's config, hence its cost model."""
         import ray
 
-        from staleflow.runtime.ray_address import check_reachable
+        from staleflow.runtime.placement.ray_address import check_reachable
 
         if not ray.is_initialized():
             check_reachable(address)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.cost_model import CostModel
-from staleflow.runtime.runfolder import read_config
+from staleflow.runfolder.reader import read_config
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from staleflow.dashboard.interface import (
     RunEvent,
     RunInfo,
 )
-from staleflow.runtime.record import ELAPSED, STEP, VERSION, StepRecord
+from staleflow.runfolder.step_record import ELAPSED, STEP, VERSION, StepRecord
 from trajectory_server.types import TSStats
 
 

@@ -31,7 +31,7 @@ from staleflow.dashboard.interface import (
     RunInfo,
 )
 from staleflow.dashboard.timeline import InstanceObservation, Recorder, SeqLog
-from staleflow.runtime.record import StepRecord, idle_ratio
+from staleflow.runfolder.step_record import StepRecord, idle_ratio
 from staleflow.sim.cluster import ClusterConfig, SimCluster
 from staleflow.sim.engine import InstanceTimes
 from staleness.types import ConsumedBatch

@@ -11,7 +11,7 @@ from rich.console import Group
 from rich.table import Table
 
 from staleflow.dashboard.interface import RunSource
-from staleflow.runtime.tables import buffers_table
+from staleflow.runtime.driver.buffers_table import buffers_table
 
 
 def status_view(source: RunSource, summary: Mapping[str, Any] | None = None) -> Group:

@@ -3,7 +3,7 @@
 ``launch`` resolves each backend's section (:func:`engine_options`, in the driver: the
 model folder, the run folder for logs), ships it inside the rollout spec, and each
 instance's actor calls :func:`build_engine` with it. The embedded engine is built by
-``staleflow.runtime.components``; this module imports no engine until it builds one.
+``staleflow.runtime.workers.specs``; this module imports no engine until it builds one.
 """
 
 from __future__ import annotations

@@ -125,7 +125,7 @@ class RolloutInstance:
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._meta: dict[int, _Meta] = {}
-        # race copies here (SpecActor's tail race, runtime/races.py) -> their holder's id:
+        # race copies here (SpecActor's tail race, runtime/controller/races.py) -> their holder's id:
         # in the engine's batch, but not trajectories of this instance (hidden from
         # snapshot(), held() and progress())
         self._copies: dict[int, InstanceId] = {}
@@ -218,7 +218,7 @@ class RolloutInstance:
             self._command_s["abort"] += self._clock() - started
         return dropped
 
-    # -- race copies (runtime/races.py) -------------------------------------------------
+    # -- race copies (runtime/controller/races.py) -------------------------------------------------
 
     def submit_copy(self, routed: RoutedTrajectory, holder: InstanceId) -> None:
         """Start a race copy of a trajectory ``holder`` runs, from ``routed``'s prefix.

@@ -7,14 +7,14 @@ trainer how many ranks (placement bundles) it takes. That is one entry here per 
 named by ``rollout.backend`` / ``trainer.backend``:
 
 - :data:`ENGINE_BUILDERS`: ``"module:function"`` with the signature of
-  :func:`staleflow.runtime.components.build_embedded_engine`:
+  :func:`staleflow.runtime.workers.specs.build_embedded_engine`:
   ``build(spec: RolloutSpec, seed: int, placement: EnginePlacement) -> RolloutEngine``,
   called inside the instance's Ray actor (which holds the first bundle of the instance's
   placement group; ``placement`` names the others, for TP workers).
 - :data:`TRAINER_POOLS`: a :class:`TrainerBackend`: ``pool`` is ``"module:function"``
-  with the signature of :func:`staleflow.runtime.pools.trainer.build_embedded_pool`
+  with the signature of :func:`staleflow.runtime.driver.pools.trainer.build_embedded_pool`
   (``ctx, spec, ps, control, recovery``: ``recovery`` says how its ranks find a restarted
-  PS replica), returning a :class:`staleflow.runtime.pools.trainer.TrainerPool`, whose
+  PS replica), returning a :class:`staleflow.runtime.driver.pools.trainer.TrainerPool`, whose
   ``save_checkpoint`` writes the trainer's part of a run checkpoint; ``ranks`` says how
   many bundles the trainer gang needs, from the ``trainer`` section alone (no imports);
   ``check`` (optional, ``"module:function"``) takes the whole :class:`RunConfig` and
@@ -54,14 +54,14 @@ class TrainerBackend:
 
 
 ENGINE_BUILDERS: dict[str, str] = {
-    "embedded": "staleflow.runtime.components:build_embedded_engine",
-    "vllm": "staleflow.runtime.components:build_served_engine",
-    "sglang": "staleflow.runtime.components:build_served_engine",
+    "embedded": "staleflow.runtime.workers.specs:build_embedded_engine",
+    "vllm": "staleflow.runtime.workers.specs:build_served_engine",
+    "sglang": "staleflow.runtime.workers.specs:build_served_engine",
 }
 TRAINER_POOLS: dict[str, TrainerBackend] = {
-    "embedded": TrainerBackend("staleflow.runtime.pools.trainer:build_embedded_pool"),
+    "embedded": TrainerBackend("staleflow.runtime.driver.pools.trainer:build_embedded_pool"),
     "megatron": TrainerBackend(
-        "staleflow.runtime.pools.megatron:build_megatron_pool",
+        "staleflow.runtime.driver.pools.megatron:build_megatron_pool",
         ranks=_parallel_ranks,
         check="staleflow.trainers.megatron.checks:check_run",
     ),

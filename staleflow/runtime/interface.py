@@ -1,7 +1,7 @@
 """Contracts between the runtime's components (no logic).
 
 Each component is a plain class with a blocking API; in a deployment it runs inside a
-Ray actor and its peers hold *clients* with the same methods (``staleflow.runtime.actors``),
+Ray actor and its peers hold *clients* with the same methods (``staleflow.runtime.workers.actors``),
 in unit tests they hold the objects themselves. Payloads are typed frozen records whose
 arrays travel as numpy buffers, never as lists of Python ints.
 """

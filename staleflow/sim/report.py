@@ -3,7 +3,7 @@
 A results folder, rows written as CSV and JSON, a summary table on stdout and a progress
 bar on stderr (rich), figures through matplotlib's Agg backend. matplotlib is imported
 only when a figure is drawn: the simulator itself must not need it. ``--runs`` reads real
-run folders (``staleflow launch``) through :mod:`staleflow.runtime.runfolder`.
+run folders (``staleflow launch``) through :mod:`staleflow.runfolder.reader`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from staleflow.runtime.runfolder import RunFolder, RunFolderError, read_run_folder
+from staleflow.runfolder.reader import RunFolder, RunFolderError, read_run_folder
 from staleflow.sim.cluster import ClusterConfig
 from staleflow.sim.presets import PRESETS
 

@@ -4,13 +4,59 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from coordinator.seer import ProbeAccuracy
 
 if TYPE_CHECKING:
-    from staleflow.sim.cluster import SimCluster
-    from staleflow.sim.engine import InstanceTimes
+    from collections.abc import Mapping
+
+    from coordinator import Coordinator
+    from staleflow.sim.engine import InstanceTimes, SimInstance
+    from staleflow.sim.planes import SimPlanes
+    from staleflow.sim.race import SimRaces
+    from staleflow.sim.trainer import SimTrainer
+    from staleness import ConsumedBatch, StalenessManager
+
+
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def eta(self) -> int: ...
+
+
+class SimulatedRun(Protocol):
+    """What :func:`summarise` reads of a simulation: a
+    :class:`~staleflow.sim.cluster.SimCluster` once it has run (typed here, so that the
+    summary does not import the cluster that returns it)."""
+
+    @property
+    def config(self) -> _Named: ...
+    @property
+    def trainer(self) -> SimTrainer: ...
+    @property
+    def now(self) -> float: ...
+    @property
+    def batches(self) -> list[ConsumedBatch]: ...
+    @property
+    def instances(self) -> Mapping[int, SimInstance]: ...
+    @property
+    def response_lengths(self) -> list[int]: ...
+    @property
+    def coordinator(self) -> Coordinator: ...
+    @property
+    def manager(self) -> StalenessManager: ...
+    @property
+    def planes(self) -> SimPlanes: ...
+    @property
+    def races(self) -> SimRaces | None: ...
+    @property
+    def stalled(self) -> bool: ...
+    @property
+    def late_wasted_tokens(self) -> int: ...
+    @property
+    def tail_s(self) -> list[float]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +140,7 @@ class Summary:
         return out
 
 
-def summarise(cluster: SimCluster) -> Summary:
+def summarise(cluster: SimulatedRun) -> Summary:
     trainer = cluster.trainer
     end = trainer.step_ends[-1] if trainer.step_ends else cluster.now
     end = max(end, 1e-9)
@@ -145,7 +191,7 @@ def summarise(cluster: SimCluster) -> Summary:
     )
 
 
-def _races(cluster: SimCluster) -> dict[str, int]:
+def _races(cluster: SimulatedRun) -> dict[str, int]:
     r = cluster.races
     if r is None:
         return {}
@@ -156,7 +202,7 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def _steady(cluster: SimCluster) -> float:
+def _steady(cluster: SimulatedRun) -> float:
     t, warm = cluster.trainer, cluster.config.eta + 1
     if len(t.step_ends) <= warm:
         return 0.0
@@ -164,14 +210,14 @@ def _steady(cluster: SimCluster) -> float:
     return sum(t.step_tokens[warm:]) / span if span > 0 else 0.0
 
 
-def _rampup(cluster: SimCluster) -> float:
+def _rampup(cluster: SimulatedRun) -> float:
     ends, warm = cluster.trainer.step_ends, cluster.config.eta + 1
     if not ends:
         return cluster.now
     return ends[min(warm, len(ends)) - 1]
 
 
-def _busy_steady(cluster: SimCluster) -> float:
+def _busy_steady(cluster: SimulatedRun) -> float:
     t, warm = cluster.trainer, cluster.config.eta + 1
     if len(t.step_ends) <= warm:
         return 0.0
@@ -181,7 +227,7 @@ def _busy_steady(cluster: SimCluster) -> float:
     return min(1.0, busy / span) if span > 0 else 0.0
 
 
-def _rollout_to_train_end(cluster: SimCluster) -> dict[str, float]:
+def _rollout_to_train_end(cluster: SimulatedRun) -> dict[str, float]:
     t, eta = cluster.trainer, cluster.config.eta
     spans, waits = [], []
     for batch, first, end in zip(cluster.batches, t.step_firsts, t.step_ends, strict=False):
@@ -197,7 +243,7 @@ def _estimate_error(times: list[InstanceTimes]) -> float:
     return sum(t.error_sum for t in times) / periods if periods else 0.0
 
 
-def staleness_per_buffer(cluster: SimCluster) -> list[tuple[int, dict[int, int]]]:
+def staleness_per_buffer(cluster: SimulatedRun) -> list[tuple[int, dict[int, int]]]:
     """Figure 18: ``(V_buf, {staleness: groups})`` per consumed buffer, from the staleness
     manager's own record, limited to the steps the summary counts (the last Consume may
     have started a step that the run did not wait for)."""

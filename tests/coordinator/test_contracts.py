@@ -36,12 +36,12 @@ from coordinator.strategies import MigrationStrategy, RoutingStrategy, SyncStrat
 from coordinator.sync import GreedySync, ThroughputSync
 from coordinator.vanilla_routing import LeastLoadedRouting
 from staleflow.control import ControlLoop, Planes, TrajectoryStore
-from staleflow.runtime.actors import ControlClient, InstanceClient, RolloutActor
-from staleflow.runtime.control import ControlPlane
-from staleflow.runtime.control_actor import ControlActor
-from staleflow.runtime.instance_host import InstanceHost
+from staleflow.runtime.controller.actor import ControlActor
+from staleflow.runtime.controller.control_plane import ControlPlane
+from staleflow.runtime.controller.planes import RuntimePlanes
 from staleflow.runtime.interface import ControlHandle, InstanceHandle
-from staleflow.runtime.planes import RuntimePlanes
+from staleflow.runtime.workers.actors import ControlClient, InstanceClient, RolloutActor
+from staleflow.runtime.workers.instance_host import InstanceHost
 from staleflow.sim import SimCluster, tiny
 from staleflow.sim.planes import SimPlanes
 from staleness import StalenessManager

@@ -1,7 +1,7 @@
 """The files under ``deploy/``: each parses, has the fields its tool requires, and
 describes a cluster that holds the placement ``staleflow launch`` asks for with
 ``deploy/staleflow.yaml``: the nodes each file brings up are fitted with the launcher's
-own :func:`staleflow.runtime.fitting.fit`, so a resource name that differs between a file
+own :func:`staleflow.runtime.placement.fitting.fit`, so a resource name that differs between a file
 and the config, or a group too small for its pool, fails here. No Ray, no cluster."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 import yaml
 
 from staleflow.config import load_config
-from staleflow.runtime.fitting import Node, fit
-from staleflow.runtime.placement import plan_placement
+from staleflow.runtime.placement.fitting import Node, fit
+from staleflow.runtime.placement.plan import plan_placement
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SBATCH = DEPLOY / "slurm" / "staleflow.sbatch"

@@ -169,7 +169,7 @@ def test_a_completion_names_its_worker_and_a_reassigned_one_is_late(ts, response
 
 
 def test_a_race_copy_forks_the_reported_response_and_completes_in_the_holders_name(ts, response):
-    """runtime/races.py: fork reads what a copy starts from and changes nothing; the copy's
+    """runtime/controller/races.py: fork reads what a copy starts from and changes nothing; the copy's
     hand-off names the holder, so the first side to finish completes the trajectory and
     the other's is a late message."""
     ts.route([0], 2, "a")

@@ -105,7 +105,7 @@ class SGLangEngine:
     ``forward_batch.positions`` at ``model_executor/model_runner.py:2161``; the seeds are
     read only in that mode, ``sampling/sampling_batch_info.py:157``). A trajectory then
     samples the same tokens on any instance at the same weights and after any resume,
-    which the tail race needs (``staleflow/runtime/races.py``). Other servers ignore it.
+    which the tail race needs (``staleflow/runtime/controller/races.py``). Other servers ignore it.
 
     ``server_alive`` (optional) tells whether the server process still runs, so that a
     failed call can say the server died; ``on_close`` runs at :meth:`close` (stopping a

@@ -75,7 +75,7 @@ class VLLMEngine:
 
     # A request's seed is keyed by its resume point (_sampling_params): two requests of a
     # trajectory sample the same tokens only from the same point, so a race copy needs its
-    # original resubmitted where the copy forks (runtime/races.py, RolloutInstance.rebase).
+    # original resubmitted where the copy forks (runtime/controller/races.py, RolloutInstance.rebase).
     samples_by_resume_point = True
 
     def __init__(self, config: VLLMEngineConfig, *, version: int = 0) -> None:

@@ -1,10 +1,10 @@
 """``trainer.backend=megatron``: the trainer as a Ray actor pool of Megatron-core ranks.
 
 :class:`RankActor` is the body of one rank's actor; the launcher's pool builder
-(:func:`staleflow.runtime.pools.megatron.build_megatron_pool`) starts ``dp x tp x pp`` of
+(:func:`staleflow.runtime.driver.pools.megatron.build_megatron_pool`) starts ``dp x tp x pp`` of
 them in the trainer gang's placement-group bundles and :func:`start_ranks` joins them in
 one process group. :class:`MegatronTrainer` is the training loop's
-:class:`~staleflow.runtime.training.StepDriver` over the started ranks (plain data: rank
+:class:`~staleflow.runtime.workers.training_loop.StepDriver` over the started ranks (plain data: rank
 handles and ids, so it travels to the loop's actor):
 
 - ``train_consumed``: the consumed groups are split over the data-parallel ranks
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from staleflow.trainers.interface import BatchDigest, StreamedGroups, TrainedStep
 from staleflow.trainers.megatron.split import assign_groups, coordinates
 
 if TYPE_CHECKING:
@@ -43,8 +44,6 @@ class RankActor:
 
     def __init__(self, spec: RankSpec, rank: int) -> None:
         import torch
-
-        from staleflow.runtime.training import StreamedGroups
 
         torch.set_num_threads(spec.section.num_threads)
         self._spec, self._rank_id = spec, rank
@@ -132,7 +131,6 @@ class RankActor:
         """One training step; a data leader takes its ``select``ed groups from the TS and
         trains those not ``streamed`` already. Returns the metrics and (data leaders) the
         digest of the part it took."""
-        from staleflow.runtime.training import BatchDigest
         from trajectory_server.types import TrainingBatch
 
         rank = self._rank
@@ -287,8 +285,6 @@ class MegatronTrainer:
         self, select: Mapping[int, Sequence[int]], streamed: Collection[int] = ()
     ) -> Any:
         import ray
-
-        from staleflow.runtime.training import BatchDigest, TrainedStep
 
         # the groups still to train are shared out evenly; each streamed one only leaves
         # the TS, with the data leader that read it (which has its payload already)

@@ -40,7 +40,7 @@ def test_embedded_coordinator_default_leaves_the_class_default_alone():
 
 
 def test_the_control_plane_plans_for_the_rollouts_response_cap():
-    from staleflow.runtime.run import control_config
+    from staleflow.runtime.driver.run import control_config
 
     cfg = load_config(None, ["rollout.max_response_tokens=64"])
     assert control_config(cfg).coordinator.fill_steps == 64  # headroom: one whole response

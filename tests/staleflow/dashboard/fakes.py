@@ -25,7 +25,7 @@ from staleflow.dashboard.interface import (
     RunInfo,
 )
 from staleflow.dashboard.timeline import SeqLog
-from staleflow.runtime.record import StepRecord
+from staleflow.runfolder.step_record import StepRecord
 from staleness import StalenessConfig, StalenessManager
 from trajectory_server.types import TSStats
 

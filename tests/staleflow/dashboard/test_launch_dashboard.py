@@ -28,7 +28,7 @@ def test_launch_serves_the_dashboard_of_the_live_run(tmp_path):
     from staleflow.config import load_config
     from staleflow.dashboard.launch_hook import LaunchDashboard
     from staleflow.dashboard.ray_source import RaySource
-    from staleflow.runtime.launch import launch
+    from staleflow.runtime.driver.launch import launch
 
     cfg = load_config(
         None,

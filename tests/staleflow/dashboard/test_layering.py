@@ -37,8 +37,8 @@ def test_the_runtime_does_not_import_the_dashboard() -> None:
 
 def test_the_dashboard_does_not_import_the_launcher() -> None:
     # the launcher imports everything a run needs; the dashboard needs its records, its
-    # live state and its actor names (staleflow.runtime.record, .control, .cluster)
-    assert _importers("staleflow/dashboard", "staleflow.runtime.launch") == {}
+    # live state and its actor names (staleflow.runfolder.step_record, .control, .cluster)
+    assert _importers("staleflow/dashboard", "staleflow.runtime.driver.launch") == {}
 
 
 def test_the_check_sees_lazy_imports(tmp_path: Path) -> None:
@@ -49,7 +49,7 @@ def test_the_check_sees_lazy_imports(tmp_path: Path) -> None:
 
 def test_importing_the_launcher_loads_no_dashboard() -> None:
     code = (
-        "import sys, staleflow.runtime.launch\n"
+        "import sys, staleflow.runtime.driver.launch\n"
         "print(','.join(m for m in sys.modules if m.startswith('staleflow.dashboard') "
         "or m in ('fastapi', 'uvicorn')))"
     )

@@ -6,7 +6,7 @@ import pytest
 
 from staleflow.dashboard.ray_source import RayHandles, RaySource, actor_name
 from staleflow.rollout.instance import InstanceTimes
-from staleflow.runtime.control import LiveState
+from staleflow.runtime.controller.control_plane import LiveState
 from tests.staleflow.dashboard.fakes import (
     FakeActor,
     FakeRay,
@@ -111,8 +111,8 @@ def test_a_dead_control_actor_ends_polling_and_keeps_the_last_state():
 
 
 def test_actor_names_match_the_launcher():
-    from staleflow.runtime.cluster import ACTOR_NAMESPACE
-    from staleflow.runtime.pools import PoolContext
+    from staleflow.runtime.driver.pools import PoolContext
+    from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE
 
     ctx = PoolContext(None, "20250101-000000-eta3", None, None, "", False, print)  # type: ignore[arg-type]
     assert ctx.naming("control") == {

@@ -277,7 +277,7 @@ def test_bad_weights_are_refused_by_name_and_change_nothing(backend, eng) -> Non
 
 
 def test_a_race_copy_resumed_at_the_originals_point_samples_its_tokens(backend, eng) -> None:
-    """What the tail race needs (runtime/races.py): a trajectory resubmitted at the same
+    """What the tail race needs (runtime/controller/races.py): a trajectory resubmitted at the same
     response, under the same weights, samples the same tokens whatever ran beside it, so
     a copy forked where its original resumed keeps what the original would have. The
     embedded engine keys draws by token index, vLLM by resume point (the race resubmits

@@ -389,7 +389,7 @@ def test_batched_prefill_respects_the_token_cap(make_model) -> None:
 
 
 def test_a_race_copy_on_another_engine_samples_the_originals_tokens(make_model) -> None:
-    """runtime/races.py: a copy of trajectory 0 forked from its first tokens, alone on a
+    """runtime/controller/races.py: a copy of trajectory 0 forked from its first tokens, alone on a
     second engine with the run's seed and the same weights, produces exactly the tokens of
     the original running in a batch with others: the kept response does not depend on
     which side finished first."""

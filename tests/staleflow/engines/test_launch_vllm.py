@@ -11,10 +11,10 @@ the versions the PS publishes. Runs in CI's vLLM stage (.ci/vllm).
 from __future__ import annotations
 
 import pytest
+from tests.staleflow.runtime.test_launch_e2e import STEPS
 
 from tests.staleflow.engines.backends import VLLM_SKIP, vllm_available
-from tests.staleflow.runtime.launch_checks import check_run
-from tests.staleflow.runtime.test_launch_e2e import STEPS
+from tests.staleflow.runtime.driver.launch_checks import check_run
 
 pytestmark = [
     pytest.mark.vllm,
@@ -25,7 +25,7 @@ pytestmark = [
 
 def _launch(tmp_path, eta: int, *extra: str):
     from staleflow.config import load_config
-    from staleflow.runtime.launch import launch
+    from staleflow.runtime.driver.launch import launch
 
     cfg = load_config(
         None,
@@ -71,7 +71,7 @@ def test_launch_vllm_eta0_is_exactly_on_policy(tmp_path):
 
 def test_launch_vllm_with_the_tail_race_is_exactly_on_policy(tmp_path):
     """coordinator.race on vLLM: a copy forks where its original was resubmitted (vLLM
-    seeds a request by its resume point; runtime/races.py), completes in its holder's
+    seeds a request by its resume point; runtime/controller/races.py), completes in its holder's
     name, and the run keeps the bound and loses nothing."""
     result = _launch(tmp_path, 0, "coordinator.race.enabled=true", "rollout.max_response_tokens=32")
     _check_run(result, 0)
@@ -89,7 +89,7 @@ def test_launch_vllm_raises_the_mean_reward(tmp_path):
     learns as the embedded one does (tests/staleflow/runtime/test_launch_learning.py, same
     thresholds). Slow: run it with ``pytest -m "vllm and slow"`` in the vLLM environment."""
     from staleflow.config import load_config
-    from staleflow.runtime.launch import launch, reward_mean
+    from staleflow.runtime.driver.launch import launch, reward_mean
 
     cfg = load_config(
         None, ["eta=3", f"run_dir={tmp_path}", "eval_problems=1024", "rollout.backend=vllm"]

@@ -12,7 +12,7 @@ import pytest
 from staleflow.config import load_config
 from staleflow.engines import preflight
 from staleflow.engines.preflight import BackendSettingError, check_rollout_backend
-from staleflow.runtime.launch import LaunchError, launch
+from staleflow.runtime.driver.launch import LaunchError, launch
 
 
 @pytest.fixture

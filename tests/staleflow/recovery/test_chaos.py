@@ -36,10 +36,10 @@ import numpy as np
 import pytest
 
 from staleflow.recovery import list_checkpoints, read_checkpoint
-from staleflow.runtime.audit import read_audit
-from staleflow.runtime.record import TABLE3
-from staleflow.runtime.runstate import FINISHED, STOPPED, read_state
-from tests.staleflow.runtime.launch_checks import MICRO_RUN
+from staleflow.runfolder.run_state import FINISHED, STOPPED, read_state
+from staleflow.runfolder.step_record import TABLE3
+from staleflow.runtime.workers.audit_trail import read_audit
+from tests.staleflow.runtime.driver.launch_checks import MICRO_RUN
 
 pytestmark = pytest.mark.ray
 
@@ -259,8 +259,8 @@ def _resumes_the_manager_written(run_dir: Path, target: int) -> None:
     field by field, once the completions that reached the TS between the two exports of
     the cut are replayed (as the restore does)."""
     from staleflow.models.checkpoint import load_pretrained
-    from staleflow.runtime.launch import build_dataset
-    from staleflow.runtime.resume import check_resume, restore_state
+    from staleflow.runtime.driver.launch import build_dataset
+    from staleflow.runtime.driver.resume import check_resume, restore_state
     from staleness import StalenessManager
 
     cfg, ck = check_resume(run_dir, [f"steps={target}"])

@@ -5,7 +5,7 @@ the instances and the supervisor no longer ticks (issue 31: a lost instance ther
 the audit call a dead actor, and the launch exited 1 without a summary).
 
 The launcher is held a few seconds as it enters a phase (``STALEFLOW_TEST_PAUSE_AT``,
-``staleflow.runtime.runstate``) and the kill is sent when its ``state.json`` names that
+``staleflow.runfolder.run_state``) and the kill is sent when its ``state.json`` names that
 phase, so the overlap is certain rather than lucky. Every run must end with exit 0, a
 ``summary.json`` whose audit balances (every trajectory created is consumed, aborted,
 queued or completed; none routed, rewarding or on an instance), every PS replica at
@@ -27,9 +27,9 @@ from pathlib import Path
 
 import pytest
 
-from staleflow.runtime.audit import read_audit
-from staleflow.runtime.runstate import FINISHED, PAUSE_ENV, read_state
-from tests.staleflow.runtime.launch_checks import MICRO_RUN
+from staleflow.runfolder.run_state import FINISHED, PAUSE_ENV, read_state
+from staleflow.runtime.workers.audit_trail import read_audit
+from tests.staleflow.runtime.driver.launch_checks import MICRO_RUN
 
 pytestmark = pytest.mark.ray
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from tests.staleflow.runtime.launch_checks import MICRO_RUN
+from tests.staleflow.runtime.driver.launch_checks import MICRO_RUN
 
 # two launches in one process; the chaos test (test_chaos.py) covers the same ground in
 # the default suite, through the CLI
@@ -25,8 +25,8 @@ def test_a_run_stopped_at_step_k_and_resumed_trains_its_steps_once(tmp_path):
     from staleflow.config import load_config
     from staleflow.data import PromptSampler
     from staleflow.models.checkpoint import load_pretrained
-    from staleflow.runtime.launch import build_dataset, launch
-    from staleflow.runtime.resume import check_resume, restore_state
+    from staleflow.runtime.driver.launch import build_dataset, launch
+    from staleflow.runtime.driver.resume import check_resume, restore_state
     from staleness import StalenessManager
 
     cfg = load_config(

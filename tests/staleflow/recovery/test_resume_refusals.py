@@ -17,7 +17,7 @@ import pytest
 from staleflow.cli import main
 from staleflow.config import load_config, save_config
 from staleflow.recovery import list_checkpoints, write_checkpoint
-from staleflow.runtime.resume import ResumeError, check_resume
+from staleflow.runtime.driver.resume import ResumeError, check_resume
 from tests.staleflow.recovery.runs import busy_run
 
 # busy_run's protocol: eta=2, batch 2, group 2

@@ -24,13 +24,13 @@ import pytest
 from coordinator import CoordinatorConfig
 from staleflow.recovery import RunState, read_checkpoint, write_checkpoint
 from staleflow.recovery.restore import restore_run
-from staleflow.runtime.control import ControlConfig, ControlPlane
-from staleflow.runtime.instance_host import InstanceHost
+from staleflow.runfolder.step_record import StepRecord
+from staleflow.runtime.controller.control_plane import ControlConfig, ControlPlane
+from staleflow.runtime.in_process import Serialized
 from staleflow.runtime.interface import InstanceGone
-from staleflow.runtime.record import StepRecord
-from staleflow.runtime.reward_stage import RewardStage
-from staleflow.runtime.serialized import Serialized
-from staleflow.runtime.training import TrainingLoop
+from staleflow.runtime.workers.instance_host import InstanceHost
+from staleflow.runtime.workers.reward_stage import RewardStage
+from staleflow.runtime.workers.training_loop import TrainingLoop
 from staleness import StalenessConfig, StalenessManager
 from tests.staleflow.recovery.runs import Prompts
 from tests.staleflow.runtime.fakes import (

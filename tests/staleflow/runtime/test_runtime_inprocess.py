@@ -16,11 +16,11 @@ import pytest
 
 from coordinator import CoordinatorConfig, SeerConfig
 from staleflow.rollout.instance import Finished
-from staleflow.runtime.control import ControlConfig, ControlPlane
-from staleflow.runtime.instance_host import InstanceHost
-from staleflow.runtime.reward_stage import RewardStage
-from staleflow.runtime.serialized import Serialized
-from staleflow.runtime.training import TrainingLoop
+from staleflow.runtime.controller.control_plane import ControlConfig, ControlPlane
+from staleflow.runtime.in_process import Serialized
+from staleflow.runtime.workers.instance_host import InstanceHost
+from staleflow.runtime.workers.reward_stage import RewardStage
+from staleflow.runtime.workers.training_loop import TrainingLoop
 from staleness import StalenessConfig
 from tests.staleflow.runtime.fakes import (
     CountingTrainer,

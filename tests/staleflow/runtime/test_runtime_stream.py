@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from staleflow.runtime.audit import AuditedBatches, read_audit
 from staleflow.runtime.interface import StopRequested
-from staleflow.runtime.training import BatchSource, TrainingLoop
+from staleflow.runtime.workers.audit_trail import AuditedBatches, read_audit
+from staleflow.runtime.workers.training_loop import TrainingLoop
+from staleflow.trainers.interface import BatchSource
 from tests.staleflow.runtime.fakes import CountingTrainer, SyncPusher
 from tests.staleflow.runtime.test_runtime_inprocess import Wired, _assert_conserved, run, wire
 from trajectory_server import TrajectoryServer

@@ -1,5 +1,5 @@
 """The Figure scripts (experiments/sim_*.py) over real run folders (``--runs``): fake
-folders written by hand with the keys ``staleflow.runtime.metrics`` emits, the files and
+folders written by hand with the keys ``staleflow.runtime.controller.metrics`` emits, the files and
 tables the scripts write from them, and the errors for folders they cannot read. No Ray,
 no torch."""
 
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from staleflow.config import RunConfig, save_config
-from staleflow.runtime.record import StepRecord, instance_steps, step_busy
-from staleflow.runtime.runfolder import RunFolderError, read_run_folder
+from staleflow.runfolder.reader import RunFolderError, read_run_folder
+from staleflow.runfolder.step_record import StepRecord, instance_steps, step_busy
 from tests.support.experiments import load
 
 pytest.importorskip("matplotlib")

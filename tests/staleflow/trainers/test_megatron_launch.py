@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.staleflow.runtime.launch_checks import MICRO_RUN, check_run
+from tests.staleflow.runtime.driver.launch_checks import MICRO_RUN, check_run
 
 pytest.importorskip("torch")
 pytest.importorskip("megatron.core", reason="needs megatron-core: pip install '.[megatron]'")
@@ -47,7 +47,7 @@ def _config(tmp_path, *extra: str):
 @pytest.mark.timeout(900)
 def test_launch_megatron_tp2_is_bounded_conserving_and_advancing(tmp_path):
     from staleflow.models.checkpoint import load_pretrained
-    from staleflow.runtime.launch import launch
+    from staleflow.runtime.driver.launch import launch
 
     result = launch(_config(tmp_path, "trainer.tp=2"))
     # bound held, nothing lost or consumed twice, versions advancing, every PS replica at
@@ -83,7 +83,7 @@ def test_launch_megatron_dp2_streamed_is_on_policy_and_conserving(tmp_path):
     """trainer.stream on the pool at eta = 0: each occupied group goes to a data leader as
     it comes (read from the TS), the step takes the batch whole and trains the rest.
     (That the streamed step equals the whole batch's is test_megatron_equivalence.py's.)"""
-    from staleflow.runtime.launch import launch
+    from staleflow.runtime.driver.launch import launch
 
     result = launch(_config(tmp_path, "trainer.dp=2", "trainer.stream=true", "eta=0"))
     check_run(result, eta=0, steps=STEPS, trajectories_per_step=2 * 4)
@@ -99,7 +99,7 @@ def test_launch_megatron_pp2_is_bounded_conserving_and_advancing(tmp_path):
     """Two pipeline stages of two layers each: the first stage's rank takes the groups
     from the TS, both Push their own layers, the PS serves every version whole."""
     from staleflow.models.checkpoint import load_pretrained
-    from staleflow.runtime.launch import launch
+    from staleflow.runtime.driver.launch import launch
 
     result = launch(_config(tmp_path, "trainer.pp=2", "steps=2"))
     check_run(result, eta=3, steps=2, trajectories_per_step=2 * 4)
@@ -126,7 +126,7 @@ def test_a_lost_ps_replica_is_refilled_by_the_ranks_and_the_run_goes_on(tmp_path
     import os
     import signal
 
-    from staleflow.runtime.launch import launch
+    from staleflow.runtime.driver.launch import launch
 
     steps, killed = 8, []
 
@@ -183,7 +183,7 @@ def test_every_rank_pushes_to_every_ps_replica(two_rollout_nodes, tmp_path):
     rank sends each replica the pieces of the sharded-Push plan, and both replicas serve
     every version whole, so the instances on both nodes Pull the ranks' weights."""
     from staleflow.config import load_config
-    from staleflow.runtime.launch import launch
+    from staleflow.runtime.driver.launch import launch
 
     c, node_a, node_b = two_rollout_nodes
     cfg = load_config(
@@ -236,8 +236,8 @@ def test_every_rank_pushes_to_every_ps_replica(two_rollout_nodes, tmp_path):
 def test_settings_the_model_cannot_run_stop_launch_before_anything_slow(
     tmp_path, monkeypatch, extra, match
 ):
-    from staleflow.runtime import launch as launching
-    from staleflow.runtime.launch import LaunchError
+    from staleflow.runtime.driver import launch as launching
+    from staleflow.runtime.driver.launch import LaunchError
 
     def never(*args, **kwargs):
         raise AssertionError("the cluster was joined for a trainer that cannot run")
@@ -251,7 +251,7 @@ def test_settings_the_model_cannot_run_stop_launch_before_anything_slow(
 def test_a_checkpoint_of_another_architecture_stops_launch(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from staleflow.runtime.launch import LaunchError, check_backends
+    from staleflow.runtime.driver.launch import LaunchError, check_backends
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=17))
     gpt2.save_pretrained(tmp_path / "gpt2")
@@ -263,7 +263,7 @@ def test_a_checkpoint_of_another_architecture_stops_launch(tmp_path):
 def test_an_audit_log_is_refused_for_the_megatron_pool(tmp_path):
     """``recovery.audit_log`` is the embedded trainer's (it sees every batch): asked of a
     Megatron run it is refused by name before anything starts, not silently left empty."""
-    from staleflow.runtime.launch import LaunchError, check_backends
+    from staleflow.runtime.driver.launch import LaunchError, check_backends
 
     with pytest.raises(LaunchError, match=r"recovery\.audit_log=false"):
         check_backends(_config(tmp_path, "recovery.audit_log=true"))
@@ -272,7 +272,7 @@ def test_an_audit_log_is_refused_for_the_megatron_pool(tmp_path):
 def test_megatron_core_missing_stops_launch(tmp_path, monkeypatch):
     import importlib.util
 
-    from staleflow.runtime.launch import LaunchError, check_backends
+    from staleflow.runtime.driver.launch import LaunchError, check_backends
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -290,8 +290,8 @@ def test_the_trainer_gang_has_a_bundle_per_rank_and_too_few_gpus_are_refused(tmp
     """Each rank asks ``resources.trainer.gpus`` in its own bundle; a cluster with fewer
     GPUs than the ranks ask is refused by the placement fit, naming the trainer gang."""
     from staleflow.runtime.errors import PlacementError
-    from staleflow.runtime.fitting import Node, fit
-    from staleflow.runtime.placement import plan_placement
+    from staleflow.runtime.placement.fitting import Node, fit
+    from staleflow.runtime.placement.plan import plan_placement
 
     cfg = _config(tmp_path, "trainer.tp=2", "trainer.dp=2", "resources.trainer.gpus=1")
     plan = plan_placement(cfg)  # ranks: the backend's dp x tp x pp
@@ -311,7 +311,7 @@ def test_the_default_run_learns_with_the_megatron_trainer(tmp_path):
     task: the same bar as the embedded trainer's learning test
     (tests/staleflow/runtime/test_launch_learning.py)."""
     from staleflow.config import load_config
-    from staleflow.runtime.launch import launch, reward_mean
+    from staleflow.runtime.driver.launch import launch, reward_mean
 
     cfg = load_config(
         None,
@@ -344,8 +344,8 @@ def test_a_stopped_megatron_run_resumes_from_its_run_checkpoint(tmp_path):
     from megatron.core import dist_checkpointing
 
     from staleflow.config import load_config
-    from staleflow.runtime.launch import launch
-    from staleflow.runtime.resume import check_resume
+    from staleflow.runtime.driver.launch import launch
+    from staleflow.runtime.driver.resume import check_resume
     from staleflow.trainers.megatron.checkpoint import read_meta
 
     eta, stop_at, more = 1, 2, 2

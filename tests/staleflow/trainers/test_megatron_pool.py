@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import ray
 
-from staleflow.runtime.training import BatchDigest
+from staleflow.trainers.interface import BatchDigest
 from staleflow.trainers.megatron.pool import MegatronTrainer
 
 

@@ -1,0 +1,456 @@
+"""``staleflow launch``: one real, fully disaggregated, staleness-bounded RL run.
+
+The driver finds the Ray cluster (or starts one on this machine) and fits the placement
+plan to its nodes first, so an unreachable address or a plan the cluster cannot hold is
+refused before anything slow; then it prepares the policy (a user's checkpoint, or the
+built-in model after its cached supervised warm-up), starts the pools of Figure 6 one
+builder each (``staleflow.runtime.driver.pools``), and only watches: it copies per-step metric
+records from the control plane into the run folder and the terminal until the trainer
+has taken its last step.
+
+Run folder: ``config.yaml`` (resolved), ``metrics.jsonl`` (one record per step),
+``summary.json``, ``checkpoint/`` (the final policy), ``checkpoints/`` (the run's state,
+every ``checkpoint_every`` steps and when it stops or ends: ``--resume`` continues from
+it, docs/recovery.md), ``live.json`` while it runs.
+
+A run asked to stop (``stop`` set; the CLI sets it on Ctrl-C and SIGTERM) interrupts its
+rollouts so that every partial response is whole in the TS, finishes the training step
+in progress, writes the checkpoint and ends; a resumed run (``resume=``) starts every
+actor from the checkpoint and goes on to its step count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from staleflow.config import RunConfig
+from staleflow.progress import SILENT, Progress
+from staleflow.runfolder.reader import SUMMARY
+from staleflow.runfolder.run_state import CRASHED, FINISHED, STOPPED, StateWriter
+from staleflow.runfolder.step_record import (
+    CORRECTED,
+    StepRecord,
+    reward_mean,
+    trainer_idle_ratio,
+)
+from staleflow.runfolder.writer import RunOutput
+from staleflow.runtime.backends import check_backends
+from staleflow.runtime.driver.evaluation import held_out_reward
+from staleflow.runtime.driver.launch_progress import TrainingWaits, actors_phase
+from staleflow.runtime.driver.run import Run, cause
+from staleflow.runtime.driver.stopping import graceful_stop
+from staleflow.runtime.driver.supervisor import Supervisor
+from staleflow.runtime.errors import LaunchError, PlacementError
+from staleflow.runtime.placement.fitting import Placement
+from staleflow.runtime.placement.placing import Phase, log_phase, place
+from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE, RayCluster
+
+if TYPE_CHECKING:
+    from staleflow.data import PromptDataset
+    from staleflow.recovery import Checkpoint
+    from staleflow.runtime.driver.resume import ResumePoint
+
+logger = logging.getLogger(__name__)
+
+# called with the started Run; what it returns is called before the actors go away
+OnStarted = Callable[[Run], Callable[[], None] | None]
+
+__all__ = [
+    "ACTOR_NAMESPACE",
+    "LaunchError",
+    "PlacementError",
+    "Run",
+    "RunResult",
+    "build_dataset",
+    "check_backends",
+    "launch",
+    "place",
+    "prepare_policy",
+    "reward_mean",
+    "summarise",
+]
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    records: list[StepRecord]
+    summary: dict[str, Any]
+    consumed: list[dict[str, Any]] = field(default_factory=list)  # per step: ids, versions
+    stopped: bool = False  # asked to stop before its step count: resume it
+    checkpoint: Path | None = None  # the last run checkpoint written
+
+
+# -- before anything slow ------------------------------------------------------------------
+
+
+def preflight(cfg: RunConfig) -> None:
+    """Paths the run reads, checked before a cluster is joined or a model loaded."""
+    for key, value, kind, what in (
+        ("model.checkpoint", cfg.model.checkpoint, "dir", "cannot load the policy"),
+        ("data.tokenizer", cfg.data.tokenizer, "any", "cannot load the policy"),
+        ("data.path", cfg.data.path, "file", "cannot read the prompts"),
+    ):
+        if not value:
+            continue
+        path = Path(value).expanduser()
+        ok = path.is_dir() if kind == "dir" else path.is_file() if kind == "file" else path.exists()
+        if not ok:
+            thing = {"dir": "checkpoint directory", "file": "file"}.get(kind, "file or directory")
+            raise LaunchError(f"{what}: {path}: no such {thing} (set by {key})")
+
+
+def prepare_policy(
+    cfg: RunConfig, phase: Phase = log_phase, progress: Progress = SILENT
+) -> tuple[Any, Any, dict[str, Any]]:
+    """(model, tokenizer, facts) for the run: a local checkpoint, or the warmed built-in
+    (its warm-up reports a ``warmup`` phase to ``progress``)."""
+    from staleflow.models.checkpoint import load_pretrained
+
+    m = cfg.model
+    if m.checkpoint:
+        tokenizer_note = f" with the tokenizer {cfg.data.tokenizer}" if cfg.data.tokenizer else ""
+        phase(f"loading the policy from {m.checkpoint}{tokenizer_note}")
+        model, tokenizer = load_pretrained(m.checkpoint, tokenizer_path=cfg.data.tokenizer or None)
+        return model, tokenizer, {"source": str(m.checkpoint)}
+    if cfg.data.task != "arithmetic":
+        raise LaunchError(
+            f"data.task={cfg.data.task!r} needs model.checkpoint (a local Hugging Face "
+            "checkpoint directory): the built-in model only knows the arithmetic task"
+        )
+    from staleflow.data.synthetic import ArithmeticConfig
+    from staleflow.models.build import build_arithmetic_model
+    from staleflow.models.warmup import ensure_warm_checkpoint, read_warmup_meta
+
+    task = ArithmeticConfig.level(cfg.data.difficulty)
+    if not m.warmup:
+        phase(f"building the built-in {m.preset} model, untrained (model.warmup=false)")
+        model, tokenizer = build_arithmetic_model(m.preset, seed=cfg.seed)
+        return model, tokenizer, {"source": f"{m.preset} (untrained)"}
+    phase(
+        f"preparing the built-in {m.preset} model (the first run warms it up on the task; "
+        "later runs reuse it)"
+    )
+    path = ensure_warm_checkpoint(
+        m.preset,
+        task,
+        steps=m.warmup_steps,
+        seed=cfg.seed,
+        target_accuracy=m.warmup_target or None,
+        cache_dir=m.cache_dir or None,
+        progress=progress,
+    )
+    model, tokenizer = load_pretrained(path)
+    meta = read_warmup_meta(path)
+    return (
+        model,
+        tokenizer,
+        {
+            "source": str(path),
+            "warmup_accuracy": meta.get("accuracy_t1"),
+            "warmup_steps": meta.get("stats", {}).get("steps"),
+        },
+    )
+
+
+def build_dataset(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
+    """The prompts of the run, without those longer than ``data.max_prompt_tokens``."""
+    from staleflow.data import ArithmeticConfig, PromptDataset, load_dataset, synthetic_dataset
+
+    data = cfg.data
+    if data.task == "arithmetic":
+        # A seed apart from the warm-up's own problem stream (see models.warmup).
+        task = ArithmeticConfig.level(data.difficulty, seed=cfg.seed + 1)
+        dataset = synthetic_dataset(tokenizer, task, size=100_000)
+    else:
+        dataset = load_dataset(data.path, tokenizer)
+    limit = data.max_prompt_tokens
+    keep = [s for s in dataset if len(s.prompt_ids) <= limit]
+    if len(keep) == len(dataset):
+        return dataset
+    if not keep:
+        raise LaunchError(
+            f"every prompt of {dataset.name} is longer than data.max_prompt_tokens={limit}; "
+            "raise data.max_prompt_tokens"
+        )
+    logger.warning(
+        "%s: skipping %d of %d prompts longer than data.max_prompt_tokens=%d",
+        dataset.name,
+        len(dataset) - len(keep),
+        len(dataset),
+        limit,
+    )
+    return PromptDataset(dataset.name, [s.prompt_ids for s in keep], [s.answer for s in keep])
+
+
+# -- after the run ---------------------------------------------------------------------------
+
+
+def summarise(records: list[StepRecord], facts: dict[str, Any]) -> dict[str, Any]:
+    """What the final table and ``summary.json`` show, from every step's record: a
+    resumed run's ``records`` are the whole run's (the checkpoint's, then this launch's),
+    so the summary agrees with the whole ``metrics.jsonl``. Records written before the
+    per-step token histogram (``staleness/token_hist/<k>``) lack it: then
+    ``token_staleness_steps`` says how many steps the token histogram covers."""
+    if not records:
+        return {"steps": 0, **facts}
+    last = records[-1]
+    k = max(1, len(records) // 4)
+    staleness: Counter[int] = Counter()
+    tokens: Counter[int] = Counter()
+    token_steps = 0
+    for rec in records:
+        staleness.update(rec.staleness)
+        if rec.token_staleness:
+            tokens.update(rec.token_staleness)
+            token_steps += 1
+    partial = {"token_staleness_steps": token_steps} if token_steps < len(records) else {}
+    return {
+        "steps": len(records),
+        "elapsed_s": last.elapsed_s,
+        "tokens_per_s": last.tokens_per_s,
+        "reward_start": reward_mean(records[:k]),
+        "reward_end": reward_mean(records[-k:]),
+        "staleness_hist": dict(sorted(staleness.items())),
+        "staleness_max": max((s for s, n in staleness.items() if n), default=0),
+        "staleness_mean": _mean_of(staleness),
+        "corrected_frac": corrected_frac(records),
+        "token_staleness_hist": dict(sorted(tokens.items())),
+        "on_policy_tokens": set(tokens) <= {0},
+        "trainer_idle_ratio": trainer_idle_ratio(records),
+        "rollout_idle_ratio": last.rollout_idle_ratio,
+        "time_share": last.time_shares(),
+        **partial,
+        **facts,
+    }
+
+
+def _mean_of(hist: dict[int, int]) -> float | None:
+    total = sum(hist.values())
+    return sum(k * n for k, n in hist.items()) / total if total else None
+
+
+def corrected_frac(records: list[StepRecord]) -> float | None:
+    """The share of all trained tokens the off-policy correction clipped or masked
+    (``train/corrected_frac`` of each step, weighted by its tokens); None if no step
+    reported it."""
+    done = [
+        (r.extra[CORRECTED], r.tokens or 0)
+        for r in records
+        if CORRECTED in r.extra and math.isfinite(r.extra[CORRECTED])
+    ]
+    tokens = sum(n for _, n in done)
+    if not done:
+        return None
+    if not tokens:
+        return sum(f for f, _ in done) / len(done)
+    return sum(f * n for f, n in done) / tokens
+
+
+# -- the launch ------------------------------------------------------------------------------
+
+
+def launch(
+    cfg: RunConfig,
+    *,
+    on_record: Callable[[StepRecord], None] | None = None,
+    on_tick: Callable[[Any], None] | None = None,
+    on_phase: Phase | None = None,
+    resume: Checkpoint | None = None,
+    stop: threading.Event | None = None,
+    handle_signals: bool = False,
+    on_started: OnStarted | None = None,
+    progress: Progress = SILENT,
+) -> RunResult:
+    """Run ``cfg`` to the end; see the module docstring. Every message about what the
+    launch is doing goes through ``on_phase`` (one callback); the long waits (warm-up,
+    scoring, actor start-up, first buffer, training) report their steps, metrics and time
+    left to ``progress`` (``staleflow.progress``: bars in a terminal, lines in a log).
+
+    ``resume``: a checkpoint :func:`staleflow.runtime.driver.resume.check_resume` verified, with
+    the configuration it returned. ``stop``: set it to stop the run gracefully;
+    ``handle_signals`` sets it on SIGINT and SIGTERM (a second one stops at once).
+    ``on_started`` is called once the actors are up (``staleflow launch`` serves the
+    dashboard there when ``cfg.dashboard``:
+    :class:`staleflow.dashboard.launch_hook.LaunchDashboard`); what it returns is called
+    before the actors go away."""
+    phase = on_phase or log_phase
+    check_backends(cfg)
+    preflight(cfg)
+    cfg = cfg.resolved()  # each component gets its section with auto choices made
+    cluster, placement = place(cfg, phase)
+    stop = stop or threading.Event()
+    try:
+        # after Ray joined: ray.init installs a SIGTERM handler of its own
+        with graceful_stop(stop, phase) if handle_signals else contextlib.nullcontext():
+            return _launch_on(
+                cluster,
+                placement,
+                cfg,
+                phase,
+                on_record,
+                on_tick,
+                on_started,
+                progress,
+                resume,
+                stop,
+            )
+    finally:
+        cluster.shutdown()
+
+
+def _prepare(
+    cfg: RunConfig, phase: Phase, resume: Checkpoint | None, progress: Progress
+) -> tuple[Any, Any, PromptDataset, dict[str, Any], ResumePoint | None]:
+    """The policy, tokenizer and prompts; a resumed run's from its checkpoint."""
+    from staleflow.data.layouts import DatasetError
+    from staleflow.models.errors import ModelError
+
+    started = time.monotonic()
+    try:
+        if resume is None:
+            model, tokenizer, facts = prepare_policy(cfg, phase, progress)
+        else:
+            from staleflow.models.checkpoint import load_pretrained
+
+            phase(f"resuming from {resume.path} (step {resume.steps}, version {resume.version})")
+            model, tokenizer = load_pretrained(resume.trainer_dir)
+            facts = {"source": str(resume.trainer_dir), "resumed_from": str(resume.path)}
+    except ModelError as exc:  # a checkpoint that cannot be loaded: say so, no traceback
+        raise LaunchError(f"cannot load the policy: {exc}") from exc
+    try:
+        dataset = build_dataset(cfg, tokenizer)
+    except DatasetError as exc:
+        raise LaunchError(f"cannot read the prompts: {exc}") from exc
+    point = None
+    if resume is not None:
+        from staleflow.runtime.driver.resume import restore_state
+
+        point = restore_state(cfg, resume, dataset)
+    elif cfg.eval_problems and cfg.data.task == "arithmetic":
+        facts["eval_problems"] = cfg.eval_problems
+        facts["eval_reward_start"] = held_out_reward(cfg, model, tokenizer, progress)
+    facts["prepare_s"] = time.monotonic() - started
+    return model, tokenizer, dataset, facts, point
+
+
+def _launch_on(
+    cluster: RayCluster,
+    placement: Placement,
+    cfg: RunConfig,
+    phase: Phase,
+    on_record: Callable[[StepRecord], None] | None,
+    on_tick: Callable[[Any], None] | None,
+    on_started: OnStarted | None,
+    progress: Progress,
+    resume: Checkpoint | None,
+    stop: threading.Event,
+) -> RunResult:
+    model, tokenizer, dataset, facts, point = _prepare(cfg, phase, resume, progress)
+    if resume is None:
+        out = RunOutput.create(cfg)
+    else:  # the steps after the checkpoint are done again
+        out = RunOutput.resume(resume.path.parents[1], cfg, resume.metrics, resume.version)
+    phase(f"run folder {out.path}")
+    state = StateWriter(out.path, resumed=resume is not None)
+    state.phase("starting")
+    run = Run(
+        cfg, out.path, supervisor=Supervisor, cluster=cluster, placement=placement, phase=phase
+    )
+    records = [StepRecord.from_flat(r) for r in resume.metrics] if resume is not None else []
+    waits = TrainingWaits(progress, cfg, on_tick)
+
+    def record(rec: StepRecord) -> None:
+        waits.record(rec)
+        records.append(rec)
+        out.record(rec)
+        if on_record is not None:
+            on_record(rec)
+
+    stop_watching: Callable[[], None] | None = None
+    failed = True
+    try:
+        try:
+            ps_replicas = len(placement.pool("parameter_server"))
+            with actors_phase(progress, cfg, ps_replicas) as stages:
+                run.start(model, tokenizer, dataset, stages, point)
+        except LaunchError:
+            raise
+        except Exception as exc:  # an actor that failed to start: name it, no Ray traceback
+            raise LaunchError(f"the actors could not start: {cause(exc)}") from exc
+        facts["placement"] = run.placement_info
+        if on_started is not None:
+            stop_watching = on_started(run)
+        todo = cfg.steps - run.steps_before
+        phase(f"training {todo} steps with eta={cfg.eta}" + (" (resumed)" if resume else ""))
+        state.phase("training")
+        with waits:
+            reports = run.train(
+                todo, record, waits.on_tick(), stop=stop, on_done=lambda: state.phase("finishing")
+            )
+        stopped = len(reports) < todo
+        if not stopped:
+            run.save_checkpoint(out.path / "checkpoint")
+        state.phase("auditing")
+        facts["audit"] = run.audit()
+        failed = False
+    except BaseException as exc:
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        state.end(STOPPED if interrupted else CRASHED, _ended(exc))
+        raise
+    finally:
+        if stop_watching is not None:
+            stop_watching()  # before the actors it polls go away
+        run.shutdown()
+        out.close(failed=failed)  # a launch that never trained leaves no folder behind
+    if "eval_reward_start" in facts and not stopped:
+        from staleflow.models.checkpoint import load_pretrained
+
+        final, _ = load_pretrained(out.path / "checkpoint")
+        facts["eval_reward_end"] = held_out_reward(cfg, final, tokenizer, progress, "final")
+    last = run.checkpoints[-1] if run.checkpoints else None
+    facts["stopped"] = stopped
+    if last is not None:
+        facts["resume_from"] = str(last)
+    facts["launch"] = state.launch  # status tells this launch's summary from an earlier one's
+    summary = summarise(records, facts)
+    tmp = out.path / f".{SUMMARY}.tmp"
+    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    tmp.replace(out.path / SUMMARY)
+    state.end(STOPPED if stopped else FINISHED, "a signal asked it to stop" if stopped else "")
+    consumed = [
+        {
+            "version": r.version,
+            "staleness": dict(r.staleness),
+            "token_staleness": dict(r.token_staleness),
+            "traj_ids": list(r.consumed_traj_ids),
+        }
+        for r in reports
+    ]
+    return RunResult(out.path, records, summary, consumed, stopped, last)
+
+
+def _ended(exc: BaseException) -> str:
+    if isinstance(exc, KeyboardInterrupt):
+        return "stopped at once by a second signal: resume from the previous checkpoint"
+    return f"{type(exc).__name__}: {cause(exc)}"
+
+
+def check_placement(cfg: RunConfig, phase: Phase = log_phase) -> Placement:
+    """``staleflow launch --check``: what the run would ask and where it would go, without
+    starting it."""
+    check_backends(cfg)
+    preflight(cfg)
+    cluster, placement = place(cfg.resolved(), phase)
+    cluster.shutdown()
+    return placement

@@ -1,0 +1,44 @@
+"""The control pool: the trajectory server and the control actor (staleness manager and
+coordinator on one loop), both on one node (they talk on every cycle)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from staleflow.runtime.controller.actor import ControlActor
+from staleflow.runtime.driver.pools import PoolContext
+from staleflow.runtime.workers.actors import process_env
+
+if TYPE_CHECKING:
+    from staleflow.data import PromptSampler
+    from staleflow.runtime.controller.control_plane import ControlConfig
+    from trajectory_server import TrajectoryServerConfig
+    from trajectory_server.actor import TrajectoryServerClient
+
+
+@dataclass(frozen=True)
+class ControlPool:
+    control: Any  # ControlActor handle
+    ts: TrajectoryServerClient
+
+
+def build_control(
+    ctx: PoolContext,
+    config: ControlConfig,
+    ts_config: TrajectoryServerConfig,
+    sampler: PromptSampler,
+    *,
+    ts_state: Any = None,
+    resolver: Any = None,
+    snapshot_timeout_s: float = 60.0,
+) -> ControlPool:
+    """``ts_state``: a resumed run's trajectories (``sampler`` at the saved position)."""
+    from trajectory_server.actor import spawn_trajectory_server
+
+    ts = spawn_trajectory_server(ts_config, sampler, ts_state, **ctx.options("ts", process_env(1)))
+    # several threads: consume() blocks one until its buffer is Ready
+    control = ctx.spawn(ControlActor, "control", process_env(1), max_concurrency=16).remote(
+        config, ts.handle, resolver, snapshot_timeout_s
+    )
+    return ControlPool(control, ts)

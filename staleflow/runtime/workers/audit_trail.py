@@ -1,0 +1,67 @@
+"""The audit trail of a run (``recovery.audit_log``): every trajectory the trainer
+consumed, with its tokens and per-token versions, one JSON line each in
+``RUN_DIR/audit.jsonl``. It lets a check (the chaos test, an operator) prove that no
+trajectory was trained on twice across restarts and that a resumed partial continued
+from its tokens. A resumed run drops the lines of the steps it does again."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from staleflow.trainers.interface import BatchSource
+from trajectory_server.types import TrainingBatch, TrainingGroup
+
+
+class AuditedBatches:
+    """A batch source that writes down what it hands out; ``version()`` is the version
+    the batch trains (the trainer's, when it takes it)."""
+
+    def __init__(self, source: BatchSource, path: str | Path, version: Callable[[], int]) -> None:
+        self._source, self._path, self._version = source, Path(path), version
+        self._read: dict[int, TrainingGroup] = {}
+
+    def read_batch(
+        self, group_ids: Iterable[int], select: Mapping[int, Sequence[int]] | None = None
+    ) -> TrainingBatch:
+        """A streamed group is written down when its batch is taken, not when read."""
+        batch = self._source.read_batch(group_ids, select)
+        self._read.update((g.group_id, g) for g in batch.groups)
+        return batch
+
+    def take_batch(
+        self,
+        group_ids: Iterable[int],
+        select: Mapping[int, Sequence[int]] | None = None,
+        read: Iterable[int] = (),
+    ) -> TrainingBatch:
+        read = tuple(read)
+        batch = self._source.take_batch(group_ids, select, read)
+        groups = [self._read[g] for g in read] + list(batch.groups)
+        self._read.clear()
+        version = self._version()
+        lines = [
+            json.dumps(
+                {
+                    "version": version,
+                    "group_id": g.group_id,
+                    "traj_id": t.traj_id,
+                    "v_traj": t.v_traj,
+                    "tokens": t.tokens.tolist(),
+                    "versions": t.versions.tolist(),
+                }
+            )
+            for g in groups
+            for t in g.trajectories
+        ]
+        with self._path.open("a", encoding="utf-8") as f:
+            f.write("".join(line + "\n" for line in lines))
+        return batch
+
+
+def read_audit(path: str | Path) -> list[dict[str, Any]]:
+    """Every line of an ``audit.jsonl``."""
+    with Path(path).open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,227 @@
+"""Building each actor's component from its section of the configuration.
+
+Specs are plain picklable records: an actor receives its spec and builds what it needs
+itself (the model architecture from its Hugging Face config dict, the weights from the
+parameter server), so no model object ever crosses the network. Backends are imported
+here, lazily, by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from staleflow.runtime.interface import Rewarded
+from staleflow.runtime.workers.reward_stage import CompletionSink, RewardStage
+
+if TYPE_CHECKING:
+    from staleflow.config import RewardConfig, RolloutConfig, TrainerConfig
+    from staleflow.engines.factory import EngineOptions
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """The policy's architecture (``model.config.to_dict()``), its PS layout and its
+    tokenizer, as plain data."""
+
+    hf_config: dict[str, Any]
+    layout: dict[str, Any]
+    tokenizer: tuple[str, str]  # ("char", alphabet) or ("hf", local path)
+    eos_token_id: int
+    pad_token_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutSpec:
+    """What a rollout instance builds its engine from: the ``rollout`` section, plus the
+    values the launcher derives from the dataset and the seed."""
+
+    model: ModelSpec
+    rollout: RolloutConfig
+    max_seq_len: int  # longest prompt + rollout.max_response_tokens
+    kv_budget_tokens: int  # rollout.kv_budget_tokens, raised to hold one whole trajectory
+    seed: int
+    # rollout.vllm / rollout.sglang resolved by the driver (model folder, log folder);
+    # empty for the embedded engine
+    engine_options: EngineOptions | None = None
+    # Divided rollout (coordinator.seer): response tokens one route may add; None: off.
+    chunk_tokens: int | None = None
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        return self.model.layout
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePlacement:
+    """Where an engine runs: its instance id, the instance's placement group and the
+    indices of its bundles beyond the first (which the instance's own actor holds, for TP
+    workers), and the route to the PS replica it Pulls from (engines whose TP ranks pull
+    their own shards need it)."""
+
+    placement_group: Any  # ray.util.placement_group.PlacementGroup
+    tp_bundles: tuple[int, ...] = ()
+    inst: int = 0
+    pull: Any = None  # parameter_server.replicas.ReplicaRoute
+
+
+@dataclass(frozen=True, slots=True)
+class RewardSpec:
+    reward: RewardConfig  # resolved: kind is arithmetic | exact | math_verify
+    tokenizer: tuple[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerSpec:
+    model: ModelSpec
+    trainer: TrainerConfig
+    seed: int
+    resume_from: str = ""  # a run checkpoint's trainer/ folder to load first
+    audit_path: str = ""  # with recovery.audit_log: where consumed trajectories are written
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        return self.model.layout
+
+    @property
+    def consume_timeout_s(self) -> float | None:
+        return self.trainer.stall_timeout_s or None
+
+
+# -- tokenizers and models ---------------------------------------------------------------
+
+
+def tokenizer_spec(tokenizer: object) -> tuple[str, str]:
+    from staleflow.data.tokenizer import CharTokenizer, HFTokenizer
+
+    if isinstance(tokenizer, CharTokenizer):
+        return ("char", tokenizer.alphabet)
+    if isinstance(tokenizer, HFTokenizer):
+        return ("hf", tokenizer._path)
+    raise TypeError(f"cannot hand a {type(tokenizer).__name__} to other processes")
+
+
+def tokenizer_from_spec(spec: tuple[str, str]) -> Any:
+    from staleflow.data.tokenizer import CharTokenizer, HFTokenizer
+
+    kind, value = spec
+    return CharTokenizer(value) if kind == "char" else HFTokenizer(value)
+
+
+def model_spec(model: Any, tokenizer: Any) -> ModelSpec:
+    from parameter_server.torch_compat import layout_of_state_dict
+    from staleflow.models.state import policy_state
+
+    return ModelSpec(
+        hf_config=model.config.to_dict(),
+        layout=layout_of_state_dict(policy_state(model)).to_dict(),
+        tokenizer=tokenizer_spec(tokenizer),
+        eos_token_id=int(tokenizer.eos_id),
+        pad_token_id=int(tokenizer.pad_id),
+    )
+
+
+def build_architecture(spec: ModelSpec, seed: int = 0) -> Any:
+    """The model with freshly initialised weights; the caller loads real ones."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = dict(spec.hf_config)
+    config = AutoConfig.for_model(d.pop("model_type"), **d)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    return model.to(torch.float32)
+
+
+# -- components --------------------------------------------------------------------------
+
+
+def engine_settings(spec: RolloutSpec, seed: int) -> Any:
+    """The settings every engine shares (capacity, sampling), from the rollout spec."""
+    from staleflow.engines.settings import EngineSettings
+
+    r = spec.rollout
+    return EngineSettings(
+        kv_budget_tokens=spec.kv_budget_tokens,
+        max_running=r.max_running,
+        max_seq_len=spec.max_seq_len,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        eos_token_id=spec.model.eos_token_id,
+        seed=seed,
+    )
+
+
+def build_embedded_engine(spec: RolloutSpec, seed: int, placement: EnginePlacement) -> Any:
+    """The ``embedded`` rollout backend (one CPU process; ``placement`` has no TP bundles)."""
+    from dataclasses import asdict
+
+    from staleflow.engines import engine_class
+    from staleflow.engines.embedded import EmbeddedEngineConfig
+
+    config = EmbeddedEngineConfig(
+        **asdict(engine_settings(spec, seed)), num_threads=spec.rollout.num_threads
+    )
+    return engine_class("embedded")(build_architecture(spec.model, seed), config)
+
+
+def build_served_engine(spec: RolloutSpec, seed: int, placement: EnginePlacement) -> Any:
+    """The ``vllm`` and ``sglang`` rollout backends: an engine over the model folder that
+    ``spec.engine_options`` names (resolved by the driver), imported only here."""
+    from staleflow.engines.factory import build_engine
+
+    if spec.engine_options is None:
+        raise ValueError(f"rollout.backend={spec.rollout.backend} needs resolved engine options")
+    pull = placement.pull
+    return build_engine(
+        spec.rollout.backend,
+        engine_settings(spec, seed),
+        spec.engine_options,
+        inst=placement.inst,
+        ps_endpoint=None if pull is None else pull.endpoint,
+        transport="auto" if pull is None else pull.intended,
+        layout=spec.layout,
+    )
+
+
+def build_embedded_trainer(spec: TrainerSpec, weights: Mapping[str, np.ndarray]) -> Any:
+    from staleflow.models.state import load_policy_state
+    from staleflow.trainers import trainer_class
+
+    model = build_architecture(spec.model)
+    load_policy_state(model, weights)
+    # the tokenizer goes into every checkpoint, so that model.checkpoint=<it> can resume
+    tokenizer = tokenizer_from_spec(spec.model.tokenizer)
+    return trainer_class("embedded").from_section(
+        model, spec.trainer, pad_id=spec.model.pad_token_id, seed=spec.seed, tokenizer=tokenizer
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class _Scored:
+    reward: float
+    error: str
+
+
+def build_reward_stage(
+    spec: RewardSpec,
+    ts: CompletionSink,
+    report: Callable[[Sequence[Rewarded]], None],
+    worker_id: str | None = None,
+) -> RewardStage:
+    from staleflow.rewards import RewardItem, RewardWorker
+    from staleflow.rewards.worker import build_reward_fn
+
+    kind = spec.reward.kind
+    worker = RewardWorker(build_reward_fn(kind, spec.reward.timeout_s), name=kind)
+    tokenizer = tokenizer_from_spec(spec.tokenizer)
+
+    def score(items: Sequence[tuple[int, str, str]]) -> list[_Scored]:
+        results = worker.score([RewardItem(t, text, answer) for t, text, answer in items])
+        return [_Scored(r.reward, r.error) for r in results]
+
+    return RewardStage(score, tokenizer.decode, ts, report, worker_id)

@@ -1,0 +1,90 @@
+"""The rollout time shares of the step records (Table 3) cover the whole run: an
+instance counts its own seconds from its start, so a lost one's seconds, a removed one's
+and those of the run before a resume are carried by ``StepMetrics``; the shares'
+denominator follows the fleet's size."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.cycle import CycleStats
+from staleflow.rollout.instance import InstanceTimes
+from staleflow.runfolder.step_record import StepRecord
+from staleflow.runtime.controller.metrics import StepMetrics
+from staleflow.runtime.interface import StepReport
+
+REPORT = StepReport(
+    version=1, wait_s=0.0, train_s=0.5, push_wait_s=0.0, trajectories=4, tokens=40, staleness={0: 4}
+)
+
+
+def _times(decode: float, prefill: float = 0.0, pull: float = 0.0) -> InstanceTimes:
+    return InstanceTimes(
+        busy_s=decode + prefill,
+        idle_s=0.0,
+        prefill_s=prefill,
+        decode_s=decode,
+        prefill_tokens=0,
+        decode_tokens=0,
+        load_s=pull,
+        finished=0,
+        command_s={"pull": pull},
+    )
+
+
+def _step(m: StepMetrics, now: float, times: dict[int, InstanceTimes]) -> StepRecord:
+    return m.on_step(
+        REPORT,
+        now=now,
+        instance_times=times,
+        command_seconds={},
+        coordinator=CycleStats(cycles=1, discarded=0, commands=0, last_decision_s=0.0),
+        ps_version=1,
+    )
+
+
+def test_a_lost_instance_restarted_under_its_id_keeps_its_seconds():
+    m = StepMetrics([0, 1], started=0.0)
+    first = _step(m, 4.0, {0: _times(3.0, pull=0.5), 1: _times(2.0)})
+    assert first.time_share["decode"] == pytest.approx(5.0 / 8)
+    m.instance_lost(0)  # lost: its seconds of the last step stay
+    # its successor under the same id counts from zero; instance 1 did not answer this
+    # time (it keeps its latest seconds until it is declared lost)
+    second = _step(m, 8.0, {0: _times(1.0, pull=0.25)})
+    assert second.time_share["decode"] == pytest.approx((3.0 + 1.0 + 2.0) / 16)
+    assert second.time_share["pull"] == pytest.approx(0.75 / 16)
+    third = _step(m, 12.0, {0: _times(2.0), 1: _times(5.0)})
+    assert third.time_share["decode"] == pytest.approx((3.0 + 2.0 + 5.0) / 24)
+
+
+def test_a_removed_instance_counts_its_last_seconds_and_leaves_the_denominator():
+    m = StepMetrics([0, 1, 2], started=0.0)
+    _step(m, 4.0, {i: _times(2.0) for i in range(3)})
+    m.instance_removed(2, _times(3.0))  # asked as it left: a second more than at the step
+    rec = _step(m, 8.0, {0: _times(4.0), 1: _times(4.0)})
+    assert rec.time_share["decode"] == pytest.approx((3.0 + 4.0 + 4.0) / (4 * 3 + 4 * 2))
+
+
+def test_a_resumed_run_goes_on_with_the_seconds_before_the_stop():
+    m = StepMetrics([0, 1], started=0.0)
+    records = [
+        _step(m, 4.0, {0: _times(3.0, prefill=0.5), 1: _times(2.0, pull=1.0)}),
+        _step(m, 10.0, {0: _times(8.0, prefill=1.0), 1: _times(7.0, pull=1.5)}),
+    ]
+    resumed = StepMetrics([0, 1], started=500.0)  # another process, another clock
+    resumed.continue_from([StepRecord.from_flat(r.to_flat()) for r in records])
+    rec = _step(resumed, 504.0, {0: _times(3.0), 1: _times(2.0, pull=0.5)})
+    assert rec.step == 3 and rec.elapsed_s == pytest.approx(14.0)
+    total = 14.0 * 2
+    assert rec.time_share["decode"] == pytest.approx((15.0 + 5.0) / total)
+    assert rec.time_share["prefill"] == pytest.approx(1.0 / total)
+    assert rec.time_share["pull"] == pytest.approx(2.0 / total)
+
+
+def test_a_second_report_of_the_same_loss_takes_nothing_twice():
+    m = StepMetrics([0], started=0.0)
+    _step(m, 2.0, {0: _times(1.5)})
+    m.instance_lost(0)
+    m.instance_lost(0)
+    rec = _step(m, 4.0, {0: _times(0.5)})
+    assert rec.time_share["decode"] == pytest.approx(2.0 / 4)

@@ -1,0 +1,52 @@
+"""What every real launch must show, whatever the policy learns (shared by the single-node
+and the multi-node launch tests)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from staleflow.runfolder.step_record import read_records
+
+# A CI-sized run: the micro model untrained, 2 groups of 4 a step, 8-token responses.
+MICRO_RUN = [
+    "model.preset=micro",
+    "model.warmup=false",
+    "batch_size=2",
+    "group_size=4",
+    "rollout.max_response_tokens=8",
+    "coordinator.period_s=0.05",
+]
+
+
+def check_run(result, eta: int, steps: int, trajectories_per_step: int) -> None:
+    assert len(result.records) == steps
+    ids: Counter[int] = Counter()
+    for step in result.consumed:
+        assert max(step["staleness"]) <= eta, step
+        assert min(step["staleness"]) >= 0
+        ids.update(step["traj_ids"])
+        assert len(step["traj_ids"]) == trajectories_per_step  # batch x group, with redundancy too
+    assert ids and max(ids.values()) == 1, "a trajectory was consumed twice"
+    audit = result.summary["audit"]
+    assert audit["routed"] == 0 and audit["on_instances"] == 0, audit
+    assert audit["consumed"] == sum(ids.values())
+    assert audit["created"] == (
+        audit["consumed"] + audit["aborted"] + audit["queued"] + audit["completed"]
+    ), audit
+    # instances moved to newer weights as the PS advanced
+    versions = [max(rec.instance_version.values()) for rec in result.records]
+    assert versions == sorted(versions), versions  # an instance never loads older weights
+    # the last batch (version steps - 1) admits nothing older than steps - 1 - eta, so some
+    # instance must have loaded at least that version from the PS before the step's record
+    assert versions[-1] >= max(1, steps - 1 - eta), versions
+    # metrics.jsonl holds exactly the records the run streamed
+    assert read_records(result.run_dir / "metrics.jsonl") == result.records
+    assert (result.run_dir / "config.yaml").is_file()
+    # the checkpoint is a complete policy: model.checkpoint=<it> resumes from it
+    from staleflow.models.checkpoint import load_pretrained
+
+    model, tokenizer = load_pretrained(result.run_dir / "checkpoint")
+    assert tokenizer.decode(tokenizer.encode("12+7=")) == "12+7="
+    assert sum(p.numel() for p in model.parameters()) > 0
+    # the trainer's last Push reached every PS replica
+    assert audit["ps_latest"] and set(audit["ps_latest"].values()) == {steps}, audit

@@ -1,0 +1,229 @@
+"""End to end on real Ray actors: the embedded engine, reward workers, trainer, TS, PS and
+control plane, with a micro model (no warm-up) for a few steps.
+
+What must hold whatever the policy learns: every consumed trajectory is within eta of
+the buffer it trained (exactly on-policy at eta = 0); nothing is lost or consumed twice
+between TS, instances, reward workers and trainer; instances load newer weights as the
+PS advances; with redundant rollout on, the surplus is dropped and the late messages
+about it (rewards, partials) are dropped too, not fatal.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from tests.staleflow.runtime.driver.launch_checks import MICRO_RUN, check_run
+
+# A real run is a dozen processes: minutes on a loaded 2-core machine (over the suite's
+# 300 s once at load 24). The timeout only stops a hang; nothing here is timed.
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(1800)]
+
+STEPS = 4
+
+
+def _launch(tmp_path, eta: int, *extra: str):
+    from staleflow.config import load_config
+    from staleflow.runtime.driver.launch import launch
+
+    cfg = load_config(
+        None,
+        [
+            f"eta={eta}",
+            f"steps={STEPS}",
+            f"run_dir={tmp_path}",
+            *MICRO_RUN,
+            "dashboard=false",  # tests/staleflow/dashboard/test_launch_dashboard.py has it on
+            "eval_problems=32",
+            *extra,
+        ],
+    )
+    return launch(cfg)
+
+
+def _check_eval(result) -> None:
+    # held-out rewards of the initial weights and of the final checkpoint
+    summary = result.summary
+    assert summary["eval_problems"] == 32
+    assert 0.0 <= summary["eval_reward_start"] <= 1.0
+    assert 0.0 <= summary["eval_reward_end"] <= 1.0
+
+
+def test_launch_eta1_bounded_and_conserving(tmp_path):
+    result = _launch(tmp_path, 1)
+    check_run(result, 1, STEPS, 2 * 4)
+    _check_eval(result)
+
+
+def test_launch_eta0_is_exactly_on_policy(tmp_path):
+    result = _launch(tmp_path, 0)
+    check_run(result, 0, STEPS, 2 * 4)
+    _check_eval(result)
+    for step in result.consumed:
+        # every token of every consumed trajectory came from the version being trained
+        assert set(step["staleness"]) == {0} and set(step["token_staleness"]) == {0}
+    assert result.summary["on_policy_tokens"] is True
+
+
+def test_launch_with_streamed_training_is_exactly_on_policy_and_loses_nothing(tmp_path):
+    """trainer.stream (RolloutPipe's complete-group pipelining) at eta = 0: the trainer
+    reads each occupied group from the TS as it comes and takes the rest at the Consume.
+    The audit trail writes each trajectory once, when its batch is taken. (That groups
+    really are trained before the buffer is full is made to happen, and checked, in
+    tests/staleflow/runtime/test_runtime_stream.py.)"""
+    result = _launch(tmp_path, 0, "trainer.stream=true", "recovery.audit_log=true")
+    check_run(result, 0, STEPS, 2 * 4)
+    for step in result.consumed:
+        assert set(step["staleness"]) == {0} and set(step["token_staleness"]) == {0}
+    assert all(rec.streamed_groups is not None for rec in result.records)
+    assert all(0 <= rec.streamed_groups <= 2 for rec in result.records)
+    audit = (result.run_dir / "audit.jsonl").read_text().splitlines()
+    assert len(audit) == STEPS * 2 * 4  # streamed groups are not written twice
+
+
+def test_launch_with_the_tail_race_is_exactly_on_policy_and_loses_nothing(tmp_path):
+    """coordinator.race (SpecActor's fastest-of-N) at eta = 0, where the trainer waits for
+    its buffer's last trajectories while instances that finished theirs idle at the same
+    version: copies race the stragglers and complete them in their holder's name. (That
+    copies win and change no token is made to happen, and checked, in
+    tests/staleflow/runtime/test_races_inprocess.py.)"""
+    result = _launch(
+        tmp_path,
+        0,
+        "coordinator.race.enabled=true",
+        "recovery.audit_log=true",
+        "rollout.max_response_tokens=48",  # long enough for a tail (a race now and then)
+    )
+    check_run(result, 0, STEPS, 2 * 4)
+    for step in result.consumed:
+        assert set(step["staleness"]) == {0} and set(step["token_staleness"]) == {0}
+    last = result.records[-1].extra
+    assert 0 <= last["race/won"] <= last["race/started"], last
+    audit = (result.run_dir / "audit.jsonl").read_text().splitlines()
+    assert len(audit) == STEPS * 2 * 4  # a raced trajectory is trained once
+    print("races:", {k: v for k, v in last.items() if k.startswith("race/")})
+
+
+def test_launch_with_batch_and_group_redundancy_drops_the_surplus(tmp_path):
+    """§4.3 / App. C: 3 entries per buffer of 2 groups, 5 members per group of 4. This used
+    to stop with ``TrajectoryGone`` as soon as a dropped trajectory's reward came in."""
+    result = _launch(tmp_path, 2, "group_redundancy=0.25", "batch_redundancy=0.5")
+    check_run(result, 2, STEPS, 2 * 4)  # redundancy trains batch x group all the same
+    _check_eval(result)
+    # every consumed group ran 5 members and trained on 4: the fifth was dropped
+    assert result.summary["audit"]["aborted"] >= STEPS * 2
+
+
+def test_a_dead_rollout_actor_is_restarted_and_instances_join_and_leave(tmp_path):
+    """docs/recovery.md. A killed instance: the control plane gives its trajectories back
+    to the TS, the supervisor starts a new incarnation (its own holder id) and the run
+    goes on. Elastic rollout through ``staleflow scale``'s request: a third instance
+    joins, Pulls the current version and is routed to; then two leave, their
+    trajectories back in the TS, and the run goes on with one. Each is in the records."""
+    import threading
+
+    import ray
+
+    from staleflow.config import load_config
+    from staleflow.runtime.driver.elastic import request_scale
+    from staleflow.runtime.driver.launch import Run, build_dataset, prepare_policy
+    from staleflow.runtime.driver.supervisor import Supervisor
+
+    cfg = load_config(None, ["eta=1", f"run_dir={tmp_path}", *MICRO_RUN])
+    model, tokenizer, _ = prepare_policy(cfg)
+    run = Run(cfg, tmp_path, supervisor=Supervisor)
+    records: list[dict[str, float]] = []
+    stop = threading.Event()
+    phase = {"name": "grow", "at": 0}
+    left: dict[int, str] = {}
+
+    def elastic(record: Any) -> None:  # a StepRecord; its flat form names instances' keys
+        rec = record.to_flat()
+        records.append(rec)
+        step = int(rec["step"])
+        if phase["name"] == "grow" and step >= 1:
+            assert "asked for 3" in request_scale(str(tmp_path), instances=3)
+            phase["name"] = "joining"
+        elif phase["name"] == "joining" and "rollout/version/2" in rec:
+            new = run.rollout.actors[2]
+            if ray.get(new.times.remote()).decode_tokens > 0:  # routed to, generating
+                left.update({i: run.rollout.holders[i] for i in (1, 2)})
+                assert "asked for 1" in request_scale(str(tmp_path), remove=2)
+                phase["name"] = "shrinking"
+        elif phase["name"] == "shrinking" and not any(f"rollout/version/{i}" in rec for i in left):
+            phase.update(name="done", at=step)
+        elif phase["name"] == "done" and step >= phase["at"] + 2:
+            stop.set()  # two steps on one instance
+
+    try:
+        run.start(model, tokenizer, build_dataset(cfg, tokenizer))
+        first = run.rollout.holders[0]
+        ray.kill(run.actors["instances"][0])
+        deadline = time.monotonic() + 180
+        while run.rollout.holders[0] == first or 0 in run.supervisor.pending:
+            assert time.monotonic() < deadline, "instance 0 was not restarted"
+            run.supervisor.tick()  # what train() does between its looks
+            time.sleep(0.1)
+        # no step budget: a step of the micro model takes ~0.1 s, a new instance's start
+        # (a process, torch, the engine, its Pull) over a minute on a loaded machine; the
+        # run stops itself two steps after the last phase (pytest's timeout stops a hang)
+        run.train(1_000_000, on_record=elastic, stop=stop)
+        assert phase["name"] == "done" and stop.is_set(), phase
+        for holder in left.values():  # what they held went back to the TS
+            assert run.control.ts.routed_to(holder) == ()
+        members = ray.get(run.control.control.members.remote())
+    finally:
+        run.shutdown()
+    assert run.rollout is None and sorted(members) == [0]
+    last = records[-1]
+    assert last["recovery/instance_lost"] >= 1 and last["recovery/instance_restarted"] >= 1
+    assert last["recovery/instance_added"] == 1 and last["recovery/instance_removed"] == 2
+
+
+def test_launch_with_seer_divided_rollout_holds_the_bound_and_loses_nothing(tmp_path):
+    """coordinator.seer on: 8-token responses in chunks of 3, re-placed between chunks,
+    probes first and longest-estimated groups next (coordinator/seer.py)."""
+    result = _launch(
+        tmp_path, 1, "coordinator.seer.enabled=true", "coordinator.seer.chunk_tokens=3"
+    )
+    check_run(result, 1, STEPS, 2 * 4)
+    for step in result.consumed:  # every token within eta of the buffer it trained
+        assert max(step["token_staleness"]) <= 1, step
+    last = result.records[-1]
+    assert last.chunks is not None and last.chunks > 0  # chunks ended and were re-placed
+    assert last.probe_error is None or 0.0 <= last.probe_error < 1.0
+
+
+def test_a_ps_worker_that_dies_under_its_live_actor_is_replaced(tmp_path):
+    """docs/recovery.md. The PS replica's worker process (the child of its actor that holds
+    the weights) is SIGKILLed once the actors are up, before the first step, while the
+    actor lives on. The actor says so when the supervisor asks; the replica is started
+    again and refilled by the trainer. At eta = 1 the run cannot reach step 8 without it
+    (the instances hold version 0), and it does, the replica at the last version."""
+    import json
+    import os
+    import signal
+    from pathlib import Path
+
+    from staleflow.config import load_config
+    from staleflow.runtime.driver.launch import launch
+
+    killed: list[int] = []
+
+    def kill_worker(run: Any) -> None:  # on_started: the actors are up, no step taken yet
+        actor = json.loads((run.run_dir / "live.json").read_text())["pids"]["ps/0"]
+        children = Path(f"/proc/{actor}/task/{actor}/children").read_text().split()
+        for pid in map(int, children):  # the worker, not multiprocessing's resource tracker
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+
+    steps = 8
+    settings = [f"steps={steps}", f"run_dir={tmp_path}", "dashboard=false", "eval_problems=0"]
+    cfg = load_config(None, ["eta=1", *MICRO_RUN, *settings])
+    result = launch(cfg, on_started=kill_worker)
+    assert len(killed) == 1
+    check_run(result, 1, steps, 2 * 4)  # the restarted replica holds version 8
+    assert result.summary["audit"]["recovery"]["ps_restarted"] == 1
