@@ -214,8 +214,9 @@ class TrajectoryServerClient:
         reward: float,
         finish_reason: str,
         info: Mapping[str, InfoValue] | None = None,
+        mask: np.ndarray | None = None,
     ) -> GroupStatus:
-        c = Completion(traj_id, tokens, logprobs, versions, reward, finish_reason, info or {})
+        c = Completion(traj_id, tokens, logprobs, versions, reward, finish_reason, info or {}, mask)
         return self.complete_many((c,))[0]
 
     def complete_many(

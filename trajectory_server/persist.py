@@ -2,8 +2,10 @@
 
 ``export_state`` gives plain data (ints, strs, lists, dicts and 1-D numpy arrays, ready
 for msgpack with the wire codec's array extension): the responses of all trajectories
-concatenated into one int32 token array, one float32 logprob array and one int32 version
-array with offsets, never lists of Python ints. ``load`` rebuilds a store from it:
+concatenated into one int32 token array, one float32 logprob array, one int32 version
+array and one bool loss-mask array with offsets, never lists of Python ints. A state
+written before the mask was kept has no ``mask`` column: its responses were all the
+model's, so they load with an all-True mask. ``load`` rebuilds a store from it:
 
 - QUEUED trajectories come back in their MLQ order;
 - ROUTED ones come back QUEUED (their instance is gone after a restart) with the longest
@@ -87,6 +89,7 @@ def export_state(
             "tokens": tokens,
             "logprobs": _concat([t.logprobs for t in trajs], np.float32)[0],
             "versions": _concat([t.versions for t in trajs], np.int32)[0],
+            "mask": _concat([t.mask for t in trajs], np.bool_)[0],
             "offsets": offsets,
         },
     }
@@ -195,6 +198,10 @@ def _load(
     tokens = _slices(_array(t, "tokens", np.int32, None), offsets, "tokens")
     logprobs = _slices(_array(t, "logprobs", np.float32, None), offsets, "logprobs")
     versions = _slices(_array(t, "versions", np.int32, None), offsets, "versions")
+    if "mask" in t:
+        masks = _slices(_array(t, "mask", np.bool_, None), offsets, "mask")
+    else:  # written before the mask was kept: every response was the model's alone
+        masks = _slices(np.ones(int(offsets[-1]), dtype=np.bool_), offsets, "mask")
     columns = zip(
         ids.tolist(),
         _array(t, "group", np.int64, n).tolist(),
@@ -207,11 +214,12 @@ def _load(
         tokens,
         logprobs,
         versions,
+        masks,
         strict=True,
     )
     requeued: list[TrajRecord] = []
     per_group = config.trajectories_per_group
-    for tid, gid, raw_state, v, _holder, reward, finish_reason, info, tok, lp, ver in columns:
+    for tid, gid, raw_state, v, _holder, reward, finish_reason, info, tok, lp, ver, m in columns:
         group = store.groups.get(gid)
         if group is None or tid in store.trajs or not 0 <= tid < store.next_traj:
             raise CorruptState(f"trajectory {tid}: unknown group {gid}, repeated or never made")
@@ -222,7 +230,7 @@ def _load(
             raise CorruptState(f"trajectory {tid}: only an initial QUEUED one may lack V_traj")
         if len(ver) and int(ver.min()) < v:
             raise CorruptState(f"trajectory {tid}: a token is older than its V_traj={v}")
-        traj.tokens, traj.logprobs, traj.versions = tok, lp, ver
+        traj.tokens, traj.logprobs, traj.versions, traj.mask = tok, lp, ver, m
         traj.reward, traj.finish_reason, traj.info = float(reward), str(finish_reason), dict(info)
         if traj.state is ROUTED:  # its instance did not survive the restart
             traj.state = QUEUED

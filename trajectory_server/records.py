@@ -28,7 +28,7 @@ def _empty(dtype: type) -> np.ndarray:
     return arr
 
 
-NO_TOKENS, NO_LOGPROBS = _empty(np.int32), _empty(np.float32)
+NO_TOKENS, NO_LOGPROBS, NO_MASK = _empty(np.int32), _empty(np.float32), _empty(np.bool_)
 
 
 class GroupRecord:
@@ -44,8 +44,8 @@ class GroupRecord:
 
 
 class TrajRecord:
-    """One live trajectory. ``tokens``/``logprobs``/``versions``: the longest response
-    known to the TS (routed, last reported progress, interrupted, finished or completed).
+    """One live trajectory. ``tokens``/``logprobs``/``versions``/``mask``: the longest
+    response known to the TS (routed, last reported progress, interrupted, finished or completed).
     ``holder``: the instance it is ROUTED to, or the reward worker scoring it (REWARDING;
     None while no worker has it, e.g. after its worker was lost or after a restore)."""
 
@@ -55,6 +55,7 @@ class TrajRecord:
         "holder",
         "info",
         "logprobs",
+        "mask",
         "reward",
         "state",
         "tokens",
@@ -71,6 +72,7 @@ class TrajRecord:
         self.tokens = NO_TOKENS
         self.logprobs = NO_LOGPROBS
         self.versions = NO_TOKENS
+        self.mask = NO_MASK  # True: a model token (trained); False: an observation
         self.holder: InstanceId | None = None
         self.reward = 0.0
         self.finish_reason = ""

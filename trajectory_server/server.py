@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from trajectory_server import persist, validate
+from trajectory_server import payloads, persist, validate
 from trajectory_server.errors import InvalidPayload, InvalidTransition, NotHolder, VersionConflict
 from trajectory_server.interface import PromptSource
 from trajectory_server.records import (
@@ -53,8 +53,6 @@ from trajectory_server.types import (
     RoutableTrajectory,
     RoutedTrajectory,
     TrainingBatch,
-    TrainingGroup,
-    TrainingTrajectory,
     TrajectoryServerConfig,
     TrajState,
     TSStats,
@@ -199,7 +197,7 @@ class TrajectoryServer:
             self._s.mlq.remove(traj.traj_id, traj.v_traj)
             self._s.set_state(traj, ROUTED, v)
             traj.holder = instance_id
-            out.append(self._routed_payload(traj))
+            out.append(payloads.routed(traj))
         return tuple(out)
 
     def fork(self, traj_id: int, instance_id: InstanceId) -> RoutedTrajectory | None:
@@ -209,21 +207,7 @@ class TrajectoryServer:
         traj = self._s.trajs.get(traj_id)
         if traj is None or traj.state is not ROUTED or traj.holder != instance_id:
             return None
-        return self._routed_payload(traj)
-
-    def _routed_payload(self, traj: TrajRecord) -> RoutedTrajectory:
-        g = traj.group
-        return RoutedTrajectory(
-            traj.traj_id,
-            g.group_id,
-            traj.v_traj,  # type: ignore[arg-type]  # ROUTED implies set
-            g.sample_id,
-            g.answer,
-            g.prompt,
-            traj.tokens,
-            traj.logprobs,
-            traj.versions,
-        )
+        return payloads.routed(traj)
 
     def interrupt_return(
         self, partials: Iterable[PartialTrajectory], *, instance_id: InstanceId | None = None
@@ -237,7 +221,9 @@ class TrajectoryServer:
         plan = []
         for p in items:
             traj = self._routed(p.traj_id, "interrupt_return", instance_id)
-            plan.append((traj, self._check_response(traj, p.tokens, p.logprobs, p.versions)))
+            plan.append(
+                (traj, self._check_response(traj, p.tokens, p.logprobs, p.versions, p.mask))
+            )
         for traj, response in plan:
             self._store(traj, response)
             self._s.requeue(traj)
@@ -260,7 +246,9 @@ class TrajectoryServer:
             if traj is None or traj.state is not ROUTED or traj.holder != instance_id:
                 continue
             if len(p.tokens) > len(traj.tokens):
-                plan.append((traj, self._check_response(traj, p.tokens, p.logprobs, p.versions)))
+                plan.append(
+                    (traj, self._check_response(traj, p.tokens, p.logprobs, p.versions, p.mask))
+                )
         unique((traj.traj_id for traj, _ in plan), "report_progress")
         for traj, response in plan:
             self._store(traj, response)
@@ -306,7 +294,9 @@ class TrajectoryServer:
             traj = self._routed(f.traj_id, "hand_to_reward", instance_id)
             if not isinstance(f.finish_reason, str):
                 raise InvalidPayload(f"trajectory {f.traj_id}: finish_reason must be a str")
-            plan.append((traj, self._check_response(traj, f.tokens, f.logprobs, f.versions), f))
+            plan.append(
+                (traj, self._check_response(traj, f.tokens, f.logprobs, f.versions, f.mask), f)
+            )
         for traj, response, f in plan:
             self._store(traj, response)
             traj.finish_reason = f.finish_reason
@@ -327,7 +317,7 @@ class TrajectoryServer:
         ]
         for traj in moved:
             traj.holder = to_worker
-        return tuple(self._reward_task(t) for t in moved)
+        return tuple(payloads.reward_task(t) for t in moved)
 
     def complete(
         self,
@@ -338,9 +328,11 @@ class TrajectoryServer:
         reward: float,
         finish_reason: str,
         info: Mapping[str, InfoValue] | None = None,
+        mask: np.ndarray | None = None,
     ) -> GroupStatus:
-        """Store a finished, rewarded ROUTED trajectory (its whole response)."""
-        c = Completion(traj_id, tokens, logprobs, versions, reward, finish_reason, info or {})
+        """Store a finished, rewarded ROUTED trajectory (its whole response; ``mask``
+        None: every token the model's)."""
+        c = Completion(traj_id, tokens, logprobs, versions, reward, finish_reason, info or {}, mask)
         return self.complete_many((c,))[0]
 
     def complete_many(
@@ -366,7 +358,7 @@ class TrajectoryServer:
                 )
             if traj.state is not REWARDING:
                 traj = self._routed(c.traj_id, "complete", instance_id)
-            arrays = self._check_response(traj, c.tokens, c.logprobs, c.versions)
+            arrays = self._check_response(traj, c.tokens, c.logprobs, c.versions, c.mask)
             if traj.state is REWARDING and len(arrays[0]) != len(traj.tokens):
                 raise InvalidPayload(
                     f"trajectory {c.traj_id}: the completion has {len(arrays[0])} tokens but "
@@ -385,8 +377,8 @@ class TrajectoryServer:
                 )
             plan.append((traj, arrays, reward, c.finish_reason, info))
         out = []
-        for traj, (tokens, logprobs, versions), reward, finish_reason, info in plan:
-            traj.tokens, traj.logprobs, traj.versions = tokens, logprobs, versions
+        for traj, response, reward, finish_reason, info in plan:
+            self._store(traj, response)
             traj.reward, traj.finish_reason, traj.info = reward, finish_reason, info
             traj.holder = None
             self._s.set_state(traj, COMPLETED, traj.v_traj)
@@ -413,7 +405,7 @@ class TrajectoryServer:
         groups, dropped = [], []
         for group, taken in plan:
             if group.group_id not in known:
-                groups.append(self._training_group(group, taken))
+                groups.append(payloads.training_group(group, taken))
             for t in taken:
                 self._s.drop(t)
             self._s.consumed_trajs += len(taken)
@@ -435,7 +427,7 @@ class TrajectoryServer:
         this way before the buffer is Consumed; the groups stay here, whole, until then,
         so a checkpoint cut taken meanwhile still holds them."""
         plan = self._batch_plan(group_ids, select, "read_batch")
-        groups = tuple(self._training_group(group, taken) for group, taken in plan)
+        groups = tuple(payloads.training_group(group, taken) for group, taken in plan)
         return TrainingBatch(groups, (), self.config.temperature)
 
     def _batch_plan(
@@ -460,29 +452,6 @@ class TrajectoryServer:
                 )
             plan.append((group, taken))
         return plan
-
-    @staticmethod
-    def _training_group(group: GroupRecord, taken: Sequence[TrajRecord]) -> TrainingGroup:
-        trajectories = tuple(
-            TrainingTrajectory(
-                traj_id=t.traj_id,
-                v_traj=t.v_traj,  # type: ignore[arg-type]  # COMPLETED implies set
-                tokens=t.tokens,
-                logprobs=t.logprobs,
-                versions=t.versions,
-                reward=t.reward,
-                finish_reason=t.finish_reason,
-                info=t.info,
-            )
-            for t in taken
-        )
-        return TrainingGroup(
-            group_id=group.group_id,
-            sample_id=group.sample_id,
-            answer=group.answer,
-            prompt=group.prompt,
-            trajectories=trajectories,
-        )
 
     def abort(self, traj_ids: Iterable[int]) -> tuple[AbortedTrajectory, ...]:
         """Drop trajectories for good, in any state. A group left empty is removed."""
@@ -548,22 +517,7 @@ class TrajectoryServer:
         return traj
 
     def _store(self, traj: TrajRecord, response: validate.Response) -> None:
-        traj.tokens, traj.logprobs, traj.versions = response
-
-    def _reward_task(self, traj: TrajRecord) -> RewardTask:
-        g = traj.group
-        return RewardTask(
-            traj_id=traj.traj_id,
-            group_id=g.group_id,
-            v_traj=traj.v_traj,  # type: ignore[arg-type]  # REWARDING implies set
-            sample_id=g.sample_id,
-            answer=g.answer,
-            prompt=g.prompt,
-            tokens=traj.tokens,
-            logprobs=traj.logprobs,
-            versions=traj.versions,
-            finish_reason=traj.finish_reason,
-        )
+        traj.tokens, traj.logprobs, traj.versions, traj.mask = response
 
     def _resolve_version(self, traj: TrajRecord, v: object) -> int:
         if traj.v_traj is not None:
@@ -583,16 +537,23 @@ class TrajectoryServer:
         return int(v)
 
     def _check_response(
-        self, traj: TrajRecord, tokens: object, logprobs: object, versions: object
+        self,
+        traj: TrajRecord,
+        tokens: object,
+        logprobs: object,
+        versions: object,
+        mask: object,
     ) -> validate.Response:
         return validate.response(
             traj.traj_id,
             tokens,
             logprobs,
             versions,
+            mask,
             v_traj=traj.v_traj,  # type: ignore[arg-type]  # ROUTED implies set
             prefix_tokens=traj.tokens,
             prefix_versions=traj.versions,
+            prefix_mask=traj.mask,
         )
 
     def _after_groups_left(self) -> None:

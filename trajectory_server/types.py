@@ -1,9 +1,18 @@
 """Plain data of the trajectory server (paper §5.1): configuration, records and payloads.
 
 Arrays follow one convention everywhere: tokens are 1-D ``np.int32``, logprobs 1-D
-``np.float32``, per-token policy versions 1-D ``np.int32``, all three of the same length.
-A *response* is everything generated after the prompt so far; a partial trajectory's
-response grows each time it is routed, interrupted and routed again.
+``np.float32``, per-token policy versions 1-D ``np.int32``, and the loss mask 1-D
+``np.bool_``, all four of the same length. A *response* is everything after the prompt
+so far; a partial trajectory's response grows each time it is routed, interrupted and
+routed again.
+
+The trajectory model (multi-turn): a response is a sequence of segments, model turns
+(tokens the policy generated: mask True, their logprobs and the version of the policy
+that generated each) and environment observations (tokens the model did not generate:
+mask False, never trained). An observation token carries logprob ``0.0`` and the version
+of the model token before it, so every version stays ``>= V_traj`` and ``V_traj`` stays
+the version of the first generated token. A single-turn response is one model turn: its
+mask is all True, which is the default wherever a mask is not given.
 """
 
 from __future__ import annotations
@@ -12,7 +21,7 @@ import enum
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -24,6 +33,20 @@ GroupId = int
 InstanceId = int | str
 WorkerId = int | str  # a reward worker
 InfoValue = int | float | str
+
+
+def all_trained(n: int) -> np.ndarray:
+    """The loss mask of a response of ``n`` tokens that the model generated entirely."""
+    mask = np.ones(n, dtype=np.bool_)
+    mask.flags.writeable = False
+    return mask
+
+
+def _default_mask(record: Any) -> None:
+    """``__post_init__`` of the payloads: a mask left out (None) means every token is the
+    model's own (single-turn), so older senders and single-turn code need not name it."""
+    if record.mask is None:
+        object.__setattr__(record, "mask", all_trained(len(record.tokens)))
 
 
 class TrajState(enum.StrEnum):
@@ -138,6 +161,10 @@ class RoutedTrajectory:
     tokens: np.ndarray
     logprobs: np.ndarray
     versions: np.ndarray
+    mask: np.ndarray | None = None  # bool, one per token; None: all True
+
+    def __post_init__(self) -> None:
+        _default_mask(self)
 
     @property
     def length(self) -> int:
@@ -152,6 +179,10 @@ class PartialTrajectory:
     tokens: np.ndarray
     logprobs: np.ndarray
     versions: np.ndarray
+    mask: np.ndarray | None = None  # bool, one per token; None: all True
+
+    def __post_init__(self) -> None:
+        _default_mask(self)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -165,6 +196,10 @@ class Completion:
     reward: float
     finish_reason: str  # e.g. "stop" or "length", as the engine reported it
     info: Mapping[str, InfoValue] = field(default_factory=dict)
+    mask: np.ndarray | None = None  # bool, one per token; None: all True
+
+    def __post_init__(self) -> None:
+        _default_mask(self)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -177,6 +212,10 @@ class FinishedTrajectory:
     logprobs: np.ndarray
     versions: np.ndarray
     finish_reason: str
+    mask: np.ndarray | None = None  # bool, one per token; None: all True
+
+    def __post_init__(self) -> None:
+        _default_mask(self)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -193,6 +232,10 @@ class RewardTask:
     logprobs: np.ndarray
     versions: np.ndarray
     finish_reason: str
+    mask: np.ndarray | None = None  # bool, one per token; None: all True
+
+    def __post_init__(self) -> None:
+        _default_mask(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,6 +273,10 @@ class TrainingTrajectory:
     reward: float
     finish_reason: str
     info: Mapping[str, InfoValue] = field(default_factory=dict)
+    mask: np.ndarray | None = None  # bool, one per token; None: all True
+
+    def __post_init__(self) -> None:
+        _default_mask(self)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

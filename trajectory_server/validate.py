@@ -10,7 +10,7 @@ from trajectory_server.errors import InvalidPayload
 
 _INT32 = np.iinfo(np.int32)
 
-Response = tuple[np.ndarray, np.ndarray, np.ndarray]
+Response = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 def frozen(arr: np.ndarray) -> np.ndarray:
@@ -50,27 +50,49 @@ def _as_float32(values: object, what: str) -> np.ndarray:
     return arr
 
 
+def _as_mask(values: object, n: int, what: str) -> np.ndarray:
+    """A loss mask as bool: None is all True (every token the model's); integers must be
+    0 or 1, so that a mask of another meaning (token weights, ids) is refused."""
+    if values is None:
+        return np.ones(n, dtype=np.bool_)
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise InvalidPayload(f"{what} must be a 1-D array, got shape {arr.shape}")
+    if arr.dtype == np.bool_:
+        return arr
+    if arr.size and (arr.dtype.kind not in "iu" or arr.min() < 0 or arr.max() > 1):
+        raise InvalidPayload(
+            f"{what} must be bool (or integers 0/1): True for a model token, False for an "
+            f"observation; got dtype {arr.dtype}"
+        )
+    return arr.astype(np.bool_)
+
+
 def response(
     traj_id: int,
     tokens: object,
     logprobs: object,
     versions: object,
+    mask: object,
     *,
     v_traj: int,
     prefix_tokens: np.ndarray,
     prefix_versions: np.ndarray,
+    prefix_mask: np.ndarray,
 ) -> Response:
-    """Normalise a response to (int32, float32, int32) and check it against what the TS
-    already holds: equal lengths, token ids >= 0, every version >= ``V_traj``, and the
-    stored response as a prefix."""
+    """Normalise a response to (int32, float32, int32, bool) and check it against what
+    the TS already holds: equal lengths, token ids >= 0, every version >= ``V_traj``
+    (observation tokens carry the version of the model token before them), and the
+    stored response, mask included, as a prefix."""
     where = f"trajectory {traj_id}"
     t = _as_int32(tokens, f"{where}: tokens")
     lp = _as_float32(logprobs, f"{where}: logprobs")
     ver = _as_int32(versions, f"{where}: versions")
-    if not len(t) == len(lp) == len(ver):
+    m = _as_mask(mask, len(t), f"{where}: mask")
+    if not len(t) == len(lp) == len(ver) == len(m):
         raise InvalidPayload(
-            f"{where}: tokens, logprobs and versions must have one entry per token, "
-            f"got lengths {len(t)}, {len(lp)}, {len(ver)}"
+            f"{where}: tokens, logprobs, versions and mask must have one entry per token, "
+            f"got lengths {len(t)}, {len(lp)}, {len(ver)}, {len(m)}"
         )
     if len(t) and t.min() < 0:
         raise InvalidPayload(f"{where}: negative token id {int(t.min())}")
@@ -85,12 +107,13 @@ def response(
         len(t) < n
         or not np.array_equal(t[:n], prefix_tokens)
         or not np.array_equal(ver[:n], prefix_versions)
+        or not np.array_equal(m[:n], prefix_mask)
     ):
         raise InvalidPayload(
             f"{where}: the response does not start with the {n} tokens the TS routed; "
             "send the whole response so far (the routed tokens followed by the new ones)"
         )
-    return frozen(t), frozen(lp), frozen(ver)
+    return frozen(t), frozen(lp), frozen(ver), frozen(m)
 
 
 def reward(traj_id: int, value: object) -> float:

@@ -121,8 +121,9 @@ def test_routing_columns_round_trip():
 
 def test_arrays_travel_as_raw_bytes_not_lists():
     t, lp, v = arrays(10_000)
-    packed = wire.pack(wire.InterruptReturn((PartialTrajectory(1, t, lp, v),)))
-    raw = t.nbytes + lp.nbytes + v.nbytes
+    partial = PartialTrajectory(1, t, lp, v)
+    packed = wire.pack(wire.InterruptReturn((partial,)))
+    raw = t.nbytes + lp.nbytes + v.nbytes + partial.mask.nbytes  # the mask: 1 byte a token
     assert raw <= len(packed) < raw + 200
     assert t.tobytes() in packed  # the bytes themselves, little-endian
     decoded = wire.unpack(packed).partials[0].tokens
