@@ -1,6 +1,7 @@
 """What a trainer checks of a training batch before it trains on it: every group and
-trajectory well formed (shapes, vocabulary, finite non-positive logprobs, finite rewards)
-and the rollout temperature usable. A malformed batch is refused by name, never trained on.
+trajectory well formed (shapes, vocabulary, a bool loss mask, finite non-positive
+logprobs of the trained tokens, finite rewards) and the rollout temperature usable.
+Observation tokens (mask False) carry no logprob of the policy: theirs is not checked. A malformed batch is refused by name, never trained on.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def _validate_trajectory(t: object, where: str, vocab_size: int) -> None:
     tokens = np.asarray(t.tokens)  # type: ignore[attr-defined]
     logprobs = np.asarray(t.logprobs)  # type: ignore[attr-defined]
     versions = np.asarray(t.versions)  # type: ignore[attr-defined]
+    mask = np.asarray(t.mask)  # type: ignore[attr-defined]
     reward = t.reward  # type: ignore[attr-defined]
     if tokens.ndim != 1 or logprobs.ndim != 1 or versions.ndim != 1:
         raise BatchError(f"{where}: tokens, logprobs and versions must be 1-D")
@@ -58,6 +60,12 @@ def _validate_trajectory(t: object, where: str, vocab_size: int) -> None:
         )
     if len(tokens) == 0:
         raise BatchError(f"{where}: the response is empty")
+    if mask.shape != tokens.shape or mask.dtype != np.bool_:
+        raise BatchError(
+            f"{where}: the loss mask must be a bool array of one entry per token, got "
+            f"shape {mask.shape} dtype {mask.dtype}"
+        )
+    logprobs = np.where(mask, logprobs, 0.0)  # an observation's is a placeholder
     if tokens.min() < 0 or tokens.max() >= vocab_size:
         raise BatchError(f"{where}: token ids outside the model's vocabulary [0, {vocab_size})")
     if not np.isfinite(logprobs).all():

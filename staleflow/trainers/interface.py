@@ -110,8 +110,8 @@ class BatchDigest:
     def of(cls, batch: TrainingBatch, version: int) -> BatchDigest:
         trajs = [t for g in batch.groups for t in g.trajectories]
         tokens: Counter[int] = Counter()
-        for t in trajs:
-            tokens.update((version - t.versions).tolist())
+        for t in trajs:  # generated tokens only: observations are nobody's version
+            tokens.update((version - np.asarray(t.versions)[np.asarray(t.mask)]).tolist())
         return cls(
             traj_ids=tuple(t.traj_id for t in trajs),
             staleness=dict(Counter(version - t.v_traj for t in trajs)),

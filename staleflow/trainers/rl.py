@@ -10,8 +10,9 @@ parallel) and of the batch (data parallel), and reduces across its peers.
 The step (``train_step``):
 
 1. Check the batch (:func:`validate_batch`); group-relative advantages over each group's
-   graded trajectories (:func:`build_sequences`). Groups are never split across data-
-   parallel ranks, so advantages are local; counts and token totals are reduced.
+   graded trajectories (:func:`staleflow.trainers.sequences.build_sequences`). Groups
+   are never split across data-parallel ranks, so advantages are local; counts and
+   token totals are reduced.
 2. Cut the batch into ``updates_per_step`` mini-batches (one optimizer update each); with
    more than one, the proximal policy is recomputed first (one no-grad pass).
 3. Per micro-batch (the backend runs them: one after the other, or through a pipeline
@@ -21,15 +22,22 @@ The step (``train_step``):
    denominator → backward.
 4. The backend reduces, clips and applies the gradients; metrics are summed, reduced and
    turned into means.
+
+The loss mask: a multi-turn response holds model turns and environment observations
+(``trajectory_server.types``). Observation tokens are context only: they are in the
+ids the model reads, but never scored — they reach no softmax, no loss, no importance
+weight or clip, no token count (the denominator is the number of *trained* tokens) and
+no per-token statistic. A trajectory with no trained token still counts in its group's
+advantages (its reward is real) but adds nothing to the loss; a batch with none at all
+takes no update, like a batch whose every reward failed.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from itertools import pairwise
 from typing import Literal, Protocol, TypeVar
 
 import numpy as np
@@ -37,10 +45,17 @@ import torch
 
 from staleflow.config.sections import TrainerConfig
 from staleflow.trainers.batch_checks import validate_batch
-from staleflow.trainers.losses import approx_kl, group_advantages, policy_loss
+from staleflow.trainers.losses import approx_kl, policy_loss
+from staleflow.trainers.sequences import (
+    BatchTally,
+    MicroBatch,
+    TrainSequence,
+    build_sequences,
+    micro_batches,
+    mini_batches,
+    pad,
+)
 from trajectory_server.types import TrainingBatch
-
-ADV_EPS = 1e-6
 
 ReduceOp = Literal["sum", "max", "min"]
 _T = TypeVar("_T")
@@ -136,211 +151,6 @@ def adamw(params: list[torch.nn.Parameter], settings: TrainerConfig) -> torch.op
     )
 
 
-# -- the batch --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, eq=False)
-class TrainSequence:
-    """One trajectory ready for the model: ``prompt + response`` ids and, per response
-    token, the behaviour logprob (and the proximal one, when computed apart)."""
-
-    traj_id: int
-    ids: np.ndarray  # prompt + response, int64
-    prompt_len: int
-    behav: np.ndarray  # float32 logprobs of the response tokens
-    advantage: float
-    prox: np.ndarray | None = None
-
-    @property
-    def response_len(self) -> int:
-        return len(self.ids) - self.prompt_len
-
-
-# Batch statistics that add up across data-parallel ranks (and the two that take a max).
-_BATCH_SUMS = (
-    "reward_sum",
-    "reward_sq_sum",
-    "trajectories",
-    "advantage_abs_sum",
-    "flat_groups",
-    "groups",
-    "response_len_sum",
-    "reward_errors",
-    "staleness_sum",
-    "staleness_tokens",
-)
-_BATCH_MAXES = ("response_len_max", "token_staleness_max")
-
-
-@dataclass(slots=True)
-class BatchTally:
-    """Additive statistics of (a data-parallel rank's part of) a batch."""
-
-    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_BATCH_SUMS, 0.0))
-    maxes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_BATCH_MAXES, 0.0))
-
-    def reduced(self, backend: StepBackend) -> BatchTally:
-        sums = backend.reduce(np.array([self.sums[k] for k in _BATCH_SUMS]), "sum")
-        maxes = backend.reduce(np.array([self.maxes[k] for k in _BATCH_MAXES]), "max")
-        return BatchTally(
-            dict(zip(_BATCH_SUMS, sums.tolist(), strict=True)),
-            dict(zip(_BATCH_MAXES, maxes.tolist(), strict=True)),
-        )
-
-    def metrics(self) -> dict[str, float]:
-        s, nan = self.sums, float("nan")
-        n = s["trajectories"]
-        mean = s["reward_sum"] / n if n else nan
-        var = max(s["reward_sq_sum"] / n - mean * mean, 0.0) if n else nan
-        return {
-            "train/reward_mean": mean,
-            "train/reward_std": math.sqrt(var) if n else nan,
-            "train/advantage_abs_mean": s["advantage_abs_sum"] / n if n else 0.0,
-            "train/flat_group_frac": s["flat_groups"] / max(s["groups"], 1.0),
-            "train/response_len_mean": s["response_len_sum"] / n if n else 0.0,
-            "train/response_len_max": self.maxes["response_len_max"],
-            "train/trajectories": n,
-            "train/reward_errors": s["reward_errors"],
-            "train/groups": s["groups"],
-            "train/token_staleness_mean": s["staleness_sum"] / max(s["staleness_tokens"], 1.0),
-            "train/token_staleness_max": self.maxes["token_staleness_max"],
-        }
-
-
-def build_sequences(
-    batch: TrainingBatch, advantage: str, version: int
-) -> tuple[list[TrainSequence], BatchTally]:
-    """The trajectories of ``batch`` as sequences with their group-relative advantages.
-
-    A trajectory whose reward function raised (``info["reward_error"]``) is left out: its
-    reward says nothing about the response, and counting it in its group's mean would
-    shift its siblings' advantages.
-    """
-    rewards: list[float] = []
-    group_index: list[int] = []
-    trajs = []
-    tally = BatchTally()
-    for g, group in enumerate(batch.groups):
-        for t in group.trajectories:
-            if t.info.get("reward_error"):
-                tally.sums["reward_errors"] += 1
-                continue
-            rewards.append(float(t.reward))
-            group_index.append(g)
-            trajs.append((group, t))
-    advantages = group_advantages(
-        torch.tensor(rewards, dtype=torch.float64),
-        torch.tensor(group_index, dtype=torch.int64),
-        normalize_std=advantage == "grpo",
-        eps=ADV_EPS,
-    ).tolist()
-    sequences = []
-    for (group, t), adv in zip(trajs, advantages, strict=True):
-        prompt = np.asarray(group.prompt, dtype=np.int64)
-        tokens = np.asarray(t.tokens, dtype=np.int64)
-        sequences.append(
-            TrainSequence(
-                traj_id=t.traj_id,
-                ids=np.concatenate([prompt, tokens]),
-                prompt_len=len(prompt),
-                behav=np.minimum(np.asarray(t.logprobs, dtype=np.float32), 0.0),
-                advantage=float(adv),
-            )
-        )
-        stale = version - np.asarray(t.versions, dtype=np.float64)
-        s, m = tally.sums, tally.maxes
-        s["response_len_sum"] += len(tokens)
-        m["response_len_max"] = max(m["response_len_max"], float(len(tokens)))
-        s["staleness_sum"] += float(stale.sum())
-        s["staleness_tokens"] += len(stale)
-        m["token_staleness_max"] = max(m["token_staleness_max"], float(stale.max()))
-    by_group: dict[int, set[float]] = {}
-    for g, r in zip(group_index, rewards, strict=True):
-        by_group.setdefault(g, set()).add(r)
-    s = tally.sums
-    s["trajectories"] = float(len(sequences))
-    s["reward_sum"] = float(np.sum(rewards)) if rewards else 0.0
-    s["reward_sq_sum"] = float(np.sum(np.square(rewards))) if rewards else 0.0
-    s["advantage_abs_sum"] = float(np.sum(np.abs(advantages))) if rewards else 0.0
-    s["groups"] = float(len(batch.groups))
-    s["flat_groups"] = float(len(batch.groups) - sum(1 for v in by_group.values() if len(v) > 1))
-    return sequences, tally
-
-
-# -- cutting and padding ------------------------------------------------------------------
-
-
-def micro_batches(
-    sequences: Sequence[TrainSequence], max_tokens: int, max_size: int | None
-) -> Iterator[list[TrainSequence]]:
-    """Sequences sorted by length, cut so that ``count * longest <= max_tokens``."""
-    ordered = sorted(sequences, key=lambda s: len(s.ids))  # stable: deterministic
-    chunk: list[TrainSequence] = []
-    for seq in ordered:
-        full = max_size is not None and len(chunk) >= max_size
-        if chunk and (full or (len(chunk) + 1) * len(seq.ids) > max_tokens):
-            yield chunk
-            chunk = []
-        chunk.append(seq)
-    if chunk:
-        yield chunk
-
-
-def mini_batches(sequences: Sequence[TrainSequence], parts: int) -> list[list[TrainSequence]]:
-    """Exactly ``parts`` contiguous slices of the sequences (some may be empty on a
-    data-parallel rank with few sequences: every rank must take the same number of
-    updates). Groups stay mostly together; their advantages are computed already."""
-    bounds = np.linspace(0, len(sequences), parts + 1).round().astype(int)
-    return [list(sequences[a:b]) for a, b in pairwise(bounds.tolist())]
-
-
-@dataclass(frozen=True, slots=True)
-class MicroBatch:
-    """Right-padded ids and, aligned with the next-token logits (width - 1), the response
-    mask, targets, behaviour logprobs, advantages and (when given) proximal logprobs."""
-
-    ids: torch.Tensor
-    mask: torch.Tensor
-    behav: torch.Tensor
-    adv: torch.Tensor
-    prox: torch.Tensor | None
-
-    @property
-    def targets(self) -> torch.Tensor:
-        return self.ids[:, 1:]
-
-
-def pad(chunk: Sequence[TrainSequence], pad_id: int) -> MicroBatch:
-    """The micro-batch of ``chunk``; padding sits after every real token, so with causal
-    attention any ``pad_id`` works."""
-    width = max(len(s.ids) for s in chunk)
-    ids = np.full((len(chunk), width), pad_id, dtype=np.int64)
-    mask = np.zeros((len(chunk), width - 1), dtype=bool)
-    behav = np.zeros((len(chunk), width - 1), dtype=np.float32)
-    adv = np.zeros((len(chunk), width - 1), dtype=np.float32)
-    prox = np.zeros((len(chunk), width - 1), dtype=np.float32)
-    for i, s in enumerate(chunk):
-        ids[i, : len(s.ids)] = s.ids
-        span = _response_span(s)  # the logits at position t predict token t + 1
-        mask[i, span] = True
-        behav[i, span] = s.behav
-        adv[i, span] = s.advantage
-        if s.prox is not None:
-            prox[i, span] = s.prox
-    has_prox = chunk[0].prox is not None
-    return MicroBatch(
-        torch.from_numpy(ids),
-        torch.from_numpy(mask),
-        torch.from_numpy(behav),
-        torch.from_numpy(adv),
-        torch.from_numpy(prox) if has_prox else None,
-    )
-
-
-def _response_span(s: TrainSequence) -> slice:
-    return slice(s.prompt_len - 1, len(s.ids) - 1)
-
-
 # -- scoring and the loss ------------------------------------------------------------------
 
 
@@ -349,8 +159,8 @@ def score(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs (with gradient) and entropies of the response tokens of ``mb`` from its
     ``logits``, under the policy at ``temperature``: ``log_softmax(logits / T)``, the
-    distribution the engines sampled from and recorded. Only response positions reach the
-    softmax."""
+    distribution the engines sampled from and recorded. Only trained positions (the
+    model's response tokens) reach the softmax."""
     scaled = logits[:, :-1][mb.mask].float() / temperature
     return backend.token_stats(scaled, mb.targets[mb.mask])
 
@@ -387,8 +197,10 @@ def micro_loss(
 ) -> torch.Tensor:
     """The loss of one micro-batch from its ``logits``; adds its statistics to ``tally``.
 
-    ``total_tokens`` is the response-token count of the whole (global) mini-batch: the
-    micro-batches' losses then add up to DAPO's token-level mean over it.
+    ``total_tokens`` is the trained-token count of the whole (global) mini-batch: the
+    micro-batches' losses then add up to DAPO's token-level mean over it. Every tensor
+    here holds the trained positions only (``mb.mask``), so the off-policy correction,
+    the clip and every statistic see the model's tokens alone.
     """
     logprobs, entropy = score(backend, mb, logits, temperature)
     behav, adv = mb.behav[mb.mask], mb.adv[mb.mask]
@@ -442,8 +254,10 @@ def with_prox(
         flat = logprobs.float().cpu().numpy()
         at = 0
         for s in chunks[i]:  # mask order is row-major: sequence by sequence
-            prox[s.traj_id] = flat[at : at + s.response_len].copy()
-            at += s.response_len
+            full = np.zeros(s.response_len, dtype=np.float32)  # observations: never read
+            full[s.mask] = flat[at : at + s.trained]
+            prox[s.traj_id] = full
+            at += s.trained
 
     if mbs:
         backend.forward_backward(mbs, collect, forward_only=True)
@@ -461,7 +275,7 @@ def _update(
     tally: LossTally,
 ) -> float:
     """One optimizer update on ``part`` (this rank's share of one mini-batch)."""
-    local = float(sum(s.response_len for s in part))
+    local = float(sum(s.trained for s in part))
     total = float(backend.reduce(np.array([local]), "sum")[0])
     backend.zero_grad()
     accumulate(
@@ -531,10 +345,11 @@ def train_step(
     validate_batch(batch, backend.vocab_size, allow_empty=allow_empty)
     sequences, local_tally = build_sequences(batch, settings.advantage, version)
     batch_tally = local_tally.reduced(backend)
-    everyone = int(batch_tally.sums["trajectories"])
+    everyone = int(batch_tally.sums["trained_trajectories"])
     tally = LossTally()
     norms: list[float] = []
-    if everyone:  # every reward failed: no update at all, on every rank alike
+    # none: every reward failed, or no token to train; no update at all, on every rank alike
+    if everyone:
         parts = min(settings.updates_per_step, everyone)
         if parts > 1:
             sequences = with_prox(

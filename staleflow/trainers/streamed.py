@@ -66,7 +66,7 @@ class StreamedStep:
         self._version, self._pad_id = version, pad_id
         self._batch = BatchTally()
         self._loss = LossTally()
-        self._tokens = 0.0  # response tokens of this rank's parts so far
+        self._tokens = 0.0  # trained tokens of this rank's parts so far
         self.parts = 0
         self.groups = 0
         self._done = False
@@ -94,7 +94,7 @@ class StreamedStep:
             total_tokens=1.0,
             tally=self._loss,
         )
-        self._tokens += float(sum(s.response_len for s in sequences))
+        self._tokens += float(sum(s.trained for s in sequences))
 
     def finish(self) -> tuple[dict[str, float], list[float]]:
         """Divide the gradients by the whole batch's token count, clip and update.
@@ -107,7 +107,7 @@ class StreamedStep:
         loss = backend.from_last_stage(self._loss)
         total = float(backend.reduce(np.array([self._tokens]), "sum")[0])
         norms: list[float] = []
-        if batch.sums["trajectories"]:  # every reward failed: no update, like train_step
+        if batch.sums["trained_trajectories"]:  # none to train: no update, like train_step
             backend.scale_grads(1.0 / max(total, 1.0))
             norms.append(backend.update())
         else:
