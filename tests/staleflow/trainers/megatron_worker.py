@@ -176,3 +176,25 @@ def abort(rank: int, world: int, address: str, payload: object) -> None:
     import signal
 
     os.kill(os.getpid(), signal.SIGABRT)
+
+
+def fresh_steps(rank: int, world: int, address: str, payload: Any) -> list[Any]:
+    """``payload = (spec, hf, batches)``: for each batch, a new rank loaded from ``hf``
+    (its own optimizer: no state carried from one batch to the next) takes one step;
+    rank 0 returns each step's metrics and the HF weights after it."""
+    import torch
+
+    torch.set_num_threads(1)
+    from staleflow.trainers.megatron.rank import MegatronRank, init_distributed
+    from staleflow.trainers.megatron.split import split_batch
+
+    spec, hf, batches = payload
+    init_distributed(rank, world, address)
+    out = []
+    for batch in batches:
+        r = MegatronRank(spec)
+        r.load_hf(hf)
+        part = split_batch(batch, spec.section.dp)[r.dp_rank] if r.is_data_leader else None
+        metrics = r.train_step(part)
+        out.append((metrics, r.gather_hf()))
+    return out
