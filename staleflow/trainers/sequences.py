@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from typing import TYPE_CHECKING
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
@@ -23,10 +23,13 @@ import torch
 from staleflow.trainers.losses import group_advantages
 from trajectory_server.types import TrainingBatch
 
-if TYPE_CHECKING:
-    from staleflow.trainers.rl import StepBackend
-
 ADV_EPS = 1e-6
+
+
+class Reducer(Protocol):
+    """What :meth:`BatchTally.reduced` needs of a backend (``rl.StepBackend.reduce``)."""
+
+    def reduce(self, values: np.ndarray, op: Literal["sum", "max", "min"]) -> np.ndarray: ...
 
 
 # -- the batch --------------------------------------------------------------------------
@@ -80,7 +83,7 @@ class BatchTally:
     sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_BATCH_SUMS, 0.0))
     maxes: dict[str, float] = field(default_factory=lambda: dict.fromkeys(_BATCH_MAXES, 0.0))
 
-    def reduced(self, backend: StepBackend) -> BatchTally:
+    def reduced(self, backend: Reducer) -> BatchTally:
         sums = backend.reduce(np.array([self.sums[k] for k in _BATCH_SUMS]), "sum")
         maxes = backend.reduce(np.array([self.maxes[k] for k in _BATCH_MAXES]), "max")
         return BatchTally(
