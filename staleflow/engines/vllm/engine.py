@@ -73,10 +73,9 @@ class VLLMEngine:
     engine owns it until :meth:`close`.
     """
 
-    # A request's seed is keyed by its resume point (_sampling_params): two requests of a
-    # trajectory sample the same tokens only from the same point, so a race copy needs its
-    # original resubmitted where the copy forks (runtime/races.py, RolloutInstance.rebase).
-    samples_by_resume_point = True
+    # Draws are keyed by (run seed, trajectory, position) (worker.KeyedSampler), as the
+    # embedded engine's: a race copy may fork anywhere (runtime/races.py), so this engine
+    # does not declare ``samples_by_resume_point``.
 
     def __init__(self, config: VLLMEngineConfig, *, version: int = 0) -> None:
         if not isinstance(config, VLLMEngineConfig):
@@ -134,8 +133,9 @@ class VLLMEngine:
             detokenize=False,
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,
-            # keyed by (run seed, trajectory, resume point): reproducible per trajectory
-            seed=cfg.request_seed(r.traj_id, len(r.tokens)),
+            # No vLLM seed (its generators break on a split prompt, worker.KeyedSampler):
+            # the key the sampler draws each token from, with the token's position.
+            extra_args={vllm_worker.SEED_KEY: cfg.request_seed(r.traj_id)},
         )
 
     def interrupt(self, traj_ids: Iterable[int]) -> dict[int, EngineOutput]:
@@ -358,9 +358,9 @@ def _start_vllm(
     # binding; with binding off that only breaks the process's other torch users.
     if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind":
         torch.set_num_threads = set_threads
-    if config.top_p < 1.0:
-        # processed_logprobs would be taken after the top-p mask: see worker.TemperedLogprobs
-        llm.collective_rpc(vllm_worker.install_tempered_logprobs)
+    # Keyed draws; with top-p < 1 also the tempered logprobs (processed_logprobs would be
+    # taken after the top-p mask): see worker.KeyedSampler.
+    llm.collective_rpc(vllm_worker.install_keyed_sampler, args=(config.top_p < 1.0,))
     logger.info(
         "vLLM engine for %s started in %.1f s (KV cache %d blocks of %d tokens)",
         config.model_path,

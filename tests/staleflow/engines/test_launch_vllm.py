@@ -70,8 +70,8 @@ def test_launch_vllm_eta0_is_exactly_on_policy(tmp_path):
 
 
 def test_launch_vllm_with_the_tail_race_is_exactly_on_policy(tmp_path):
-    """coordinator.race on vLLM: a copy forks where its original was resubmitted (vLLM
-    seeds a request by its resume point; runtime/races.py), completes in its holder's
+    """coordinator.race on vLLM: a copy forks from the response the TS has (vLLM draws
+    by position, as the embedded engine; runtime/races.py), completes in its holder's
     name, and the run keeps the bound and loses nothing."""
     result = _launch(tmp_path, 0, "coordinator.race.enabled=true", "rollout.max_response_tokens=32")
     _check_run(result, 0)
