@@ -82,6 +82,56 @@ def test_launch_vllm_with_the_tail_race_is_exactly_on_policy(tmp_path):
     print("races:", {k: v for k, v in last.items() if k.startswith("race/")})
 
 
+# vLLM's per-step token budget in the long run below: at most 8 running requests an
+# instance (vLLM needs the budget >= max_num_seqs), below every level-5 prompt (4 operands
+# and BOS: at least 9 tokens), so every prompt, and every trajectory vLLM recomputes after
+# a Pull (prompt + its response so far), is prefilled over several steps.
+LONG_BUDGET = 8
+
+
+def test_launch_vllm_long_responses_over_split_prompts_loses_no_instance(tmp_path, capfd):
+    """Issue 32: a seeded request whose prompt vLLM split across steps crashed its instance
+    ("CPU Generator does not use offset"); runs of realistic lengths lost instances until
+    their restarts ran out. Ten steps of 256-token responses over prompts longer than
+    vLLM's batched-token budget, a Pull before most steps: no instance is lost (the run's
+    recovery counters in metrics.jsonl read zero), and the run keeps its bound. vLLM's own
+    log is in the run folder, warnings only, and not on the console."""
+    from staleflow.data.synthetic import ArithmeticConfig, ArithmeticTask
+    from staleflow.runtime.record import read_records
+
+    problems = ArithmeticTask(ArithmeticConfig.level(5)).problems(2000)
+    assert min(len(p.prompt) for p in problems) >= LONG_BUDGET  # + BOS: longer than it
+
+    steps = 10
+    result = _launch(
+        tmp_path,
+        3,
+        f"steps={steps}",
+        "data.difficulty=5",
+        "rollout.max_response_tokens=256",
+        "rollout.max_running=8",
+        f'rollout.vllm.extra_args={{"max_num_batched_tokens": {LONG_BUDGET}}}',
+    )
+    check_run(result, 3, steps, 2 * 4)
+    records = read_records(result.run_dir / "metrics.jsonl")
+    lost = {
+        k: v
+        for rec in records
+        for k, v in rec.extra.items()
+        if k.split("/")[-1] in ("instance_lost", "instance_restarted", "instance_given_up")
+    }
+    assert set(lost.values()) <= {0}, lost
+    lengths = [rec.response_len_mean for rec in records if rec.response_len_mean is not None]
+    # vLLM's log: the known-harmless reload warnings of every Pull (docs/engines.md), no INFO
+    for inst in (0, 1):
+        text = (result.run_dir / "vllm" / f"instance-{inst}.log").read_text(encoding="utf-8")
+        assert "RotaryEmbedding: Failed to load weights" in text
+        assert " INFO " not in text
+    console = "".join(capfd.readouterr())
+    assert "Failed to load weights" not in console and "Avg prompt throughput" not in console
+    print("response_len_mean per step:", [round(n, 1) for n in lengths])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 def test_launch_vllm_raises_the_mean_reward(tmp_path):
