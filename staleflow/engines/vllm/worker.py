@@ -39,7 +39,7 @@ class KeyedSampler(torch.nn.Module):
     gen.get_offset() - 4)``), which a CPU generator refuses ("CPU Generator does not use
     offset"): any seeded request whose prompt is split crashes the engine. So requests
     carry no vLLM seed; their key travels in ``SamplingParams.extra_args[SEED_KEY]`` and
-    this stage hands the inner sampler, for every keyed row, a *fresh* generator seeded by
+    this stage hands the inner sampler, for every keyed row, a generator freshly seeded by
     :func:`draw_seed` of the key and the position of the token being sampled
     (``input_batch.num_tokens_no_spec[row]``, where ``_bookkeeping_sync`` writes the
     sampled token). A draw is then a pure function of (key, position): nothing to take
@@ -61,6 +61,7 @@ class KeyedSampler(torch.nn.Module):
         self.inner = inner
         self.tempered = tempered
         self._runner = [runner]  # not a submodule: the runner owns this sampler
+        self._pool: list[torch.Generator] = []  # one per row, reseeded every step
 
     def forward(
         self, logits: torch.Tensor, generators: dict[int, torch.Generator], k: Any, p: Any
@@ -81,12 +82,14 @@ class KeyedSampler(torch.nn.Module):
                 f"vLLM sampled {rows} rows for a batch of {len(req_ids)} requests: the keyed "
                 "sampler of staleflow/engines/vllm/worker.py does not match this vLLM version"
             )
+        if len(self._pool) < rows or (rows and self._pool[0].device != logits.device):
+            self._pool = [torch.Generator(device=logits.device) for _ in range(rows)]
         out = dict(generators)
         for row, req_id in enumerate(req_ids):
             params = runner.requests[req_id].sampling_params
             key = (params.extra_args or {}).get(SEED_KEY) if params is not None else None
             if key is not None:
-                gen = torch.Generator(device=logits.device)
+                gen = self._pool[row]  # the inner stage is done with it before the next step
                 gen.manual_seed(draw_seed(int(key), int(batch.num_tokens_no_spec[row])))
                 out[row] = gen
         return out
