@@ -253,9 +253,8 @@ class RunConfig:
             and not rollout.sglang.deterministic
         ):
             # a copy must sample the original's tokens (runtime/controller/races.py): the embedded
-            # engine keys its draws by (seed, trajectory, token index), vLLM by (seed,
-            # trajectory, resume point) and the race resubmits its original at the fork;
-            # SGLang by (seed, position), but only with deterministic inference on
+            # and vLLM engines key their draws by (seed, trajectory, token index); SGLang
+            # by (seed, position), but only with deterministic inference on
             raise ConfigError(
                 "coordinator.race.enabled=True with rollout.backend=sglang: the tail race "
                 "needs copies that sample the original's tokens, which SGLang does only with "

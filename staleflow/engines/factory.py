@@ -80,6 +80,7 @@ def build_engine(
                 gpu_memory_utilization=o.gpu_memory_utilization,
                 dtype=o.dtype,
                 extra_args=json.loads(o.extra_args or "{}"),
+                log_path=str(Path(options.log_dir) / "vllm" / f"instance-{inst}.log"),
             )
         )
     if backend == "sglang" and isinstance(o, SGLangOptions):

@@ -70,12 +70,12 @@ class EngineSettings:
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             raise ValueError(f"seed must be an int, got {self.seed!r}")
 
-    def request_seed(self, traj_id: int, resume_point: int = 0) -> int:
+    def request_seed(self, traj_id: int) -> int:
         """The sampling seed of a request of ``traj_id``: keyed by the run's seed and the
-        trajectory, so its draws are the same on every instance; an engine that seeds a
-        request rather than a position (vLLM) adds the resume point, where the request's
-        first draw falls. In [0, 2**31), an int every engine's seed field takes."""
-        return (self.seed * 1_000_003 + traj_id * 7_919 + resume_point) % (2**31)
+        trajectory, so its draws are the same on every instance (an engine draws each token
+        from it and the token's position). In [0, 2**31), an int every engine's seed field
+        takes."""
+        return (self.seed * 1_000_003 + traj_id * 7_919) % (2**31)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:

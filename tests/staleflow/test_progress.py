@@ -1,5 +1,5 @@
 """Phases of the long waits: their state, the time left, and the plain-line renderer used
-when output is not a terminal (the terminal one is in tests/staleflow/runtime/test_display.py)."""
+when output is not a terminal (the terminal one is in tests/staleflow/runtime/driver/test_display.py)."""
 
 from __future__ import annotations
 

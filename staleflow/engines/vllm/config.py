@@ -27,6 +27,10 @@ class VLLMEngineConfig(EngineSettings):
     enable_prefix_caching: reuse KV of shared prefixes (a group's prompt, a resumed
         response). The cache is reset at every weight load, so no stale entry is reused.
     extra_args: more ``vllm.EngineArgs`` fields, e.g. ``{"max_num_batched_tokens": 4096}``.
+    log_path: file that vLLM's own log (the ``vllm`` loggers, in every vLLM process, and
+        the Python warnings raised while it starts) goes to, warnings and errors only;
+        empty: vLLM's default, INFO and up on stdout. ``launch`` sets
+        ``<run folder>/vllm/instance-<i>.log``.
     """
 
     model_path: str = ""
@@ -36,6 +40,7 @@ class VLLMEngineConfig(EngineSettings):
     block_size: int = 32
     enable_prefix_caching: bool = True
     extra_args: dict[str, Any] = field(default_factory=dict)
+    log_path: str = ""
 
     def __post_init__(self) -> None:
         EngineSettings.__post_init__(self)

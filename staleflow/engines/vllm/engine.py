@@ -25,6 +25,7 @@ order they first did), ``waiting`` the rest (queued or preempted, in submission 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -52,10 +53,13 @@ from staleflow.engines.checks import (
     check_unique,
     check_weights,
 )
+from staleflow.engines.vllm import logs as vllm_logs
 from staleflow.engines.vllm import worker as vllm_worker
 from staleflow.engines.vllm.config import VLLMEngineConfig
 
 logger = logging.getLogger(__name__)
+
+_SET_THREADS = torch.set_num_threads  # before vLLM's CPU worker replaces it
 
 
 class _Request(RequestRecord):
@@ -73,10 +77,9 @@ class VLLMEngine:
     engine owns it until :meth:`close`.
     """
 
-    # A request's seed is keyed by its resume point (_sampling_params): two requests of a
-    # trajectory sample the same tokens only from the same point, so a race copy needs its
-    # original resubmitted where the copy forks (runtime/controller/races.py, RolloutInstance.rebase).
-    samples_by_resume_point = True
+    # Draws are keyed by (run seed, trajectory, position) (worker.KeyedSampler), as the
+    # embedded engine's: a race copy may fork anywhere (runtime/controller/races.py), so this engine
+    # does not declare ``samples_by_resume_point``.
 
     def __init__(self, config: VLLMEngineConfig, *, version: int = 0) -> None:
         if not isinstance(config, VLLMEngineConfig):
@@ -134,8 +137,9 @@ class VLLMEngine:
             detokenize=False,
             skip_special_tokens=False,
             output_kind=RequestOutputKind.DELTA,
-            # keyed by (run seed, trajectory, resume point): reproducible per trajectory
-            seed=cfg.request_seed(r.traj_id, len(r.tokens)),
+            # No vLLM seed (its generators break on a split prompt, worker.KeyedSampler):
+            # the key the sampler draws each token from, with the token's position.
+            extra_args={vllm_worker.SEED_KEY: cfg.request_seed(r.traj_id)},
         )
 
     def interrupt(self, traj_ids: Iterable[int]) -> dict[int, EngineOutput]:
@@ -223,7 +227,7 @@ class VLLMEngine:
         raise RuntimeError(
             f"vLLM ended trajectory {r.traj_id} with finish_reason={reason!r} after "
             f"{len(r.tokens)} of {r.max_response} tokens (not a stop token or the length "
-            "limit): see vLLM's log"
+            f"limit): see vLLM's log ({self.config.log_path or 'on stdout'})"
         )
 
     # ----------------------------------------------------------------------------- weights
@@ -327,7 +331,27 @@ def _start_vllm(
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     # On a shared CPU machine, pinning OpenMP threads to cores stalls the other processes.
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    set_threads = torch.set_num_threads
+    logs: dict[str, Any] = {}
+    quiet: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+    if config.log_path:  # vLLM's log to a file at warning level (vllm/logs.py)
+        logs["logging_config_file"] = vllm_logs.route_vllm_logs(config.log_path)
+        quiet = vllm_logs.warnings_to_log()
+    with quiet:
+        llm = _build_llm(config, checkpoint, **logs)
+    # vllm/v1/worker/cpu_worker.py replaces torch.set_num_threads by a no-op for thread
+    # binding; with binding off that only breaks the process's other torch users.
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind":
+        torch.set_num_threads = _SET_THREADS
+    # Keyed draws; with top-p < 1 also the tempered logprobs (processed_logprobs would be
+    # taken after the top-p mask): see worker.KeyedSampler.
+    llm.collective_rpc(vllm_worker.install_keyed_sampler, args=(config.top_p < 1.0,))
+    threads = torch.get_num_threads()  # what the engine was built (and bound) with
+    return llm, lambda: _SET_THREADS(threads)
+
+
+def _build_llm(
+    config: VLLMEngineConfig, checkpoint: CheckpointInfo, logging_config_file: str = ""
+) -> Any:
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
@@ -351,16 +375,16 @@ def _start_vllm(
         "seed": config.seed,
         "logprobs_mode": "processed_logprobs" if config.top_p >= 1.0 else "raw_logprobs",
     }
+    if logging_config_file:
+        from vllm.config.logging import LoggingConfig
+
+        kwargs["logging_config"] = LoggingConfig(
+            configure_logging=True, pylogging_config_file=logging_config_file
+        )
+        kwargs["use_tqdm_on_load"] = False  # its progress bars go to stderr
     kwargs.update(config.extra_args)
     started = time.perf_counter()
     llm = LLMEngine.from_engine_args(EngineArgs(**kwargs))
-    # vllm/v1/worker/cpu_worker.py replaces torch.set_num_threads by a no-op for thread
-    # binding; with binding off that only breaks the process's other torch users.
-    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind":
-        torch.set_num_threads = set_threads
-    if config.top_p < 1.0:
-        # processed_logprobs would be taken after the top-p mask: see worker.TemperedLogprobs
-        llm.collective_rpc(vllm_worker.install_tempered_logprobs)
     logger.info(
         "vLLM engine for %s started in %.1f s (KV cache %d blocks of %d tokens)",
         config.model_path,
@@ -368,5 +392,4 @@ def _start_vllm(
         blocks,
         config.block_size,
     )
-    threads = torch.get_num_threads()  # what the engine was built (and bound) with
-    return llm, lambda: set_threads(threads)
+    return llm

@@ -11,39 +11,97 @@ from typing import Any
 
 import torch
 
+SEED_KEY = "staleflow_seed"  # SamplingParams.extra_args: the request's draw key
 
-class TemperedLogprobs(torch.nn.Module):
-    """Wraps the sampler's top-k/top-p stage to return ``log_softmax(logits / T)``.
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def draw_seed(key: int, position: int) -> int:
+    """The seed of the draw at ``position`` (the sampled token's index in prompt + response)
+    of a request whose key is ``key``: SplitMix64 of both, in [0, 2**63)."""
+    x = (key * _GOLDEN + (position + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1
+
+
+class KeyedSampler(torch.nn.Module):
+    """Wraps the sampler's top-k/top-p stage: draws keyed by (request key, position), and
+    optionally the project's logprobs.
 
     ``v1/sample/sampler.py`` ``Sampler.sample`` divides the logits by the temperature, then
-    calls ``self.topk_topp_sampler(logits, generators, k, p)``, whose second result, when
-    not None, replaces the logprobs ``Sampler.forward`` returns. The logits it receives are
-    therefore ``logits / T`` before truncation, exactly the project's logprob convention;
-    no ``logprobs_mode`` of 0.32 gives that when top-p < 1 (``processed_logprobs`` is taken
-    after the top-p mask, ``raw_logprobs`` before the temperature). Greedy batches return
-    before this stage and keep ``raw_logprobs`` = ``log_softmax(logits)``, which is the
-    convention at ``T == 0``.
+    calls ``self.topk_topp_sampler(logits, generators, k, p)`` with ``generators`` the
+    per-request ``torch.Generator`` of each batch row whose request has a ``seed``. vLLM's
+    own seeded generators are stateful, and a draw made for a prompt chunk that is not the
+    last (chunked prefill) is taken back by rewinding the generator
+    (``v1/worker/gpu_model_runner.py`` ``_bookkeeping_sync``: ``gen.set_offset(
+    gen.get_offset() - 4)``), which a CPU generator refuses ("CPU Generator does not use
+    offset"): any seeded request whose prompt is split crashes the engine. So requests
+    carry no vLLM seed; their key travels in ``SamplingParams.extra_args[SEED_KEY]`` and
+    this stage hands the inner sampler, for every keyed row, a generator freshly seeded by
+    :func:`draw_seed` of the key and the position of the token being sampled
+    (``input_batch.num_tokens_no_spec[row]``, where ``_bookkeeping_sync`` writes the
+    sampled token). A draw is then a pure function of (key, position): nothing to take
+    back after a partial prefill, and the same tokens whatever the batch, the chunking,
+    a preemption or the point a trajectory was resumed from. The CPU sampler
+    (``ops/topk_topp_sampler.py`` ``forward_cpu``) draws one Gumbel seed per row from the
+    row's generator; the native one draws the row's exponential noise from it.
+
+    tempered: return ``log_softmax(logits / T)`` computed before the inner stage (which
+    masks the logits in place), the project's logprob convention, which no
+    ``logprobs_mode`` of 0.32 gives when top-p < 1 (``processed_logprobs`` is taken after
+    the top-p mask, ``raw_logprobs`` before the temperature). Greedy batches return before
+    this stage and keep ``raw_logprobs`` = ``log_softmax(logits)``, the convention at
+    ``T == 0``.
     """
 
-    def __init__(self, inner: torch.nn.Module) -> None:
+    def __init__(self, inner: torch.nn.Module, runner: Any, *, tempered: bool) -> None:
         super().__init__()
         self.inner = inner
+        self.tempered = tempered
+        self._runner = [runner]  # not a submodule: the runner owns this sampler
+        self._pool: list[torch.Generator] = []  # one per row, reseeded every step
 
     def forward(
         self, logits: torch.Tensor, generators: dict[int, torch.Generator], k: Any, p: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # before the inner call: top-k/top-p masks the logits in place
-        logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
-        sampled, _ = self.inner(logits, generators, k, p)
-        return sampled, logprobs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        logprobs = logits.log_softmax(dim=-1, dtype=torch.float32) if self.tempered else None
+        sampled, processed = self.inner(logits, self.keyed(logits, generators), k, p)
+        return sampled, logprobs if self.tempered else processed
+
+    def keyed(
+        self, logits: torch.Tensor, generators: dict[int, torch.Generator]
+    ) -> dict[int, torch.Generator]:
+        runner = self._runner[0]
+        batch = runner.input_batch  # v1/worker/gpu_input_batch.py InputBatch
+        rows = logits.shape[0]
+        req_ids = batch.req_ids[:rows]
+        if len(req_ids) != rows:
+            raise RuntimeError(
+                f"vLLM sampled {rows} rows for a batch of {len(req_ids)} requests: the keyed "
+                "sampler of staleflow/engines/vllm/worker.py does not match this vLLM version"
+            )
+        if len(self._pool) < rows or (rows and self._pool[0].device != logits.device):
+            self._pool = [torch.Generator(device=logits.device) for _ in range(rows)]
+        out = dict(generators)
+        for row, req_id in enumerate(req_ids):
+            params = runner.requests[req_id].sampling_params
+            key = (params.extra_args or {}).get(SEED_KEY) if params is not None else None
+            if key is not None:
+                gen = self._pool[row]  # the inner stage is done with it before the next step
+                gen.manual_seed(draw_seed(int(key), int(batch.num_tokens_no_spec[row])))
+                out[row] = gen
+        return out
 
 
-def install_tempered_logprobs(worker: Any) -> bool:
-    """Put :class:`TemperedLogprobs` in front of the worker's top-k/top-p sampler (once)."""
-    sampler = worker.model_runner.sampler  # v1/worker/gpu_model_runner.py: self.sampler
-    if isinstance(sampler.topk_topp_sampler, TemperedLogprobs):
+def install_keyed_sampler(worker: Any, tempered: bool) -> bool:
+    """Put :class:`KeyedSampler` in front of the worker's top-k/top-p sampler (once)."""
+    runner = worker.model_runner
+    sampler = runner.sampler  # v1/worker/gpu_model_runner.py: self.sampler
+    if isinstance(sampler.topk_topp_sampler, KeyedSampler):
         return False
-    sampler.topk_topp_sampler = TemperedLogprobs(sampler.topk_topp_sampler)
+    sampler.topk_topp_sampler = KeyedSampler(sampler.topk_topp_sampler, runner, tempered=tempered)
     return True
 
 

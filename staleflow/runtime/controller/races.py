@@ -21,10 +21,11 @@ token index, not by instance or submission (the embedded engine's ``sampling``; 
 instance's seed is the run's, ``actors.RolloutActor``). A copy starts from the response
 the TS has (the holder's last progress report), so it regenerates the tokens since then;
 with identical draws they are the same tokens, and a hand-off whose response does not
-extend what the TS holds is refused. An engine that seeds a request by its resume point
-(vLLM, ``samples_by_resume_point``) samples the same tokens only from the same point: its
-holder first resubmits the original where it is and reports that response
-(``prepare_race``), and the copy forks exactly there.
+extend what the TS holds is refused. The vLLM adapter keys its draws by position too
+(``staleflow/engines/vllm/worker.py``). An engine that seeds a request by its resume point
+(``samples_by_resume_point``; none of the built-in ones now) samples the same tokens only
+from the same point: its holder first resubmits the original where it is and reports that
+response (``prepare_race``), and the copy forks exactly there.
 """
 
 from __future__ import annotations

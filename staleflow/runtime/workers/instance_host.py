@@ -175,8 +175,9 @@ class InstanceHost:
 
     def prepare_race(self, traj_id: int) -> bool:
         """On the holder, before a copy of ``traj_id`` forks: with an engine that keys its
-        draws by the resume point (vLLM), resubmit the original where it is and report
-        that response to the TS, which the copy then forks; False if it is not here."""
+        draws by the resume point (none of the built-in engines now; vLLM did before its
+        draws were keyed by position), resubmit the original where it is and report that
+        response to the TS, which the copy then forks; False if it is not here."""
         if not getattr(self._engine, "samples_by_resume_point", False):
             return traj_id in self.instance.held()
         partial = self.instance.rebase(traj_id)

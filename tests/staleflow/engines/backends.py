@@ -44,7 +44,7 @@ def build_model(seed: int) -> Any:
         num_key_value_heads=1,
         intermediate_size=128,
         vocab_size=VOCAB,
-        max_position_embeddings=256,
+        max_position_embeddings=1024,  # the long cases (test_contract_long) reach 512
         tie_word_embeddings=True,  # the built-in policy is tied too
     )
     return transformers.Qwen2ForCausalLM(cfg).eval()
@@ -64,7 +64,7 @@ class Backend:
     name: str
     engine: Any
     reference: Any
-    eos: int
+    eos: int | None
     close_fns: list[Any] = field(default_factory=list)
 
     def load(self, model: Any, version: int) -> None:
@@ -146,14 +146,28 @@ PARAMS = [
 ]
 
 
-def open_backend(name: str, folder: Path, model: Any, log_dir: Path) -> Backend:
-    eos = frequent_token(model)
+def open_backend(
+    name: str,
+    folder: Path,
+    model: Any,
+    log_dir: Path,
+    *,
+    stop: bool = True,
+    max_seq: int = MAX_SEQ,
+    prefill_budget: int | None = None,
+) -> Backend:
+    """``name``'s engine over ``model`` (saved in ``folder``). stop: the model's most
+    frequent token ends a response (else only the length does); prefill_budget: the most
+    tokens one step may prefill (vLLM's ``max_num_batched_tokens``, which splits a longer
+    prompt across steps; the embedded engine's ``max_prefill_tokens``, which runs a longer
+    prompt alone in one forward)."""
+    eos = frequent_token(model) if stop else None
     reference = build_model(0)
     reference.load_state_dict(model.state_dict())
     common = dict(
-        kv_budget_tokens=KV_BUDGET,
+        kv_budget_tokens=max(KV_BUDGET, 8 * max_seq),
         max_running=MAX_RUNNING,
-        max_seq_len=MAX_SEQ,
+        max_seq_len=max_seq,
         temperature=TEMPERATURE,
         top_p=TOP_P,
         eos_token_id=eos,
@@ -164,14 +178,17 @@ def open_backend(name: str, folder: Path, model: Any, log_dir: Path) -> Backend:
 
         engine_model = build_model(0)
         engine_model.load_state_dict(model.state_dict())
-        return Backend(
-            name, EmbeddedEngine(engine_model, EmbeddedEngineConfig(**common)), reference, eos
-        )
+        budget = {} if prefill_budget is None else {"max_prefill_tokens": prefill_budget}
+        config = EmbeddedEngineConfig(**common, **budget)
+        return Backend(name, EmbeddedEngine(engine_model, config), reference, eos)
     if name == "vllm":
         from staleflow.engines.vllm import VLLMEngine, VLLMEngineConfig
 
-        engine = VLLMEngine(VLLMEngineConfig(model_path=str(folder), **common))
+        extra = {} if prefill_budget is None else {"max_num_batched_tokens": prefill_budget}
+        engine = VLLMEngine(VLLMEngineConfig(model_path=str(folder), **common, extra_args=extra))
         return Backend(name, engine, reference, eos, [engine.close])
+    if prefill_budget is not None or not stop:
+        raise ValueError(f"{name}: the SGLang backends take the suite's default settings only")
     from staleflow.engines.sglang import SGLangEngine, SGLangEngineConfig, SGLangHTTP
 
     config = SGLangEngineConfig(model_path=str(folder), weight_sync="disk", **common)

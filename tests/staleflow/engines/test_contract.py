@@ -280,9 +280,10 @@ def test_a_race_copy_resumed_at_the_originals_point_samples_its_tokens(backend, 
     """What the tail race needs (runtime/controller/races.py): a trajectory resubmitted at the same
     response, under the same weights, samples the same tokens whatever ran beside it, so
     a copy forked where its original resumed keeps what the original would have. The
-    embedded engine keys draws by token index, vLLM by resume point (the race resubmits
-    the original at the fork), SGLang with deterministic inference by position (the
-    suite's servers run with it: launch refuses the race on SGLang without it)."""
+    embedded engine keys draws by token index, vLLM by position (worker.KeyedSampler),
+    SGLang with deterministic inference by position (the suite's servers run with it:
+    launch refuses the race on SGLang without it). Forks at any token, at lengths where
+    vLLM splits the prompt: test_contract_long."""
     tid = next(_ids)
     first = request(traj_id=tid, max_response=6)
     eng.submit([first])

@@ -309,7 +309,7 @@ def test_the_trainer_gang_has_a_bundle_per_rank_and_too_few_gpus_are_refused(tmp
 def test_the_default_run_learns_with_the_megatron_trainer(tmp_path):
     """``staleflow launch --eta 3 trainer.backend=megatron trainer.tp=2`` on the built-in
     task: the same bar as the embedded trainer's learning test
-    (tests/staleflow/runtime/test_launch_learning.py)."""
+    (tests/staleflow/runtime/driver/test_launch_learning.py)."""
     from staleflow.config import load_config
     from staleflow.runtime.driver.launch import launch, reward_mean
 

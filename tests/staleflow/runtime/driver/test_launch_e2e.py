@@ -88,7 +88,7 @@ def test_launch_with_the_tail_race_is_exactly_on_policy_and_loses_nothing(tmp_pa
     its buffer's last trajectories while instances that finished theirs idle at the same
     version: copies race the stragglers and complete them in their holder's name. (That
     copies win and change no token is made to happen, and checked, in
-    tests/staleflow/runtime/test_races_inprocess.py.)"""
+    tests/staleflow/runtime/controller/test_races_inprocess.py.)"""
     result = _launch(
         tmp_path,
         0,
