@@ -11,6 +11,7 @@ from rich.console import Group
 from rich.table import Table
 
 from staleflow.dashboard.interface import RunSource
+from staleflow.recovery import describe_checkpoints
 from staleflow.runtime.driver.buffers_table import buffers_table
 
 
@@ -112,7 +113,6 @@ def _num(value: float | None, spec: str) -> str:
 
 def resume_view(run_dir: Any) -> Table | str:
     """Where the run can resume from: its checkpoints, newest last (docs/recovery.md)."""
-    from staleflow.recovery import describe_checkpoints
 
     found = describe_checkpoints(run_dir)
     if not found:

@@ -34,6 +34,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from staleflow.config import RunConfig
+from staleflow.data import ArithmeticConfig, PromptDataset, load_dataset, synthetic_dataset
+from staleflow.data.layouts import DatasetError
+from staleflow.models.errors import ModelError
 from staleflow.progress import SILENT, Progress
 from staleflow.runfolder.reader import SUMMARY
 from staleflow.runfolder.run_state import CRASHED, FINISHED, STOPPED, StateWriter
@@ -47,6 +50,7 @@ from staleflow.runfolder.writer import RunOutput
 from staleflow.runtime.backends import check_backends
 from staleflow.runtime.driver.evaluation import held_out_reward
 from staleflow.runtime.driver.launch_progress import TrainingWaits, actors_phase
+from staleflow.runtime.driver.resume import restore_state
 from staleflow.runtime.driver.run import Run, cause
 from staleflow.runtime.driver.stopping import graceful_stop
 from staleflow.runtime.driver.supervisor import Supervisor
@@ -128,7 +132,6 @@ def prepare_policy(
             f"data.task={cfg.data.task!r} needs model.checkpoint (a local Hugging Face "
             "checkpoint directory): the built-in model only knows the arithmetic task"
         )
-    from staleflow.data.synthetic import ArithmeticConfig
     from staleflow.models.build import build_arithmetic_model
     from staleflow.models.warmup import ensure_warm_checkpoint, read_warmup_meta
 
@@ -165,7 +168,6 @@ def prepare_policy(
 
 def build_dataset(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
     """The prompts of the run, without those longer than ``data.max_prompt_tokens``."""
-    from staleflow.data import ArithmeticConfig, PromptDataset, load_dataset, synthetic_dataset
 
     data = cfg.data
     if data.task == "arithmetic":
@@ -313,8 +315,6 @@ def _prepare(
     cfg: RunConfig, phase: Phase, resume: Checkpoint | None, progress: Progress
 ) -> tuple[Any, Any, PromptDataset, dict[str, Any], ResumePoint | None]:
     """The policy, tokenizer and prompts; a resumed run's from its checkpoint."""
-    from staleflow.data.layouts import DatasetError
-    from staleflow.models.errors import ModelError
 
     started = time.monotonic()
     try:
@@ -334,8 +334,6 @@ def _prepare(
         raise LaunchError(f"cannot read the prompts: {exc}") from exc
     point = None
     if resume is not None:
-        from staleflow.runtime.driver.resume import restore_state
-
         point = restore_state(cfg, resume, dataset)
     elif cfg.eval_problems and cfg.data.task == "arithmetic":
         facts["eval_problems"] = cfg.eval_problems
