@@ -38,6 +38,7 @@ def start_dashboard(cfg: Any, run: Any, host: str = "127.0.0.1") -> ServedDashbo
     """Serve the dashboard of ``run`` (a :class:`staleflow.runtime.driver.launch.Run` whose actors
     are up). Raises ``ImportError`` without FastAPI or uvicorn and ``OSError``
     (naming the fix) when no port can be bound at all."""
+    # FastAPI and uvicorn are an optional extra: without them the run starts and says so
     from staleflow.dashboard.app import create_app
 
     source = RaySource.from_run(run, cfg).start()

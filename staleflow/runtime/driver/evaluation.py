@@ -34,6 +34,7 @@ def held_out_reward(
     in its label (initial, final)."""
     if cfg.eval_problems <= 0 or cfg.data.task != "arithmetic":
         return None
+    # torch: loaded only when the driver evaluates a model, not when launch imports this
     from staleflow.models.sampling import evaluate_accuracy
     from staleflow.models.threads import idle_cores, torch_threads
 

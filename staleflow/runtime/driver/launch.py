@@ -119,6 +119,8 @@ def prepare_policy(
 ) -> tuple[Any, Any, dict[str, Any]]:
     """(model, tokenizer, facts) for the run: a local checkpoint, or the warmed built-in
     (its warm-up reports a ``warmup`` phase to ``progress``)."""
+    # torch: loaded once the run builds its policy; `launch --check` and a refused
+    # --resume never pay for it
     from staleflow.models.checkpoint import load_pretrained
 
     m = cfg.model
@@ -132,6 +134,7 @@ def prepare_policy(
             f"data.task={cfg.data.task!r} needs model.checkpoint (a local Hugging Face "
             "checkpoint directory): the built-in model only knows the arithmetic task"
         )
+    # torch, as above: the built-in policy and its warm-up
     from staleflow.models.build import build_arithmetic_model
     from staleflow.models.warmup import ensure_warm_checkpoint, read_warmup_meta
 
@@ -321,6 +324,7 @@ def _prepare(
         if resume is None:
             model, tokenizer, facts = prepare_policy(cfg, phase, progress)
         else:
+            # torch, as above: the resumed policy
             from staleflow.models.checkpoint import load_pretrained
 
             phase(f"resuming from {resume.path} (step {resume.steps}, version {resume.version})")
@@ -412,6 +416,7 @@ def _launch_on(
         run.shutdown()
         out.close(failed=failed)  # a launch that never trained leaves no folder behind
     if "eval_reward_start" in facts and not stopped:
+        # torch, as above: the final policy, for its held-out reward
         from staleflow.models.checkpoint import load_pretrained
 
         final, _ = load_pretrained(out.path / "checkpoint")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from staleflow.config import ConfigError, load_config
 from staleflow.data import PromptSampler
 from staleflow.recovery import Checkpoint, CheckpointError, NotACheckpoint, read_checkpoint
+from staleflow.recovery.checkpoint import MEGATRON_DIR
 from staleflow.recovery.restore import restore_run
 from staleflow.runfolder.reader import CONFIG
 from staleflow.runtime.errors import LaunchError
@@ -100,8 +101,6 @@ def check_resume(
 def _check_trainer_part(cfg: RunConfig, ck: Checkpoint) -> None:
     """The trainer part must be the one ``trainer.backend`` loads: the embedded trainer's
     files, or the Megatron pool's distributed checkpoint in ``trainer/megatron``."""
-    from staleflow.trainers.megatron.pool import MEGATRON_DIR
-
     assert ck.trainer_dir is not None
     megatron = (ck.trainer_dir / MEGATRON_DIR).is_dir()
     backend = cfg.trainer.backend

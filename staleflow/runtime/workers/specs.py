@@ -118,6 +118,7 @@ def tokenizer_from_spec(spec: tuple[str, str]) -> Any:
 
 
 def model_spec(model: Any, tokenizer: Any) -> ModelSpec:
+    # torch: the control actor and the reward workers import this module and never load it
     from staleflow.models.state import policy_state
 
     return ModelSpec(
@@ -164,6 +165,7 @@ def build_embedded_engine(spec: RolloutSpec, seed: int, placement: EnginePlaceme
     """The ``embedded`` rollout backend (one CPU process; ``placement`` has no TP bundles)."""
     from dataclasses import asdict
 
+    # torch, as above: only a rollout actor with the embedded engine loads it
     from staleflow.engines.embedded import EmbeddedEngineConfig
 
     config = EmbeddedEngineConfig(
@@ -191,6 +193,7 @@ def build_served_engine(spec: RolloutSpec, seed: int, placement: EnginePlacement
 
 
 def build_embedded_trainer(spec: TrainerSpec, weights: Mapping[str, np.ndarray]) -> Any:
+    # torch, as above: only the trainer actor loads it
     from staleflow.models.state import load_policy_state
 
     model = build_architecture(spec.model)

@@ -27,6 +27,8 @@ from staleflow.runtime.driver.pools.parameter_server import PSPool
 from staleflow.runtime.errors import LaunchError
 from staleflow.runtime.workers.actors import InstanceRecovery, PoolTrainerActor, process_env
 from staleflow.runtime.workers.specs import TrainerSpec, tokenizer_from_spec
+from staleflow.trainers.megatron.pool import MEGATRON_DIR, MegatronTrainer, RankActor, start_ranks
+from staleflow.trainers.megatron.rank import RankSpec
 
 LOOP_ROLE = "trainer/loop"
 
@@ -91,13 +93,6 @@ def build_megatron_pool(
     """The ranks and the loop; ``recovery`` finds a restarted PS replica for
     :meth:`MegatronPool.refill_ps`. A resumed run (``spec.resume_from``) loads the run
     checkpoint's distributed checkpoint, at the version the PS was started with."""
-    from staleflow.trainers.megatron.pool import (
-        MEGATRON_DIR,
-        MegatronTrainer,
-        RankActor,
-        start_ranks,
-    )
-    from staleflow.trainers.megatron.rank import RankSpec
 
     placed = ctx.placement.gang("trainer")
     roles = placed.gang.roles
