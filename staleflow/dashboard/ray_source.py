@@ -41,6 +41,7 @@ from staleflow.dashboard.interface import (
 )
 from staleflow.dashboard.runconfig import cost_model_of, read_run_config
 from staleflow.dashboard.timeline import InstanceObservation, Recorder, SeqLog
+from staleflow.runfolder.layout import RunLayout
 from staleflow.runfolder.step_record import StepRecord, idle_ratio
 from staleflow.runtime.placement.ray_address import check_reachable
 from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE, actor_name
@@ -199,7 +200,7 @@ class RaySource:
         config: dict[str, Any] = {}
         cost = None
         notes: tuple[str, ...] = ()
-        if (folder / "config.yaml").exists():
+        if RunLayout(folder).config.exists():
             config, cost, note = read_run_config(folder)
             notes = (note,) if note else ()
         else:

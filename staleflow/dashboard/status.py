@@ -12,6 +12,7 @@ from rich.table import Table
 
 from staleflow.dashboard.interface import RunSource
 from staleflow.recovery import describe_checkpoints
+from staleflow.runfolder.layout import SUMMARY
 from staleflow.runtime.driver.buffers_table import buffers_table
 
 
@@ -83,7 +84,7 @@ def _instances(live: Any) -> Table:
 
 
 def _summary(summary: Mapping[str, Any]) -> Table:
-    table = Table(title="summary.json")
+    table = Table(title=SUMMARY)
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key in (

@@ -22,7 +22,6 @@ and a ``recovery/*`` total in the step records. The supervisor also keeps
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -30,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from staleflow.runfolder.reader import LIVE
+from staleflow.runfolder.layout import RunLayout
 from staleflow.runtime.driver.pools.parameter_server import respawn_replica
 from staleflow.runtime.driver.pools.rewards import spawn_worker
 from staleflow.runtime.driver.pools.rollout import new_slot, release_slot, spawn_instance
@@ -481,9 +480,7 @@ class Supervisor:
             "driver_pid": os.getpid(),
             "pids": pids,
         }
-        tmp = run.run_dir / f".{LIVE}.tmp"
-        tmp.write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, run.run_dir / LIVE)
+        RunLayout(run.run_dir).write_live(info)
 
     def close(self) -> None:
 
@@ -496,7 +493,7 @@ class Supervisor:
                     release_slot(slot)
                 except Exception as exc:  # the run is ending; the cluster reclaims it
                     logger.debug("placement group of %s: %s", slot.role, exc)
-        (self.run.run_dir / LIVE).unlink(missing_ok=True)
+        RunLayout(self.run.run_dir).remove_live()
 
 
 def _gcs_address(ray: Any) -> str:
