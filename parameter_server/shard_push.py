@@ -47,6 +47,7 @@ from parameter_server.errors import LayoutMismatchError, TransportError
 from parameter_server.layout import Layout, Slice
 from parameter_server.plan import Link, build_plan
 from parameter_server.replicas import ReplicaRoute
+from parameter_server.torch_compat import to_numpy
 from parameter_server.transport.base import ControlClient, Endpoint
 
 logger = logging.getLogger(__name__)
@@ -198,8 +199,6 @@ class ShardPushClient:
             ) from None
         rows = source[piece.row_start : piece.row_stop] if piece.staged.shape else source
         if not isinstance(rows, np.ndarray):
-            from parameter_server.torch_compat import to_numpy
-
             rows = to_numpy(rows)
         array = np.ascontiguousarray(rows)
         if (

@@ -22,9 +22,12 @@ from typing import Any
 
 from parameter_server.errors import TransportUnavailableError, WorkerError
 from parameter_server.layout import Layout
+from parameter_server.server import PSServer
 from parameter_server.store import VersionedStore, required_bytes
 from parameter_server.transport import connect
 from parameter_server.transport.base import Endpoint, Transport
+from parameter_server.transport.nixl import NixlRegion
+from parameter_server.transport.shm import ShmSegment, new_segment_name
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +51,6 @@ def default_address() -> str:
 
 def run_worker(config: WorkerConfig, parent: Connection) -> None:
     """Child entry point: serve until the parent says stop or goes away."""
-    from parameter_server.server import PSServer
-    from parameter_server.transport.shm import ShmSegment
 
     layout = Layout.from_dict(config.layout)
     segment = region = server = None
@@ -59,8 +60,6 @@ def run_worker(config: WorkerConfig, parent: Connection) -> None:
         store = VersionedStore(layout, config.num_slots, segment.array)
         metadata = b""
         if config.nixl:
-            from parameter_server.transport.nixl import NixlRegion
-
             try:
                 region = NixlRegion(segment.array)
                 metadata = region.metadata
@@ -113,7 +112,6 @@ class PSWorker:
         timeout: float = 120.0,
     ) -> PSWorker:
         """Spawn a worker for ``layout`` and wait until it serves."""
-        from parameter_server.transport.shm import new_segment_name
 
         region_name = new_segment_name()
         config = WorkerConfig(

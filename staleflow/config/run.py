@@ -24,7 +24,9 @@ from staleflow.config.sections import (
     require_at_least,
 )
 from staleflow.config.walk import check_tree_bounds, check_types
+from staleflow.models.presets import PRESETS
 from staleflow.rewards.registry import resolve_reward_kind
+from staleness import StalenessConfig
 from staleness.bounds import (
     ETA_WHY,
     HELD_WHY,
@@ -33,6 +35,7 @@ from staleness.bounds import (
     MAX_REDUNDANCY,
     config_problem,
 )
+from trajectory_server.types import TrajectoryServerConfig
 
 if TYPE_CHECKING:
     from staleness import StalenessConfig
@@ -265,10 +268,6 @@ class RunConfig:
             self._check_builtin_context()
 
     def _check_builtin_context(self) -> None:
-        try:
-            from staleflow.models.presets import PRESETS
-        except ImportError:
-            return
         limit = PRESETS[self.model.preset].max_position_embeddings
         require(
             self.rollout.max_response_tokens < limit,
@@ -288,7 +287,6 @@ class RunConfig:
 
     def staleness_config(self) -> StalenessConfig:
         """The staleness manager's configuration, from the top-level keys."""
-        from staleness import StalenessConfig
 
         return StalenessConfig(
             eta=self.eta,
@@ -300,7 +298,6 @@ class RunConfig:
 
     def trajectory_server_config(self) -> TrajectoryServerConfig:
         """The trajectory server's configuration, from the top-level keys."""
-        from trajectory_server.types import TrajectoryServerConfig
 
         return TrajectoryServerConfig(
             eta=self.eta,

@@ -42,6 +42,8 @@ from staleflow.config.rollout import (
     VLLMOptions as VLLMOptions,
 )
 from staleflow.config.walk import check_types
+from staleflow.data.synthetic import ArithmeticConfig
+from staleflow.models.presets import PRESETS
 from staleflow.rewards.registry import AUTO, reward_names
 from staleness.bounds import MAX_HELD_TRAJECTORIES
 
@@ -123,11 +125,7 @@ class ModelConfig:
 
 
 def _model_presets() -> tuple[str, ...] | None:
-    """Names of the built-in model sizes, if that package is installed (torch-free)."""
-    try:
-        from staleflow.models.presets import PRESETS
-    except ImportError:
-        return None
+    """Names of the built-in model sizes (``staleflow.models.presets`` needs no torch)."""
     return tuple(sorted(PRESETS))
 
 
@@ -167,7 +165,6 @@ class DataConfig:
     def __post_init__(self) -> None:
         check_types(self, self.KEY)
         require_choice("data.task", self.task, DATA_TASKS)
-        from staleflow.data.synthetic import ArithmeticConfig
 
         try:
             ArithmeticConfig.level(self.difficulty)

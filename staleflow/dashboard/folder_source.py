@@ -31,7 +31,8 @@ from staleflow.dashboard.interface import (
 )
 from staleflow.dashboard.runconfig import read_run_config
 from staleflow.dashboard.timeline import SeqLog
-from staleflow.runfolder.reader import METRICS, optional_int, read_summary
+from staleflow.runfolder.layout import CONFIG, METRICS, RunLayout
+from staleflow.runfolder.reader import optional_int, read_summary
 from staleflow.runfolder.run_state import CRASHED, FINISHED, STOPPED, RunState, read_state
 from staleflow.runfolder.step_record import RecordError, StepRecord, instance_steps
 
@@ -56,9 +57,9 @@ class FolderSource:
         self.path = Path(path).expanduser()
         if not self.path.is_dir():
             raise FolderError(f"{self.path} is not a folder: pass a run folder such as runs/<run>")
-        if not (self.path / "metrics.jsonl").exists() and not (self.path / "config.yaml").exists():
+        if not RunLayout(self.path).looks_like_a_run():
             raise FolderError(
-                f"{self.path} has neither metrics.jsonl nor config.yaml: pass the folder "
+                f"{self.path} has neither {METRICS} nor {CONFIG}: pass the folder "
                 "that staleflow launch printed ('run folder ...')"
             )
         self.refresh_s = refresh_s

@@ -13,6 +13,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from staleflow.dashboard.ray_source import RaySource
+from staleflow.dashboard.server import serve_in_thread
+from staleflow.install import missing
+
 
 class ServedDashboard:
     """The server and the source it polls; :meth:`stop` ends both."""
@@ -34,9 +38,8 @@ def start_dashboard(cfg: Any, run: Any, host: str = "127.0.0.1") -> ServedDashbo
     """Serve the dashboard of ``run`` (a :class:`staleflow.runtime.driver.launch.Run` whose actors
     are up). Raises ``ImportError`` without FastAPI or uvicorn and ``OSError``
     (naming the fix) when no port can be bound at all."""
+    # FastAPI and uvicorn are an optional extra: without them the run starts and says so
     from staleflow.dashboard.app import create_app
-    from staleflow.dashboard.ray_source import RaySource
-    from staleflow.dashboard.server import serve_in_thread
 
     source = RaySource.from_run(run, cfg).start()
     try:
@@ -62,8 +65,6 @@ class LaunchDashboard:
         try:
             served = start_dashboard(self.cfg, run)
         except ImportError as exc:
-            from staleflow.install import missing
-
             self.say(f"dashboard off: {missing('the dashboard (fastapi, uvicorn)', exc)}")
             return None
         except OSError as exc:

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.cost_model import CostModel
+from parameter_server.transport import connect
+from staleflow.config import config_to_dict
 from staleflow.dashboard.interface import (
     ActionNotSupported,
     InstanceDetail,
@@ -37,8 +39,11 @@ from staleflow.dashboard.interface import (
     RunEvent,
     RunInfo,
 )
+from staleflow.dashboard.runconfig import cost_model_of, read_run_config
 from staleflow.dashboard.timeline import InstanceObservation, Recorder, SeqLog
+from staleflow.runfolder.layout import RunLayout
 from staleflow.runfolder.step_record import StepRecord, idle_ratio
+from staleflow.runtime.placement.ray_address import check_reachable
 from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE, actor_name
 
 logger = logging.getLogger(__name__)
@@ -119,8 +124,6 @@ class RaySource:
     @classmethod
     def from_run(cls, run: Any, cfg: Any, **kwargs: Any) -> RaySource:
         """Over the actors of a :class:`staleflow.runtime.driver.launch.Run` in this driver."""
-        from staleflow.config import config_to_dict
-        from staleflow.dashboard.runconfig import cost_model_of
 
         a = run.actors
         handles = RayHandles(a["control"], a.get("ts"), a.get("ps"), dict(a.get("instances", {})))
@@ -142,8 +145,6 @@ class RaySource:
         only run there when None). ``run_dir`` (default ``runs/<run>``) supplies the
         run's config, hence its cost model."""
         import ray
-
-        from staleflow.runtime.placement.ray_address import check_reachable
 
         if not ray.is_initialized():
             check_reachable(address)
@@ -199,9 +200,7 @@ class RaySource:
         config: dict[str, Any] = {}
         cost = None
         notes: tuple[str, ...] = ()
-        if (folder / "config.yaml").exists():
-            from staleflow.dashboard.runconfig import read_run_config
-
+        if RunLayout(folder).config.exists():
             config, cost, note = read_run_config(folder)
             notes = (note,) if note else ()
         else:
@@ -329,8 +328,6 @@ class RaySource:
             return None
         try:
             if self._ps_client is None:
-                from parameter_server.transport import connect
-
                 endpoint = self._ray.get(self.handles.ps.endpoint.remote(), timeout=self.timeout_s)
                 self._ps_client = connect(endpoint, self._transport)
             return self._ps_client.info()

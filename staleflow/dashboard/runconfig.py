@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.cost_model import CostModel
+from staleflow.config import config_from_dict
 from staleflow.runfolder.reader import read_config
 
 logger = logging.getLogger(__name__)
@@ -29,8 +30,6 @@ def read_run_config(folder: Path) -> tuple[dict[str, Any], CostModel | None, str
     if raw is None:
         return {}, None, f"{problem}: run settings and cost model unknown"
     try:
-        from staleflow.config import config_from_dict
-
         return raw, cost_model_of(config_from_dict(raw)), ""
     except Exception as exc:  # an older or newer config: still show the rest
         logger.debug("config.yaml of %s does not load", folder, exc_info=True)

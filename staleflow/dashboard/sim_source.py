@@ -32,6 +32,8 @@ from staleflow.dashboard.interface import (
 )
 from staleflow.dashboard.timeline import InstanceObservation, Recorder, SeqLog
 from staleflow.runfolder.step_record import StepRecord, idle_ratio
+from staleflow.sim import PRESETS
+from staleflow.sim import system as make_system
 from staleflow.sim.cluster import ClusterConfig, SimCluster
 from staleflow.sim.engine import InstanceTimes
 from staleness.types import ConsumedBatch
@@ -108,8 +110,6 @@ class SimSource:
         seed: int = 0,
         speed: float = 10.0,
     ) -> SimSource:
-        from staleflow.sim import PRESETS
-        from staleflow.sim import system as make_system
 
         if preset not in PRESETS:
             raise ValueError(f"unknown preset {preset!r}: use one of {sorted(PRESETS)}")

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from staleflow.dashboard.folder_source import FolderError, FolderSource
 from staleflow.dashboard.interface import RunSource
+from staleflow.dashboard.ray_source import AttachError, RaySource
+from staleflow.dashboard.sim_source import SimSource
+from staleflow.install import missing
 
 
 class SourceError(ValueError):
@@ -33,27 +37,19 @@ def open_source(
             f"cluster running staleflow launch, or --sim PRESET; got {' and '.join(given) or 'none'}"
         )
     if folder:
-        from staleflow.dashboard.folder_source import FolderError, FolderSource
-
         try:
             return FolderSource(folder)
         except FolderError as exc:
             raise SourceError(str(exc)) from exc
     if sim:
-        from staleflow.dashboard.sim_source import SimSource
-
         try:
             return SimSource.from_preset(sim, **(sim_options or {})).start()
         except ValueError as exc:
             raise SourceError(str(exc)) from exc
     try:
-        from staleflow.dashboard.ray_source import AttachError, RaySource
-    except ImportError as exc:
-        from staleflow.install import missing
-
-        raise SourceError(missing("ray (to attach to a live run)", exc)) from exc
-    try:
         source = RaySource.attach(str(address), run=run, run_dir=run_dir)
+    except ImportError as exc:
+        raise SourceError(missing("ray (to attach to a live run)", exc)) from exc
     except AttachError as exc:
         raise SourceError(str(exc)) from exc
     except (ConnectionError, ValueError) as exc:  # ValueError: an address with a bad port

@@ -11,6 +11,8 @@ from rich.console import Group
 from rich.table import Table
 
 from staleflow.dashboard.interface import RunSource
+from staleflow.recovery import describe_checkpoints
+from staleflow.runfolder.layout import SUMMARY
 from staleflow.runtime.driver.buffers_table import buffers_table
 
 
@@ -82,7 +84,7 @@ def _instances(live: Any) -> Table:
 
 
 def _summary(summary: Mapping[str, Any]) -> Table:
-    table = Table(title="summary.json")
+    table = Table(title=SUMMARY)
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key in (
@@ -112,7 +114,6 @@ def _num(value: float | None, spec: str) -> str:
 
 def resume_view(run_dir: Any) -> Table | str:
     """Where the run can resume from: its checkpoints, newest last (docs/recovery.md)."""
-    from staleflow.recovery import describe_checkpoints
 
     found = describe_checkpoints(run_dir)
     if not found:

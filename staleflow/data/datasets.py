@@ -18,6 +18,7 @@ import numpy as np
 from staleflow.data.layouts import DatasetError, Prompt, RecordLayout, detect_layout, extract
 from staleflow.data.synthetic import ArithmeticConfig, ArithmeticTask
 from staleflow.data.tokenizer import Tokenizer, TokenizerError
+from staleflow.install import missing
 
 logger = logging.getLogger(__name__)
 
@@ -140,8 +141,6 @@ def load_parquet(
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
-        from staleflow.install import missing
-
         raise ImportError(missing("pyarrow (for Parquet datasets)", exc)) from exc
     p = Path(path)
     try:

@@ -14,6 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from staleflow.install import missing
+
 logger = logging.getLogger(__name__)
 
 Message = Mapping[str, str]  # {"role": ..., "content": ...}
@@ -181,8 +183,6 @@ class HFTokenizer:
         try:
             from transformers import AutoTokenizer
         except ImportError as exc:
-            from staleflow.install import missing
-
             raise ImportError(
                 missing("transformers (for HFTokenizer; or use CharTokenizer)", exc)
             ) from exc

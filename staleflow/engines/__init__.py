@@ -18,6 +18,7 @@ from staleflow.engines.base import (
     SelfPullingEngine,
     StepTimes,
 )
+from staleflow.install import install_command
 
 # name -> "module:attribute"
 BACKENDS: dict[str, str] = {
@@ -41,8 +42,6 @@ def engine_class(name: str) -> type:
     try:
         return getattr(importlib.import_module(module), attr)
     except ImportError as exc:
-        from staleflow.install import install_command
-
         # the embedded engine's and the SGLang adapter's torch is in the default install
         fix = _INSTALL.get(name) or f"torch, from the default install: {install_command()}"
         raise ImportError(

@@ -45,6 +45,7 @@ def engine_options(
         if checkpoint:
             path = str(checkpoint)
         else:
+            # torch: only when a built-in model must be saved for the served engine to read
             from staleflow.models.checkpoint import save_pretrained
 
             folder = Path(run_dir) / ENGINE_MODEL_DIR
@@ -70,6 +71,7 @@ def build_engine(
     common = {f.name: getattr(settings, f.name) for f in dataclasses.fields(EngineSettings)}
     o = options.section
     if backend == "vllm" and isinstance(o, VLLMOptions):
+        # an optional backend: vLLM (and torch) load only where a vLLM engine is built
         from staleflow.engines.vllm import VLLMEngine, VLLMEngineConfig
 
         return VLLMEngine(
@@ -84,6 +86,7 @@ def build_engine(
             )
         )
     if backend == "sglang" and isinstance(o, SGLangOptions):
+        # an optional backend: loaded only where an SGLang engine is built
         from staleflow.engines.sglang import (
             ParameterServerSource,
             ServerSpec,

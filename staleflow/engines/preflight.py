@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from staleflow.models.presets import get_preset
+
 # vLLM 0.32's CPU attention (vllm/v1/attention/backends/cpu_attn.py:69)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
@@ -105,8 +107,6 @@ def _model_config(model_path: str, checkpoint: str, key: str) -> dict[str, Any] 
 
 def _head_size(config: dict[str, Any] | None, cfg: Any) -> int:
     if config is None:
-        from staleflow.models.presets import get_preset
-
         return get_preset(cfg.model.preset).head_dim
     config = config.get("text_config", config)
     return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])

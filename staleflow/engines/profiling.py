@@ -26,6 +26,8 @@ import yaml
 
 from coordinator.profiler import CostModelFit, LatencySample, fit_cost_model
 from staleflow.engines.base import GenerationRequest, RolloutEngine
+from staleflow.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
+from staleflow.models.build import build_arithmetic_model
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +60,6 @@ def profile_embedded(
     """Time decode steps of the embedded engine on the built-in model ``preset`` over the
     grid ``running x lengths`` (points that exceed ``max_running`` or the KV budget are
     skipped) and fit the cost model."""
-    from staleflow.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
-    from staleflow.models.build import build_arithmetic_model
 
     if steps < 1:
         raise ValueError(f"steps={steps}: time at least 1 decode step per point")

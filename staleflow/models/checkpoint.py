@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from staleflow.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
+from staleflow.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from staleflow.models.errors import ModelError
 
 if TYPE_CHECKING:
@@ -85,7 +85,6 @@ def _load_tokenizer(p: Path) -> Tokenizer:
 
 
 def _other_tokenizer(path: str | Path) -> Tokenizer:
-    from staleflow.data.tokenizer import load_tokenizer
 
     try:
         return load_tokenizer(path)

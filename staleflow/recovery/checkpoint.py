@@ -55,6 +55,7 @@ KIND = "staleflow-run-checkpoint"
 CHECKPOINTS = "checkpoints"
 MANIFEST = "MANIFEST.json"
 TRAINER = "trainer"
+MEGATRON_DIR = "megatron"  # the Megatron pool's distributed checkpoint, inside TRAINER
 _RUN, _STALENESS, _TRAJECTORIES = "run.msgpack", "staleness.msgpack", "trajectories.msgpack"
 STALENESS_FILE = _STALENESS  # the staleness manager's exported state, in each checkpoint
 _NAME = re.compile(r"^step-(\d{8})(?:-(\d+))?$")

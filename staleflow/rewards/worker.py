@@ -21,6 +21,7 @@ from staleflow.rewards.base import (
     RewardTimeout,
     as_reward,
 )
+from staleflow.rewards.mathverify import require_math_verify
 from staleflow.rewards.registry import AUTO, make_reward_fn, reward_spec
 from staleflow.rewards.sandbox import TimeLimitedRewardFn
 
@@ -39,8 +40,6 @@ def build_reward_fn(name: str, timeout_s: float = 0.0) -> RewardFn:
     spec = reward_spec(name)
     if timeout_s > 0 and spec.may_hang:
         if name == "math_verify":  # the install hint beats a traceback from the child
-            from staleflow.rewards.mathverify import require_math_verify
-
             require_math_verify()
         return TimeLimitedRewardFn(spec.factory, timeout_s)
     if spec.may_hang:

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from staleflow.runfolder.layout import AUDIT, CONFIG, LIVE, METRICS, STATE, SUMMARY
 from staleflow.runfolder.step_record import (
     InstanceStep,
     RecordError,
@@ -31,11 +32,7 @@ from staleflow.runfolder.step_record import (
     read_records,
 )
 
-# the files of a run folder, named here only (``staleflow.recovery`` names its checkpoints)
-CONFIG, METRICS, SUMMARY = "config.yaml", "metrics.jsonl", "summary.json"
-STATE = "state.json"  # the launch's phase and outcome (staleflow.runfolder.run_state)
-LIVE = "live.json"  # written by the supervisor while the run is up
-AUDIT = "audit.jsonl"  # with recovery.audit_log: every consumed trajectory
+__all__ = ["AUDIT", "CONFIG", "LIVE", "METRICS", "STATE", "SUMMARY"]  # named in .layout
 HOW_TO_MAKE = (
     "a run folder is what `staleflow launch` writes, e.g. `staleflow launch --eta 3 --steps 20` "
     "prints 'run folder runs/<time>-<name>'; experiments/launch_eta_sweep.py makes one per eta"

@@ -29,7 +29,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from staleflow.runfolder.reader import LIVE, STATE, SUMMARY, read_summary
+from staleflow.runfolder.layout import LIVE, STATE, SUMMARY, RunLayout
+from staleflow.runfolder.reader import read_summary
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ def _inferred(folder: Path) -> RunState:
         kind = STOPPED if summary.get("stopped") else FINISHED
         return RunState(kind, f"from its {SUMMARY} ({_BEFORE})")
     try:
-        pid = json.loads((folder / LIVE).read_text(encoding="utf-8")).get("driver_pid")
+        pid = RunLayout(folder).read_live().get("driver_pid")
     except (OSError, ValueError, AttributeError):
         pid = None
     if isinstance(pid, int):

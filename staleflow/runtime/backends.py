@@ -32,7 +32,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from staleflow.engines import BACKENDS
+from staleflow.engines.preflight import BackendSettingError, check_rollout_backend
 from staleflow.runtime.errors import LaunchError
+from staleflow.trainers import TRAINERS
 
 if TYPE_CHECKING:
     from staleflow.config import RunConfig, TrainerConfig
@@ -77,10 +80,7 @@ def load_hook(path: str) -> Any:
 def _registered(kind: str, name: str) -> bool:
     """Whether the backend's own registry lists ``name`` with an implementation."""
     if kind == "rollout":
-        from staleflow.engines import BACKENDS
-
         return BACKENDS.get(name) is not None
-    from staleflow.trainers import TRAINERS
 
     return name in TRAINERS
 
@@ -99,7 +99,6 @@ def check_backends(cfg: RunConfig) -> None:
                 f"{built}): use {key}={next(iter(hooks))}"
             )
     # The engine's own settings (installed? model folder? TP vs GPUs?), by key and fix.
-    from staleflow.engines.preflight import BackendSettingError, check_rollout_backend
 
     try:
         check_rollout_backend(cfg)

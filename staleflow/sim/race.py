@@ -26,25 +26,16 @@ has advanced and then settled by time.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
-from coordinator.fleet import Fleet
-from coordinator.pool import TrajectoryPool
 from coordinator.race import TailRace
-from coordinator.types import Snapshot, TrajectoryView
+from coordinator.types import TrajectoryView
+from staleflow.control.races import RaceEntry, hosting, select_races
 from staleflow.sim.engine import SimInstance, SimTrajectory
 from staleness.types import TrajId
 
 Finish = tuple[float, SimInstance, SimTrajectory]
-
-
-@dataclass(slots=True)
-class _Race:
-    holder: int
-    fork: int  # prefix length (prompt + tokens) when the copies started
-    dests: list[int] = field(default_factory=list)
 
 
 class SimRaces:
@@ -53,7 +44,7 @@ class SimRaces:
     def __init__(self, rule: TailRace, instances: Mapping[int, SimInstance]) -> None:
         self.rule = rule
         self.instances = instances
-        self.active: dict[TrajId, _Race] = {}
+        self.active: dict[TrajId, RaceEntry] = {}  # fork: prompt + tokens at the copies' start
         self.started = 0  # copies started
         self.won = 0  # trajectories a copy completed
         self.wasted_tokens = 0  # tokens the losers generated after the fork
@@ -61,7 +52,7 @@ class SimRaces:
         self._finishes: dict[TrajId, list[Finish]] = {}
 
     def hosting(self) -> set[int]:
-        return {d for r in self.active.values() for d in r.dests}
+        return hosting(self.active)
 
     def start(
         self,
@@ -70,16 +61,17 @@ class SimRaces:
         speed: np.ndarray | None = None,
     ) -> int:
         """Apply the rule to the instances as the cycle left them; copies started."""
-        hosting = self.hosting()
         insts = self.instances
-        if not any(not i.running and not i.waiting for k, i in insts.items() if k not in hosting):
-            return 0  # the common case: no instance idle
-        fleet = Fleet(Snapshot(tuple(i.snapshot() for i in insts.values())))
-        if speed is not None:
-            fleet.speed = speed
-        racing = {tid: len(r.dests) for tid, r in self.active.items()}
+        chosen = select_races(
+            self.rule,
+            self.active,
+            (k for k, i in insts.items() if not i.running and not i.waiting),
+            lambda: [i.snapshot() for i in insts.values()],
+            lambda: routable,
+            None if speed is None else lambda ids: speed,
+        )
         n = 0
-        for race in self.rule.select(fleet, TrajectoryPool(routable), racing, hosting):
+        for race in chosen:
             original = race.traj
             assert isinstance(original, SimTrajectory)
             if original.end < original.target:
@@ -87,7 +79,7 @@ class SimRaces:
             dest = insts[race.dest]
             copy = SimTrajectory(original.payload, original.target, dest)
             copy.base = original.length
-            entry = self.active.setdefault(original.traj_id, _Race(race.holder, copy.base))
+            entry = self.active.setdefault(original.traj_id, RaceEntry(race.holder, copy.base))
             entry.dests.append(race.dest)
             dest.start_copy(copy, now)
             self.raced.add(original.traj_id)

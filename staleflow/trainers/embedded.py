@@ -27,6 +27,7 @@ import torch
 
 from parameter_server.torch_compat import to_numpy
 from staleflow.config.sections import TrainerConfig
+from staleflow.models.checkpoint import save_pretrained
 from staleflow.models.state import load_policy_state, policy_state
 from staleflow.trainers.batch_checks import BatchError
 from staleflow.trainers.rl import (
@@ -222,7 +223,6 @@ class EmbeddedTrainer:
         """Weights (``model.safetensors`` with the model's ``config.json``), optimizer
         state, torch's RNG states, version and config, written to a temporary directory
         and renamed into place; an existing checkpoint at ``path`` is replaced."""
-        from staleflow.models.checkpoint import save_pretrained
 
         out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)

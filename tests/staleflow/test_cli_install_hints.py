@@ -3,7 +3,7 @@ extra. The launcher's console (rich) used to read ``[megatron]`` in
 ``pip install -e '/path[megatron]'`` as a style tag and drop it: the printed command
 installed nothing. The hints are found in the library's source (every string literal
 with "pip install", and ``install_command`` for every extra of pyproject.toml) and each
-is rendered through the launcher's own printing path (``staleflow.cli.print_text``).
+is rendered through the launcher's own printing path (``staleflow.commands.printing.print_text``).
 No Ray: ``ray.init`` fails the test if the launcher reaches it."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from staleflow.cli import main, print_text
+from staleflow.cli import main
+from staleflow.commands.printing import print_text
 from staleflow.install import install_command, missing
 
 ROOT = Path(__file__).resolve().parents[2]

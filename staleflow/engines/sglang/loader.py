@@ -25,6 +25,10 @@ import json
 from collections.abc import Iterable
 from typing import Any
 
+from parameter_server import Layout
+from parameter_server.transport import connect
+from parameter_server.transport.base import Endpoint
+
 TICKET_PREFIX = "staleflow-ps-ticket:"
 LOADER_PATH = "staleflow.engines.sglang.loader.load_from_parameter_server"
 
@@ -75,10 +79,6 @@ def pull_named_tensors(ticket: PullTicket) -> Iterable[tuple[str, Any]]:
     """The ticket's version from the PS as (name, CPU tensor) pairs."""
     import numpy as np
     import torch
-
-    from parameter_server import Layout
-    from parameter_server.transport import connect
-    from parameter_server.transport.base import Endpoint
 
     layout = Layout.from_dict(ticket.layout)
     buffer = np.empty(layout.nbytes, dtype=np.uint8)

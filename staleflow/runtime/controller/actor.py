@@ -19,10 +19,14 @@ from typing import TYPE_CHECKING, Any
 from coordinator.types import InstanceSnapshot
 from staleflow.recovery.events import RecoveryEvent
 from staleflow.runfolder.step_record import StepRecord
+from staleflow.runtime.controller.control_plane import ControlPlane
 from staleflow.runtime.interface import InstanceGone, Rewarded, StepReport, TrainerGroups
 from staleflow.runtime.placement.ray_cluster import import_ray
 from staleflow.runtime.workers.actors import InstanceClient, gone
+from staleflow.runtime.workers.ps_healing import HealingVersions
+from staleness import StalenessManager
 from staleness.types import ConsumedBatch
+from trajectory_server.actor import TrajectoryServerClient
 from trajectory_server.types import AbortedTrajectory
 
 if TYPE_CHECKING:
@@ -42,7 +46,6 @@ class ControlActor:
         resolver: ReplicaResolver | None = None,
         snapshot_timeout_s: float = 60.0,
     ) -> None:
-        from trajectory_server.actor import TrajectoryServerClient
 
         self._config = config
         self._ts = TrajectoryServerClient(ts_handle)
@@ -65,9 +68,6 @@ class ControlActor:
         version is the newest that every replica holds (what any instance's Pull gets at
         least). A resumed run passes the restored manager's ``staleness`` state, the
         instances' ``versions`` and the metric ``records`` so far."""
-        from staleflow.runtime.controller.control_plane import ControlPlane
-        from staleflow.runtime.workers.ps_healing import HealingVersions
-        from staleness import StalenessManager
 
         ray = import_ray()
         clients = {i: InstanceClient(h, i) for i, (h, _) in instances.items()}

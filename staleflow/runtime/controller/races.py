@@ -32,15 +32,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from coordinator.fleet import Fleet
-from coordinator.pool import TrajectoryPool
 from coordinator.race import TailRace
-from coordinator.types import InstanceSnapshot, Snapshot, TrajectoryView
+from coordinator.types import InstanceSnapshot, TrajectoryView
+from staleflow.control.races import RaceEntry, hosting, select_races
 from staleflow.rollout.instance import CopyEnd
 from staleness.types import TrajId
 from trajectory_server.types import InstanceId
@@ -62,13 +61,6 @@ class RacingInstance(Protocol):
 
 class RaceServer(Protocol):
     def routed_to(self, instance_id: InstanceId) -> tuple[int, ...]: ...
-
-
-@dataclass(slots=True)
-class _Race:
-    holder: int
-    fork: int  # response tokens when the copies started
-    dests: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +91,7 @@ class RuntimeRaces:
         self._snapshots = snapshots
         self._routable = routable
         self._speeds = speeds
-        self.active: dict[TrajId, _Race] = {}
+        self.active: dict[TrajId, RaceEntry] = {}  # fork: response tokens at the copies' start
         last = totals or {}  # a resumed run's counters go on from its last record
         self._started = int(last.get("race/started", 0))
         self._won = int(last.get("race/won", 0))
@@ -117,23 +109,27 @@ class RuntimeRaces:
         }
 
     def hosting(self) -> set[int]:
-        return {d for r in self.active.values() for d in r.dests}
+        return hosting(self.active)
 
     def after_cycle(self, last: Sequence[InstanceSnapshot]) -> int:
         """End the races that are over, then start the rule's copies; ``last``: the
         cycle's snapshots (taken before its commands). Returns the copies started."""
         self.settle()
-        hosting = self.hosting()
-        if not any(not s.run_trajs and not s.wait_trajs for s in last if s.inst not in hosting):
-            return 0  # the common case: no instance was idle
-        fleet = Fleet(Snapshot(tuple(self._snapshots())))  # as this cycle's commands left it
-        if self._speeds is not None:  # the coordinator's estimates, as its cycle uses them
-            fleet.speed = self._speeds(fleet.ids)
-        racing = {tid: len(r.dests) for tid, r in self.active.items()}
-        pool = TrajectoryPool(self._routable())  # the tail counts the queued ones too
+        chosen = list(
+            select_races(
+                self.rule,
+                self.active,
+                (s.inst for s in last if not s.run_trajs and not s.wait_trajs),
+                self._snapshots,  # as this cycle's commands left them
+                self._routable,
+                self._speeds,  # the coordinator's estimates, as its cycle uses them
+            )
+        )
+        if not chosen:
+            return 0  # the common case: no instance was idle (or none to race)
         instances, holders = self._instances(), self._holders()
         started = 0
-        for race in self.rule.select(fleet, pool, racing, hosting):
+        for race in chosen:
             tid = race.traj.traj_id
             dest, original = instances.get(race.dest), instances.get(race.holder)
             holder = holders.get(race.holder)
@@ -148,7 +144,7 @@ class RuntimeRaces:
                 continue
             if fork is None:
                 continue  # no longer ROUTED to its holder: it finished meanwhile
-            entry = self.active.setdefault(tid, _Race(race.holder, fork))
+            entry = self.active.setdefault(tid, RaceEntry(race.holder, fork))
             entry.dests.append(race.dest)
             started += 1
         self._started += started

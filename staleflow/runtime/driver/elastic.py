@@ -8,12 +8,11 @@ interrupted first so that its partial responses go back to the TS whole.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from staleflow.runfolder.reader import LIVE
+from staleflow.runfolder.layout import LIVE, RunLayout
 from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE, actor_name
 
 __all__ = ["LIVE", "ScaleError", "find_run", "request_scale"]
@@ -27,9 +26,9 @@ def find_run(run: str, address: str | None) -> tuple[str, str]:
     """(Ray address, run name) of ``run``: a run folder with a ``live.json``, or a run
     name on the cluster at ``address``."""
     folder = Path(run).expanduser()
-    live = folder / LIVE
-    if live.is_file():
-        info = json.loads(live.read_text())
+    layout = RunLayout(folder)
+    if layout.live.is_file():
+        info = layout.read_live()
         return address or str(info["ray_address"]), str(info["run"])
     if folder.is_dir():
         raise ScaleError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from staleflow.data.synthetic import ArithmeticConfig, ArithmeticTask
 from staleflow.progress import SILENT, Progress
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ def held_out_reward(
     in its label (initial, final)."""
     if cfg.eval_problems <= 0 or cfg.data.task != "arithmetic":
         return None
-    from staleflow.data.synthetic import ArithmeticConfig, ArithmeticTask
+    # torch: loaded only when the driver evaluates a model, not when launch imports this
     from staleflow.models.sampling import evaluate_accuracy
     from staleflow.models.threads import idle_cores, torch_threads
 

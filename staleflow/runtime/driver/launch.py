@@ -34,6 +34,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from staleflow.config import RunConfig
+from staleflow.data import ArithmeticConfig, PromptDataset, load_dataset, synthetic_dataset
+from staleflow.data.layouts import DatasetError
+from staleflow.models.errors import ModelError
 from staleflow.progress import SILENT, Progress
 from staleflow.runfolder.reader import SUMMARY
 from staleflow.runfolder.run_state import CRASHED, FINISHED, STOPPED, StateWriter
@@ -47,6 +50,7 @@ from staleflow.runfolder.writer import RunOutput
 from staleflow.runtime.backends import check_backends
 from staleflow.runtime.driver.evaluation import held_out_reward
 from staleflow.runtime.driver.launch_progress import TrainingWaits, actors_phase
+from staleflow.runtime.driver.resume import restore_state
 from staleflow.runtime.driver.run import Run, cause
 from staleflow.runtime.driver.stopping import graceful_stop
 from staleflow.runtime.driver.supervisor import Supervisor
@@ -115,6 +119,8 @@ def prepare_policy(
 ) -> tuple[Any, Any, dict[str, Any]]:
     """(model, tokenizer, facts) for the run: a local checkpoint, or the warmed built-in
     (its warm-up reports a ``warmup`` phase to ``progress``)."""
+    # torch: loaded once the run builds its policy; `launch --check` and a refused
+    # --resume never pay for it
     from staleflow.models.checkpoint import load_pretrained
 
     m = cfg.model
@@ -128,7 +134,7 @@ def prepare_policy(
             f"data.task={cfg.data.task!r} needs model.checkpoint (a local Hugging Face "
             "checkpoint directory): the built-in model only knows the arithmetic task"
         )
-    from staleflow.data.synthetic import ArithmeticConfig
+    # torch, as above: the built-in policy and its warm-up
     from staleflow.models.build import build_arithmetic_model
     from staleflow.models.warmup import ensure_warm_checkpoint, read_warmup_meta
 
@@ -165,7 +171,6 @@ def prepare_policy(
 
 def build_dataset(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
     """The prompts of the run, without those longer than ``data.max_prompt_tokens``."""
-    from staleflow.data import ArithmeticConfig, PromptDataset, load_dataset, synthetic_dataset
 
     data = cfg.data
     if data.task == "arithmetic":
@@ -313,14 +318,13 @@ def _prepare(
     cfg: RunConfig, phase: Phase, resume: Checkpoint | None, progress: Progress
 ) -> tuple[Any, Any, PromptDataset, dict[str, Any], ResumePoint | None]:
     """The policy, tokenizer and prompts; a resumed run's from its checkpoint."""
-    from staleflow.data.layouts import DatasetError
-    from staleflow.models.errors import ModelError
 
     started = time.monotonic()
     try:
         if resume is None:
             model, tokenizer, facts = prepare_policy(cfg, phase, progress)
         else:
+            # torch, as above: the resumed policy
             from staleflow.models.checkpoint import load_pretrained
 
             phase(f"resuming from {resume.path} (step {resume.steps}, version {resume.version})")
@@ -334,8 +338,6 @@ def _prepare(
         raise LaunchError(f"cannot read the prompts: {exc}") from exc
     point = None
     if resume is not None:
-        from staleflow.runtime.driver.resume import restore_state
-
         point = restore_state(cfg, resume, dataset)
     elif cfg.eval_problems and cfg.data.task == "arithmetic":
         facts["eval_problems"] = cfg.eval_problems
@@ -414,6 +416,7 @@ def _launch_on(
         run.shutdown()
         out.close(failed=failed)  # a launch that never trained leaves no folder behind
     if "eval_reward_start" in facts and not stopped:
+        # torch, as above: the final policy, for its held-out reward
         from staleflow.models.checkpoint import load_pretrained
 
         final, _ = load_pretrained(out.path / "checkpoint")

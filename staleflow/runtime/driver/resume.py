@@ -18,7 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from staleflow.config import ConfigError, load_config
+from staleflow.data import PromptSampler
 from staleflow.recovery import Checkpoint, CheckpointError, NotACheckpoint, read_checkpoint
+from staleflow.recovery.checkpoint import MEGATRON_DIR
+from staleflow.recovery.restore import restore_run
 from staleflow.runfolder.reader import CONFIG
 from staleflow.runtime.errors import LaunchError
 
@@ -62,7 +66,6 @@ def check_resume(
     """The run's configuration (``config.yaml`` with ``overrides``) and its newest
     checkpoint (or the checkpoint folder ``run_dir`` names), verified. Raises
     :class:`ResumeError`; writes nothing."""
-    from staleflow.config import ConfigError, load_config
 
     path = Path(run_dir).expanduser()
     folder = path.parents[1] if (path / "MANIFEST.json").is_file() else path
@@ -98,8 +101,6 @@ def check_resume(
 def _check_trainer_part(cfg: RunConfig, ck: Checkpoint) -> None:
     """The trainer part must be the one ``trainer.backend`` loads: the embedded trainer's
     files, or the Megatron pool's distributed checkpoint in ``trainer/megatron``."""
-    from staleflow.trainers.megatron.pool import MEGATRON_DIR
-
     assert ck.trainer_dir is not None
     megatron = (ck.trainer_dir / MEGATRON_DIR).is_dir()
     backend = cfg.trainer.backend
@@ -118,8 +119,6 @@ def _check_trainer_part(cfg: RunConfig, ck: Checkpoint) -> None:
 def restore_state(cfg: RunConfig, ck: Checkpoint, dataset: PromptDataset) -> ResumePoint:
     """The manager and the TS of ``ck``, restored and reconciled in this process, with
     the prompt sampler at the TS's position. Refuses another dataset."""
-    from staleflow.data import PromptSampler
-    from staleflow.recovery.restore import restore_run
 
     if ck.sampler is None:
         raise ResumeError(f"{ck.path}: the checkpoint has no prompt-sampler position")

@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from coordinator.config import CostModelConfig
 from parameter_server import Layout
+from parameter_server.torch_compat import state_dict_to_numpy
 from staleflow.config import RunConfig
 from staleflow.data import PromptSampler
+from staleflow.engines.factory import engine_options
 from staleflow.progress import SILENT_PHASE, Phase
 from staleflow.recovery import RunState, list_checkpoints, write_checkpoint
 from staleflow.runfolder.writer import AUDIT
@@ -115,8 +117,6 @@ def rollout_spec(
     longest = int(dataset.prompt_lengths.max()) + r.max_response_tokens
     options = None
     if r.backend != "embedded":
-        from staleflow.engines.factory import engine_options
-
         options = engine_options(
             r, checkpoint=cfg.model.checkpoint, run_dir=run_dir, model=policy, tokenizer=tokenizer
         )
@@ -226,7 +226,6 @@ class Run:
         version (the trainer's weights, optimizer and RNG), the instances Pulling that
         version first."""
         # torch: imported once the run starts, not when `staleflow launch --check` loads this
-        from parameter_server.torch_compat import state_dict_to_numpy
         from staleflow.models.state import policy_state
 
         cfg = self.cfg

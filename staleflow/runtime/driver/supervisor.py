@@ -22,7 +22,6 @@ and a ``recovery/*`` total in the step records. The supervisor also keeps
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -30,7 +29,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from staleflow.runfolder.reader import LIVE
+from staleflow.runfolder.layout import RunLayout
+from staleflow.runtime.driver.pools.parameter_server import respawn_replica
+from staleflow.runtime.driver.pools.rewards import spawn_worker
+from staleflow.runtime.driver.pools.rollout import new_slot, release_slot, spawn_instance
 from staleflow.runtime.errors import LaunchError
 
 if TYPE_CHECKING:
@@ -136,7 +138,6 @@ class Supervisor:
         self._start_instance(inst, n, "instance_restarted")
 
     def _start_instance(self, inst: int, incarnation: int, kind: str) -> None:
-        from staleflow.runtime.driver.pools.rollout import spawn_instance
 
         run = self.run
         assert run.ctx and run.rollout and run.ps and run.control and run.reward_pool
@@ -177,8 +178,6 @@ class Supervisor:
         role = pool.role_of[wid]
         n = self.restarts.get(role, 0) + 1
         if n <= self.config.max_restarts:
-            from staleflow.runtime.driver.pools.rewards import spawn_worker
-
             assert self.run.ctx is not None and self.run.control is not None
             self.restarts[role] = n
             spawn_worker(self.run.ctx, pool, role, n, self.run.control)
@@ -326,7 +325,6 @@ class Supervisor:
                 self._restart_replica(role, "its worker process exited")
 
     def _restart_replica(self, role: str, error: str) -> None:
-        from staleflow.runtime.driver.pools.parameter_server import respawn_replica
 
         run = self.run
         assert run.ctx is not None and run.ps is not None and run.trainer is not None
@@ -377,7 +375,6 @@ class Supervisor:
         return f"removed {max(excess, 0)} rollout instance(s)"
 
     def _add_instance(self) -> None:
-        from staleflow.runtime.driver.pools.rollout import new_slot
 
         rollout = self.run.rollout
         assert rollout is not None and self.run.ctx is not None and self.run.ps is not None
@@ -483,12 +480,9 @@ class Supervisor:
             "driver_pid": os.getpid(),
             "pids": pids,
         }
-        tmp = run.run_dir / f".{LIVE}.tmp"
-        tmp.write_text(json.dumps(info, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, run.run_dir / LIVE)
+        RunLayout(run.run_dir).write_live(info)
 
     def close(self) -> None:
-        from staleflow.runtime.driver.pools.rollout import release_slot
 
         self._pool.shutdown(wait=True)
         for p in self.pending.values():
@@ -499,7 +493,7 @@ class Supervisor:
                     release_slot(slot)
                 except Exception as exc:  # the run is ending; the cluster reclaims it
                     logger.debug("placement group of %s: %s", slot.role, exc)
-        (self.run.run_dir / LIVE).unlink(missing_ok=True)
+        RunLayout(self.run.run_dir).remove_live()
 
 
 def _gcs_address(ray: Any) -> str:

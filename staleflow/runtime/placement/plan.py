@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from staleflow.config.resources import CpuPool, GpuPool, split_label
+from staleflow.runtime.backends import trainer_backend
 
 if TYPE_CHECKING:
     from staleflow.config import RunConfig
@@ -157,8 +158,6 @@ def plan_placement(cfg: RunConfig, trainer_ranks: int | None = None) -> Placemen
     trainer has one rank; a Megatron pool has TP x PP x DP), asked of its registry entry
     when not given."""
     if trainer_ranks is None:
-        from staleflow.runtime.backends import trainer_backend
-
         trainer_ranks = trainer_backend(cfg.trainer.backend).ranks(cfg.trainer)
     res = cfg.resources
     rollout = Bundle.of(res.rollout)

@@ -18,6 +18,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from staleflow.install import missing
 from staleflow.runtime.errors import LaunchError, PlacementError
 from staleflow.runtime.placement.fitting import Node, PlacedGang, Placement
 from staleflow.runtime.placement.plan import NODE_RESOURCE_SHARE
@@ -39,8 +40,6 @@ def import_ray() -> Any:
     try:
         import ray
     except ImportError as exc:
-        from staleflow.install import missing
-
         raise LaunchError(
             missing("ray (staleflow launch runs its components as Ray actors)", exc)
         ) from exc

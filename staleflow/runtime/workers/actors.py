@@ -36,8 +36,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from coordinator.types import InstanceSnapshot
+from parameter_server import BackgroundPusher, Layout
 from parameter_server.transport import connect
+from parameter_server.worker import PSWorker
+from staleflow.control.late import hand_live
 from staleflow.rollout.instance import CopyEnd, Finished, InstanceTimes
+from staleflow.runtime.backends import load_hook
 from staleflow.runtime.interface import (
     InstanceGone,
     Rewarded,
@@ -46,8 +50,14 @@ from staleflow.runtime.interface import (
     TrainerGroups,
 )
 from staleflow.runtime.placement.ray_cluster import import_ray
+from staleflow.runtime.workers.audit_trail import AuditedBatches
+from staleflow.runtime.workers.instance_host import InstanceHost
+from staleflow.runtime.workers.ps_healing import HealingPull, HealingPush
+from staleflow.runtime.workers.specs import build_embedded_trainer, build_reward_stage
+from staleflow.runtime.workers.training_loop import TrainingLoop
 from staleness.types import ConsumedBatch
-from trajectory_server.types import AbortedTrajectory, InstanceId, RewardTask
+from trajectory_server.actor import TrajectoryServerClient
+from trajectory_server.types import AbortedTrajectory, FinishedTrajectory, InstanceId, RewardTask
 
 if TYPE_CHECKING:
     from parameter_server.replicas import ReplicaRoute
@@ -199,8 +209,6 @@ class ParameterServerActor:
     the node's address, so clients on other nodes reach it (else a Unix socket)."""
 
     def __init__(self, layout: dict[str, Any], num_slots: int, nixl: bool, tcp: bool) -> None:
-        from parameter_server import Layout
-        from parameter_server.worker import PSWorker
 
         address = f"tcp:{import_ray().util.get_node_ip_address()}:0" if tcp else None
         self._worker = PSWorker.start(
@@ -243,11 +251,6 @@ class RolloutActor:
         recovery: InstanceRecovery | None = None,
         at_least: int = 0,
     ) -> None:
-        from parameter_server import Layout
-        from staleflow.runtime.backends import load_hook
-        from staleflow.runtime.workers.instance_host import InstanceHost
-        from staleflow.runtime.workers.ps_healing import HealingPull
-        from trajectory_server.actor import TrajectoryServerClient
 
         _torch_threads(spec.rollout.num_threads)
         self._ray = import_ray()
@@ -298,8 +301,6 @@ class RolloutActor:
         return won
 
     def _dispatch(self, finished: list[Finished], holder: InstanceId | None = None) -> list[int]:
-        from staleflow.control.late import hand_live
-        from trajectory_server.types import FinishedTrajectory
 
         with self._rewards_lock:
             workers = list(self._rewards.items())
@@ -404,8 +405,6 @@ class RewardActor:
     def __init__(
         self, spec: RewardSpec, ts_handle: Any, control_handle: Any, worker_id: str = ""
     ) -> None:
-        from staleflow.runtime.workers.specs import build_reward_stage
-        from trajectory_server.actor import TrajectoryServerClient
 
         self._stage = build_reward_stage(
             spec,
@@ -486,12 +485,6 @@ class TrainerActor(_TrainingHost):
     ) -> None:
         import numpy as np
 
-        from parameter_server import BackgroundPusher, Layout
-        from staleflow.runtime.workers.ps_healing import HealingPush
-        from staleflow.runtime.workers.specs import build_embedded_trainer
-        from staleflow.runtime.workers.training_loop import TrainingLoop
-        from trajectory_server.actor import TrajectoryServerClient
-
         _torch_threads(spec.trainer.num_threads)
         rec = recovery or InstanceRecovery()
         self._replicas = HealingPush(push, name, rec.resolver, rec.ps_patience_s)
@@ -504,8 +497,6 @@ class TrainerActor(_TrainingHost):
         self._pusher = BackgroundPusher(self._replicas, name="trainer-push")
         ts: Any = TrajectoryServerClient(ts_handle)
         if spec.audit_path:
-            from staleflow.runtime.workers.audit_trail import AuditedBatches
-
             ts = AuditedBatches(ts, spec.audit_path, lambda: self.trainer.version)
         self._loop = TrainingLoop(
             self.trainer,
@@ -537,7 +528,6 @@ class PoolTrainerActor(_TrainingHost):
     group ids and metrics."""
 
     def __init__(self, spec: TrainerSpec, driver: Any, control_handle: Any) -> None:
-        from staleflow.runtime.workers.training_loop import TrainingLoop
 
         self.trainer = driver
         self._loop = TrainingLoop(

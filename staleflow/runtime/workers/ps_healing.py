@@ -31,6 +31,7 @@ from parameter_server.errors import PushVersionError, TransportError, VersionNot
 from parameter_server.replicas import ReplicaGroup, ReplicaRoute, connect_replica, replica_group
 from parameter_server.store import Weights
 from parameter_server.transport.base import ControlClient, Endpoint
+from staleflow.runtime.placement.ray_cluster import actor_name
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,6 @@ class ReplicaResolver:
 
     def __call__(self, replica: str) -> Endpoint:
         import ray
-
-        from staleflow.runtime.placement.ray_cluster import actor_name
 
         actor = ray.get_actor(actor_name(self.run, replica), namespace=self.namespace)
         return ray.get(actor.endpoint.remote(), timeout=30)

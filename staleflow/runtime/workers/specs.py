@@ -14,8 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from parameter_server.torch_compat import layout_of_state_dict
+from staleflow.data.tokenizer import CharTokenizer, HFTokenizer
+from staleflow.engines import engine_class
+from staleflow.engines.factory import build_engine
+from staleflow.engines.settings import EngineSettings
+from staleflow.rewards import RewardItem, RewardWorker
+from staleflow.rewards.worker import build_reward_fn
 from staleflow.runtime.interface import Rewarded
 from staleflow.runtime.workers.reward_stage import CompletionSink, RewardStage
+from staleflow.trainers import trainer_class
 
 if TYPE_CHECKING:
     from staleflow.config import RewardConfig, RolloutConfig, TrainerConfig
@@ -95,7 +103,6 @@ class TrainerSpec:
 
 
 def tokenizer_spec(tokenizer: object) -> tuple[str, str]:
-    from staleflow.data.tokenizer import CharTokenizer, HFTokenizer
 
     if isinstance(tokenizer, CharTokenizer):
         return ("char", tokenizer.alphabet)
@@ -105,14 +112,13 @@ def tokenizer_spec(tokenizer: object) -> tuple[str, str]:
 
 
 def tokenizer_from_spec(spec: tuple[str, str]) -> Any:
-    from staleflow.data.tokenizer import CharTokenizer, HFTokenizer
 
     kind, value = spec
     return CharTokenizer(value) if kind == "char" else HFTokenizer(value)
 
 
 def model_spec(model: Any, tokenizer: Any) -> ModelSpec:
-    from parameter_server.torch_compat import layout_of_state_dict
+    # torch: the control actor and the reward workers import this module and never load it
     from staleflow.models.state import policy_state
 
     return ModelSpec(
@@ -142,7 +148,6 @@ def build_architecture(spec: ModelSpec, seed: int = 0) -> Any:
 
 def engine_settings(spec: RolloutSpec, seed: int) -> Any:
     """The settings every engine shares (capacity, sampling), from the rollout spec."""
-    from staleflow.engines.settings import EngineSettings
 
     r = spec.rollout
     return EngineSettings(
@@ -160,7 +165,7 @@ def build_embedded_engine(spec: RolloutSpec, seed: int, placement: EnginePlaceme
     """The ``embedded`` rollout backend (one CPU process; ``placement`` has no TP bundles)."""
     from dataclasses import asdict
 
-    from staleflow.engines import engine_class
+    # torch, as above: only a rollout actor with the embedded engine loads it
     from staleflow.engines.embedded import EmbeddedEngineConfig
 
     config = EmbeddedEngineConfig(
@@ -172,7 +177,6 @@ def build_embedded_engine(spec: RolloutSpec, seed: int, placement: EnginePlaceme
 def build_served_engine(spec: RolloutSpec, seed: int, placement: EnginePlacement) -> Any:
     """The ``vllm`` and ``sglang`` rollout backends: an engine over the model folder that
     ``spec.engine_options`` names (resolved by the driver), imported only here."""
-    from staleflow.engines.factory import build_engine
 
     if spec.engine_options is None:
         raise ValueError(f"rollout.backend={spec.rollout.backend} needs resolved engine options")
@@ -189,8 +193,8 @@ def build_served_engine(spec: RolloutSpec, seed: int, placement: EnginePlacement
 
 
 def build_embedded_trainer(spec: TrainerSpec, weights: Mapping[str, np.ndarray]) -> Any:
+    # torch, as above: only the trainer actor loads it
     from staleflow.models.state import load_policy_state
-    from staleflow.trainers import trainer_class
 
     model = build_architecture(spec.model)
     load_policy_state(model, weights)
@@ -213,8 +217,6 @@ def build_reward_stage(
     report: Callable[[Sequence[Rewarded]], None],
     worker_id: str | None = None,
 ) -> RewardStage:
-    from staleflow.rewards import RewardItem, RewardWorker
-    from staleflow.rewards.worker import build_reward_fn
 
     kind = spec.reward.kind
     worker = RewardWorker(build_reward_fn(kind, spec.reward.timeout_s), name=kind)

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from parameter_server.torch_compat import from_numpy
+
 logger = logging.getLogger(__name__)
 
 # Keys of the HF config that fix the shapes of the weights: a checkpoint whose values
@@ -159,8 +161,6 @@ def export_hf(
     """Write HF-named ``weights`` as a Hugging Face folder loadable with
     ``transformers`` (and :func:`staleflow.models.load_pretrained` with its tokenizer)."""
     from safetensors.torch import save_file
-
-    from parameter_server.torch_compat import from_numpy
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from parameter_server.convert_megatron import unsupported_hf
 from staleflow.config.sections import ModelConfig, TrainerConfig
+from staleflow.install import missing
+from staleflow.models.build import arithmetic_tokenizer, qwen2_config
+from staleflow.trainers.megatron.checkpoint import CheckpointMismatch, check_architecture, read_meta
 
 if TYPE_CHECKING:
     from staleflow.config import RunConfig
@@ -29,8 +32,6 @@ def check_installed() -> None:
     if importlib.util.find_spec("megatron") is None or (
         importlib.util.find_spec("megatron.core") is None
     ):
-        from staleflow.install import missing
-
         raise TrainerSetupError(
             f"trainer.backend=megatron needs {missing('megatron-core', extra='megatron')} "
             "(or use trainer.backend=embedded)"
@@ -58,8 +59,6 @@ def policy_config(model: ModelConfig) -> dict[str, Any] | None:
     built-in preset's Qwen2 config. None when the checkpoint has no readable config (the
     launcher's own preflight names that)."""
     if not model.checkpoint:
-        from staleflow.models.build import arithmetic_tokenizer, qwen2_config
-
         return qwen2_config(model.preset, arithmetic_tokenizer().vocab_size).to_dict()
     from transformers import AutoConfig
 
@@ -119,15 +118,12 @@ def check_checkpoint(section: TrainerConfig, hf: Mapping[str, Any], policy: str 
         )
     from pathlib import Path
 
-    from staleflow.trainers.megatron.checkpoint import CheckpointMismatch, check_architecture
-
     path = Path(section.load)
     if not (path / "common.pt").is_file():
         raise TrainerSetupError(
             f"trainer.load={section.load!r} is not a Megatron distributed checkpoint (no "
             "common.pt): point it at <run>/checkpoint/megatron"
         )
-    from staleflow.trainers.megatron.checkpoint import read_meta
 
     try:
         check_architecture(read_meta(path)["hf_config"], hf, f"trainer.load={section.load!r}")

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from parameter_server.convert_megatron import GPTConfig, pipeline_stage
+from parameter_server.torch_compat import from_numpy
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
@@ -172,7 +173,6 @@ def load_shard(model: Any, shard: Mapping[str, Any], stage: Stage | None = None)
     """Copy this rank's converted shard (numpy arrays or tensors by global Megatron name,
     the whole model's or the stage's) into the stage's model; every parameter must be
     given, with its shape."""
-    from parameter_server.torch_compat import from_numpy
 
     stage = stage or Stage()
     params = parameters_by_name(model, stage)

@@ -26,8 +26,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from parameter_server.replicas import ReplicaVersions, replica_group
+from staleflow.models.checkpoint import save_tokenizer
+from staleflow.recovery.checkpoint import MEGATRON_DIR
 from staleflow.trainers.interface import BatchDigest, StreamedGroups, TrainedStep
+from staleflow.trainers.megatron.checkpoint import export_hf, load_checkpoint, save_checkpoint
+from staleflow.trainers.megatron.rank import MegatronRank, free_port, host_address, init_distributed
 from staleflow.trainers.megatron.split import assign_groups, coordinates
+from staleflow.trainers.rng import rng_state, set_rng_state
+from trajectory_server.actor import TrajectoryServerClient
+from trajectory_server.types import TrainingBatch
 
 if TYPE_CHECKING:
     from parameter_server.replicas import ReplicaRoute
@@ -35,7 +43,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MEGATRON_DIR = "megatron"  # the distributed checkpoint inside a checkpoint folder
 RNG_DIR = "rng"  # each rank's torch RNG state inside a checkpoint folder: rank-<g>.pt
 
 
@@ -53,7 +60,6 @@ class RankActor:
 
     def rendezvous(self) -> str:
         """``host:port`` where rank 0 waits for the others."""
-        from staleflow.trainers.megatron.rank import free_port, host_address
 
         return f"{host_address()}:{free_port()}"
 
@@ -67,14 +73,11 @@ class RankActor:
         """Join the group, build the model, load the weights (version 0 from the PS, or the
         distributed checkpoint ``load``), connect the sharded Push to every PS replica
         (``routes``: every rank's routes to them); returns the version of the weights."""
-        from staleflow.trainers.megatron.rank import MegatronRank, init_distributed
 
         init_distributed(self._rank_id, self._spec.world, address)
         rank = MegatronRank(self._spec)
         mine = routes[self._rank_id]
         if load:
-            from staleflow.trainers.megatron.checkpoint import load_checkpoint
-
             # weights and optimizer state from the checkpoint; the run's versions are the
             # PS's (its version 0 is the HF folder written beside the checkpoint)
             load_checkpoint(rank, load)
@@ -84,8 +87,6 @@ class RankActor:
             rank.version = self._load_from_ps(rank, mine)
         rank.attach_push(routes)
         if ts_handle is not None and rank.is_data_leader:
-            from trajectory_server.actor import TrajectoryServerClient
-
             self._ts = TrajectoryServerClient(ts_handle)
         self._rank = rank
         return rank.version
@@ -96,8 +97,6 @@ class RankActor:
         where it was)."""
         import torch
 
-        from staleflow.trainers.rng import set_rng_state
-
         file = folder / f"rank-{self._rank_id}.pt"
         if file.is_file():
             set_rng_state(torch.load(file, weights_only=True))
@@ -105,8 +104,6 @@ class RankActor:
     def _load_from_ps(self, rank: Any, routes: Sequence[ReplicaRoute]) -> int:
         """The newest version all replicas hold, pulled from the nearest ones."""
         import numpy as np
-
-        from parameter_server.replicas import replica_group
 
         with replica_group(routes, receiver=f"rank{self._rank_id}") as group:
             buffer = np.empty(group.layout.nbytes, dtype=np.uint8)
@@ -131,7 +128,6 @@ class RankActor:
         """One training step; a data leader takes its ``select``ed groups from the TS and
         trains those not ``streamed`` already. Returns the metrics and (data leaders) the
         digest of the part it took."""
-        from trajectory_server.types import TrainingBatch
 
         rank = self._rank
         part = digest = None
@@ -148,7 +144,6 @@ class RankActor:
     def stream(self, select: Mapping[int, Sequence[int]] | None) -> None:
         """Forward/backward on groups of the next step (``trainer.stream``): a data leader
         reads its ``select``ed groups from the TS, which keeps them until the Consume."""
-        from trajectory_server.types import TrainingBatch
 
         part = None
         if self._rank.is_data_leader:
@@ -166,9 +161,6 @@ class RankActor:
 
     def save_checkpoint(self, path: str) -> None:
         import torch
-
-        from staleflow.trainers.megatron.checkpoint import export_hf, save_checkpoint
-        from staleflow.trainers.rng import rng_state
 
         rank = self._rank
         save_checkpoint(rank, str(Path(path) / MEGATRON_DIR))
@@ -200,7 +192,6 @@ class RankActor:
 
 
 def _ps_version(routes: Sequence[ReplicaRoute]) -> int:
-    from parameter_server.replicas import ReplicaVersions
 
     versions = ReplicaVersions({r.replica: r.endpoint for r in routes}, client="rank")
     try:
@@ -228,7 +219,6 @@ def start_ranks(
 def _tokenizer_saver(tokenizer: Any) -> Any:
     if tokenizer is None:
         return None
-    from staleflow.models.checkpoint import save_tokenizer
 
     return lambda out: save_tokenizer(tokenizer, out)
 

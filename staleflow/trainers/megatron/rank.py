@@ -33,6 +33,11 @@ import torch
 import torch.distributed as dist
 
 from parameter_server.convert_megatron import MegatronToHF, gpt_config_from_hf
+from parameter_server.push import BackgroundPusher
+from parameter_server.replicas import ReplicaRoute
+from parameter_server.shard_push import ShardPushGroup
+from parameter_server.torch_compat import to_numpy
+from parameter_server.transport.base import Endpoint
 from staleflow.config.sections import TrainerConfig
 from staleflow.trainers.megatron.backend import VocabParallelBackend
 from staleflow.trainers.megatron.cpu_patches import apply_cpu_patches, cpu_devices
@@ -289,10 +294,6 @@ class MegatronRank:
         rank's routes to the PS replicas (``{global rank: [ReplicaRoute, ...]}``, the same
         on every rank), each of which then receives the whole model. Returns the bytes this
         rank sends per version."""
-        from parameter_server.push import BackgroundPusher
-        from parameter_server.replicas import ReplicaRoute
-        from parameter_server.shard_push import ShardPushGroup
-        from parameter_server.transport.base import Endpoint
 
         routes = (
             {g: [ReplicaRoute("ps", target, same_node=True)] for g in range(self.spec.world)}
@@ -366,7 +367,6 @@ def _tied_across(stage: Stage) -> bool:
 
 
 def _host_array(t: torch.Tensor, dtype: str) -> np.ndarray:
-    from parameter_server.torch_compat import to_numpy
 
     if dtype == "bfloat16":
         t = t.to(torch.bfloat16)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from staleflow.runtime.controller.actor import ControlActor
 from staleflow.runtime.driver.pools import PoolContext
 from staleflow.runtime.workers.actors import process_env
+from trajectory_server.actor import spawn_trajectory_server
 
 if TYPE_CHECKING:
     from staleflow.data import PromptSampler
@@ -34,7 +35,6 @@ def build_control(
     snapshot_timeout_s: float = 60.0,
 ) -> ControlPool:
     """``ts_state``: a resumed run's trajectories (``sampler`` at the saved position)."""
-    from trajectory_server.actor import spawn_trajectory_server
 
     ts = spawn_trajectory_server(ts_config, sampler, ts_state, **ctx.options("ts", process_env(1)))
     # several threads: consume() blocks one until its buffer is Ready

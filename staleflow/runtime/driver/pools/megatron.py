@@ -20,12 +20,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from parameter_server import Layout
 from staleflow.runtime.driver.pools import PoolContext
 from staleflow.runtime.driver.pools.controller import ControlPool
 from staleflow.runtime.driver.pools.parameter_server import PSPool
 from staleflow.runtime.errors import LaunchError
 from staleflow.runtime.workers.actors import InstanceRecovery, PoolTrainerActor, process_env
 from staleflow.runtime.workers.specs import TrainerSpec, tokenizer_from_spec
+from staleflow.trainers.megatron.pool import MEGATRON_DIR, MegatronTrainer, RankActor, start_ranks
+from staleflow.trainers.megatron.rank import RankSpec
 
 LOOP_ROLE = "trainer/loop"
 
@@ -90,14 +93,6 @@ def build_megatron_pool(
     """The ranks and the loop; ``recovery`` finds a restarted PS replica for
     :meth:`MegatronPool.refill_ps`. A resumed run (``spec.resume_from``) loads the run
     checkpoint's distributed checkpoint, at the version the PS was started with."""
-    from parameter_server import Layout
-    from staleflow.trainers.megatron.pool import (
-        MEGATRON_DIR,
-        MegatronTrainer,
-        RankActor,
-        start_ranks,
-    )
-    from staleflow.trainers.megatron.rank import RankSpec
 
     placed = ctx.placement.gang("trainer")
     roles = placed.gang.roles

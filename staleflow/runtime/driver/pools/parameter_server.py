@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from parameter_server.replicas import TRANSPORT_LINKS, ReplicaRoute, push_plan, replica_group
 from staleflow.runtime.driver.pools import PoolContext, respawn
 from staleflow.runtime.workers.actors import ParameterServerActor, process_env
 
@@ -30,7 +31,6 @@ class PSPool:
 
     def route(self, replica: str, from_node: str) -> ReplicaRoute:
         """How a client on ``from_node`` reaches ``replica``."""
-        from parameter_server.replicas import ReplicaRoute
 
         same = self.nodes[replica] == from_node
         transport = self.config.transport if same else self.config.push_transport
@@ -55,7 +55,6 @@ def build_parameter_server(
 ) -> PSPool:
     """Start the replicas and publish ``weights`` as ``version`` on all of them (0, or
     a resumed run's trainer version)."""
-    from parameter_server.replicas import ReplicaRoute, replica_group
 
     trainer_nodes = set(ctx.placement.gang("trainer").nodes)
     actors, nodes, args = {}, {}, {}
@@ -116,7 +115,6 @@ def describe_weights(
     -> bytes per version, where the trainer ranks plan their own sharded Push (else every
     rank holds the whole ``layout`` and App. A.2's plan assigns it here).
     """
-    from parameter_server.replicas import TRANSPORT_LINKS, push_plan
 
     moved: dict[tuple[str, str], int] = {}
     if sent is None:

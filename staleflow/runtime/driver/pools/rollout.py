@@ -18,6 +18,8 @@ from staleflow.runtime.driver.pools import PoolContext, respawn
 from staleflow.runtime.driver.pools.controller import ControlPool
 from staleflow.runtime.driver.pools.parameter_server import PSPool
 from staleflow.runtime.errors import LaunchError
+from staleflow.runtime.placement.plan import NODE_RESOURCE_SHARE, Bundle
+from staleflow.runtime.placement.ray_cluster import NODE_ID_LABEL
 from staleflow.runtime.workers.actors import InstanceRecovery, RolloutActor, process_env
 from staleflow.runtime.workers.specs import EnginePlacement, RolloutSpec
 
@@ -141,9 +143,6 @@ def new_slot(ctx: PoolContext, cfg: RunConfig, ps: PSPool, inst: int, wait_s: fl
     naming what is missing when no such node has room within ``wait_s``."""
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    from staleflow.runtime.placement.plan import NODE_RESOURCE_SHARE, Bundle
-    from staleflow.runtime.placement.ray_cluster import NODE_ID_LABEL
 
     bundle = Bundle.of(cfg.resources.rollout)
     tp = cfg.rollout.tensor_parallel

@@ -1,0 +1,48 @@
+"""``staleflow sim``: one simulated job and its summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from staleflow.sim import PRESETS, simulate, system
+
+
+def run(args: argparse.Namespace) -> int:
+    preset = PRESETS[args.preset]
+    try:
+        config = system(args.system, preset(eta=args.eta, steps=args.steps, seed=args.seed))
+    except ValueError as exc:
+        print(f"staleflow sim: {exc}", file=sys.stderr)
+        return 2
+    summary = simulate(config)
+    table = Table(title=f"simulated {args.system} on {args.preset}, eta={args.eta}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("training steps", f"{summary.steps}" + (" (stalled)" if summary.stalled else "")),
+        ("virtual time", f"{summary.seconds:,.0f} s"),
+        ("throughput", f"{summary.tokens_per_s:,.0f} tokens/s"),
+        ("throughput after warm-up", f"{summary.steady_tokens_per_s:,.0f} tokens/s"),
+        (
+            "rollout idle / prefill / pull",
+            f"{summary.rollout_idle_ratio:.3f} / "
+            f"{summary.rollout_prefill_ratio:.3f} / {summary.rollout_pull_ratio:.3f}",
+        ),
+        ("trainer idle", f"{summary.trainer_idle_ratio:.3f}"),
+        (
+            "staleness (V_buf - V_traj: groups)",
+            " ".join(f"{k}:{v}" for k, v in sorted(summary.staleness.items())),
+        ),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    Console().print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary.as_dict(), f, indent=2)
+    return 0
