@@ -44,9 +44,10 @@ def test_ci_runs_the_readmes_check_command_and_nothing_else_tests():
 def test_the_check_command_sets_up_lints_tests_vllm_and_drives_the_browser():
     check = (ROOT / "scripts" / "check").read_text()
     stages = re.findall(r"^stage (\S+) ", check, re.M)
-    assert stages == ["lint", "tests", "vllm", "browser"]
+    assert stages == ["lint", "tests", "vllm", "sglang", "browser"]
     # the vLLM backend's tests in their own environment, the stage CI has always run
     assert re.search(r"^stage vllm bash \.ci/vllm\b", check, re.M)
+    assert re.search(r"^stage sglang bash \.ci/sglang\b", check, re.M)
     assert os.access(ROOT / ".ci" / "vllm", os.R_OK)
     listed = re.search(r"^stages=\((.*?)\)", check, re.M)
     assert listed and listed.group(1).split() == stages  # what --help and the check name
@@ -59,7 +60,7 @@ def test_the_check_command_names_its_stages_before_setting_anything_up(tmp_path)
     env = {**os.environ, "STALEFLOW_VENV": str(tmp_path / "venv")}
     check = str(ROOT / "scripts" / "check")
     shown = subprocess.run([check, "--help"], env=env, capture_output=True, text=True)
-    assert shown.returncode == 0 and "stages: lint tests vllm browser" in shown.stderr
+    assert shown.returncode == 0 and "stages: lint tests vllm sglang browser" in shown.stderr
     wrong = subprocess.run([check, "test"], env=env, capture_output=True, text=True)
     assert wrong.returncode != 0 and "no stage 'test'" in wrong.stderr
     assert not (tmp_path / "venv").exists()  # neither call set anything up

@@ -74,12 +74,15 @@ def check_rollout_backend(cfg: Any, *, gpus: int | None = None) -> None:
                 f"the GPU nodes (pip install sglang), or set {key}.python to an interpreter "
                 "that has it"
             )
-        if local and gpus == 0:
+        if local and gpus == 0 and not _has_module(python, "sgl_kernel"):
+            # SGLang's CPU path needs its kernel package's CPU build (sgl_kernel), which the
+            # registry does not ship (CI's SGLang stage uses a stand-in, docs/engines.md)
             raise BackendSettingError(
                 "rollout.backend=sglang needs GPUs (SGLang 0.5 runs on CUDA) and this machine "
-                "has none: use rollout.backend=vllm or embedded on CPU"
+                f"has none, nor a CPU build of SGLang's kernel package (sgl_kernel) for {python}: "
+                "use rollout.backend=vllm or embedded on CPU"
             )
-        if local and options.tp_size > gpus:
+        if local and gpus and options.tp_size > gpus:
             raise BackendSettingError(
                 f"{key}.tp_size={options.tp_size} but this machine has {gpus} GPU(s): use at "
                 f"most {gpus}"

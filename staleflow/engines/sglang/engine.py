@@ -291,11 +291,15 @@ class SGLangEngine:
         )
         self._decode_tokens += len(ids)
         total = len(req.tokens) + len(ids)
-        if reason == _ABORT:
+        complete = total >= req.max_response or bool(ids and ids[-1] in self.config.eos_ids)
+        if reason == _ABORT and not complete:
             finish = None
+        # An abort that reaches the scheduler after the request's last token was sampled
+        # still answers "abort" (seen on SGLang 0.5.23): the response is complete all the
+        # same, and a resubmission of it would be refused, so it finishes here.
         elif reason == FINISH_STOP or (ids and ids[-1] in self.config.eos_ids):
             finish = FINISH_STOP
-        elif reason == FINISH_LENGTH or total >= req.max_response:
+        elif reason in (FINISH_LENGTH, _ABORT) or total >= req.max_response:
             finish = FINISH_LENGTH
         else:
             raise SGLangError(f"request {call.rid}: unexpected finish_reason {reason!r}")

@@ -43,6 +43,21 @@ class ServerSpec:
     deterministic: bool = False
     startup_timeout_s: float = 900.0
     env: dict[str, str] = field(default_factory=dict)
+    # "cuda", "cpu", or "auto": cpu where this process's torch sees no CUDA device. On
+    # CPU SGLang needs its kernel package's CPU build (sgl_kernel), SGLANG_USE_CPU_ENGINE
+    # and an attention backend without CUDA kernels (docs/engines.md).
+    device: str = "auto"
+    # --dtype of the weights and activations; "" = SGLang's "auto", which serves a float32
+    # checkpoint in float16 (logprobs then differ from a float32 trainer's by ~3e-4 on the
+    # tiny test model)
+    dtype: str = ""
+
+    def on_cpu(self) -> bool:
+        if self.device == "auto":
+            import torch
+
+            return not torch.cuda.is_available()
+        return self.device == "cpu"
 
     def argv(self, port: int) -> list[str]:
         # Flags of SGLang 0.5.23's ServerArgs (srt/arg_groups/fields/*.py).
@@ -67,6 +82,12 @@ class ServerSpec:
             argv += ["--mem-fraction-static", str(self.mem_fraction_static)]
         if self.deterministic:
             argv.append("--enable-deterministic-inference")  # arg_groups/fields/exec_.py:1153
+        if self.dtype:
+            argv += ["--dtype", self.dtype]
+        if self.on_cpu():
+            # torch_native: SDPA attention in plain PyTorch (no FlashInfer/Triton kernels)
+            argv += ["--device", "cpu", "--attention-backend", "torch_native"]
+            argv += ["--disable-cuda-graph"]
         return argv + shlex.split(self.extra_args)
 
 
@@ -87,6 +108,8 @@ class SGLangServer:
         argv = self.spec.argv(self.port)
         logger.info("starting SGLang: %s (log %s)", shlex.join(argv), log)
         env = {**os.environ, **self.spec.env}
+        if self.spec.on_cpu():
+            env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's is_cpu() (srt/utils/common.py)
         # SGLang must report log_softmax(logits / T) (sampler.py:192-322): not the
         # pre-temperature logprobs this variable switches to.
         env["SGLANG_RETURN_ORIGINAL_LOGPROB"] = "false"

@@ -106,6 +106,25 @@ class HealingPull:
         version = _retry(f"Pull of version >= {at_least}", self._patience, attempt)
         return version, self._layout.views(self._buffer)
 
+    def latest_version(self, at_least: int) -> int:
+        """The newest version the replica holds, for engines whose own workers pull it
+        (SGLang's TP ranks: ``InstanceHost.pull``), with the same patience as ``fetch``."""
+
+        def attempt() -> int:
+            if self._transport is None:
+                self._reconnect()
+            try:
+                latest = self._transport.info().latest
+            except LOST:
+                self._drop()
+                raise
+            version = -1 if latest is None else int(latest)
+            if version < at_least:
+                raise VersionNotHeldError(at_least, (version,), f"the PS holds {version} so far")
+            return version
+
+        return _retry(f"the latest version >= {at_least}", self._patience, attempt)
+
     def _reconnect(self) -> None:
         route = replace(self._route, endpoint=self._resolve(self._route.replica))
         self._transport = connect_replica(route)

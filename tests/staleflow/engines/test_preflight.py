@@ -88,13 +88,21 @@ def test_sglang_not_installed_names_the_interpreter_and_the_key(tmp_path):
 
 def test_sglang_needs_gpus_and_enough_of_them(tmp_path):
     python = tmp_path / "python-with-sglang"
-    python.write_text("#!/bin/sh\nexit 0\n", encoding="utf-8")  # "finds" any module
+    # "finds" any module but sgl_kernel (the kernel package's CPU build)
+    python.write_text('#!/bin/sh\ncase "$*" in *sgl_kernel*) exit 1;; esac\nexit 0\n')
     python.chmod(python.stat().st_mode | stat.S_IEXEC)
     base = ("rollout.backend=sglang", f"rollout.sglang.python={python}")
     with pytest.raises(
-        BackendSettingError, match=r"needs GPUs .* use rollout.backend=vllm or embedded"
+        BackendSettingError, match=r"needs GPUs .* nor a CPU build .*sgl_kernel.* use rollout"
     ):
         check_rollout_backend(_cfg(*base), gpus=0)
+    # with a CPU build of sgl_kernel (CI's SGLang stage) it may run on CPU
+    cpu_python = tmp_path / "python-with-sglang-cpu"
+    cpu_python.write_text("#!/bin/sh\nexit 0\n", encoding="utf-8")
+    cpu_python.chmod(cpu_python.stat().st_mode | stat.S_IEXEC)
+    check_rollout_backend(
+        _cfg("rollout.backend=sglang", f"rollout.sglang.python={cpu_python}"), gpus=0
+    )
     with pytest.raises(
         BackendSettingError, match=r"rollout.sglang.tp_size=4 but this machine has 2"
     ):

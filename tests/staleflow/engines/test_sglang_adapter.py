@@ -259,3 +259,48 @@ def test_a_server_dying_mid_run_stops_its_instance_with_an_error_naming_it(
     with pytest.raises(RuntimeError, match=r"rollout instance 7 stopped(.|\n)*exited with code"):
         instance.check()
     instance.stop()
+
+
+class _LateAbortServer:
+    """A server that, as SGLang 0.5.23 did under CI's launch, answers an abort that
+    arrived after the request's last token was sampled with ``finish_reason`` "abort"
+    and the whole response."""
+
+    base_url = "http://late-abort.invalid"
+
+    def __init__(self, tokens: list[int]) -> None:
+        import threading
+
+        self.tokens = tokens
+        self.aborted = threading.Event()
+
+    def post(self, path: str, body: dict, timeout_s: float | None = None) -> dict:
+        if path == "/abort_request":
+            self.aborted.set()
+            return {}
+        assert path == "/generate"
+        assert self.aborted.wait(30)
+        return {
+            "output_ids": self.tokens,
+            "meta_info": {
+                "id": body["rid"],
+                "finish_reason": {"type": "abort", "message": "Abort in waiting queue"},
+                "prompt_tokens": len(body["input_ids"]),
+                "output_token_logprobs": [[-1.0, t, None] for t in self.tokens],
+            },
+        }
+
+
+def test_an_abort_answered_after_the_last_token_is_a_completion(folder) -> None:
+    """Resubmitting such a response is refused ("it is finished, do not resubmit it"), so
+    the adapter reports it finished: by length at max_response, by the stop token."""
+    for tokens, eos, reason in (([5, 6, 7], None, "length"), ([5, 9], 9, "stop")):
+        server = _LateAbortServer(tokens)
+        engine = SGLangEngine(server, config(folder, eos))  # type: ignore[arg-type]
+        try:
+            engine.submit([req(1, max_response=3)])
+            assert engine.interrupt([1]) == {}  # not a partial response
+            (done,) = drain(engine).values()
+            assert done.tokens.tolist() == tokens and done.finish_reason == reason
+        finally:
+            engine.close()
