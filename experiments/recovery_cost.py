@@ -45,7 +45,8 @@ from staleflow.engines import engine_class
 from staleflow.engines.embedded import EmbeddedEngineConfig
 from staleflow.models.build import build_arithmetic_model
 from staleflow.models.state import policy_state
-from staleflow.runtime.controller.control_plane import ControlConfig, ControlPlane
+from staleflow.runtime.controller.control_plane import ControlPlane
+from staleflow.runtime.controller.plane_records import ControlConfig
 from staleflow.runtime.in_process import Serialized
 from staleflow.runtime.workers.instance_host import InstanceHost
 from staleflow.runtime.workers.specs import RewardSpec, build_reward_stage, tokenizer_spec

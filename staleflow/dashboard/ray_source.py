@@ -72,7 +72,7 @@ class RayHandles:
 
 @dataclass(slots=True)
 class _State:
-    live: Any = None  # staleflow.runtime.controller.control_plane.LiveState
+    live: Any = None  # staleflow.runtime.controller.plane_records.LiveState
     ts: Any = None
     times: dict[int, Any] = field(default_factory=dict)
     ps: Any = None  # parameter_server.store.StoreInfo

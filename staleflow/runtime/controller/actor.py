@@ -31,8 +31,8 @@ from trajectory_server.types import AbortedTrajectory
 
 if TYPE_CHECKING:
     from parameter_server.transport.base import Endpoint
-    from staleflow.runtime.controller.control_plane import ControlConfig, Cut, LiveState
     from staleflow.runtime.controller.fleet import LostInstance
+    from staleflow.runtime.controller.plane_records import ControlConfig, Cut, LiveState
     from staleflow.runtime.workers.ps_healing import ReplicaResolver
 
 logger = logging.getLogger(__name__)

@@ -37,10 +37,8 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from coordinator import CoordinatorConfig
 from coordinator.types import InstanceSnapshot
 from staleflow.control import ControlLoop, Decision
 from staleflow.recovery.events import RecoveryEvent, RecoveryLog
@@ -49,6 +47,7 @@ from staleflow.runfolder.step_record import StepRecord, freshness_keys
 from staleflow.runtime.controller.fleet import FleetOps, LostInstance, RecoverableStore
 from staleflow.runtime.controller.instances import Members
 from staleflow.runtime.controller.metrics import StepMetrics
+from staleflow.runtime.controller.plane_records import ControlConfig, Cut, LiveState
 from staleflow.runtime.controller.planes import RuntimePlanes
 from staleflow.runtime.controller.races import RuntimeRaces
 from staleflow.runtime.interface import (
@@ -59,9 +58,9 @@ from staleflow.runtime.interface import (
     StopRequested,
     TrainerGroups,
 )
-from staleness import ConsumedBatch, StalenessConfig, StalenessManager
-from staleness.types import ManagerView, TrajId
-from trajectory_server.types import AbortedTrajectory, InstanceId, TSStats
+from staleness import ConsumedBatch, StalenessManager
+from staleness.types import TrajId
+from trajectory_server.types import AbortedTrajectory, InstanceId
 
 logger = logging.getLogger(__name__)
 
@@ -76,48 +75,6 @@ class ControlPlaneError(RuntimeError):
 
 class CheckpointStore(RecoverableStore, Protocol):
     def export_state(self) -> dict[str, Any]: ...
-
-
-@dataclass(frozen=True, slots=True)
-class ControlConfig:
-    staleness: StalenessConfig
-    coordinator: CoordinatorConfig
-    idle_wait_s: float = 0.05  # longest sleep between loop iterations
-    checkpoint_every: int = 0  # take a cut after every N-th training step (0: never)
-
-
-@dataclass(frozen=True, slots=True)
-class Cut:
-    """The run at a consistent cut, waiting to be written (``staleflow.recovery``)."""
-
-    steps: int
-    version: int
-    ps_version: int
-    staleness: Mapping[str, Any]
-    trajectories: Mapping[str, Any]
-    metrics: tuple[Mapping[str, float], ...]
-    final: bool  # taken because the run is stopping
-
-
-@dataclass(frozen=True, slots=True)
-class LiveState:
-    """What a dashboard or progress display shows between steps."""
-
-    buffers: ManagerView
-    instances: tuple[InstanceSnapshot, ...]
-    ts: TSStats | None
-    ps_version: int
-    steps: int
-    rewarded: int
-    elapsed_s: float
-    cycles: int = 0
-    discarded: int = 0
-    last_discard: str = ""  # why the last snapshot failed Eq. 1
-    pending: Mapping[int, int] = field(default_factory=dict)  # commands in flight, by instance
-    commands: Mapping[int, Mapping[str, int]] = field(default_factory=dict)  # issued, by kind
-    members: tuple[int, ...] = ()  # the instances in the run now
-    stopping: bool = False
-    recovery: Mapping[str, float] = field(default_factory=dict)  # recovery/* totals
 
 
 Snapshots = Callable[[Sequence[int]], Sequence[InstanceSnapshot | InstanceGone]]

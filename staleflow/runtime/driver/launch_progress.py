@@ -14,7 +14,7 @@ from staleflow.progress import SILENT, Phase, Progress
 if TYPE_CHECKING:
     from staleflow.config.run import RunConfig
     from staleflow.runfolder.step_record import StepRecord
-    from staleflow.runtime.controller.control_plane import LiveState
+    from staleflow.runtime.controller.plane_records import LiveState
 
 # The pools Run.start builds, in order (Figure 6); it advances the phase once per pool.
 ACTOR_STAGES = ("control + TS", "PS", "reward", "rollout", "trainer")

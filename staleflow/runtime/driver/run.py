@@ -27,7 +27,7 @@ from staleflow.engines.factory import engine_options
 from staleflow.progress import SILENT_PHASE, Phase
 from staleflow.recovery import RunState, list_checkpoints, write_checkpoint
 from staleflow.runfolder.writer import AUDIT
-from staleflow.runtime.controller.control_plane import ControlConfig, Cut
+from staleflow.runtime.controller.plane_records import ControlConfig, Cut
 from staleflow.runtime.driver.pools import PoolContext
 from staleflow.runtime.driver.pools.controller import ControlPool, build_control
 from staleflow.runtime.driver.pools.parameter_server import (

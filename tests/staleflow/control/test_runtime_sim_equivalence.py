@@ -23,7 +23,8 @@ import pytest
 from staleflow.control import Consumed, Decision, Dropped, Issued, Occupied
 from staleflow.control.late import return_live
 from staleflow.rollout.instance import InstanceTimes
-from staleflow.runtime.controller.control_plane import ControlConfig, ControlPlane
+from staleflow.runtime.controller.control_plane import ControlPlane
+from staleflow.runtime.controller.plane_records import ControlConfig
 from staleflow.runtime.interface import Rewarded
 from staleflow.sim import SimCluster, system, tiny
 from staleflow.sim.cluster import ClusterConfig

@@ -6,7 +6,7 @@ import pytest
 
 from staleflow.dashboard.ray_source import RayHandles, RaySource, actor_name
 from staleflow.rollout.instance import InstanceTimes
-from staleflow.runtime.controller.control_plane import LiveState
+from staleflow.runtime.controller.plane_records import LiveState
 from tests.staleflow.dashboard.fakes import (
     FakeActor,
     FakeRay,

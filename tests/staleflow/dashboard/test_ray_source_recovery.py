@@ -11,7 +11,7 @@ from staleflow.dashboard.interface import ActionNotSupported
 from staleflow.dashboard.ray_source import RayHandles, RaySource
 from staleflow.recovery.events import RecoveryEvent
 from staleflow.rollout.instance import InstanceTimes
-from staleflow.runtime.controller.control_plane import LiveState
+from staleflow.runtime.controller.plane_records import LiveState
 from tests.staleflow.dashboard.fakes import FakeActor, FakeRay, FakeRayActorError, manager, snapshot
 
 

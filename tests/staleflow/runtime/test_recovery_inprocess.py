@@ -25,7 +25,8 @@ from coordinator import CoordinatorConfig
 from staleflow.recovery import RunState, read_checkpoint, write_checkpoint
 from staleflow.recovery.restore import restore_run
 from staleflow.runfolder.step_record import StepRecord
-from staleflow.runtime.controller.control_plane import ControlConfig, ControlPlane
+from staleflow.runtime.controller.control_plane import ControlPlane
+from staleflow.runtime.controller.plane_records import ControlConfig
 from staleflow.runtime.in_process import Serialized
 from staleflow.runtime.interface import InstanceGone
 from staleflow.runtime.workers.instance_host import InstanceHost

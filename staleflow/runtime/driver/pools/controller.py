@@ -13,7 +13,7 @@ from trajectory_server.actor import spawn_trajectory_server
 
 if TYPE_CHECKING:
     from staleflow.data import PromptSampler
-    from staleflow.runtime.controller.control_plane import ControlConfig
+    from staleflow.runtime.controller.plane_records import ControlConfig
     from trajectory_server import TrajectoryServerConfig
     from trajectory_server.actor import TrajectoryServerClient
 

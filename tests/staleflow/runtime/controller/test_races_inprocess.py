@@ -18,7 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from coordinator import CoordinatorConfig
 from coordinator.config import RaceConfig
-from staleflow.runtime.controller.control_plane import ControlConfig, ControlPlane
+from staleflow.runtime.controller.control_plane import ControlPlane
+from staleflow.runtime.controller.plane_records import ControlConfig
 from staleflow.runtime.in_process import Serialized
 from staleflow.runtime.workers.instance_host import InstanceHost
 from staleflow.runtime.workers.reward_stage import RewardStage

@@ -11,7 +11,7 @@ from rich.console import Console
 from coordinator.types import InstanceSnapshot
 from staleflow.progress import Progress
 from staleflow.runfolder.step_record import StepRecord
-from staleflow.runtime.controller.control_plane import LiveState
+from staleflow.runtime.controller.plane_records import LiveState
 from staleflow.runtime.driver.display import LaunchView, live_panel, step_line, summary_table
 from staleness import StalenessConfig, StalenessManager
 
