@@ -196,7 +196,8 @@ def test_cli_profile_refuses_a_folder_as_output_before_profiling(capsys, tmp_pat
 
 
 def test_cli_launch_interrupted_says_so_without_a_traceback(capsys, monkeypatch):
-    from staleflow.runtime.driver import launch as launching
+    # the command module holds its own name for launch (staleflow/commands/launch.py)
+    from staleflow.commands import launch as launching
 
     def interrupted(cfg, **kwargs):
         # launch's own teardown (its finally blocks) has run by the time this propagates
