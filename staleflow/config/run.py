@@ -26,6 +26,7 @@ from staleflow.config.sections import (
 from staleflow.config.walk import check_tree_bounds, check_types
 from staleflow.models.presets import PRESETS
 from staleflow.rewards.registry import resolve_reward_kind
+from staleflow.tracking import TrackerError, parse_trackers
 from staleness import StalenessConfig
 from staleness.bounds import (
     ETA_WHY,
@@ -152,6 +153,18 @@ class RunConfig:
             "a TCP port number has 16 bits",
         ),
     )
+    tracking: str = field(
+        default="",
+        metadata=_help(
+            "experiment trackers, comma-separated: tensorboard | wandb | mlflow (several at "
+            "once; each writes under <run folder>/tracking/); '' = none (metrics.jsonl is "
+            "always written)"
+        ),
+    )
+    tracking_project: str = field(
+        default="staleflow",
+        metadata=_help("the W&B project and the MLflow experiment of the run's trackers"),
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -199,6 +212,16 @@ class RunConfig:
             "is not usable in a folder name: use letters, digits, '.', '_' and '-'",
         )
         require(bool(self.run_dir), "run_dir", self.run_dir, "is empty: use e.g. runs")
+        try:
+            parse_trackers(self.tracking)
+        except TrackerError as exc:
+            raise ConfigError(str(exc)) from None
+        require(
+            bool(self.tracking_project.strip()),
+            "tracking_project",
+            self.tracking_project,
+            "is empty: name the W&B project / MLflow experiment, e.g. staleflow",
+        )
         # every numeric key's declared bounds (the "max" of its metadata), NaN and
         # infinities too: after each section's own checks (more specific messages), before
         # the checks across sections (which would compare an absurd value with another)

@@ -9,6 +9,7 @@ or these names, never by spelling them.
 ``state.json``      the launch's phase and outcome (``staleflow.runfolder.run_state``)
 ``live.json``       while the run is up: its Ray address and pids (the supervisor)
 ``audit.jsonl``     with ``recovery.audit_log``: every consumed trajectory
+``tracking/``       with ``tracking=...``: the trackers' own files (``staleflow.tracking``)
 ==================  ====================================================================
 
 Checkpoints keep their own layout (``staleflow.recovery.checkpoint``); the served engines'
@@ -27,7 +28,8 @@ CONFIG, METRICS, SUMMARY = "config.yaml", "metrics.jsonl", "summary.json"
 STATE = "state.json"
 LIVE = "live.json"
 AUDIT = "audit.jsonl"
-FILES = (CONFIG, METRICS, SUMMARY, STATE, LIVE, AUDIT)
+TRACKING = "tracking"  # a folder: one subfolder per tracker
+FILES = (CONFIG, METRICS, SUMMARY, STATE, LIVE, AUDIT, TRACKING)
 
 
 class RunLayout:

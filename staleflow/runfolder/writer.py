@@ -18,6 +18,7 @@ from typing import IO
 
 from staleflow.config import RunConfig, save_config
 from staleflow.engines.factory import ENGINE_MODEL_DIR
+from staleflow.runfolder.layout import TRACKING
 from staleflow.runfolder.reader import AUDIT, CONFIG, METRICS, STATE
 from staleflow.runfolder.step_record import StepRecord
 
@@ -103,6 +104,8 @@ class RunOutput:
         # the built-in policy saved for vLLM / SGLang to load: ours, and large; an engine's
         # logs are kept (with the warning below), they say why the start failed
         shutil.rmtree(self.path / ENGINE_MODEL_DIR, ignore_errors=True)
+        # the trackers' files of a launch that never trained: nothing worth keeping
+        shutil.rmtree(self.path / TRACKING, ignore_errors=True)
         try:
             self.path.rmdir()
             if self._made_parent and not any(self.path.parent.iterdir()):

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from staleflow.config import RunConfig
+from staleflow.config import RunConfig, config_to_dict
 from staleflow.data import ArithmeticConfig, PromptDataset, load_dataset, synthetic_dataset
 from staleflow.data.layouts import DatasetError
 from staleflow.models.errors import ModelError
@@ -58,6 +58,13 @@ from staleflow.runtime.errors import LaunchError, PlacementError
 from staleflow.runtime.placement.fitting import Placement
 from staleflow.runtime.placement.placing import Phase, log_phase, place
 from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE, RayCluster
+from staleflow.tracking import (
+    TrackerError,
+    Trackers,
+    check_installed,
+    open_trackers,
+    parse_trackers,
+)
 
 if TYPE_CHECKING:
     from staleflow.data import PromptDataset
@@ -99,7 +106,12 @@ class RunResult:
 
 
 def preflight(cfg: RunConfig) -> None:
-    """Paths the run reads, checked before a cluster is joined or a model loaded."""
+    """Paths the run reads and the trackers' libraries, checked before a cluster is joined
+    or a model loaded."""
+    try:
+        check_installed(parse_trackers(cfg.tracking))
+    except TrackerError as exc:
+        raise LaunchError(str(exc)) from None
     for key, value, kind, what in (
         ("model.checkpoint", cfg.model.checkpoint, "dir", "cannot load the policy"),
         ("data.tokenizer", cfg.data.tokenizer, "any", "cannot load the policy"),
@@ -371,17 +383,20 @@ def _launch_on(
     )
     records = [StepRecord.from_flat(r) for r in resume.metrics] if resume is not None else []
     waits = TrainingWaits(progress, cfg, on_tick)
+    trackers = Trackers()
 
     def record(rec: StepRecord) -> None:
         waits.record(rec)
         records.append(rec)
         out.record(rec)
+        trackers.log_step(rec.step, rec.to_flat())
         if on_record is not None:
             on_record(rec)
 
     stop_watching: Callable[[], None] | None = None
     failed = True
     try:
+        trackers = _start_trackers(cfg, out.path, facts)
         try:
             ps_replicas = len(placement.pool("parameter_server"))
             with actors_phase(progress, cfg, ps_replicas) as stages:
@@ -409,6 +424,7 @@ def _launch_on(
     except BaseException as exc:
         interrupted = isinstance(exc, KeyboardInterrupt)
         state.end(STOPPED if interrupted else CRASHED, _ended(exc))
+        trackers.close(failed=True)
         raise
     finally:
         if stop_watching is not None:
@@ -430,6 +446,8 @@ def _launch_on(
     tmp = out.path / f".{SUMMARY}.tmp"
     tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     tmp.replace(out.path / SUMMARY)
+    trackers.log_summary(summary)
+    trackers.close(failed=False)
     state.end(STOPPED if stopped else FINISHED, "a signal asked it to stop" if stopped else "")
     consumed = [
         {
@@ -441,6 +459,21 @@ def _launch_on(
         for r in reports
     ]
     return RunResult(out.path, records, summary, consumed, stopped, last)
+
+
+def _start_trackers(cfg: RunConfig, run_dir: Path, facts: dict[str, Any]) -> Trackers:
+    """The run's trackers (``tracking``), started in the run folder with the resolved
+    configuration and the facts known before training (the policy's source, the chat
+    template...)."""
+    names = parse_trackers(cfg.tracking)
+    if not names:
+        return Trackers()
+    try:
+        trackers = open_trackers(names, run_dir, run_dir.name, cfg.tracking_project)
+    except Exception as exc:  # a library that cannot start: before any actor, say which
+        raise LaunchError(f"the trackers ({cfg.tracking}) could not start: {exc}") from exc
+    trackers.log_config({**config_to_dict(cfg), "facts": dict(facts)})
+    return trackers
 
 
 def _ended(exc: BaseException) -> str:
