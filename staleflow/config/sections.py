@@ -11,16 +11,13 @@ import math
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from coordinator.config import ConfigError
 from staleflow.config.checks import (
     ACTORS_WHY,
     BATCH_TOKENS_WHY,
     MAX_ACTORS,
     MAX_BATCH_TOKENS,
-    MAX_SEQUENCE_TOKENS,
     MAX_THREADS,
     MAX_WAIT_S,
-    SEQUENCE_WHY,
     THREADS_WHY,
     WAIT_WHY,
     _help,
@@ -28,6 +25,15 @@ from staleflow.config.checks import (
     require_at_least,
     require_choice,
     require_positive,
+)
+from staleflow.config.data import (
+    DATA_TASKS as DATA_TASKS,
+)
+from staleflow.config.data import (
+    FILE_TASKS as FILE_TASKS,
+)
+from staleflow.config.data import (
+    DataConfig as DataConfig,
 )
 from staleflow.config.rollout import (
     ROLLOUT_BACKENDS as ROLLOUT_BACKENDS,
@@ -42,13 +48,10 @@ from staleflow.config.rollout import (
     VLLMOptions as VLLMOptions,
 )
 from staleflow.config.walk import check_types
-from staleflow.data.synthetic import ArithmeticConfig
 from staleflow.models.presets import PRESETS
 from staleflow.rewards.registry import AUTO, reward_names
 from staleness.bounds import MAX_HELD_TRAJECTORIES
 
-DATA_TASKS = ("arithmetic", "gsm8k", "dapo", "jsonl", "parquet")
-FILE_TASKS = DATA_TASKS[1:]
 TRAINER_BACKENDS = ("embedded", "megatron")
 OFF_POLICY_MODES = ("decoupled", "tis", "none")
 CAP_MODES = ("auto", "truncate", "mask")
@@ -127,59 +130,6 @@ class ModelConfig:
 def _model_presets() -> tuple[str, ...] | None:
     """Names of the built-in model sizes (``staleflow.models.presets`` needs no torch)."""
     return tuple(sorted(PRESETS))
-
-
-@dataclass(frozen=True, slots=True)
-class DataConfig:
-    """Where prompts and their ground truths come from."""
-
-    KEY: ClassVar[str] = "data"
-
-    task: str = field(
-        default="arithmetic",
-        metadata=_help(
-            "arithmetic (built in) | gsm8k | dapo | jsonl | parquet (local files at data.path)"
-        ),
-    )
-    path: str = field(default="", metadata=_help("local .jsonl or .parquet file of a file task"))
-    difficulty: int = field(
-        default=2,
-        metadata=_help(
-            "level of the arithmetic task, 1 (one-digit sums) to 5",
-            5,
-            "the built-in task has levels 1 to 5",
-        ),
-    )
-    tokenizer: str = field(
-        default="",
-        metadata=_help(
-            "local tokenizer (HF directory or CharTokenizer .json) replacing model.checkpoint's "
-            "own; '' = the checkpoint's"
-        ),
-    )
-    max_prompt_tokens: int = field(
-        default=512,
-        metadata=_help("prompts longer than this are skipped", MAX_SEQUENCE_TOKENS, SEQUENCE_WHY),
-    )
-
-    def __post_init__(self) -> None:
-        check_types(self, self.KEY)
-        require_choice("data.task", self.task, DATA_TASKS)
-
-        try:
-            ArithmeticConfig.level(self.difficulty)
-        except ValueError as exc:
-            raise ConfigError(f"data.difficulty={self.difficulty} is out of range: {exc}") from None
-        require_at_least("data.max_prompt_tokens", self.max_prompt_tokens, 1, "token")
-        suffixes = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet", ".pq")}.get(self.task)
-        if self.path and suffixes:
-            require(
-                self.path.endswith(suffixes),
-                "data.path",
-                self.path,
-                f"does not end in {' or '.join(suffixes)} as data.task={self.task} needs: "
-                "fix the path, or set data.task to the file's format",
-            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,14 +1,17 @@
-"""Prompt data: the built-in arithmetic task, local JSONL / Parquet datasets, offline
-tokenizers, and the deterministic sampler the trajectory server draws from."""
+"""Prompt data: the built-in arithmetic task, local JSONL / Parquet datasets and Hugging
+Face ``datasets`` sources, prompt formats (chat templates), offline tokenizers, and the
+deterministic sampler the trajectory server draws from."""
 
 from staleflow.data.datasets import (
     PromptDataset,
+    PromptFormat,
     Sample,
     load_dataset,
     load_jsonl,
     load_parquet,
     synthetic_dataset,
 )
+from staleflow.data.hf_datasets import load_hf_dataset
 from staleflow.data.layouts import (
     BUILTIN_LAYOUTS,
     DAPO_MATH,
@@ -38,6 +41,7 @@ __all__ = [
     "HFTokenizer",
     "Problem",
     "PromptDataset",
+    "PromptFormat",
     "PromptSampler",
     "RecordLayout",
     "Sample",
@@ -45,6 +49,7 @@ __all__ = [
     "TokenizerError",
     "check",
     "load_dataset",
+    "load_hf_dataset",
     "load_jsonl",
     "load_parquet",
     "load_tokenizer",

@@ -1,7 +1,10 @@
-"""Prompt datasets: the synthetic task and local JSONL / Parquet files, tokenised once.
+"""Prompt datasets: the synthetic task and local JSONL / Parquet files, tokenised once
+(Hugging Face ``datasets`` sources: :mod:`staleflow.data.hf_datasets`).
 
 A :class:`PromptDataset` keeps every prompt's ids in one flat int32 array; indexing it
-returns a :class:`Sample` whose ``prompt_ids`` is a read-only view into that array.
+returns a :class:`Sample` whose ``prompt_ids`` is a read-only view into that array. How a
+row's prompt becomes ids is a :class:`PromptFormat` (as written, or through the
+tokenizer's chat template with an optional system prompt).
 """
 
 from __future__ import annotations
@@ -77,18 +80,70 @@ class PromptDataset(Sequence[Sample]):
         return f"PromptDataset({self.name!r}, {len(self)} samples)"
 
 
-def _encode(tokenizer: Tokenizer, prompt: Prompt) -> np.ndarray:
+@dataclass(frozen=True, slots=True)
+class PromptFormat:
+    """How a prompt becomes ids. By default as written: text with a bos, a chat list
+    through the tokenizer's chat template (plain ``role: content`` lines when it has
+    none). ``chat_template``: every prompt through the tokenizer's chat template (text as
+    one user message), which it must have (:func:`check_chat_template`); an instruct
+    model expects its own turn markers. ``system_prompt`` (with ``chat_template``): a
+    system message put first, unless the row's chat already starts with one."""
+
+    chat_template: bool = False
+    system_prompt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.system_prompt and not self.chat_template:
+            raise ValueError(
+                "a system prompt needs the chat template: set data.chat_template=true, or "
+                "drop data.system_prompt"
+            )
+
+    def messages(self, prompt: Prompt) -> list[dict[str, str]]:
+        """The chat of ``prompt``, system message first when one is set."""
+        chat = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if self.system_prompt and not (chat and chat[0]["role"] == "system"):
+            chat.insert(0, {"role": "system", "content": self.system_prompt})
+        return chat
+
+
+AS_WRITTEN = PromptFormat()
+
+
+def chat_template_of(tokenizer: Tokenizer) -> str | None:
+    """The tokenizer's chat template (Jinja source), None when it has none."""
+    template = getattr(tokenizer, "chat_template", None)
+    return template if isinstance(template, str) and template else None
+
+
+def check_chat_template(tokenizer: Tokenizer, fmt: PromptFormat, source: str) -> None:
+    """Refuse ``fmt.chat_template`` with a tokenizer that has no template; ``source`` names
+    where the tokenizer came from."""
+    if fmt.chat_template and chat_template_of(tokenizer) is None:
+        raise TokenizerError(
+            f"data.chat_template=true but the tokenizer of {source} has no chat template: "
+            "add one ('chat_template' in its tokenizer_config.json, or a chat_template.jinja "
+            "file next to it), or set data.chat_template=false to tokenize prompts as written"
+        )
+
+
+def _encode(tokenizer: Tokenizer, prompt: Prompt, fmt: PromptFormat) -> np.ndarray:
+    if fmt.chat_template:
+        return tokenizer.encode_chat(fmt.messages(prompt))
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_bos=True)
     return tokenizer.encode_chat(prompt)
 
 
-def _from_rows(
+def from_rows(
     path: Path,
     rows: Iterator[tuple[int, object]],
     tokenizer: Tokenizer,
     layout: RecordLayout | None,
+    fmt: PromptFormat = AS_WRITTEN,
 ) -> PromptDataset:
+    """The dataset of ``(row number, row)`` pairs; ``layout=None`` detects a built-in
+    layout from the first row."""
     prompts: list[np.ndarray] = []
     answers: list[str] = []
     for row_number, row in rows:
@@ -97,7 +152,7 @@ def _from_rows(
             logger.debug("%s: detected the %s layout", path, layout.name)
         prompt, answer = extract(row, layout, path, row_number)
         try:
-            ids = _encode(tokenizer, prompt)
+            ids = _encode(tokenizer, prompt, fmt)
         except TokenizerError as exc:
             raise DatasetError(path, row_number, layout.prompt_field, str(exc)) from None
         if len(ids) == 0:
@@ -123,19 +178,25 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
 
 
 def load_jsonl(
-    path: str | Path, tokenizer: Tokenizer, layout: RecordLayout | None = None
+    path: str | Path,
+    tokenizer: Tokenizer,
+    layout: RecordLayout | None = None,
+    fmt: PromptFormat = AS_WRITTEN,
 ) -> PromptDataset:
     """One JSON object per line; rows are numbered by line. ``layout=None`` detects a
     built-in layout from the first row."""
     p = Path(path)
     try:
-        return _from_rows(p, _jsonl_rows(p), tokenizer, layout)
+        return from_rows(p, _jsonl_rows(p), tokenizer, layout, fmt)
     except (OSError, UnicodeDecodeError) as exc:
         raise DatasetError(p, None, None, f"cannot be read: {exc}") from None
 
 
 def load_parquet(
-    path: str | Path, tokenizer: Tokenizer, layout: RecordLayout | None = None
+    path: str | Path,
+    tokenizer: Tokenizer,
+    layout: RecordLayout | None = None,
+    fmt: PromptFormat = AS_WRITTEN,
 ) -> PromptDataset:
     """A Parquet file (through pyarrow); rows are numbered from 1."""
     try:
@@ -148,18 +209,21 @@ def load_parquet(
     except (OSError, ValueError) as exc:  # pyarrow's errors derive from these
         raise DatasetError(p, None, None, f"cannot be read as Parquet: {exc}") from None
     rows = enumerate(table.to_pylist(), start=1)
-    return _from_rows(p, rows, tokenizer, layout)
+    return from_rows(p, rows, tokenizer, layout, fmt)
 
 
 def load_dataset(
-    path: str | Path, tokenizer: Tokenizer, layout: RecordLayout | None = None
+    path: str | Path,
+    tokenizer: Tokenizer,
+    layout: RecordLayout | None = None,
+    fmt: PromptFormat = AS_WRITTEN,
 ) -> PromptDataset:
     """By suffix: ``.jsonl`` (or ``.json`` with one object per line) or ``.parquet``."""
     p = Path(path)
     if p.suffix in (".jsonl", ".json"):
-        return load_jsonl(p, tokenizer, layout)
+        return load_jsonl(p, tokenizer, layout, fmt)
     if p.suffix in (".parquet", ".pq"):
-        return load_parquet(p, tokenizer, layout)
+        return load_parquet(p, tokenizer, layout, fmt)
     raise DatasetError(p, None, None, "unknown format; use a .jsonl or .parquet file")
 
 

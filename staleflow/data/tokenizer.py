@@ -223,8 +223,14 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int] | np.ndarray, *, skip_special: bool = True) -> str:
         return self._tok.decode(np.asarray(ids).tolist(), skip_special_tokens=skip_special)
 
+    @property
+    def chat_template(self) -> str | None:
+        """The Jinja chat template the tokenizer carries, None when it has none."""
+        template = getattr(self._tok, "chat_template", None)
+        return template if isinstance(template, str) and template else None
+
     def encode_chat(self, messages: Sequence[Message]) -> np.ndarray:
-        if not getattr(self._tok, "chat_template", None):
+        if self.chat_template is None:
             return self.encode(render_chat(messages), add_bos=True)
         out = self._tok.apply_chat_template(
             [dict(m) for m in messages], add_generation_prompt=True, tokenize=True

@@ -35,7 +35,15 @@ from typing import TYPE_CHECKING, Any
 
 from staleflow.config import RunConfig, config_to_dict
 from staleflow.data import ArithmeticConfig, PromptDataset, load_dataset, synthetic_dataset
-from staleflow.data.layouts import DatasetError
+from staleflow.data.datasets import PromptFormat, chat_template_of, check_chat_template
+from staleflow.data.hf_datasets import (
+    check_columns,
+    data_files,
+    load_hf_dataset,
+    open_hf_dataset,
+)
+from staleflow.data.layouts import DatasetError, RecordLayout
+from staleflow.data.tokenizer import TokenizerError
 from staleflow.models.errors import ModelError
 from staleflow.progress import SILENT, Progress
 from staleflow.runfolder.reader import SUMMARY
@@ -112,18 +120,35 @@ def preflight(cfg: RunConfig) -> None:
         check_installed(parse_trackers(cfg.tracking))
     except TrackerError as exc:
         raise LaunchError(str(exc)) from None
+    # data.task=hf reads a save_to_disk folder, or files (a glob)
+    hf_data = cfg.data.task == "hf"
     for key, value, kind, what in (
         ("model.checkpoint", cfg.model.checkpoint, "dir", "cannot load the policy"),
         ("data.tokenizer", cfg.data.tokenizer, "any", "cannot load the policy"),
-        ("data.path", cfg.data.path, "file", "cannot read the prompts"),
+        ("data.path", cfg.data.path, "any" if hf_data else "file", "cannot read the prompts"),
     ):
-        if not value:
+        if not value or (hf_data and key == "data.path" and data_files(value)):
             continue
         path = Path(value).expanduser()
         ok = path.is_dir() if kind == "dir" else path.is_file() if kind == "file" else path.exists()
         if not ok:
             thing = {"dir": "checkpoint directory", "file": "file"}.get(kind, "file or directory")
             raise LaunchError(f"{what}: {path}: no such {thing} (set by {key})")
+    if hf_data:  # its columns: memory-mapped, read without the policy or its tokenizer
+        try:
+            check_columns(
+                open_hf_dataset(cfg.data.path, cfg.data.split), _layout(cfg), cfg.data.path
+            )
+        except DatasetError as exc:
+            raise LaunchError(f"cannot read the prompts: {exc}") from exc
+
+
+def _layout(cfg: RunConfig) -> RecordLayout | None:
+    """The fields data.prompt_column / data.answer_column name; None: detect a layout."""
+    data = cfg.data
+    if not data.prompt_column:
+        return None
+    return RecordLayout(data.prompt_column, data.answer_column, name="data.prompt_column")
 
 
 def prepare_policy(
@@ -182,15 +207,22 @@ def prepare_policy(
 
 
 def build_dataset(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
-    """The prompts of the run, without those longer than ``data.max_prompt_tokens``."""
+    """The prompts of the run, without those longer than ``data.max_prompt_tokens``.
+    Raises :class:`DatasetError` or :class:`TokenizerError` (data.chat_template=true with a
+    tokenizer that has no template)."""
 
     data = cfg.data
+    fmt = PromptFormat(data.chat_template, data.system_prompt)
+    check_chat_template(tokenizer, fmt, data.tokenizer or cfg.model.checkpoint)
+    layout = _layout(cfg)
     if data.task == "arithmetic":
         # A seed apart from the warm-up's own problem stream (see models.warmup).
         task = ArithmeticConfig.level(data.difficulty, seed=cfg.seed + 1)
         dataset = synthetic_dataset(tokenizer, task, size=100_000)
+    elif data.task == "hf":
+        dataset = load_hf_dataset(data.path, tokenizer, layout, fmt, data.split)
     else:
-        dataset = load_dataset(data.path, tokenizer)
+        dataset = load_dataset(data.path, tokenizer, layout, fmt)
     limit = data.max_prompt_tokens
     keep = [s for s in dataset if len(s.prompt_ids) <= limit]
     if len(keep) == len(dataset):
@@ -346,8 +378,11 @@ def _prepare(
         raise LaunchError(f"cannot load the policy: {exc}") from exc
     try:
         dataset = build_dataset(cfg, tokenizer)
-    except DatasetError as exc:
+    except (DatasetError, TokenizerError) as exc:
         raise LaunchError(f"cannot read the prompts: {exc}") from exc
+    if cfg.data.chat_template:
+        # the template the prompts went through, with the run (summary.json, the trackers)
+        facts["chat_template"] = chat_template_of(tokenizer)
     point = None
     if resume is not None:
         point = restore_state(cfg, resume, dataset)
