@@ -34,6 +34,10 @@ class Script:
     # trainer.stream: before each step, these parts (group indexes of ``batch``) are
     # streamed one after the other; the step gets the groups left
     stream_parts: tuple[tuple[int, ...], ...] = ()
+    # greedy tokens the final weights generate after these prompt ids (1-D), decoded by
+    # argmax over the gathered logits: what an HF export must generate too
+    greedy_from: np.ndarray | None = None
+    greedy_tokens: int = 8
 
 
 def run(script: Script, timeout_s: float = 300.0) -> dict[str, Any]:
@@ -91,6 +95,8 @@ def _script(rank: int, world: int, address: str, script: Script) -> dict[str, An
     if script.save:
         save_checkpoint(r, script.save)
     result["final"] = result["after"][-1] if script.steps else r.gather_hf()
+    if script.greedy_from is not None:
+        result["greedy"] = _greedy(r, script.greedy_from, script.greedy_tokens)
     result["version"] = r.version
     return result
 
@@ -104,6 +110,14 @@ def _gathered_logits(r: Any, ids: np.ndarray) -> np.ndarray:
     parts = [torch.empty_like(local) for _ in range(r.spec.section.tp)]
     dist.all_gather(parts, local, group=r._ps.get_tensor_model_parallel_group())
     return torch.cat(parts, -1).numpy()
+
+
+def _greedy(r: Any, prompt: np.ndarray, n: int) -> list[int]:
+    ids = np.asarray(prompt, dtype=np.int64)[None]
+    for _ in range(n):
+        nxt = int(np.argmax(_gathered_logits(r, ids)[0, -1]))
+        ids = np.concatenate([ids, [[nxt]]], axis=1)
+    return ids[0, prompt.shape[0] :].tolist()
 
 
 def _hold_pushes(r: Any, last: int) -> None:

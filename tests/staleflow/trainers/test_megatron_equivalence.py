@@ -140,7 +140,15 @@ def runs(tmp_path_factory):
         "reference_logits": reference_logits,
         "other_reference_logits": [logits for *_, logits in others],
         "embedded": (embedded_metrics, _weights(embedded.model)),
-        "tp1": _megatron(hf_config, hf, batch, steps=2, logits_of=IDS, others=other_specs),
+        "tp1": _megatron(
+            hf_config,
+            hf,
+            batch,
+            steps=2,
+            logits_of=IDS,
+            others=other_specs,
+            greedy_from=IDS[0, :4],
+        ),
         "tp2": _with_ps(hf_config, hf, batch, tp=2, logits_of=IDS, save=str(ckpt)),
         "dp2": _with_ps(hf_config, hf, batch, dp=2, steps=2, hold_push=True),
         "tp1_from_tp2": _megatron(hf_config, hf, batch, steps=1, load=str(ckpt)),
@@ -290,3 +298,23 @@ def test_a_checkpoint_of_another_model_is_refused_by_name(runs):
         check_checkpoint(parent, other, policy)
     with pytest.raises(TrainerSetupError, match=r"set model\.checkpoint to the HF folder"):
         check_checkpoint(section, runs["hf_config"])
+
+
+def test_the_hf_export_of_trained_megatron_weights_generates_megatrons_tokens(runs, tmp_path):
+    """The pool's final checkpoint is ``export_hf`` of the ranks' gathered weights (the
+    call MegatronTrainer.save_checkpoint makes): transformers loads it with
+    ``from_pretrained`` and decodes greedily the tokens Megatron's own model decodes."""
+    from transformers import AutoModelForCausalLM
+
+    from staleflow.trainers.megatron.checkpoint import export_hf
+
+    result = runs["tp1"]
+    path = export_hf(result["final"], runs["hf_config"], tmp_path / "export", dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
+    ids = torch.from_numpy(IDS[:1, :4])
+    with torch.no_grad():
+        for _ in range(len(result["greedy"])):
+            nxt = model(input_ids=ids).logits[0, -1].argmax()
+            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+    assert ids[0, 4:].tolist() == result["greedy"]
+    assert result["final"]["model.norm.weight"].tolist() != runs["hf"]["model.norm.weight"].tolist()
