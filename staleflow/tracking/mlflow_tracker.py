@@ -2,8 +2,13 @@
 --backend-store-uri <that folder>`` shows it), or on the tracking server that
 ``MLFLOW_TRACKING_URI`` names when it is set. The step records are metrics (``step`` =
 the training step), the configuration parameters (dotted keys), the summary an artifact
-``summary.json`` with its numbers as ``summary/*`` metrics. Only ``MlflowClient`` is
+``summary.json`` with its numbers as ``summary.*`` metrics. Only ``MlflowClient`` is
 used: no process-wide active run.
+
+Metric names are the step record's keys with ``.`` for ``/`` (``rollout.reward_mean``):
+the file store keeps each metric in a file at its name's path, and the record has keys
+that are another key's folder (``rollout/idle_ratio``, the mean, beside
+``rollout/idle_ratio/0``, one instance's), which it cannot hold.
 """
 
 from __future__ import annotations
@@ -25,6 +30,11 @@ _MAX_METRICS, _MAX_PARAMS, _MAX_VALUE = 1000, 100, 6000
 def store_uri(root: Path) -> str:
     """Where the run goes: ``MLFLOW_TRACKING_URI``, else the file store in the run folder."""
     return os.environ.get("MLFLOW_TRACKING_URI") or (root / DIR).resolve().as_uri()
+
+
+def metric_name(key: str) -> str:
+    """The MLflow metric of a step record key (see the module docstring)."""
+    return key.replace("/", ".")
 
 
 class MlflowTracker:
@@ -50,7 +60,7 @@ class MlflowTracker:
 
     def _metrics(self, step: int, values: Mapping[str, float]) -> None:
         now = int(time.time() * 1000)
-        items = [self._metric(k, float(v), now, step) for k, v in values.items()]
+        items = [self._metric(metric_name(k), float(v), now, step) for k, v in values.items()]
         for i in range(0, len(items), _MAX_METRICS):
             self._client.log_batch(self.run_id, metrics=items[i : i + _MAX_METRICS])
 

@@ -6,12 +6,19 @@ summary."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 DIR = "wandb"  # wandb writes <dir>/wandb/offline-run-<time>-<id>/
+
+
+def plain(tree: Mapping[str, Any]) -> dict[str, Any]:
+    """``tree`` as JSON has it: wandb's summary encoder joins key paths as strings and
+    fails on the summary's integer keys (``staleness_hist``: {0: n, ...})."""
+    return json.loads(json.dumps(tree, default=str))
 
 
 class WandbTracker:
@@ -40,13 +47,13 @@ class WandbTracker:
         )
 
     def log_config(self, config: Mapping[str, Any]) -> None:
-        self._run.config.update(dict(config), allow_val_change=True)
+        self._run.config.update(plain(config), allow_val_change=True)
 
     def log_step(self, step: int, metrics: Mapping[str, float]) -> None:
         self._run.log(dict(metrics), step=step)
 
     def log_summary(self, summary: Mapping[str, Any]) -> None:
-        self._run.summary.update(dict(summary))
+        self._run.summary.update(plain(summary))
 
     def close(self, *, failed: bool) -> None:
         self._run.finish(exit_code=1 if failed else 0)
