@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from tests.staleflow.runtime.driver.launch_checks import MICRO_RUN, check_run
+from tests.staleflow.runtime.driver.user_inputs import check_user_inputs, hf_policy_and_dataset
 
 # A real run is a dozen processes: minutes on a loaded 2-core machine (over the suite's
 # 300 s once at load 24). The timeout only stops a hang; nothing here is timed.
@@ -72,8 +73,28 @@ def test_launch_with_streamed_training_is_exactly_on_policy_and_loses_nothing(tm
     reads each occupied group from the TS as it comes and takes the rest at the Consume.
     The audit trail writes each trajectory once, when its batch is taken. (That groups
     really are trained before the buffer is full is made to happen, and checked, in
-    tests/staleflow/runtime/test_runtime_stream.py.)"""
-    result = _launch(tmp_path, 0, "trainer.stream=true", "recovery.audit_log=true")
+    tests/staleflow/runtime/test_runtime_stream.py.)
+
+    The same run also has what a user brings (docs/tracking.md), so that one launch
+    covers it: its own Hugging Face checkpoint (the micro model with a character-level
+    HF tokenizer carrying a chat template), a ``datasets`` save_to_disk folder with mapped
+    columns rendered through the template with a system prompt, and all three trackers,
+    each holding every step and the summary when the run ends."""
+    policy, data = hf_policy_and_dataset(tmp_path / "inputs")
+    result = _launch(
+        tmp_path,
+        0,
+        "trainer.stream=true",
+        "recovery.audit_log=true",
+        f"model.checkpoint={policy}",
+        "data.task=hf",
+        f"data.path={data}",
+        "data.prompt_column=problem",
+        "data.answer_column=solution",
+        "data.chat_template=true",
+        "data.system_prompt=0",
+        "tracking=tensorboard,wandb,mlflow",
+    )
     check_run(result, 0, STEPS, 2 * 4)
     for step in result.consumed:
         assert set(step["staleness"]) == {0} and set(step["token_staleness"]) == {0}
@@ -81,6 +102,7 @@ def test_launch_with_streamed_training_is_exactly_on_policy_and_loses_nothing(tm
     assert all(0 <= rec.streamed_groups <= 2 for rec in result.records)
     audit = (result.run_dir / "audit.jsonl").read_text().splitlines()
     assert len(audit) == STEPS * 2 * 4  # streamed groups are not written twice
+    check_user_inputs(result, STEPS)
 
 
 def test_launch_with_the_tail_race_is_exactly_on_policy_and_loses_nothing(tmp_path):
