@@ -32,8 +32,6 @@ BUILDERS = {
     ".jsonl": "json",
     ".csv": "csv",
 }
-# what save_to_disk writes: a Dataset's state, or a DatasetDict's list of splits
-_SAVED = ("state.json", "dataset_dict.json")
 
 
 def _datasets() -> Any:
@@ -50,9 +48,12 @@ def _datasets() -> Any:
 
 
 def is_saved_dataset(path: str | Path) -> bool:
-    """Whether ``path`` is a folder ``save_to_disk`` wrote."""
+    """Whether ``path`` is a folder ``save_to_disk`` wrote: a Dataset's state file, or a
+    DatasetDict's list of splits (named by datasets itself)."""
+    config = _datasets().config
     p = Path(path)
-    return p.is_dir() and any((p / name).is_file() for name in _SAVED)
+    saved = (config.DATASET_STATE_JSON_FILENAME, config.DATASETDICT_JSON_FILENAME)
+    return p.is_dir() and any((p / name).is_file() for name in saved)
 
 
 def data_files(path: str | Path) -> list[str]:
