@@ -194,3 +194,24 @@ def test_a_tracker_not_installed_is_refused_before_anything_starts(
     assert "-m pip install" in message and f"[{name}]" in message  # the extra that adds it
     assert f"pip install {package}" in message
     assert not any(tmp_path.iterdir())  # no run folder
+
+
+def test_a_tracker_that_cannot_start_closes_the_others_and_stops_the_launch(tmp_path, monkeypatch):
+    import staleflow.tracking as tracking
+    from staleflow.runtime.driver import launch as driver
+    from staleflow.runtime.errors import LaunchError
+
+    started = _Kept()
+
+    def fake_open(name, root, run_name, project):
+        if name == "mlflow":
+            raise RuntimeError("no space left")
+        return started
+
+    monkeypatch.setattr(tracking, "_open", fake_open)
+    cfg = load_config(None, ["tracking=wandb,mlflow"])
+    with pytest.raises(
+        LaunchError, match=r"the trackers \(wandb,mlflow\) could not start: no space"
+    ):
+        driver._start_trackers(cfg, tmp_path, {})
+    assert started.closed == [True]  # the one that had started is closed, as failed
