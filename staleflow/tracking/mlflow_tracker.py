@@ -41,14 +41,17 @@ class MlflowTracker:
     name = "mlflow"
 
     def __init__(self, root: Path, run_name: str, experiment: str) -> None:
-        from mlflow.entities import Metric, Param
-        from mlflow.tracking import MlflowClient
-
         self.uri = store_uri(root)
         if self.uri.startswith("file:"):
             # MLflow 3 refuses its file store unless this is set (it wants a database);
             # a store with no server and no database is what a run folder can hold
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+            # and a local run sends nothing anywhere: no usage telemetry to MLflow's
+            # servers (set before the import, which may start its client)
+            os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        from mlflow.entities import Metric, Param
+        from mlflow.tracking import MlflowClient
+
         self._metric, self._param = Metric, Param
         self._client = MlflowClient(tracking_uri=self.uri)
         found = self._client.get_experiment_by_name(experiment)
