@@ -156,7 +156,7 @@ def test_an_all_true_mask_is_the_loss_over_every_response_token():
                 eps_low=settings.eps_low,
                 eps_high=settings.eps_high,
                 is_cap=settings.is_cap,
-                total_tokens=total,
+                denominator=total,
             ).loss
         )
     reference.backward()
