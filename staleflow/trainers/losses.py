@@ -305,16 +305,16 @@ def kl_penalty(
 ) -> torch.Tensor:
     """Per-token estimate of ``KL(π_θ || π_ref)``, with gradient through ``logprobs``,
     from tokens sampled by (about) ``π_θ`` (Schulman, "Approximating KL Divergence", 2020),
-    with ``log ρ = logπ_ref - logπ_θ``:
+    with ``log q = logπ_ref - logπ_θ``:
 
-    * ``k1 = -log ρ``: unbiased, high variance, can be negative; as a loss its expected
+    * ``k1 = -log q``: unbiased, high variance, can be negative; as a loss its expected
       gradient is zero (it only pushes through the sampled tokens' logprobs);
-    * ``k2 = ½ (log ρ)²``: biased but low variance; its gradient is the true gradient of
+    * ``k2 = ½ (log q)²``: biased but low variance; its gradient is the true gradient of
       the KL (on-policy);
-    * ``k3 = (ρ - 1) - log ρ``: unbiased, never negative, low variance (GRPO's,
+    * ``k3 = (q - 1) - log q``: unbiased, never negative, low variance (GRPO's,
       DeepSeekMath eq. 4).
 
-    ``log ρ`` is clamped to ±20 (no gradient beyond): one wild token must not make the
+    ``log q`` is clamped to ±20 (no gradient beyond): one wild token must not make the
     loss infinite.
     """
     if estimator not in KL_ESTIMATORS:
