@@ -212,8 +212,8 @@ def test_drgrpo_advantages_and_constant_normalisation_by_hand():
     assert adv.tolist() == pytest.approx([2 / 3, -1 / 3, -1 / 3], rel=1e-6)
     # GRPO divides by the sample std sqrt(((2/3)² + 2 (1/3)²) / 2) = sqrt(1/3)
     grpo = group_advantages(_t(1.0, 0.0, 0.0), _rows(0, 0, 0))
-    assert grpo.tolist() == pytest.approx([2 / 3 * math.sqrt(3), -1 / 3 * math.sqrt(3)] + [
-        -1 / 3 * math.sqrt(3)], rel=1e-5)  # fmt: skip
+    root3 = math.sqrt(3)
+    assert grpo.tolist() == pytest.approx([2 / 3 * root3, -1 / 3 * root3, -1 / 3 * root3], rel=1e-5)
     # the loss of a 1-token and a 3-token response, on-policy (r = 1): -A per token;
     # summed per sequence and divided by the constant L = 4, not by 1 and 3
     logprobs = _t(0.5, 0.5, 0.5, 0.5).log().requires_grad_(True)
