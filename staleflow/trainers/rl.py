@@ -49,6 +49,7 @@ import torch
 
 from staleflow.config.sections import TrainerConfig
 from staleflow.trainers.batch_checks import validate_batch
+from staleflow.trainers.interface import REFERENCE_METRIC_KEYS
 from staleflow.trainers.losses import (
     aggregate,
     approx_kl,
@@ -479,10 +480,8 @@ def step_metrics(
     nan = float("nan")
     reference = {}
     if sums["ref_tokens"]:  # only with a reference: no number where none was measured
-        reference = {
-            "train/ref_kl": sums["ref_kl"] / sums["ref_tokens"],
-            "train/kl_loss": sums["kl_loss"],
-        }
+        ref_kl, kl_loss = REFERENCE_METRIC_KEYS
+        reference = {ref_kl: sums["ref_kl"] / sums["ref_tokens"], kl_loss: sums["kl_loss"]}
     return {
         **reference,
         **batch_tally.metrics(),
