@@ -73,7 +73,8 @@ def group_advantages(
     ``g`` (Shao et al. 2024, "DeepSeekMath", §4.1.2), with the sample standard deviation
     (``n - 1`` in the denominator, as TRL and verl compute it). ``normalize_std=False``
     keeps ``r_i - mean_g(r)`` only, the unbiased variant of Dr. GRPO (Liu et al. 2025,
-    "Understanding R1-Zero-Like Training"), selected by ``advantage="dapo"`` in the
+    "Understanding R1-Zero-Like Training"), selected by ``advantage="dapo"`` (and
+    ``"drgrpo"``, which adds its constant length normalisation) in the
     trainer. A group whose rewards are all equal (including a group of one) gets exactly
     zero: it says nothing about which response is better.
 
