@@ -302,11 +302,18 @@ class RunConfig:
 
     def resolved(self) -> RunConfig:
         """This config with ``auto`` choices that depend on other sections made explicit
-        (``reward.kind``), so each component can be handed its own section alone."""
+        (``reward.kind``, ``trainer.loss_norm_len``), so each component can be handed its
+        own section alone."""
+        out = self
         kind = resolve_reward_kind(self.reward.kind, self.data.task)
-        if kind == self.reward.kind:
-            return self
-        return replace(self, reward=replace(self.reward, kind=kind))
+        if kind != self.reward.kind:
+            out = replace(out, reward=replace(self.reward, kind=kind))
+        t = self.trainer
+        if t.aggregation(t.advantage) == "seq_mean_token_sum_norm" and not t.loss_norm_len:
+            # Dr. GRPO's constant: the longest response the rollout may sample
+            trainer = replace(self.trainer, loss_norm_len=self.rollout.max_response_tokens)
+            out = replace(out, trainer=trainer)
+        return out
 
     def staleness_config(self) -> StalenessConfig:
         """The staleness manager's configuration, from the top-level keys."""
@@ -340,6 +347,13 @@ def config_warnings(config: RunConfig) -> list[str]:
         out.append(
             f"group_size={config.group_size}: group-relative advantages ({config.trainer.advantage}) "
             "are 0 for a group of one, so training learns nothing; use group_size >= 2"
+        )
+    t = config.trainer
+    if t.loss == "gspo" and max(t.eps_low, t.eps_high) > 0.01:
+        out.append(
+            f"trainer.loss=gspo with eps_low={t.eps_low:g}, eps_high={t.eps_high:g}: a "
+            "sequence's length-normalised ratio rarely leaves such a range, so nothing is "
+            "clipped; the GSPO paper uses eps_low=3e-4 eps_high=4e-4"
         )
     kv_budget = config.coordinator.cost_model.kv_budget
     if (

@@ -35,6 +35,7 @@ from staleflow.config.data import (
 from staleflow.config.data import (
     DataConfig as DataConfig,
 )
+from staleflow.config.loss import LossSettings
 from staleflow.config.rollout import (
     ROLLOUT_BACKENDS as ROLLOUT_BACKENDS,
 )
@@ -55,7 +56,7 @@ from staleness.bounds import MAX_HELD_TRAJECTORIES
 TRAINER_BACKENDS = ("embedded", "megatron")
 OFF_POLICY_MODES = ("decoupled", "tis", "none")
 CAP_MODES = ("auto", "truncate", "mask")
-ADVANTAGES = ("grpo", "dapo")
+ADVANTAGES = ("grpo", "dapo", "drgrpo")
 # parameter_server.transport.TRANSPORT_NAMES, not imported: configuration stays
 # importable without the transports' modules
 TRANSPORTS = ("auto", "shm", "nixl", "socket")
@@ -169,8 +170,9 @@ class RewardConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class TrainerConfig:
+class TrainerConfig(LossSettings):
     """The training workers: the optimiser, the off-policy PPO-style loss, and where it runs.
+    The loss variant, its aggregation and the reference KL are :class:`LossSettings`'s.
 
     The one definition of the trainer's settings: every backend (``staleflow.trainers``)
     receives this section as it is. What each rank reserves (CPUs, GPUs, node group) is
@@ -257,7 +259,11 @@ class TrainerConfig:
         ),
     )
     advantage: str = field(
-        default="grpo", metadata=_help("grpo | dapo (group-relative advantages)")
+        default="grpo",
+        metadata=_help(
+            "group-relative advantages: grpo ((r - mean) / std) | dapo (r - mean) | drgrpo "
+            "(r - mean, with Dr. GRPO's constant length normalisation: loss_agg=auto)"
+        ),
     )
     micro_batch_size: int = field(
         default=32,
@@ -388,6 +394,7 @@ class TrainerConfig:
         )
         require_choice("trainer.is_cap_mode", self.is_cap_mode, CAP_MODES)
         require_choice("trainer.advantage", self.advantage, ADVANTAGES)
+        self._check_loss()
         require_at_least("trainer.micro_batch_size", self.micro_batch_size, 1, "trajectory")
         require_at_least("trainer.micro_batch_tokens", self.micro_batch_tokens, 1, "token")
         require_at_least("trainer.updates_per_step", self.updates_per_step, 1, "update")

@@ -30,6 +30,7 @@ from staleflow.config.sections import TrainerConfig
 from staleflow.models.checkpoint import save_pretrained
 from staleflow.models.state import load_policy_state, policy_state
 from staleflow.trainers.batch_checks import BatchError
+from staleflow.trainers.reference import DenseReference, frozen_copy, load_reference
 from staleflow.trainers.rl import (
     LocalReduce,
     SingleStage,
@@ -53,6 +54,10 @@ _STATE_FILE = "trainer_state.json"
 _OPTIMIZER_FILE = "optimizer.pt"
 _R = TypeVar("_R")
 _RNG_FILE = "rng.pt"  # torch's generators (a step seeds its own from seed and version)
+# the frozen reference of the KL term: kept with the checkpoint, so that a resumed run
+# keeps the KL to the run's initial policy (not to the weights it resumes from)
+# (in a folder of its own: vLLM loads every *.safetensors beside config.json)
+_REFERENCE_FILE = "reference/model.safetensors"
 
 
 class _DenseBackend(SingleStage, LocalReduce):
@@ -97,6 +102,9 @@ class EmbeddedTrainer:
     :func:`staleflow.models.load_pretrained`. ``seed`` seeds the torch RNG around each step
     (with the version), so a model with stochastic layers trains reproducibly without
     touching global state; ``num_threads`` sets torch's intra-op threads during a step.
+    When the loss has a KL term (``config.kl_coef``, ``config.ref``), ``reference`` is the
+    frozen reference policy; None takes a frozen copy of ``model`` as given (the initial
+    policy).
     """
 
     def __init__(
@@ -109,6 +117,7 @@ class EmbeddedTrainer:
         tokenizer: Tokenizer | None = None,
         seed: int = 0,
         num_threads: int | None = None,
+        reference: torch.nn.Module | None = None,
     ) -> None:
         self.model = model
         self.config = config or TrainerConfig()
@@ -124,6 +133,12 @@ class EmbeddedTrainer:
         self.optimizer = adamw(self._params, self.config)
         self._backend = _DenseBackend(self)
         self._stream: StreamedStep | None = None  # parts of the next step seen so far
+        self.reference: torch.nn.Module | None = None
+        self._reference: DenseReference | None = None
+        if self.config.uses_reference:
+            self.reference = frozen_copy(model) if reference is None else reference
+            self.reference.requires_grad_(False)
+            self._reference = DenseReference(self.reference)
 
     @classmethod
     def from_section(
@@ -136,7 +151,11 @@ class EmbeddedTrainer:
         tokenizer: Tokenizer | None = None,
         version: int = 0,
     ) -> EmbeddedTrainer:
-        """The trainer of a run: its ``trainer`` section and the run's seed."""
+        """The trainer of a run: its ``trainer`` section and the run's seed; the reference
+        policy from ``trainer.ref.path`` when set."""
+        reference = None
+        if section.uses_reference and section.ref.path:
+            reference = load_reference(model, section.ref.path)
         return cls(
             model,
             section,
@@ -145,6 +164,7 @@ class EmbeddedTrainer:
             tokenizer=tokenizer,
             seed=seed,
             num_threads=section.num_threads,
+            reference=reference,
         )
 
     @property
@@ -166,6 +186,7 @@ class EmbeddedTrainer:
                         self.config,
                         version=self._version,
                         pad_id=self.pad_id,
+                        reference=self._reference,
                     )[0]
                 )
             else:
@@ -184,7 +205,11 @@ class EmbeddedTrainer:
         with self._lock:
             if self._stream is None:
                 self._stream = StreamedStep(
-                    self._backend, self.config, version=self._version, pad_id=self.pad_id
+                    self._backend,
+                    self.config,
+                    version=self._version,
+                    pad_id=self.pad_id,
+                    reference=self._reference,
                 )
             stream = self._stream
             self._run(lambda: stream.add(part))
@@ -236,6 +261,8 @@ class EmbeddedTrainer:
                     self.model.save_pretrained(tmp)
                 torch.save(self.optimizer.state_dict(), tmp / _OPTIMIZER_FILE)
                 torch.save(_rng_state(), tmp / _RNG_FILE)
+                if self.reference is not None:
+                    _save_reference(self.reference, tmp / _REFERENCE_FILE)
                 state = {"version": self._version, "config": asdict(self.config)}
                 (tmp / _STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
                 if out.exists():
@@ -268,6 +295,8 @@ class EmbeddedTrainer:
             self.optimizer.load_state_dict(torch.load(p / _OPTIMIZER_FILE, weights_only=True))
             if (p / _RNG_FILE).is_file():  # absent in checkpoints written before it was kept
                 _set_rng_state(torch.load(p / _RNG_FILE, weights_only=True))
+            if self.reference is not None and (p / _REFERENCE_FILE).is_file():
+                load_policy_state(self.reference, load_file(str(p / _REFERENCE_FILE)))
             self._version = int(state["version"])
         logger.info("loaded trainer checkpoint (version %d) from %s", self._version, p)
 
@@ -277,3 +306,11 @@ class EmbeddedTrainer:
             f"EmbeddedTrainer(version={self._version}, lr={c.lr}, off_policy={c.off_policy!r}, "
             f"advantage={c.advantage!r})"
         )
+
+
+def _save_reference(model: torch.nn.Module, path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # tied weights share storage, which safetensors refuses: each name gets its own copy
+    save_file({k: v.detach().contiguous().clone() for k, v in policy_state(model).items()}, path)

@@ -38,6 +38,9 @@ METRIC_KEYS: tuple[str, ...] = (
     "train/reward_mean",
     "train/response_len_mean",
 )
+# Reported besides, by a trainer with a reference policy (``trainer.kl_coef > 0`` or
+# ``trainer.ref``): the mean per-token KL to it (k3) and the KL term of the loss.
+REFERENCE_METRIC_KEYS: tuple[str, ...] = ("train/ref_kl", "train/kl_loss")
 
 
 @runtime_checkable

@@ -13,13 +13,17 @@ The step (``train_step``):
    graded trajectories (:func:`staleflow.trainers.sequences.build_sequences`). Groups
    are never split across data-parallel ranks, so advantages are local; counts and
    token totals are reduced.
-2. Cut the batch into ``updates_per_step`` mini-batches (one optimizer update each); with
-   more than one, the proximal policy is recomputed first (one no-grad pass).
+2. With a reference policy (``trainer.kl_coef > 0``, ``trainer.ref``), its logprobs of
+   every trained token (one no-grad pass of the frozen reference,
+   :func:`with_reference`). Cut the batch into ``updates_per_step`` mini-batches (one
+   optimizer update each); with more than one, the proximal policy is recomputed first
+   (one no-grad pass).
 3. Per micro-batch (the backend runs them: one after the other, or through a pipeline
    schedule, whose last stage computes the loss): logits → ``/ T`` (the rollout temperature that travels with the
    batch: the engines' logprobs are of ``softmax(logits / T)``) → logprobs and entropy →
-   :func:`staleflow.trainers.losses.policy_loss` with the batch's total token count as the
-   denominator → backward.
+   :func:`staleflow.trainers.losses.policy_loss` (``trainer.loss``, aggregated by
+   ``trainer.loss_agg`` with the whole mini-batch's token or sequence count as the
+   denominator) plus ``kl_coef`` times the aggregated KL to the reference → backward.
 4. The backend reduces, clips and applies the gradients; metrics are summed, reduced and
    turned into means.
 
@@ -45,7 +49,14 @@ import torch
 
 from staleflow.config.sections import TrainerConfig
 from staleflow.trainers.batch_checks import validate_batch
-from staleflow.trainers.losses import approx_kl, policy_loss
+from staleflow.trainers.interface import REFERENCE_METRIC_KEYS
+from staleflow.trainers.losses import (
+    aggregate,
+    approx_kl,
+    kl_penalty,
+    loss_units,
+    policy_loss,
+)
 from staleflow.trainers.sequences import (
     BatchTally,
     MicroBatch,
@@ -167,6 +178,9 @@ def score(
 
 _LOSS_SUMS = (
     "loss",
+    "kl_loss",
+    "ref_kl",
+    "ref_tokens",
     "clipped",
     "weight",
     "capped",
@@ -185,6 +199,25 @@ class LossTally:
     weight_max: float = -math.inf
 
 
+def norm_len(settings: TrainerConfig) -> float | None:
+    """The constant length of ``loss_agg=seq_mean_token_sum_norm`` (Dr. GRPO)."""
+    if settings.aggregation(settings.advantage) != "seq_mean_token_sum_norm":
+        return None
+    if settings.loss_norm_len <= 0:
+        raise ValueError(
+            "trainer.loss_agg=seq_mean_token_sum_norm (Dr. GRPO) divides by a constant "
+            "length: set trainer.loss_norm_len (RunConfig.resolved() sets it to "
+            "rollout.max_response_tokens)"
+        )
+    return float(settings.loss_norm_len)
+
+
+def batch_units(settings: TrainerConfig, sequences: Sequence[TrainSequence]) -> float:
+    """What the loss of ``sequences`` is divided by: their trained tokens, or their number
+    for the per-sequence aggregations (:func:`staleflow.trainers.losses.loss_units`)."""
+    return loss_units(settings.aggregation(settings.advantage), [s.trained for s in sequences])
+
+
 def micro_loss(
     backend: StepBackend,
     mb: MicroBatch,
@@ -197,29 +230,52 @@ def micro_loss(
 ) -> torch.Tensor:
     """The loss of one micro-batch from its ``logits``; adds its statistics to ``tally``.
 
-    ``total_tokens`` is the trained-token count of the whole (global) mini-batch: the
-    micro-batches' losses then add up to DAPO's token-level mean over it. Every tensor
-    here holds the trained positions only (``mb.mask``), so the off-policy correction,
-    the clip and every statistic see the model's tokens alone.
+    ``total_tokens`` is the denominator of the whole (global) mini-batch
+    (:func:`batch_units`: its trained tokens, or its sequences for a per-sequence
+    ``trainer.loss_agg``): the micro-batches' losses then add up to the mini-batch's.
+    Every tensor here holds the trained positions only (``mb.mask``), so the off-policy
+    correction, the clip, the sequence ratios of GSPO, the KL and every statistic see the
+    model's tokens alone; ``rows`` says which sequence each one is of.
     """
     logprobs, entropy = score(backend, mb, logits, temperature)
     behav, adv = mb.behav[mb.mask], mb.adv[mb.mask]
+    rows = mb.mask.nonzero(as_tuple=True)[0]
+    agg = settings.aggregation(settings.advantage)
+    length = norm_len(settings)
     out = policy_loss(
         logprobs,
         behav,
         adv,
-        torch.ones_like(logprobs),
+        torch.ones_like(logprobs, dtype=torch.bool),
+        loss=settings.loss,
         off_policy=settings.off_policy,  # type: ignore[arg-type]
         prox_logprobs=mb.prox[mb.mask] if mb.prox is not None else logprobs.detach(),
         eps_low=settings.eps_low,
         eps_high=settings.eps_high,
         is_cap=settings.is_cap,
         is_cap_mode=settings.is_cap_mode,
-        total_tokens=total_tokens,
+        aggregation=agg,
+        denominator=total_tokens,
+        rows=rows,
+        norm_len=length,
     )
+    loss = out.loss
+    s = tally.sums
+    if mb.ref is not None:
+        ref = mb.ref[mb.mask]
+        if settings.kl_coef > 0:
+            kl = kl_penalty(logprobs, ref, settings.kl_estimator)
+            keep = torch.ones_like(kl, dtype=torch.bool)
+            term = settings.kl_coef * aggregate(
+                kl, keep, rows, agg, denominator=total_tokens, norm_len=length
+            )
+            loss = loss + term
+            s["kl_loss"] += term.item()
+        with torch.no_grad():  # reported with k3 whatever the estimator: unbiased, >= 0
+            s["ref_kl"] += float(kl_penalty(logprobs.detach(), ref, "k3").sum())
+            s["ref_tokens"] += float(logprobs.numel())
     with torch.no_grad():
-        s = tally.sums
-        s["loss"] += out.loss.item()
+        s["loss"] += loss.item()
         s["clipped"] += float(out.clipped.sum())
         s["weight"] += float(out.weights.sum())
         s["capped"] += float(out.capped.sum())
@@ -233,7 +289,36 @@ def micro_loss(
         if logprobs.numel():
             tally.weight_min = min(tally.weight_min, float(out.weights.min()))
             tally.weight_max = max(tally.weight_max, float(out.weights.max()))
-    return out.loss
+    return loss
+
+
+def _logprobs_of(
+    backend: StepBackend,
+    sequences: Sequence[TrainSequence],
+    settings: TrainerConfig,
+    *,
+    pad_id: int,
+    temperature: float,
+) -> dict[int, np.ndarray]:
+    """``backend``'s logprobs of each sequence's trained tokens (a no-grad pass), by
+    trajectory id, as full response-length arrays (observations hold 0, never read)."""
+    chunks = list(micro_batches(sequences, settings.micro_batch_tokens, settings.micro_batch_size))
+    mbs = [pad(chunk, pad_id) for chunk in chunks]
+    out: dict[int, np.ndarray] = {}
+
+    def collect(i: int, logits: torch.Tensor) -> None:
+        logprobs, _ = score(backend, mbs[i], logits, temperature)
+        flat = logprobs.float().cpu().numpy()
+        at = 0
+        for s in chunks[i]:  # mask order is row-major: sequence by sequence
+            full = np.zeros(s.response_len, dtype=np.float32)  # observations: never read
+            full[s.mask] = flat[at : at + s.trained]
+            out[s.traj_id] = full
+            at += s.trained
+
+    if mbs:
+        backend.forward_backward(mbs, collect, forward_only=True)
+    return backend.from_last_stage(out)
 
 
 def with_prox(
@@ -245,24 +330,26 @@ def with_prox(
     temperature: float,
 ) -> list[TrainSequence]:
     """Attach the current weights' logprobs (the proximal policy) to each sequence."""
-    chunks = list(micro_batches(sequences, settings.micro_batch_tokens, settings.micro_batch_size))
-    mbs = [pad(chunk, pad_id) for chunk in chunks]
-    prox: dict[int, np.ndarray] = {}
-
-    def collect(i: int, logits: torch.Tensor) -> None:
-        logprobs, _ = score(backend, mbs[i], logits, temperature)
-        flat = logprobs.float().cpu().numpy()
-        at = 0
-        for s in chunks[i]:  # mask order is row-major: sequence by sequence
-            full = np.zeros(s.response_len, dtype=np.float32)  # observations: never read
-            full[s.mask] = flat[at : at + s.trained]
-            prox[s.traj_id] = full
-            at += s.trained
-
-    if mbs:
-        backend.forward_backward(mbs, collect, forward_only=True)
-    prox = backend.from_last_stage(prox)
+    prox = _logprobs_of(backend, sequences, settings, pad_id=pad_id, temperature=temperature)
     return [replace(s, prox=prox[s.traj_id]) for s in sequences]
+
+
+def with_reference(
+    reference: StepBackend | None,
+    sequences: Sequence[TrainSequence],
+    settings: TrainerConfig,
+    *,
+    pad_id: int,
+    temperature: float,
+) -> list[TrainSequence]:
+    """Attach the frozen reference policy's logprobs to each sequence (for the KL term
+    and ``train/ref_kl``); the sequences as they are without a reference. The reference
+    is scored at the batch's temperature, like the policy: the KL is between the two
+    sampling distributions."""
+    if reference is None or not sequences:
+        return list(sequences)
+    ref = _logprobs_of(reference, sequences, settings, pad_id=pad_id, temperature=temperature)
+    return [replace(s, ref=ref[s.traj_id]) for s in sequences]
 
 
 def _update(
@@ -275,7 +362,7 @@ def _update(
     tally: LossTally,
 ) -> float:
     """One optimizer update on ``part`` (this rank's share of one mini-batch)."""
-    local = float(sum(s.trained for s in part))
+    local = batch_units(settings, part)
     total = float(backend.reduce(np.array([local]), "sum")[0])
     backend.zero_grad()
     accumulate(
@@ -332,8 +419,10 @@ def train_step(
     version: int,
     pad_id: int,
     allow_empty: bool = False,
+    reference: StepBackend | None = None,
 ) -> tuple[dict[str, float], list[float]]:
-    """One training step of ``backend`` on ``batch`` (this rank's part of it).
+    """One training step of ``backend`` on ``batch`` (this rank's part of it);
+    ``reference`` scores the frozen reference policy (None: no KL term).
 
     Returns the step's metrics (reduced over the data-parallel ranks: every rank gets the
     same numbers) and the gradient norm of each update. The caller seeds the RNG and
@@ -351,6 +440,9 @@ def train_step(
     # none: every reward failed, or no token to train; no update at all, on every rank alike
     if everyone:
         parts = min(settings.updates_per_step, everyone)
+        sequences = with_reference(
+            reference, sequences, settings, pad_id=pad_id, temperature=batch.temperature
+        )
         if parts > 1:
             sequences = with_prox(
                 backend, sequences, settings, pad_id=pad_id, temperature=batch.temperature
@@ -386,7 +478,12 @@ def step_metrics(
     n = max(sums["tokens"], 1.0)
     finite = bool(norms) and all(math.isfinite(g) for g in norms)
     nan = float("nan")
+    reference = {}
+    if sums["ref_tokens"]:  # only with a reference: no number where none was measured
+        ref_kl, kl_loss = REFERENCE_METRIC_KEYS
+        reference = {ref_kl: sums["ref_kl"] / sums["ref_tokens"], kl_loss: sums["kl_loss"]}
     return {
+        **reference,
         **batch_tally.metrics(),
         "train/loss": sums["loss"],
         # no update at all (every reward failed): a NaN norm, 0 updates, same weights

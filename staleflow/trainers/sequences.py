@@ -38,8 +38,8 @@ class Reducer(Protocol):
 @dataclass(frozen=True, slots=True, eq=False)
 class TrainSequence:
     """One trajectory ready for the model: ``prompt + response`` ids and, per response
-    token, the loss mask, the behaviour logprob (0 where the mask is False) and the
-    proximal one, when computed apart."""
+    token, the loss mask, the behaviour logprob (0 where the mask is False), the proximal
+    one when computed apart, and the reference policy's when there is one."""
 
     traj_id: int
     ids: np.ndarray  # prompt + response, int64
@@ -48,6 +48,7 @@ class TrainSequence:
     advantage: float
     mask: np.ndarray  # bool per response token: True for the model's (trained) tokens
     prox: np.ndarray | None = None
+    ref: np.ndarray | None = None
 
     @property
     def response_len(self) -> int:
@@ -211,13 +212,15 @@ def mini_batches(sequences: Sequence[TrainSequence], parts: int) -> list[list[Tr
 @dataclass(frozen=True, slots=True)
 class MicroBatch:
     """Right-padded ids and, aligned with the next-token logits (width - 1), the loss mask
-    (the model's response tokens: padding, prompt and observations are False), targets, behaviour logprobs, advantages and (when given) proximal logprobs."""
+    (the model's response tokens: padding, prompt and observations are False), targets,
+    behaviour logprobs, advantages and (when given) proximal and reference logprobs."""
 
     ids: torch.Tensor
     mask: torch.Tensor
     behav: torch.Tensor
     adv: torch.Tensor
     prox: torch.Tensor | None
+    ref: torch.Tensor | None = None
 
     @property
     def targets(self) -> torch.Tensor:
@@ -233,6 +236,7 @@ def pad(chunk: Sequence[TrainSequence], pad_id: int) -> MicroBatch:
     behav = np.zeros((len(chunk), width - 1), dtype=np.float32)
     adv = np.zeros((len(chunk), width - 1), dtype=np.float32)
     prox = np.zeros((len(chunk), width - 1), dtype=np.float32)
+    ref = np.zeros((len(chunk), width - 1), dtype=np.float32)
     for i, s in enumerate(chunk):
         ids[i, : len(s.ids)] = s.ids
         span = _response_span(s)  # the logits at position t predict token t + 1
@@ -241,13 +245,16 @@ def pad(chunk: Sequence[TrainSequence], pad_id: int) -> MicroBatch:
         adv[i, span] = s.advantage
         if s.prox is not None:
             prox[i, span] = s.prox
-    has_prox = chunk[0].prox is not None
+        if s.ref is not None:
+            ref[i, span] = s.ref
+    has_prox, has_ref = chunk[0].prox is not None, chunk[0].ref is not None
     return MicroBatch(
         torch.from_numpy(ids),
         torch.from_numpy(mask),
         torch.from_numpy(behav),
         torch.from_numpy(adv),
         torch.from_numpy(prox) if has_prox else None,
+        torch.from_numpy(ref) if has_ref else None,
     )
 
 

@@ -9,10 +9,13 @@ by the same policy as a whole-batch step, and staleness is unchanged.
 The step equals :func:`staleflow.trainers.rl.train_step` on the whole batch:
 
 - advantages are group-relative, and a group never spans two parts;
-- DAPO's token-level mean divides by the token count of the *whole* batch, unknown until
-  the last part: each part backpropagates its token-level *sum*, and :meth:`finish`
-  scales the accumulated gradients by ``1 / total`` before clipping and the update. The
-  gradient is the same sum, divided once, so it matches to float rounding.
+- the aggregation divides by the token count (or, per sequence, the sequence count) of
+  the *whole* batch, unknown until the last part: each part backpropagates its *sum*,
+  and :meth:`finish` scales the accumulated gradients by ``1 / total`` before clipping
+  and the update. The gradient is the same sum, divided once, so it matches to float
+  rounding;
+- the reference policy (the KL term) scores each part as it arrives: it is frozen, so
+  its logprobs are those of the whole batch.
 
 Only ``updates_per_step == 1`` streams: with several mini-batch updates per step, the
 second update's forward passes need the first one's weights, which exist only once the
@@ -32,8 +35,10 @@ from staleflow.trainers.rl import (
     LossTally,
     StepBackend,
     accumulate,
+    batch_units,
     build_sequences,
     step_metrics,
+    with_reference,
 )
 from trajectory_server.types import TrainingBatch
 
@@ -58,15 +63,22 @@ class StreamedStep:
     (:meth:`finish`). Single use: a step streams once."""
 
     def __init__(
-        self, backend: StreamBackend, settings: TrainerConfig, *, version: int, pad_id: int
+        self,
+        backend: StreamBackend,
+        settings: TrainerConfig,
+        *,
+        version: int,
+        pad_id: int,
+        reference: StepBackend | None = None,
     ) -> None:
         if settings.updates_per_step != 1:
             raise ValueError(f"{STREAM_NEEDS} (got {settings.updates_per_step})")
         self._backend, self._settings = backend, settings
         self._version, self._pad_id = version, pad_id
+        self._reference = reference
         self._batch = BatchTally()
         self._loss = LossTally()
-        self._tokens = 0.0  # trained tokens of this rank's parts so far
+        self._units = 0.0  # trained tokens (or sequences) of this rank's parts so far
         self.parts = 0
         self.groups = 0
         self._done = False
@@ -84,7 +96,14 @@ class StreamedStep:
         _merge(self._batch, tally)
         self.parts += 1
         self.groups += len(part.groups)
-        # total_tokens=1: the part's token-level sum; finish() divides once
+        sequences = with_reference(
+            self._reference,
+            sequences,
+            settings,
+            pad_id=self._pad_id,
+            temperature=part.temperature,
+        )
+        # total_tokens=1: the part's sum; finish() divides once
         accumulate(
             backend,
             sequences,
@@ -94,7 +113,7 @@ class StreamedStep:
             total_tokens=1.0,
             tally=self._loss,
         )
-        self._tokens += float(sum(s.trained for s in sequences))
+        self._units += batch_units(settings, sequences)
 
     def finish(self) -> tuple[dict[str, float], list[float]]:
         """Divide the gradients by the whole batch's token count, clip and update.
@@ -105,14 +124,15 @@ class StreamedStep:
         backend = self._backend
         batch = self._batch.reduced(backend)
         loss = backend.from_last_stage(self._loss)
-        total = float(backend.reduce(np.array([self._tokens]), "sum")[0])
+        total = float(backend.reduce(np.array([self._units]), "sum")[0])
         norms: list[float] = []
         if batch.sums["trained_trajectories"]:  # none to train: no update, like train_step
             backend.scale_grads(1.0 / max(total, 1.0))
             norms.append(backend.update())
         else:
             backend.zero_grad()
-        loss.sums["loss"] /= max(total, 1.0)  # tallied as sums, reported as the mean
+        for key in ("loss", "kl_loss"):  # tallied as sums, reported as the mean
+            loss.sums[key] /= max(total, 1.0)
         metrics = step_metrics(backend, batch, loss, norms)
         metrics["train/streamed_parts"] = float(self.parts)
         return metrics, norms

@@ -13,6 +13,14 @@ Data: the first rank of each data-parallel replica (TP rank 0 of its first stage
 receives the replica's groups straight from the trajectory server and broadcasts them to
 its TP and PP peers, so no rank ever holds another replica's trajectories.
 
+Reference policy (``trainer.kl_coef > 0``, ``trainer.ref``): each rank holds its own
+shard of a frozen second model, built like the policy's stage and loaded at the first
+step (:meth:`MegatronRank.init_reference`): a copy of the policy's weights then (the
+initial policy; after ``trainer.load``, the loaded one) or the shard of the
+``trainer.ref.path`` model folder. It scores each batch in one forward-only pass through
+the same backend code (and, with PP > 1, the same 1F1B schedule), so the reference costs
+each rank its shard of the weights and that pass.
+
 Push: after each step every rank sends its own pieces of the new weights to every PS
 replica (:class:`~parameter_server.shard_push.ShardPushGroup`) in the background, reading the
 live parameters while the next step's forward and backward passes run; the next update
@@ -141,6 +149,8 @@ class MegatronRank:
         if not self.cpu:
             self.model = self.model.to(self.device)
         self.version = int(version)
+        self.reference: VocabParallelBackend | None = None  # init_reference()
+        self.reference_model: Any = None
         self._pending: Any = None  # the background Push in flight
         self._stream: StreamedStep | None = None  # parts of the next step seen so far
         self._pusher: Any = None
@@ -171,6 +181,49 @@ class MegatronRank:
             update=self.update,
             pipeline=forward if s.pp > 1 else None,
             pp_group=ps.get_pipeline_model_parallel_group(),
+        )
+
+    def init_reference(self) -> None:
+        """Build this rank's shard of the frozen reference policy (no-op without a KL term
+        or once built): ``trainer.ref.path``'s weights, else a copy of the policy's weights
+        now. Called by the first step, before any update."""
+        s = self.spec.section
+        if self.reference is not None or not s.uses_reference:
+            return
+        with cpu_devices():
+            ref = build_gpt(
+                self.spec.hf_config, self.gpt, tp=s.tp, dtype=self.spec.dtype, cpu=self.cpu,
+                stage=self.stage,
+            )  # fmt: skip
+        if not self.cpu:
+            ref = ref.to(self.device)
+        if s.ref.path:
+            from staleflow.trainers.reference import reference_weights
+
+            hf = {k: _host_array(torch.from_numpy(v), self.spec.dtype)
+                  for k, v in reference_weights(s.ref.path).items()}  # fmt: skip
+            load_shard(ref, self.converter.shard(hf, self.tp_rank), self.stage)
+        else:
+            with torch.no_grad():
+                for (_, q), (_, p) in zip(
+                    ref.named_parameters(), self.model.named_parameters(), strict=True
+                ):
+                    q.copy_(p)
+        ref.requires_grad_(False)
+        ref.eval()
+        self.reference_model = ref
+        self.reference = VocabParallelBackend(
+            lambda ids, pos: ref(ids, pos, None),
+            vocab_size=int(self.spec.hf_config["vocab_size"]),
+            padded_vocab=self.gpt.vocab_size,
+            tp_rank=self.tp_rank,
+            tp_size=s.tp,
+            tp_group=self._ps.get_tensor_model_parallel_group(),
+            dp_group=self._ps.get_data_parallel_group(),
+            device=self.device,
+            update=None,
+            pipeline=ref if s.pp > 1 else None,
+            pp_group=self._ps.get_pipeline_model_parallel_group(),
         )
 
     # -- roles --------------------------------------------------------------------------
@@ -243,6 +296,7 @@ class MegatronRank:
         the part is the groups not streamed (possibly none) and the step covers both."""
         start = time.perf_counter()
         batch = self.receive(part)
+        self.init_reference()
         self.push_wait_s = 0.0
         streamed, self._stream = self._stream, None
         if streamed is None:
@@ -254,6 +308,7 @@ class MegatronRank:
                     version=self.version,
                     pad_id=self.spec.pad_id,
                     allow_empty=self.spec.section.dp > 1,
+                    reference=self.reference,
                 )[0]
             )
         else:
@@ -270,9 +325,14 @@ class MegatronRank:
         (``trainer.stream``); every rank of the pool calls it, a replica's share may be
         empty. :meth:`train_step` adds the rest and updates."""
         batch = self.receive(part)
+        self.init_reference()
         if self._stream is None:
             self._stream = StreamedStep(
-                self.backend, self.spec.section, version=self.version, pad_id=self.spec.pad_id
+                self.backend,
+                self.spec.section,
+                version=self.version,
+                pad_id=self.spec.pad_id,
+                reference=self.reference,
             )
         stream = self._stream
         self._in_step(lambda: stream.add(batch))

@@ -212,3 +212,24 @@ def fresh_steps(rank: int, world: int, address: str, payload: Any) -> list[Any]:
         metrics = r.train_step(part)
         out.append((metrics, r.gather_hf()))
     return out
+
+
+def consecutive_steps(rank: int, world: int, address: str, payload: Any) -> list[Any]:
+    """``payload = (spec, hf, batches)``: one rank loaded from ``hf`` takes a step on each
+    batch in turn (its optimizer state and reference carried along); rank 0 returns each
+    step's metrics and the HF weights after the last."""
+    import torch
+
+    torch.set_num_threads(1)
+    from staleflow.trainers.megatron.rank import MegatronRank, init_distributed
+    from staleflow.trainers.megatron.split import split_batch
+
+    spec, hf, batches = payload
+    init_distributed(rank, world, address)
+    r = MegatronRank(spec)
+    r.load_hf(hf)
+    metrics = []
+    for batch in batches:
+        part = split_batch(batch, spec.section.dp)[r.dp_rank] if r.is_data_leader else None
+        metrics.append(r.train_step(part))
+    return [metrics, r.gather_hf()]

@@ -32,12 +32,15 @@ SETTINGS = {"lr": 1e-2, "is_cap": 1.2, "eps_low": 0.05, "eps_high": 0.05}
 NOT_COMPARED = ("train/step_time_s",)
 
 
-def _trainer(**config):
+def _trainer(reference=None, **config):
     """A trainer whose ``grads`` lists the gradients of each update (Adam's first step is
     close to ``lr * sign(g)``: weights alone would hide a mis-scaled gradient)."""
     model, tokenizer = build_arithmetic_model("micro", seed=0)
     trainer = EmbeddedTrainer(
-        model, TrainerConfig(**{**SETTINGS, **config}), pad_id=tokenizer.pad_id
+        model,
+        TrainerConfig(**{**SETTINGS, **config}),
+        pad_id=tokenizer.pad_id,
+        reference=reference,
     )
     trainer.grads = []
     step = trainer.optimizer.step
@@ -55,8 +58,8 @@ def _weights(model):
     return {k: v.detach().clone() for k, v in policy_state(model).items()}
 
 
-def _step(batch, **config):
-    model, _, trainer = _trainer(**config)
+def _step(batch, reference=None, **config):
+    model, _, trainer = _trainer(reference, **config)
     metrics = trainer.train_step(batch)
     return metrics, trainer.grads, _weights(model)
 
@@ -90,6 +93,40 @@ def test_observation_tokens_change_nothing_in_a_step(off_policy, updates):
         assert 0 < metrics["train/corrected_frac"] < 1
     # the control: the same tokens, all trained, give another step
     all_in = _step(unmasked(batch), **config)
+    assert all_in[0]["train/tokens"] > trained
+    assert any(not torch.equal(all_in[1][0][k], base[1][0][k]) for k in base[1][0])
+
+
+def _reference():
+    """A reference policy other than the initial one: its KL and gradient are not 0."""
+    return build_arithmetic_model("micro", seed=1)[0].requires_grad_(False).eval()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"loss": "gspo"},  # loss_agg=auto: seq_mean_token_mean
+        {"loss": "gspo", "loss_agg": "token_mean", "kl_coef": 0.1, "kl_estimator": "k2"},
+        {"loss": "cispo", "loss_agg": "seq_mean_token_sum"},
+        {"loss": "cispo", "kl_coef": 0.1, "updates_per_step": 2},
+        {"advantage": "drgrpo", "loss_norm_len": 16, "kl_coef": 0.1},
+        {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.1, "kl_estimator": "k1"},
+    ],
+    ids=lambda c: "-".join(f"{v}" for v in c.values()),
+)
+def test_observation_tokens_change_nothing_with_any_loss_aggregation_or_kl(config):
+    """Every loss variant, aggregation and KL estimator: the observations' logprobs and
+    versions change nothing (loss, KL, gradients, metrics, weights); the control, the
+    same tokens all trained, changes the step."""
+    model, tokenizer = build_arithmetic_model("micro", seed=0)
+    batch = masked_batch(model, tokenizer)
+    base = _step(batch, _reference(), **config)
+    _same(base, _step(perturb_observations(batch), _reference(), **config))
+    trained = sum(int(t.mask.sum()) for g in batch.groups for t in g.trajectories)
+    assert base[0]["train/tokens"] == trained
+    if config.get("kl_coef"):
+        assert base[0]["train/kl_loss"] != 0.0
+    all_in = _step(unmasked(batch), _reference(), **config)
     assert all_in[0]["train/tokens"] > trained
     assert any(not torch.equal(all_in[1][0][k], base[1][0][k]) for k in base[1][0])
 
@@ -156,7 +193,7 @@ def test_an_all_true_mask_is_the_loss_over_every_response_token():
                 eps_low=settings.eps_low,
                 eps_high=settings.eps_high,
                 is_cap=settings.is_cap,
-                total_tokens=total,
+                denominator=total,
             ).loss
         )
     reference.backward()

@@ -53,9 +53,18 @@ def _check_eval(result) -> None:
 
 
 def test_launch_eta1_bounded_and_conserving(tmp_path):
-    result = _launch(tmp_path, 1)
+    """Also the algorithm options end to end: GSPO with the KL to the initial policy (a
+    second model in the trainer actor) holds the bound and the audit like the default."""
+    result = _launch(tmp_path, 1, "trainer.loss=gspo", "trainer.kl_coef=0.01")
     check_run(result, 1, STEPS, 2 * 4)
     _check_eval(result)
+    ref_kl = [r.extra["train/ref_kl"] for r in result.records]
+    assert len(ref_kl) == STEPS and all(k >= 0 for k in ref_kl)
+    assert ref_kl[0] == 0.0  # the policy is its own reference at first
+    # later, KL > 0 exactly when an update moved the policy (the micro model's groups are
+    # often all wrong: no gradient, no move)
+    moved = any(r.extra["train/grad_norm"] > 0 for r in result.records[:-1])
+    assert (ref_kl[-1] > 0) == moved, (ref_kl, moved)
 
 
 def test_launch_eta0_is_exactly_on_policy(tmp_path):
