@@ -27,6 +27,7 @@ The episode's limits (:class:`EpisodeLimits`: most turns, most tokens) are enfor
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import struct
 from collections.abc import Mapping
@@ -61,6 +62,27 @@ class EnvSample:
     prompt: str
     answer: str
     extra: Mapping[str, Plain] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        """The sample as one JSON string: what the TS carries as a group's ground truth
+        for an environment task, so the worker that starts the episode needs no dataset."""
+        body = {"id": self.sample_id, "prompt": self.prompt, "answer": self.answer}
+        if self.extra:
+            body["extra"] = dict(self.extra)
+        return json.dumps(body, separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> EnvSample:
+        try:
+            body = json.loads(text)
+            return cls(
+                int(body["id"]), str(body["prompt"]), str(body["answer"]), body.get("extra", {})
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            raise EnvContractError(
+                f"not an environment sample ({exc!r}): {text[:80]!r}; environment tasks carry "
+                "EnvSample.to_json() as the ground truth (data.task must name the environment)"
+            ) from None
 
 
 @dataclass(frozen=True, slots=True)
