@@ -42,6 +42,22 @@ def all_trained(n: int) -> np.ndarray:
     return mask
 
 
+def extend_mask(mask: np.ndarray, n: int) -> np.ndarray:
+    """``mask`` (the loss mask of a response's first tokens) continued with True up to
+    ``n`` tokens: what a rollout engine adds to a response is the model's own."""
+    if len(mask) > n:
+        raise ValueError(
+            f"a loss mask of {len(mask)} tokens for a response of {n}: the response must "
+            "start with the tokens the mask covers"
+        )
+    if len(mask) == n:
+        return mask
+    out = np.ones(n, dtype=np.bool_)
+    out[: len(mask)] = mask
+    out.flags.writeable = False
+    return out
+
+
 def _default_mask(record: Any) -> None:
     """``__post_init__`` of the payloads: a mask left out (None) means every token is the
     model's own (single-turn), so older senders and single-turn code need not name it."""

@@ -311,7 +311,9 @@ class RolloutActor:
             hand_live(
                 self._ts,
                 [
-                    FinishedTrajectory(f.traj_id, f.tokens, f.logprobs, f.versions, f.finish_reason)
+                    FinishedTrajectory(
+                        f.traj_id, f.tokens, f.logprobs, f.versions, f.finish_reason, f.mask
+                    )
                     for f in finished
                 ],
                 worker_id,
@@ -433,6 +435,7 @@ class RewardActor:
                     t.versions,
                     t.finish_reason,
                     -1,  # its instance is unknown (and may be gone)
+                    t.mask,
                 )
                 for t in tasks
             ]

@@ -82,7 +82,14 @@ class RewardStage:
                 self.errors += 1
             completions.append(
                 Completion(
-                    f.traj_id, f.tokens, f.logprobs, f.versions, r.reward, f.finish_reason, info
+                    f.traj_id,
+                    f.tokens,
+                    f.logprobs,
+                    f.versions,
+                    r.reward,
+                    f.finish_reason,
+                    info,
+                    f.mask,
                 )
             )
         stored = {
