@@ -249,9 +249,26 @@ class RewardTask:
     versions: np.ndarray
     finish_reason: str
     mask: np.ndarray | None = None  # bool, one per token; None: all True
+    env_state: bytes = b""  # the environment's packed state; b"": none (single-turn)
 
     def __post_init__(self) -> None:
         _default_mask(self)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class NextTurn:
+    """A multi-turn trajectory whose environment answered its last model turn and whose
+    episode goes on: the whole response with the observation appended (mask False, logprob
+    0, the version of the model token before it) and the environment's state after the
+    step, packed (plain data, opaque to the TS). It returns to the queue for its next
+    turn with its ``V_traj``, as an interrupted partial does."""
+
+    traj_id: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    mask: np.ndarray | None
+    env_state: bytes
 
 
 @dataclass(frozen=True, slots=True)
