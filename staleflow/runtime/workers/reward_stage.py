@@ -11,7 +11,7 @@ completions and the TS refuses those (``docs/recovery.md``)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -19,7 +19,7 @@ import numpy as np
 from staleflow.control.late import CompletionSink, complete_live
 from staleflow.rollout.instance import Finished
 from staleflow.runtime.interface import Rewarded
-from trajectory_server.types import Completion, InstanceId, WorkerId
+from trajectory_server.types import Completion, InfoValue, InstanceId, WorkerId
 
 logger = logging.getLogger(__name__)
 
@@ -74,9 +74,24 @@ class RewardStage:
             raise RuntimeError(
                 f"the reward function scored {len(results)} of {len(finished)} trajectories"
             )
+        return self.complete(finished, results, instance_id)
+
+    def complete(
+        self,
+        finished: Sequence[Finished],
+        results: Sequence[ScoredLike],
+        instance_id: InstanceId | None = None,
+        infos: Sequence[Mapping[str, InfoValue]] | None = None,
+        finish_reasons: Sequence[str] | None = None,
+    ) -> list[int]:
+        """Store scored trajectories in the TS as completed, then report them; returns the
+        ids the TS took. ``infos`` and ``finish_reasons`` (one per trajectory) add to the
+        record and replace the engine's reason (an episode's end, e.g. ``max_turns``)."""
+        infos = infos or [{}] * len(finished)
+        reasons = finish_reasons or [f.finish_reason for f in finished]
         completions = []
-        for f, r in zip(finished, results, strict=True):
-            info: dict[str, int | float | str] = {"instance": f.instance}
+        for f, r, extra, reason in zip(finished, results, infos, reasons, strict=True):
+            info: dict[str, int | float | str] = {"instance": f.instance, **extra}
             if r.error:
                 info["reward_error"] = r.error[:500]
                 self.errors += 1
@@ -87,7 +102,7 @@ class RewardStage:
                     f.logprobs,
                     f.versions,
                     r.reward,
-                    f.finish_reason,
+                    reason,
                     info,
                     f.mask,
                 )
@@ -108,10 +123,10 @@ class RewardStage:
                 reward=r.reward,
                 error=r.error,
                 response_len=len(f.tokens),
-                finish_reason=f.finish_reason,
+                finish_reason=reason,
                 instance=f.instance,
             )
-            for f, r in zip(finished, results, strict=True)
+            for f, r, reason in zip(finished, results, reasons, strict=True)
             if f.traj_id in stored
         ]
         if rewarded:
