@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from coordinator.config import ConfigError, CoordinatorConfig, CostModelConfig
 from staleflow.config.checks import INT32_MAX, STEPS_WHY
+from staleflow.config.env import EnvConfig
 from staleflow.config.recovery import RecoveryConfig
 from staleflow.config.resources import ResourcesConfig
 from staleflow.config.sections import (
@@ -160,6 +161,7 @@ class RunConfig:
     parameter_server: PSConfig = field(default_factory=PSConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     coordinator: CoordinatorConfig = field(default_factory=_embedded_coordinator)
 
     # Keys that were replaced: the message says which key to use instead.
@@ -224,7 +226,7 @@ class RunConfig:
             )
         elif data.path:
             raise ConfigError(
-                f"data.path={data.path!r} is set but data.task=arithmetic does not read files: "
+                f"data.path={data.path!r} is set but data.task={data.task} does not read files: "
                 "set data.task to jsonl, parquet, gsm8k or dapo, or drop data.path"
             )
         if data.tokenizer and not model.checkpoint:

@@ -29,6 +29,7 @@ from staleflow.config.checks import (
     require_choice,
     require_positive,
 )
+from staleflow.config.env import ENV_TASKS
 from staleflow.config.rollout import (
     ROLLOUT_BACKENDS as ROLLOUT_BACKENDS,
 )
@@ -47,8 +48,8 @@ from staleflow.models.presets import PRESETS
 from staleflow.rewards.registry import AUTO, reward_names
 from staleness.bounds import MAX_HELD_TRAJECTORIES
 
-DATA_TASKS = ("arithmetic", "gsm8k", "dapo", "jsonl", "parquet")
-FILE_TASKS = DATA_TASKS[1:]
+DATA_TASKS = ("arithmetic", "gsm8k", "dapo", "jsonl", "parquet", *ENV_TASKS)
+FILE_TASKS = ("gsm8k", "dapo", "jsonl", "parquet")
 TRAINER_BACKENDS = ("embedded", "megatron")
 OFF_POLICY_MODES = ("decoupled", "tis", "none")
 CAP_MODES = ("auto", "truncate", "mask")
@@ -138,7 +139,8 @@ class DataConfig:
     task: str = field(
         default="arithmetic",
         metadata=_help(
-            "arithmetic (built in) | gsm8k | dapo | jsonl | parquet (local files at data.path)"
+            "arithmetic (built in) | calculator (built in, multi-turn with a tool: the env "
+            "section) | gsm8k | dapo | jsonl | parquet (local files at data.path)"
         ),
     )
     path: str = field(default="", metadata=_help("local .jsonl or .parquet file of a file task"))
