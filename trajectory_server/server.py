@@ -315,8 +315,9 @@ class TrajectoryServer:
         plan = []
         for n in items:
             traj = self._s.lookup(n.traj_id)
-            if traj.state is not REWARDING or traj.holder != worker_id:
-                raise NotHolder(f"{traj.describe()}, not with worker {worker_id!r}: drop it")
+            if traj.state is not REWARDING or traj.holder != worker_id or not _extends(n, traj):
+                # not with this worker, or a resent step of an earlier turn: a late message
+                raise NotHolder(f"{traj.describe()}, not this turn with {worker_id!r}: drop it")
             response = self._check_response(traj, n.tokens, n.logprobs, n.versions, n.mask)
             if response[3][len(traj.tokens) :].any() or not isinstance(n.env_state, bytes):
                 raise InvalidPayload(
@@ -589,3 +590,9 @@ class TrajectoryServer:
     def _after_groups_left(self) -> None:
         if self._config.auto_refill:
             self.refill()
+
+
+def _extends(turn: NextTurn, traj: TrajRecord) -> bool:
+    """``turn``'s response starts with the stored one (it is about the turn the TS has)."""
+    n = len(traj.tokens)
+    return len(turn.tokens) >= n and np.array_equal(np.asarray(turn.tokens)[:n], traj.tokens)

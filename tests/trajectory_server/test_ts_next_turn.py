@@ -52,7 +52,7 @@ def test_next_turn_refuses_a_late_or_wrong_message_and_changes_nothing() -> None
     # appending model tokens here would train tokens no instance generated
     with pytest.raises(InvalidPayload, match="observation tokens only"):
         ts.next_turn([NextTurn(0, *turns(("model", 4, 2)), b"")], worker_id="w")
-    with pytest.raises(InvalidPayload, match="does not start with"):
+    with pytest.raises(InvalidPayload, match="does not start with"):  # another version
         ts.next_turn([NextTurn(0, *turns(("model", 3, 5), ("obs", 1, 5)), b"")], worker_id="w")
     assert ts.state_of(0) is TrajState.REWARDING and ts.env_states([0]) == {0: b""}
     # the worker was lost: the task another worker gets carries the state the TS has
@@ -88,3 +88,18 @@ def test_a_state_written_before_env_states_loads_with_none() -> None:
     del state["trajectories"]["env_state"]
     restored = TrajectoryServer.restore(ts.config, positioned(state), state)
     assert restored.env_states([0, 1]) == {0: b"", 1: b""}
+
+
+def test_a_resent_step_of_an_earlier_turn_is_a_late_message() -> None:
+    ts = server()
+    _first_turn_with_worker(ts)
+    first = NextTurn(0, *turns(("model", 3, 2), ("obs", 2, 2)), env_state=b"s1")
+    ts.next_turn([first], worker_id="w")
+    ts.route([0], None, "a")
+    second = turns(("model", 3, 2), ("obs", 2, 2), ("model", 2, 2))
+    ts.hand_to_reward([FinishedTrajectory(0, *second[:3], "stop", second[3])], "w")
+    # the same worker is sent the first turn again (a resend after an instance loss)
+    stale = NextTurn(0, *turns(("model", 3, 2), ("obs", 1, 2)), env_state=b"s0")
+    with pytest.raises(NotHolder, match="not this turn"):
+        ts.next_turn([stale], worker_id="w")
+    assert ts.env_states([0]) == {0: b"s1"} and ts.state_of(0) is TrajState.REWARDING
