@@ -19,7 +19,7 @@ import numpy as np
 from staleflow.control.late import CompletionSink, complete_live
 from staleflow.rollout.instance import Finished
 from staleflow.runtime.interface import Rewarded
-from trajectory_server.types import Completion, InfoValue, InstanceId, WorkerId
+from trajectory_server.types import Completion, InfoValue, InstanceId, RewardTask, WorkerId
 
 logger = logging.getLogger(__name__)
 
@@ -132,3 +132,23 @@ class RewardStage:
         if rewarded:
             self._report(rewarded)
         return [r.traj_id for r in rewarded]
+
+
+def finished_from_task(t: RewardTask) -> Finished:
+    """A REWARDING trajectory the TS hands a worker again (its worker was lost, or the run
+    resumed), as the worker receives a finished one: a multi-turn trajectory's
+    environment state stays in the TS, where the environment stage reads it."""
+    return Finished(
+        t.traj_id,
+        t.group_id,
+        t.v_traj,
+        t.sample_id,
+        t.answer,
+        t.prompt,
+        t.tokens,
+        t.logprobs,
+        t.versions,
+        t.finish_reason,
+        -1,  # its instance is unknown (and may be gone)
+        t.mask,
+    )

@@ -48,8 +48,13 @@ def _never_scored(items: Sequence[tuple[int, str, str]]) -> list:
 
 
 class Harness:
-    def __init__(self, env: CalculatorEnvironment | None = None, max_turns: int = 4) -> None:
-        self.ts = TrajectoryServer(
+    def __init__(
+        self,
+        env: CalculatorEnvironment | None = None,
+        max_turns: int = 4,
+        ts: TrajectoryServer | None = None,
+    ) -> None:
+        self.ts = ts or TrajectoryServer(
             TrajectoryServerConfig(eta=1, batch_size=1, group_size=2), _Source()
         )
         self.rewarded: list[Rewarded] = []
@@ -150,3 +155,35 @@ def test_a_trajectory_aborted_during_its_tool_call_is_dropped_late() -> None:
     h.ts.hand_to_reward([FinishedTrajectory(0, f.tokens, f.logprobs, f.versions, "stop")], "w")
     h.ts.abort([0])  # redundancy dropped it while its tool ran
     assert h.stage.process([f]) == [] and h.stage.continued == 0
+
+
+def test_a_tool_call_cut_by_a_stop_runs_again_after_the_resume_and_answers_the_same() -> None:
+    from staleflow.runtime.workers.reward_stage import finished_from_task
+    from trajectory_server import wire
+
+    straight, stopped = Harness(), Harness()
+    for h in (straight, stopped):
+        a, _ = h.ts.route([0, 1], 0, "i0")
+        h.turn(a, _call(a), version=0)
+        (again,) = h.ts.route([0], None, "i0")
+    # the second call: one run steps it straight through; the other stops while its tool
+    # runs (handed to its worker, never answered), then resumes from its checkpoint
+    straight.turn(again, _call(again), version=1)
+    new = np.append(TOK.encode(_call(again)), TOK.eos_id).astype(np.int32)
+    tokens = np.concatenate([again.tokens, new])
+    mask = np.concatenate([again.mask, np.ones(len(new), bool)])
+    versions = np.concatenate([again.versions, np.ones(len(new), np.int32)])
+    logprobs = np.concatenate([again.logprobs, np.full(len(new), -0.5, np.float32)])
+    stopped.ts.hand_to_reward(
+        [FinishedTrajectory(0, tokens, logprobs, versions, "stop", mask)], "w"
+    )
+    state = wire.unpack_plain(wire.pack_plain(stopped.ts.export_state()))
+    resumed = Harness(ts=TrajectoryServer.restore(stopped.ts.config, _Source(), state))
+    (task,) = resumed.ts.reassign_rewards(None, "w")
+    assert resumed.stage.process([finished_from_task(task)]) == []
+    (after_resume,) = resumed.ts.route([0], None, "i1")
+    (after_straight,) = straight.ts.route([0], None, "i1")
+    assert after_resume.tokens.tolist() == after_straight.tokens.tolist()
+    assert after_resume.mask.tolist() == after_straight.mask.tolist()
+    assert resumed.ts.env_states([0]) == straight.ts.env_states([0])
+    assert resumed.slept == straight.slept[1:]  # the tool ran again, as long
