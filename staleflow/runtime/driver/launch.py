@@ -39,7 +39,7 @@ from staleflow.data import ArithmeticConfig, PromptDataset, load_dataset, synthe
 from staleflow.data.layouts import DatasetError
 from staleflow.envs import make_environment
 from staleflow.envs.calculator import calculator_samples
-from staleflow.envs.formats import PlainFormat, episode_dataset
+from staleflow.envs.formats import episode_dataset, turn_format
 from staleflow.models.errors import ModelError
 from staleflow.progress import SILENT, Progress
 from staleflow.runfolder.reader import SUMMARY
@@ -205,7 +205,7 @@ def build_dataset(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
         env = make_environment("calculator", **cfg.env.options("calculator"))
         task = ArithmeticConfig.level(data.difficulty, seed=cfg.seed + 1)
         dataset = episode_dataset(
-            env, calculator_samples(task, size=20_000), PlainFormat(tokenizer)
+            env, calculator_samples(task, size=20_000), turn_format(tokenizer)
         )
     elif data.task == "arithmetic":
         # A seed apart from the warm-up's own problem stream (see models.warmup).

@@ -21,7 +21,7 @@ from staleflow.engines import engine_class
 from staleflow.engines.factory import build_engine
 from staleflow.engines.settings import EngineSettings
 from staleflow.envs import EpisodeLimits, make_environment
-from staleflow.envs.formats import PlainFormat
+from staleflow.envs.formats import turn_format
 from staleflow.rewards import RewardItem, RewardWorker
 from staleflow.rewards.worker import build_reward_fn
 from staleflow.runtime.interface import Rewarded
@@ -258,7 +258,7 @@ def build_reward_stage(
     e = spec.env
     return EnvironmentStage(
         make_environment(e.name, **e.options),
-        PlainFormat(tokenizer),
+        turn_format(tokenizer),
         EpisodeLimits(max_turns=e.max_turns, max_tokens=e.max_tokens),
         ts,  # type: ignore[arg-type]  # the TS client serves the environment calls too
         stage,
