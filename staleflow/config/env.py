@@ -59,6 +59,15 @@ class EnvConfig:
         default=5.0,
         metadata=_help("calculator: the longest tool call in seconds", MAX_WAIT_S, WAIT_WHY),
     )
+    step_timeout_s: float = field(
+        default=60.0,
+        metadata=_help(
+            "seconds one environment step may compute (its tool's declared latency not "
+            "counted) before its episode ends with env_error; 0 = no limit",
+            MAX_WAIT_S,
+            WAIT_WHY,
+        ),
+    )
     threads: int = field(
         default=8,
         metadata=_help(
@@ -77,6 +86,12 @@ class EnvConfig:
             "env.latency_scale_s",
             self.latency_scale_s,
             "must be >= 0 seconds (0: no wait), e.g. 0.05",
+        )
+        require(
+            math.isfinite(self.step_timeout_s) and self.step_timeout_s >= 0,
+            "env.step_timeout_s",
+            self.step_timeout_s,
+            "must be >= 0 seconds (0: no limit), e.g. 60",
         )
         require(
             math.isfinite(self.latency_shape) and self.latency_shape > 0,

@@ -12,8 +12,9 @@ When the episode ends (:func:`staleflow.envs.after_step`: the environment ended 
 the last turn, or the token limit) the environment scores it and it completes as a
 single-turn response does.
 
-What can go wrong is one trajectory's: a step that raises, returns a state that is not
-plain data, or an observation the tokenizer cannot encode ends that episode with
+What can go wrong is one trajectory's: a step that raises, runs past its limit
+(``env.step_timeout_s``), returns a state that is not plain data, or an observation the
+tokenizer cannot encode ends that episode with
 ``env_error`` (scored 0, the reason in the record); a malformed tool call is the
 environment's to answer (the calculator answers ``error`` and goes on). A turn the engine
 cut at the token budget (``length``) ends the episode without a step, in every mode.
@@ -31,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -64,6 +66,10 @@ class EnvServer(Protocol):
     def env_states(self, traj_ids: Sequence[int]) -> dict[int, bytes]: ...
 
     def next_turn(self, turns: Sequence[NextTurn], *, worker_id: str | int) -> None: ...
+
+
+class StepTimeout(RuntimeError):
+    """An environment step ran past ``env.step_timeout_s``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +123,7 @@ class EnvironmentStage:
         *,
         worker_id: str | int,
         threads: int = 8,
+        step_timeout_s: float = 0.0,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self._env, self._fmt, self._limits = env, fmt, limits
@@ -124,6 +131,14 @@ class EnvironmentStage:
         self._sleep = sleep
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="env-step")
+        # with a limit, each step runs on a thread of its own that the stage stops waiting
+        # for (Python cannot kill a thread: a step past its limit runs on, abandoned)
+        self._timeout_s = step_timeout_s
+        self._steps_pool = (
+            ThreadPoolExecutor(max(1, threads), thread_name_prefix="env-step-limited")
+            if step_timeout_s > 0
+            else None
+        )
         self.steps = 0
         self.errors = 0
         self.continued = 0
@@ -161,7 +176,8 @@ class EnvironmentStage:
             with self._lock:
                 self.errors += 1
             logger.warning("trajectory %d: its environment failed: %r", f.traj_id, exc)
-            return _Outcome(None, 0.0, FINISH_ERROR, f"environment: {exc!r}"[:500])
+            why = str(exc) if isinstance(exc, StepTimeout) else repr(exc)
+            return _Outcome(None, 0.0, FINISH_ERROR, f"environment: {why}"[:500])
 
     def _step(self, f: Finished, packed: bytes) -> _Outcome:
         mask = np.asarray(f.mask, dtype=np.bool_)
@@ -180,7 +196,16 @@ class EnvironmentStage:
             return _Outcome(None, self._score(state), FINISH_MAX_TOKENS, info=info)
         start, end = spans[-1]
         ids = f.tokens[start:end]
-        step = self._env.step(state, ModelTurn(turns - 1, self._fmt.turn_text(ids), ids))
+        turn = ModelTurn(turns - 1, self._fmt.turn_text(ids), ids)
+        if self._steps_pool is None:
+            step = self._env.step(state, turn)
+        else:
+            try:
+                step = self._steps_pool.submit(self._env.step, state, turn).result(self._timeout_s)
+            except FutureTimeout:
+                raise StepTimeout(
+                    f"the environment's step took over {self._timeout_s:g} s (env.step_timeout_s)"
+                ) from None
         check_plain(step.state)
         if step.latency_s > 0:
             self._sleep(step.latency_s)
@@ -220,3 +245,5 @@ class EnvironmentStage:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+        if self._steps_pool is not None:
+            self._steps_pool.shutdown(wait=False)

@@ -90,6 +90,7 @@ class EnvSpec:
     max_turns: int
     max_tokens: int  # the response budget, turns and observations together
     threads: int
+    step_timeout_s: float = 0.0  # 0: no limit
 
 
 def env_spec(cfg: RunConfig) -> EnvSpec | None:
@@ -98,7 +99,8 @@ def env_spec(cfg: RunConfig) -> EnvSpec | None:
     if task not in ENV_TASKS:
         return None
     e = cfg.env
-    return EnvSpec(task, e.options(task), e.max_turns, cfg.rollout.max_response_tokens, e.threads)
+    budget = cfg.rollout.max_response_tokens
+    return EnvSpec(task, e.options(task), e.max_turns, budget, e.threads, e.step_timeout_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,4 +266,5 @@ def build_reward_stage(
         stage,
         worker_id=worker_id or "reward",
         threads=e.threads,
+        step_timeout_s=e.step_timeout_s,
     )

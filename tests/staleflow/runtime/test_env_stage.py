@@ -5,7 +5,9 @@ trajectory's, in its record."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from dataclasses import replace
 
 import numpy as np
 
@@ -53,6 +55,7 @@ class Harness:
         env: CalculatorEnvironment | None = None,
         max_turns: int = 4,
         ts: TrajectoryServer | None = None,
+        step_timeout_s: float = 0.0,
     ) -> None:
         self.ts = ts or TrajectoryServer(
             TrajectoryServerConfig(eta=1, batch_size=1, group_size=2), _Source()
@@ -67,6 +70,7 @@ class Harness:
             self.ts,
             rewards,
             worker_id="w",
+            step_timeout_s=step_timeout_s,
             sleep=self.slept.append,
         )
 
@@ -187,3 +191,38 @@ def test_a_tool_call_cut_by_a_stop_runs_again_after_the_resume_and_answers_the_s
     assert after_resume.mask.tolist() == after_straight.mask.tolist()
     assert resumed.ts.env_states([0]) == straight.ts.env_states([0])
     assert resumed.slept == straight.slept[1:]  # the tool ran again, as long
+
+
+class _Stuck(CalculatorEnvironment):
+    """A step that never returns until the test lets it."""
+
+    def __init__(self) -> None:
+        super().__init__(latency_scale_s=0.0)
+        self.release = threading.Event()
+
+    def step(self, state, turn):
+        self.release.wait(30)
+        return super().step(state, turn)
+
+
+class _Accented(CalculatorEnvironment):
+    def step(self, state, turn):
+        step = super().step(state, turn)
+        return replace(step, observation="résultat")  # not in the built-in alphabet
+
+
+def test_a_step_past_its_limit_or_an_observation_that_cannot_be_encoded_ends_its_episode() -> None:
+    stuck = _Stuck()
+    try:
+        h = Harness(env=stuck, step_timeout_s=0.05)
+        a, _ = h.ts.route([0, 1], 0, "i0")
+        assert h.turn(a, _call(a), version=0) == [0]
+        (r,) = h.rewarded
+        assert r.finish_reason == "env_error" and "env.step_timeout_s" in r.error
+    finally:
+        stuck.release.set()
+    h = Harness(env=_Accented(latency_scale_s=0.0))
+    a, _ = h.ts.route([0, 1], 0, "i0")
+    assert h.turn(a, _call(a), version=0) == [0]
+    (r,) = h.rewarded
+    assert r.finish_reason == "env_error" and "not in the tokenizer's alphabet" in r.error
