@@ -47,6 +47,9 @@ FINISH_DONE = "done"  # the environment ended it (e.g. a final answer)
 FINISH_MAX_TURNS = "max_turns"  # the model used its last turn
 FINISH_MAX_TOKENS = "max_tokens"  # the next observation would pass the token limit
 FINISH_ERROR = "env_error"  # the environment raised, or broke its contract
+# the finish reasons of a response cut by a limit: a single-turn response by its token
+# budget ("length", as engines say), an episode by either of its limits
+TRUNCATIONS = frozenset({"length", FINISH_MAX_TOKENS, FINISH_MAX_TURNS})
 
 
 class EnvContractError(RuntimeError):

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from coordinator.cycle import CycleStats
 from coordinator.seer import ProbeAccuracy
+from staleflow.envs.base import TRUNCATIONS
 from staleflow.rollout.instance import InstanceTimes
 from staleflow.runfolder.step_record import TABLE3, StepRecord, idle_ratio, record_key
 from staleflow.runtime.interface import Rewarded, StepReport
@@ -87,7 +88,7 @@ class StepMetrics:
         w.rewards.append(r.reward)
         w.lengths.append(r.response_len)
         w.errors += bool(r.error)
-        w.truncated += r.finish_reason == "length"
+        w.truncated += r.finish_reason in TRUNCATIONS
 
     def on_step(
         self,

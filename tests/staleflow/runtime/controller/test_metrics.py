@@ -88,3 +88,12 @@ def test_a_second_report_of_the_same_loss_takes_nothing_twice():
     m.instance_lost(0)
     rec = _step(m, 4.0, {0: _times(0.5)})
     assert rec.time_share["decode"] == pytest.approx(2.0 / 4)
+
+
+def test_an_episode_cut_by_either_limit_counts_as_truncated_as_a_response_cut_by_length():
+    from staleflow.runtime.interface import Rewarded
+
+    m = StepMetrics([0], started=0.0)
+    for i, reason in enumerate(["stop", "length", "done", "max_tokens", "max_turns", "env_error"]):
+        m.on_rewarded(Rewarded(i, 0, 0, 0.0, "", 8, reason, 0))
+    assert _step(m, 1.0, {0: _times(1.0)}).truncated == 3
