@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from staleflow.control.late import CompletionSink, complete_live
+from staleflow.envs.base import FINISH_ERROR
 from staleflow.rollout.instance import Finished
 from staleflow.runtime.interface import Rewarded
 from trajectory_server.types import Completion, InfoValue, InstanceId, RewardTask, WorkerId
@@ -125,8 +126,12 @@ class RewardStage:
                 response_len=len(f.tokens),
                 finish_reason=reason,
                 instance=f.instance,
+                turns=int(extra.get("turns", 0)),
+                tool_calls=int(extra.get("tool_calls", 0)),
+                env_errors=int(extra.get("env_errors", 0)) + (reason == FINISH_ERROR),
+                tool_wait_s=float(extra.get("tool_latency_s", 0.0)),
             )
-            for f, r, reason in zip(finished, results, reasons, strict=True)
+            for f, r, reason, extra in zip(finished, results, reasons, infos, strict=True)
             if f.traj_id in stored
         ]
         if rewarded:

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
 from staleflow.envs import EnvSample, EpisodeLimits
 from staleflow.envs.calculator import (
@@ -119,6 +120,9 @@ def test_a_tool_call_turn_is_queued_with_the_answer_then_the_episode_is_scored()
     assert done[0].mask.tolist() == again.mask.tolist() + [True] * (len(sample.answer) + 1)
     assert done[1].info["turns"] == 1 and done[1].reward == float(sample.answer == "7")
     assert {r.traj_id for r in h.rewarded} == {0, 1}
+    by_id = {r.traj_id: r for r in h.rewarded}
+    assert (by_id[0].turns, by_id[0].tool_calls, by_id[0].env_errors) == (2, 1, 0)
+    assert by_id[0].tool_wait_s == pytest.approx(h.slept[0])
 
 
 def test_errors_and_limits_end_one_episode_and_say_why() -> None:
