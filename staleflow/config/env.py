@@ -3,7 +3,8 @@
 A trajectory of such a task is a sequence of model turns and observations; the episode
 ends when the environment ends it, at ``env.max_turns`` model turns, or when the response
 (turns and observations together) reaches ``rollout.max_response_tokens``
-(``staleflow.envs.after_step``: the same rule in every mode).
+(``staleflow.envs.after_step``: the same rule in every mode), which an environment task
+left at its default raises to ``ENV_RESPONSE_TOKENS`` (``RunConfig.resolved``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ from staleflow.config.checks import (
 from staleflow.config.walk import check_types
 
 ENV_TASKS = ("calculator",)  # data.task values that name an environment (staleflow.envs)
+# rollout.max_response_tokens of an environment task left at its default: a calculator
+# episode of level 2 takes about 120 tokens (call, answer, final turn); twice that leaves
+# room for a retry after a malformed call
+ENV_RESPONSE_TOKENS = 256
 MAX_TURNS = 1024
 TURNS_WHY = "every turn is a round trip through the queue, an instance and a worker"
 

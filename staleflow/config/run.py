@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from coordinator.config import ConfigError, CoordinatorConfig, CostModelConfig
 from staleflow.config.checks import INT32_MAX, STEPS_WHY
-from staleflow.config.env import EnvConfig
+from staleflow.config.env import ENV_RESPONSE_TOKENS, ENV_TASKS, EnvConfig
 from staleflow.config.recovery import RecoveryConfig
 from staleflow.config.resources import ResourcesConfig
 from staleflow.config.sections import (
@@ -281,11 +281,18 @@ class RunConfig:
 
     def resolved(self) -> RunConfig:
         """This config with ``auto`` choices that depend on other sections made explicit
-        (``reward.kind``), so each component can be handed its own section alone."""
+        (``reward.kind``), so each component can be handed its own section alone. An
+        environment task's response budget left at the default (sized for one arithmetic
+        answer) becomes the budget of its multi-turn episodes (``ENV_RESPONSE_TOKENS``)."""
+        out = self
         kind = resolve_reward_kind(self.reward.kind, self.data.task)
-        if kind == self.reward.kind:
-            return self
-        return replace(self, reward=replace(self.reward, kind=kind))
+        if kind != self.reward.kind:
+            out = replace(out, reward=replace(out.reward, kind=kind))
+        default = RolloutConfig.__dataclass_fields__["max_response_tokens"].default
+        if self.data.task in ENV_TASKS and self.rollout.max_response_tokens == default:
+            budget = replace(self.rollout, max_response_tokens=ENV_RESPONSE_TOKENS)
+            out = replace(out, rollout=budget)
+        return out
 
     def staleness_config(self) -> StalenessConfig:
         """The staleness manager's configuration, from the top-level keys."""
