@@ -68,6 +68,10 @@ def test_the_calculator_task_trains_multi_turn_trajectories_within_eta(tmp_path)
     )
     result = launch(cfg)
     check_run(result, ETA, STEPS, 2 * 4)
+    # the step records count the episodes: some took more than one turn, called a tool
+    episodes = [r for r in result.records if r.turns_mean is not None]
+    assert episodes and max(r.turns_mean for r in episodes) > 1
+    assert sum(r.tool_calls for r in episodes) > 0
     _, tok = load_pretrained(tmp_path / "policy")
     audit = read_audit(result.run_dir / "audit.jsonl")
     assert len(audit) == STEPS * 2 * 4
