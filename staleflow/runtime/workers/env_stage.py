@@ -44,6 +44,7 @@ from staleflow.engines.base import FINISH_LENGTH
 from staleflow.envs.base import (
     FINISH_ERROR,
     FINISH_MAX_TOKENS,
+    EnvContractError,
     Environment,
     EnvSample,
     EnvState,
@@ -228,6 +229,11 @@ class EnvironmentStage:
         if verdict.ended:
             return _Outcome(None, self._score(step.state), verdict.finish, info=info)
         n = len(verdict.observation_ids)
+        if n == 0:  # the mask could not tell this turn from the next
+            raise EnvContractError(
+                "the turn format rendered the observation as no tokens; an observation "
+                "needs at least one (e.g. the format's tool-response markup)"
+            )
         last_version = int(f.versions[-1]) if len(f.versions) else 0
         return _Outcome(
             NextTurn(

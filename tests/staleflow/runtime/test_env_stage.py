@@ -57,6 +57,7 @@ class Harness:
         max_turns: int = 4,
         ts: TrajectoryServer | None = None,
         step_timeout_s: float = 0.0,
+        fmt: PlainFormat = FMT,
     ) -> None:
         self.ts = ts or TrajectoryServer(
             TrajectoryServerConfig(eta=1, batch_size=1, group_size=2), _Source()
@@ -66,7 +67,7 @@ class Harness:
         rewards = RewardStage(_never_scored, TOK.decode, self.ts, self.rewarded.extend, "w")
         self.stage = EnvironmentStage(
             env or CalculatorEnvironment(latency_scale_s=0.2),
-            FMT,
+            fmt,
             EpisodeLimits(max_turns=max_turns, max_tokens=256),
             self.ts,
             rewards,
@@ -230,3 +231,16 @@ def test_a_step_past_its_limit_or_an_observation_that_cannot_be_encoded_ends_its
     assert h.turn(a, _call(a), version=0) == [0]
     (r,) = h.rewarded
     assert r.finish_reason == "env_error" and "not in the tokenizer's alphabet" in r.error
+
+
+class _Silent(PlainFormat):
+    def observation_ids(self, observation: str) -> np.ndarray:
+        return np.zeros(0, np.int32)
+
+
+def test_an_observation_of_no_tokens_ends_the_episode_instead_of_merging_two_turns() -> None:
+    h = Harness(fmt=_Silent(TOK))
+    a, _ = h.ts.route([0, 1], 0, "i0")
+    assert h.turn(a, _call(a), version=0) == [0]
+    (r,) = h.rewarded
+    assert r.finish_reason == "env_error" and "no tokens" in r.error
