@@ -28,6 +28,7 @@ from trajectory_server.types import (
     InfoValue,
     InstanceId,
     LiveTrajectory,
+    NextTurn,
     PartialTrajectory,
     RewardTask,
     RoutableTrajectory,
@@ -80,6 +81,13 @@ class TrajectoryServerService:
     def hand_to_reward(self, message: bytes) -> None:
         msg = wire.unpack(message, wire.HandToReward)
         self._ts.hand_to_reward(msg.finished, msg.worker_id, instance_id=msg.instance_id)
+
+    def next_turn(self, message: bytes) -> None:
+        msg = wire.unpack(message, wire.NextTurnBatch)
+        self._ts.next_turn(msg.turns, worker_id=msg.worker_id)
+
+    def env_states(self, traj_ids: Sequence[int]) -> dict[int, bytes]:
+        return self._ts.env_states(traj_ids)
 
     def reassign_rewards(self, from_worker: WorkerId | None, to_worker: WorkerId | None) -> bytes:
         return wire.pack(wire.RewardTaskBatch(self._ts.reassign_rewards(from_worker, to_worker)))
@@ -245,6 +253,12 @@ class TrajectoryServerClient:
     ) -> None:
         msg = wire.HandToReward(tuple(finished), worker_id, instance_id)
         self._call("hand_to_reward", wire.pack(msg))
+
+    def next_turn(self, turns: Iterable[NextTurn], *, worker_id: WorkerId) -> None:
+        self._call("next_turn", wire.pack(wire.NextTurnBatch(tuple(turns), worker_id)))
+
+    def env_states(self, traj_ids: Iterable[int]) -> dict[int, bytes]:
+        return self._call("env_states", tuple(traj_ids))
 
     def reassign_rewards(
         self, from_worker: WorkerId | None, to_worker: WorkerId | None

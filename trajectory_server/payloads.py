@@ -46,6 +46,7 @@ def reward_task(traj: TrajRecord) -> RewardTask:
         versions=traj.versions,
         finish_reason=traj.finish_reason,
         mask=traj.mask,
+        env_state=traj.env_state,
     )
 
 

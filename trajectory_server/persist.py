@@ -11,6 +11,8 @@ model's, so they load with an all-True mask. ``load`` rebuilds a store from it:
 - ROUTED ones come back QUEUED (their instance is gone after a restart) with the longest
   response the TS knew (routed, or last reported progress) and their ``V_traj``, at the
   back of their level; the staleness manager still holds their reservations;
+- a multi-turn trajectory keeps its environment's packed state (``env_state``, absent in
+  states written before it was kept: none);
 - REWARDING ones keep their finished response and wait for a worker
   (``reassign_rewards(None, worker)``); COMPLETED ones are kept as they are.
 """
@@ -90,6 +92,7 @@ def export_state(
             "logprobs": _concat([t.logprobs for t in trajs], np.float32)[0],
             "versions": _concat([t.versions for t in trajs], np.int32)[0],
             "mask": _concat([t.mask for t in trajs], np.bool_)[0],
+            "env_state": [t.env_state for t in trajs],
             "offsets": offsets,
         },
     }
@@ -202,6 +205,11 @@ def _load(
         masks = _slices(_array(t, "mask", np.bool_, None), offsets, "mask")
     else:  # written before the mask was kept: every response was the model's alone
         masks = _slices(np.ones(int(offsets[-1]), dtype=np.bool_), offsets, "mask")
+    env_states = t.get("env_state", [b""] * n)  # absent before multi-turn trajectories
+    if len(env_states) != n or not all(isinstance(e, bytes) for e in env_states):
+        raise CorruptState(
+            "trajectory server state: 'env_state' must hold one bytes per trajectory"
+        )
     columns = zip(
         ids.tolist(),
         _array(t, "group", np.int64, n).tolist(),
@@ -215,11 +223,26 @@ def _load(
         logprobs,
         versions,
         masks,
+        env_states,
         strict=True,
     )
     requeued: list[TrajRecord] = []
     per_group = config.trajectories_per_group
-    for tid, gid, raw_state, v, _holder, reward, finish_reason, info, tok, lp, ver, m in columns:
+    for (
+        tid,
+        gid,
+        raw_state,
+        v,
+        _holder,
+        reward,
+        finish_reason,
+        info,
+        tok,
+        lp,
+        ver,
+        m,
+        env,
+    ) in columns:
         group = store.groups.get(gid)
         if group is None or tid in store.trajs or not 0 <= tid < store.next_traj:
             raise CorruptState(f"trajectory {tid}: unknown group {gid}, repeated or never made")
@@ -231,6 +254,7 @@ def _load(
         if len(ver) and int(ver.min()) < v:
             raise CorruptState(f"trajectory {tid}: a token is older than its V_traj={v}")
         traj.tokens, traj.logprobs, traj.versions, traj.mask = tok, lp, ver, m
+        traj.env_state = env
         traj.reward, traj.finish_reason, traj.info = float(reward), str(finish_reason), dict(info)
         if traj.state is ROUTED:  # its instance did not survive the restart
             traj.state = QUEUED

@@ -50,6 +50,7 @@ class TrajRecord:
     None while no worker has it, e.g. after its worker was lost or after a restore)."""
 
     __slots__ = (
+        "env_state",
         "finish_reason",
         "group",
         "holder",
@@ -77,6 +78,9 @@ class TrajRecord:
         self.reward = 0.0
         self.finish_reason = ""
         self.info: Mapping[str, InfoValue] = {}
+        # a multi-turn trajectory's environment, packed plain data (b"": not started); the
+        # TS keeps it opaque, so that it survives instances, workers and restarts
+        self.env_state = b""
 
     def record(self) -> RoutableTrajectory:
         prompt_len = len(self.group.prompt)

@@ -48,6 +48,7 @@ from trajectory_server.types import (
     InfoValue,
     InstanceId,
     LiveTrajectory,
+    NextTurn,
     PartialTrajectory,
     RewardTask,
     RoutableTrajectory,
@@ -302,6 +303,36 @@ class TrajectoryServer:
             traj.finish_reason = f.finish_reason
             traj.holder = worker_id
             self._s.set_state(traj, REWARDING, traj.v_traj)
+
+    def next_turn(self, turns: Iterable[NextTurn], *, worker_id: WorkerId) -> None:
+        """REWARDING trajectories of ``worker_id`` whose episode goes on: store the response
+        with the observation appended and the environment's state, and queue them for
+        their next model turn with their ``V_traj`` (``NotHolder`` when one is not with
+        that worker any more: a late message). Only observation tokens (mask False) may
+        be appended here; the model's own come from an instance."""
+        items = list(turns)
+        unique((n.traj_id for n in items), "next_turn")
+        plan = []
+        for n in items:
+            traj = self._s.lookup(n.traj_id)
+            if traj.state is not REWARDING or traj.holder != worker_id or not _extends(n, traj):
+                # not with this worker, or a resent step of an earlier turn: a late message
+                raise NotHolder(f"{traj.describe()}, not this turn with {worker_id!r}: drop it")
+            response = self._check_response(traj, n.tokens, n.logprobs, n.versions, n.mask)
+            if response[3][len(traj.tokens) :].any() or not isinstance(n.env_state, bytes):
+                raise InvalidPayload(
+                    f"trajectory {n.traj_id}: next_turn appends observation tokens only (mask "
+                    "False) and takes the environment's state as bytes"
+                )
+            plan.append((traj, response, n.env_state))
+        for traj, response, env_state in plan:
+            self._store(traj, response)
+            traj.env_state, traj.finish_reason = env_state, ""
+            self._s.requeue(traj)
+
+    def env_states(self, traj_ids: Iterable[int]) -> dict[int, bytes]:
+        """The packed environment state of each live trajectory of ``traj_ids``."""
+        return {t: self._s.trajs[t].env_state for t in traj_ids if t in self._s.trajs}
 
     def reassign_rewards(
         self, from_worker: WorkerId | None, to_worker: WorkerId | None
@@ -559,3 +590,9 @@ class TrajectoryServer:
     def _after_groups_left(self) -> None:
         if self._config.auto_refill:
             self.refill()
+
+
+def _extends(turn: NextTurn, traj: TrajRecord) -> bool:
+    """``turn``'s response starts with the stored one (it is about the turn the TS has)."""
+    n = len(traj.tokens)
+    return len(turn.tokens) >= n and np.array_equal(np.asarray(turn.tokens)[:n], traj.tokens)

@@ -42,6 +42,22 @@ def all_trained(n: int) -> np.ndarray:
     return mask
 
 
+def extend_mask(mask: np.ndarray, n: int) -> np.ndarray:
+    """``mask`` (the loss mask of a response's first tokens) continued with True up to
+    ``n`` tokens: what a rollout engine adds to a response is the model's own."""
+    if len(mask) > n:
+        raise ValueError(
+            f"a loss mask of {len(mask)} tokens for a response of {n}: the response must "
+            "start with the tokens the mask covers"
+        )
+    if len(mask) == n:
+        return mask
+    out = np.ones(n, dtype=np.bool_)
+    out[: len(mask)] = mask
+    out.flags.writeable = False
+    return out
+
+
 def _default_mask(record: Any) -> None:
     """``__post_init__`` of the payloads: a mask left out (None) means every token is the
     model's own (single-turn), so older senders and single-turn code need not name it."""
@@ -233,9 +249,26 @@ class RewardTask:
     versions: np.ndarray
     finish_reason: str
     mask: np.ndarray | None = None  # bool, one per token; None: all True
+    env_state: bytes = b""  # the environment's packed state; b"": none (single-turn)
 
     def __post_init__(self) -> None:
         _default_mask(self)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class NextTurn:
+    """A multi-turn trajectory whose environment answered its last model turn and whose
+    episode goes on: the whole response with the observation appended (mask False, logprob
+    0, the version of the model token before it) and the environment's state after the
+    step, packed (plain data, opaque to the TS). It returns to the queue for its next
+    turn with its ``V_traj``, as an interrupted partial does."""
+
+    traj_id: int
+    tokens: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    mask: np.ndarray | None
+    env_state: bytes
 
 
 @dataclass(frozen=True, slots=True)

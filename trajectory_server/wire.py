@@ -27,6 +27,7 @@ from trajectory_server.types import (
     Completion,
     FinishedTrajectory,
     GroupStatus,
+    NextTurn,
     PartialTrajectory,
     RewardTask,
     RoutableTrajectory,
@@ -150,6 +151,12 @@ class HandToReward:
     finished: tuple[FinishedTrajectory, ...]
     worker_id: int | str
     instance_id: int | str | None = None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class NextTurnBatch:
+    turns: tuple[NextTurn, ...]
+    worker_id: int | str
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -320,6 +327,7 @@ MESSAGES: dict[str, type] = {
     "progress_report": ProgressReport,
     "hand_to_reward": HandToReward,
     "reward_task_batch": RewardTaskBatch,
+    "next_turn_batch": NextTurnBatch,
     "aborted_trajectory": AbortedTrajectory,
     "training_group": TrainingGroup,
     "training_trajectory": TrainingTrajectory,

@@ -8,6 +8,7 @@ the dotted key and the fix.
 """
 
 from coordinator.config import ConfigError, CoordinatorConfig, CostModelConfig
+from staleflow.config.env import EnvConfig
 from staleflow.config.io import (
     config_from_dict,
     config_to_dict,
@@ -36,6 +37,7 @@ __all__ = [
     "CoordinatorConfig",
     "CostModelConfig",
     "DataConfig",
+    "EnvConfig",
     "ModelConfig",
     "PSConfig",
     "RecoveryConfig",

@@ -17,11 +17,12 @@ from staleflow.config.checks import (
     require_at_least,
     require_choice,
 )
+from staleflow.config.env import ENV_TASKS
 from staleflow.config.walk import check_types
 from staleflow.data.synthetic import ArithmeticConfig
 
-DATA_TASKS = ("arithmetic", "gsm8k", "dapo", "jsonl", "parquet", "hf")
-FILE_TASKS = DATA_TASKS[1:]
+FILE_TASKS = ("gsm8k", "dapo", "jsonl", "parquet", "hf")
+DATA_TASKS = ("arithmetic", *FILE_TASKS, *ENV_TASKS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +34,8 @@ class DataConfig:
     task: str = field(
         default="arithmetic",
         metadata=_help(
-            "arithmetic (built in) | gsm8k | dapo | jsonl | parquet (local files at data.path) "
+            "arithmetic (built in) | calculator (built in, multi-turn with a tool: the env "
+            "section) | gsm8k | dapo | jsonl | parquet (local files at data.path) "
             "| hf (a Hugging Face datasets folder or files at data.path)"
         ),
     )

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 from coordinator.config import ConfigError, CoordinatorConfig, CostModelConfig
 from staleflow.config.checks import INT32_MAX, STEPS_WHY
+from staleflow.config.env import ENV_RESPONSE_TOKENS, ENV_TASKS, EnvConfig
 from staleflow.config.recovery import RecoveryConfig
 from staleflow.config.resources import ResourcesConfig
 from staleflow.config.sections import (
@@ -173,6 +174,7 @@ class RunConfig:
     parameter_server: PSConfig = field(default_factory=PSConfig)
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     coordinator: CoordinatorConfig = field(default_factory=_embedded_coordinator)
 
     # Keys that were replaced: the message says which key to use instead.
@@ -247,7 +249,7 @@ class RunConfig:
             )
         elif data.path:
             raise ConfigError(
-                f"data.path={data.path!r} is set but data.task=arithmetic does not read files: "
+                f"data.path={data.path!r} is set but data.task={data.task} does not read files: "
                 "set data.task to jsonl, parquet, gsm8k or dapo, or drop data.path"
             )
         if data.tokenizer and not model.checkpoint:
@@ -303,15 +305,21 @@ class RunConfig:
     def resolved(self) -> RunConfig:
         """This config with ``auto`` choices that depend on other sections made explicit
         (``reward.kind``, ``trainer.loss_norm_len``), so each component can be handed its
-        own section alone."""
+        own section alone. An environment task's response budget left at the default (sized
+        for one arithmetic answer) becomes the budget of its multi-turn episodes
+        (``ENV_RESPONSE_TOKENS``)."""
         out = self
         kind = resolve_reward_kind(self.reward.kind, self.data.task)
         if kind != self.reward.kind:
-            out = replace(out, reward=replace(self.reward, kind=kind))
-        t = self.trainer
+            out = replace(out, reward=replace(out.reward, kind=kind))
+        default = RolloutConfig.__dataclass_fields__["max_response_tokens"].default
+        if self.data.task in ENV_TASKS and self.rollout.max_response_tokens == default:
+            budget = replace(self.rollout, max_response_tokens=ENV_RESPONSE_TOKENS)
+            out = replace(out, rollout=budget)
+        t = out.trainer
         if t.aggregation(t.advantage) == "seq_mean_token_sum_norm" and not t.loss_norm_len:
             # Dr. GRPO's constant: the longest response the rollout may sample
-            trainer = replace(self.trainer, loss_norm_len=self.rollout.max_response_tokens)
+            trainer = replace(t, loss_norm_len=out.rollout.max_response_tokens)
             out = replace(out, trainer=trainer)
         return out
 

@@ -29,6 +29,7 @@ from trajectory_server.types import (
     FinishedTrajectory,
     GroupStatus,
     InstanceId,
+    NextTurn,
     PartialTrajectory,
     WorkerId,
 )
@@ -64,6 +65,10 @@ class RewardHandOff(Protocol):
         *,
         instance_id: InstanceId | None = None,
     ) -> None: ...
+
+
+class TurnSink(Protocol):
+    def next_turn(self, turns: Iterable[NextTurn], *, worker_id: WorkerId) -> None: ...
 
 
 class Aborter(Protocol):
@@ -154,6 +159,17 @@ def hand_live(
 
     done, _ = _each_live(finished, call, "hand-off to reward")
     return [f.traj_id for f in done]
+
+
+def next_turn_live(ts: TurnSink, turns: Sequence[NextTurn], worker_id: WorkerId) -> list[int]:
+    """Queue multi-turn trajectories for their next turn; returns the ids the TS took (not
+    those aborted meanwhile, e.g. by redundancy, nor those reassigned from ``worker_id``)."""
+
+    def call(items: Sequence[NextTurn]) -> None:
+        ts.next_turn(items, worker_id=worker_id)
+
+    done, _ = _each_live(turns, call, "next turn")
+    return [n.traj_id for n in done]
 
 
 def abort_live(ts: Aborter, traj_ids: Sequence[int]) -> list[AbortedTrajectory]:

@@ -239,6 +239,32 @@ class HFTokenizer:
             out = out["input_ids"]
         return np.asarray(out, dtype=np.int32)
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tok, "chat_template", None))
+
+    def apply_template(
+        self,
+        messages: Sequence[Message],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """The chat template's text of ``messages`` (and ``tools``, for templates that
+        describe them), not tokenised: multi-turn formats cut observations out of it."""
+        if not self.has_chat_template:
+            raise TokenizerError(f"the tokenizer in {self._path} has no chat template")
+        return self._tok.apply_chat_template(
+            [dict(m) for m in messages],
+            tools=[dict(t) for t in tools] if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token, special tokens included (e.g. ``<|im_end|>``)."""
+        return self._tok.convert_ids_to_tokens(int(token_id))
+
     def describe_ids(self, ids: Sequence[int]) -> list[str]:
         """``"<id> '<token>'"`` for each id, saying which are tokens the tokenizer added
         (``added_tokens_decoder``: a class such as Qwen2Tokenizer adds its own specials)."""

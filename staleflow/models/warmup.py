@@ -126,7 +126,7 @@ def _lr_factor(step: int, steps: int, warmup_steps: int) -> float:
 def warmup(
     model: PreTrainedModel,
     tokenizer: Tokenizer,
-    task: ArithmeticTask,
+    task: ArithmeticTask | None,
     *,
     steps: int = DEFAULT_STEPS,
     batch_size: int = DEFAULT_BATCH_SIZE,
@@ -140,6 +140,7 @@ def warmup(
     on_step: Callable[[int, float], None] | None = None,
     stop: Callable[[int], bool] | None = None,
     check_every: int = 25,
+    batches: Callable[[int], tuple[torch.Tensor, torch.Tensor, int]] | None = None,
 ) -> WarmupStats:
     """Supervised next-token training of ``model`` in place on prompt -> solution.
 
@@ -150,12 +151,16 @@ def warmup(
     ``on_step(step, loss)`` is called after each step (progress, evaluation).
     ``stop(step)``, asked every ``check_every`` steps, ends the run early when it returns
     True (the schedule stays the one of ``steps``); ``WarmupStats.steps`` says how many ran.
+    ``batches(step)``: the step's (ids, labels, trained tokens) in place of the task's
+    problems (another task's demonstrations, e.g. ``staleflow.models.tool_warmup``).
     """
     if steps < 1 or batch_size < 1:
         raise ValueError(f"steps={steps}, batch_size={batch_size}; both must be at least 1")
     if lr <= 0:
         raise ValueError(f"lr={lr}; it must be positive")
-    stream = _warmup_task(task, seed)
+    if task is None and batches is None:
+        raise ValueError("warmup needs a task, or batches(step) that give each step's batch")
+    stream = _warmup_task(task, seed) if batches is None else None
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, foreach=True
@@ -170,7 +175,10 @@ def warmup(
         for step in range(steps):
             for group in optimizer.param_groups:
                 group["lr"] = lr * _lr_factor(step, steps, warmup_steps)
-            ids, labels, n = _collate(stream.problems(batch_size, step * batch_size), tokenizer)
+            if stream is None:
+                ids, labels, n = batches(step)  # type: ignore[misc]  # set when stream is not
+            else:
+                ids, labels, n = _collate(stream.problems(batch_size, step * batch_size), tokenizer)
             # right padding needs no attention mask: causal attention never lets a real
             # token see the padding after it
             logits = model(input_ids=ids, use_cache=False).logits
@@ -354,9 +362,7 @@ def ensure_warm_checkpoint(
     if target_accuracy is not None:
         key["target_accuracy"] = target_accuracy
         key["check"] = [CHECK_EVERY, VALIDATION_PROBLEMS]
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    final = root / f"{name}-{digest}"
+    root, final = cache_entry(cache_dir, name, key)
     if (final / META_FILE).is_file():
         logger.debug("warm-up cache hit: %s", final)
         return final
@@ -417,6 +423,23 @@ def ensure_warm_checkpoint(
         f", held-out accuracy at T=1: {meta['accuracy_t1']:.1%}" if eval_problems > 0 else "",
     )
 
+    store_entry(model, tokenizer, meta, root, final)
+    return final
+
+
+def cache_entry(cache_dir: str | Path | None, name: str, key: dict[str, Any]) -> tuple[Path, Path]:
+    """(the cache root, the entry's directory) of a warm-up keyed by ``key``."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return root, root / f"{name}-{digest}"
+
+
+def store_entry(
+    model: PreTrainedModel, tokenizer: Tokenizer, meta: dict[str, Any], root: Path, final: Path
+) -> None:
+    """Write a warmed model into its cache entry: into a temporary directory renamed into
+    place, so a crash leaves no half-written entry and two processes warming at once both
+    end with a complete one."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
@@ -430,7 +453,6 @@ def ensure_warm_checkpoint(
             logger.info("another process cached %s first; using its copy", final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def ensure_warm_model(

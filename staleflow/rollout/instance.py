@@ -22,7 +22,13 @@ import numpy as np
 from coordinator.seer import chunk_cap
 from coordinator.types import InstanceSnapshot, TrajRecord
 from staleflow.engines.base import FINISH_LENGTH, EngineOutput, GenerationRequest, RolloutEngine
-from trajectory_server.types import InstanceId, PartialTrajectory, RoutedTrajectory
+from trajectory_server.types import (
+    InstanceId,
+    PartialTrajectory,
+    RoutedTrajectory,
+    all_trained,
+    extend_mask,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +48,13 @@ class Finished:
     versions: np.ndarray
     finish_reason: str
     instance: int
+    # bool, one per token: False on observations an environment appended between turns
+    # (never trained); None: every token is the model's (single-turn)
+    mask: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.mask is None:
+            object.__setattr__(self, "mask", all_trained(len(self.tokens)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +92,9 @@ class _Meta:
     sample_id: int
     answer: str
     prompt: np.ndarray
+    # the loss mask of the response the trajectory came in with; what the engine adds
+    # after it is the model's own (True): the engine never sees a mask
+    mask: np.ndarray
 
 
 class RolloutInstance:
@@ -193,7 +209,7 @@ class RolloutInstance:
                 raise ValueError(f"instance {self.inst} already holds trajectories {dup}")
             self._engine.submit(requests)
             for r in routed:
-                self._meta[r.traj_id] = _Meta(r.group_id, r.v_traj, r.sample_id, r.answer, r.prompt)
+                self._meta[r.traj_id] = _meta(r)
             self._work.notify_all()
             self._command_s["route"] += self._clock() - started
 
@@ -202,12 +218,9 @@ class RolloutInstance:
         with self._lock:
             started = self._clock()
             outs = self._engine.interrupt(list(traj_ids))
-            for tid in outs:
-                self._meta.pop(tid, None)
+            masks = {tid: self._meta.pop(tid).mask for tid in outs if tid in self._meta}
             self._command_s["interrupt"] += self._clock() - started
-        return {
-            tid: PartialTrajectory(tid, o.tokens, o.logprobs, o.versions) for tid, o in outs.items()
-        }
+        return {tid: _partial(o, masks.get(tid)) for tid, o in outs.items()}
 
     def abort(self, traj_ids: Iterable[int]) -> list[int]:
         with self._lock:
@@ -240,7 +253,7 @@ class RolloutInstance:
             )
             self._engine.submit([request])
             r = routed
-            self._meta[r.traj_id] = _Meta(r.group_id, r.v_traj, r.sample_id, r.answer, r.prompt)
+            self._meta[r.traj_id] = _meta(r)
             self._copies[r.traj_id] = holder
             self._work.notify_all()
 
@@ -271,7 +284,7 @@ class RolloutInstance:
                 ]
             )
             self._work.notify_all()
-        return PartialTrajectory(traj_id, out.tokens, out.logprobs, out.versions)
+        return _partial(out, m.mask)
 
     def copies(self) -> dict[int, InstanceId]:
         with self._lock:
@@ -316,11 +329,11 @@ class RolloutInstance:
             return {}
         with self._lock:
             outs = {
-                tid: o for tid, o in read().items() if tid in self._meta and tid not in self._copies
+                tid: _partial(o, self._meta[tid].mask)
+                for tid, o in read().items()
+                if tid in self._meta and tid not in self._copies
             }
-        return {
-            tid: PartialTrajectory(tid, o.tokens, o.logprobs, o.versions) for tid, o in outs.items()
-        }
+        return outs
 
     def load_weights(self, weights: Mapping[str, object], version: int) -> None:
         """Load pulled weights; the completed list restarts (the coordinator's Pull)."""
@@ -457,10 +470,10 @@ class RolloutInstance:
         )
 
     def _chunk_end(self, out: EngineOutput) -> PartialTrajectory:
-        self._meta.pop(out.traj_id)
+        m = self._meta.pop(out.traj_id)
         self._completed.append(out.traj_id)  # it left: Eq. 1 counts it until the next Pull
         self._chunks += 1
-        return PartialTrajectory(out.traj_id, out.tokens, out.logprobs, out.versions)
+        return _partial(out, m.mask)
 
     def _finish(self, out: EngineOutput, copy: bool = False) -> Finished:
         m = self._meta.pop(out.traj_id)
@@ -479,4 +492,16 @@ class RolloutInstance:
             versions=out.versions,
             finish_reason=out.finish_reason or "stop",
             instance=self.inst,
+            mask=extend_mask(m.mask, len(out.tokens)),
         )
+
+
+def _meta(r: RoutedTrajectory) -> _Meta:
+    return _Meta(r.group_id, r.v_traj, r.sample_id, r.answer, r.prompt, r.mask)  # type: ignore[arg-type]  # set by __post_init__
+
+
+def _partial(out: EngineOutput, mask: np.ndarray | None) -> PartialTrajectory:
+    """The engine's response so far with its loss mask: the mask the trajectory came in
+    with, then True for every token the engine added (``mask`` None: all True)."""
+    full = None if mask is None else extend_mask(mask, len(out.tokens))
+    return PartialTrajectory(out.traj_id, out.tokens, out.logprobs, out.versions, full)

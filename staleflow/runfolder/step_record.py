@@ -85,6 +85,12 @@ class StepRecord:
     probe_error: float | None = _scalar("coordinator/probe_error")
     # RolloutPipe (trainer.stream): groups trained on before this step's buffer was Ready
     streamed_groups: int | None = _scalar("trainer/streamed_groups", whole=True)
+    # multi-turn episodes (staleflow.envs) rewarded since the last step: model turns per
+    # episode, tool calls, environment errors, seconds their tools took (summed)
+    turns_mean: float | None = _scalar("env/turns_mean")
+    tool_calls: int | None = _scalar("env/tool_calls", whole=True)
+    env_errors: int | None = _scalar("env/errors", whole=True)
+    tool_wait_s: float | None = _scalar("env/tool_wait_s")
     # V_buf - V_traj -> trajectories of this step's batch
     staleness: Mapping[int, int] = _per("staleness/hist/", whole=True)
     # V_buf - (the version that generated it) -> generated tokens of this step's batch

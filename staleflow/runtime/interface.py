@@ -76,6 +76,12 @@ class Rewarded:
     response_len: int
     finish_reason: str
     instance: int
+    # a multi-turn episode's (staleflow.envs): its model turns (0: a single-turn response),
+    # tool calls and errors, and the seconds its tools took
+    turns: int = 0
+    tool_calls: int = 0
+    env_errors: int = 0
+    tool_wait_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

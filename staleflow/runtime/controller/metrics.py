@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from coordinator.cycle import CycleStats
 from coordinator.seer import ProbeAccuracy
+from staleflow.envs.base import TRUNCATIONS
 from staleflow.rollout.instance import InstanceTimes
 from staleflow.runfolder.step_record import TABLE3, StepRecord, idle_ratio, record_key
 from staleflow.runtime.interface import Rewarded, StepReport
@@ -30,6 +31,11 @@ class _Window:
     lengths: list[int] = field(default_factory=list)
     errors: int = 0
     truncated: int = 0
+    episodes: int = 0  # multi-turn episodes among the rewarded
+    turns: int = 0
+    tool_calls: int = 0
+    env_errors: int = 0
+    tool_wait_s: float = 0.0
 
 
 class StepMetrics:
@@ -87,7 +93,13 @@ class StepMetrics:
         w.rewards.append(r.reward)
         w.lengths.append(r.response_len)
         w.errors += bool(r.error)
-        w.truncated += r.finish_reason == "length"
+        w.truncated += r.finish_reason in TRUNCATIONS
+        if r.turns:
+            w.episodes += 1
+            w.turns += r.turns
+            w.tool_calls += r.tool_calls
+            w.env_errors += r.env_errors
+            w.tool_wait_s += r.tool_wait_s
 
     def on_step(
         self,
@@ -136,6 +148,11 @@ class StepMetrics:
             truncated=w.truncated,
             reward_mean=sum(w.rewards) / len(w.rewards) if w.rewards else None,
             response_len_mean=sum(w.lengths) / len(w.lengths) if w.lengths else None,
+            # multi-turn episodes only (None in a single-turn run)
+            turns_mean=w.turns / w.episodes if w.episodes else None,
+            tool_calls=w.tool_calls if w.episodes else None,
+            env_errors=w.env_errors if w.episodes else None,
+            tool_wait_s=w.tool_wait_s if w.episodes else None,
             ps_version=ps_version,
             cycles=coordinator.cycles,
             discarded=coordinator.discarded,

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from staleflow.config import RunConfig, config_to_dict
+from staleflow.config.env import ENV_TASKS
 from staleflow.data import ArithmeticConfig, PromptDataset, load_dataset, synthetic_dataset
 from staleflow.data.datasets import PromptFormat, chat_template_of, check_chat_template
 from staleflow.data.hf_datasets import (
@@ -44,6 +45,9 @@ from staleflow.data.hf_datasets import (
 )
 from staleflow.data.layouts import DatasetError, RecordLayout
 from staleflow.data.tokenizer import TokenizerError
+from staleflow.envs import make_environment
+from staleflow.envs.calculator import calculator_samples
+from staleflow.envs.formats import episode_dataset, turn_format
 from staleflow.models.errors import ModelError
 from staleflow.progress import SILENT, Progress
 from staleflow.runfolder.reader import SUMMARY
@@ -166,16 +170,40 @@ def prepare_policy(
         phase(f"loading the policy from {m.checkpoint}{tokenizer_note}")
         model, tokenizer = load_pretrained(m.checkpoint, tokenizer_path=cfg.data.tokenizer or None)
         return model, tokenizer, {"source": str(m.checkpoint)}
-    if cfg.data.task != "arithmetic":
+    if cfg.data.task not in ("arithmetic", *ENV_TASKS):
         raise LaunchError(
             f"data.task={cfg.data.task!r} needs model.checkpoint (a local Hugging Face "
-            "checkpoint directory): the built-in model only knows the arithmetic task"
+            "checkpoint directory): the built-in model only knows the built-in tasks"
         )
-    # torch, as above: the built-in policy and its warm-up
-    from staleflow.models.build import build_arithmetic_model
-    from staleflow.models.warmup import ensure_warm_checkpoint, read_warmup_meta
+    # torch, as above: the built-in policies and their warm-ups
+    from staleflow.models.tool_warmup import (
+        build_calculator_model,
+        ensure_warm_calculator_checkpoint,
+    )
+    from staleflow.models.warmup import (  # torch, as above
+        build_arithmetic_model,
+        ensure_warm_checkpoint,
+        read_warmup_meta,
+    )
 
     task = ArithmeticConfig.level(cfg.data.difficulty)
+    if cfg.data.task == "calculator":  # the multi-turn task: a tokenizer with tool markup
+        if not m.warmup or not m.warmup_steps:
+            phase(f"building the built-in {m.preset} model for the calculator task, untrained")
+            model, tokenizer = build_calculator_model(m.preset, seed=cfg.seed)
+            return model, tokenizer, {"source": f"{m.preset} (untrained)"}
+        phase(f"preparing the built-in {m.preset} model for the calculator task")
+        path = ensure_warm_calculator_checkpoint(
+            m.preset,
+            task,
+            steps=m.warmup_steps,
+            seed=cfg.seed,
+            target_accuracy=m.warmup_target or None,
+            cache_dir=m.cache_dir or None,
+            progress=progress,
+        )
+        model, tokenizer = load_pretrained(path)
+        return model, tokenizer, {"source": str(path)}
     if not m.warmup:
         phase(f"building the built-in {m.preset} model, untrained (model.warmup=false)")
         model, tokenizer = build_arithmetic_model(m.preset, seed=cfg.seed)
@@ -215,7 +243,13 @@ def build_dataset(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
     fmt = PromptFormat(data.chat_template, data.system_prompt)
     check_chat_template(tokenizer, fmt, data.tokenizer or cfg.model.checkpoint)
     layout = _layout(cfg)
-    if data.task == "arithmetic":
+    if data.task == "calculator":
+        env = make_environment("calculator", **cfg.env.options("calculator"))
+        task = ArithmeticConfig.level(data.difficulty, seed=cfg.seed + 1)
+        dataset = episode_dataset(
+            env, calculator_samples(task, size=20_000), turn_format(tokenizer)
+        )
+    elif data.task == "arithmetic":
         # A seed apart from the warm-up's own problem stream (see models.warmup).
         task = ArithmeticConfig.level(data.difficulty, seed=cfg.seed + 1)
         dataset = synthetic_dataset(tokenizer, task, size=100_000)

@@ -48,6 +48,7 @@ from staleflow.runtime.workers.specs import (
     RewardSpec,
     RolloutSpec,
     TrainerSpec,
+    env_spec,
     model_spec,
 )
 
@@ -268,7 +269,7 @@ class Run:
         )
         stages.advance(detail="PS up")
         self.reward_pool = build_rewards(
-            ctx, RewardSpec(cfg.reward, spec.tokenizer), self.control, self.tag
+            ctx, RewardSpec(cfg.reward, spec.tokenizer, env_spec(cfg)), self.control, self.tag
         )
         stages.advance(detail="reward workers up")
         self.rollout = build_rollout(

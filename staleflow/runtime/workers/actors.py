@@ -53,6 +53,7 @@ from staleflow.runtime.placement.ray_cluster import import_ray
 from staleflow.runtime.workers.audit_trail import AuditedBatches
 from staleflow.runtime.workers.instance_host import InstanceHost
 from staleflow.runtime.workers.ps_healing import HealingPull, HealingPush
+from staleflow.runtime.workers.reward_stage import finished_from_task
 from staleflow.runtime.workers.specs import build_embedded_trainer, build_reward_stage
 from staleflow.runtime.workers.training_loop import TrainingLoop
 from staleness.types import ConsumedBatch
@@ -311,7 +312,9 @@ class RolloutActor:
             hand_live(
                 self._ts,
                 [
-                    FinishedTrajectory(f.traj_id, f.tokens, f.logprobs, f.versions, f.finish_reason)
+                    FinishedTrajectory(
+                        f.traj_id, f.tokens, f.logprobs, f.versions, f.finish_reason, f.mask
+                    )
                     for f in finished
                 ],
                 worker_id,
@@ -419,24 +422,7 @@ class RewardActor:
 
     def process_tasks(self, tasks: list[RewardTask]) -> int:
         """Score trajectories handed to a worker that was lost (``reassign_rewards``)."""
-        return self.process(
-            [
-                Finished(
-                    t.traj_id,
-                    t.group_id,
-                    t.v_traj,
-                    t.sample_id,
-                    t.answer,
-                    t.prompt,
-                    t.tokens,
-                    t.logprobs,
-                    t.versions,
-                    t.finish_reason,
-                    -1,  # its instance is unknown (and may be gone)
-                )
-                for t in tasks
-            ]
-        )
+        return self.process([finished_from_task(t) for t in tasks])
 
     def ping(self) -> int:
         return os.getpid()

@@ -1,6 +1,6 @@
 """The audit trail of a run (``recovery.audit_log``): every trajectory the trainer
-consumed, with its tokens and per-token versions, one JSON line each in
-``RUN_DIR/audit.jsonl``. It lets a check (the chaos test, an operator) prove that no
+consumed, with its tokens, per-token versions and (multi-turn) loss mask, one JSON line
+each in ``RUN_DIR/audit.jsonl``. It lets a check (the chaos test, an operator) prove that no
 trajectory was trained on twice across restarts and that a resumed partial continued
 from its tokens. A resumed run drops the lines of the steps it does again."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from staleflow.trainers.interface import BatchSource
-from trajectory_server.types import TrainingBatch, TrainingGroup
+from trajectory_server.types import TrainingBatch, TrainingGroup, TrainingTrajectory
 
 
 class AuditedBatches:
@@ -42,23 +42,24 @@ class AuditedBatches:
         groups = [self._read[g] for g in read] + list(batch.groups)
         self._read.clear()
         version = self._version()
-        lines = [
-            json.dumps(
-                {
-                    "version": version,
-                    "group_id": g.group_id,
-                    "traj_id": t.traj_id,
-                    "v_traj": t.v_traj,
-                    "tokens": t.tokens.tolist(),
-                    "versions": t.versions.tolist(),
-                }
-            )
-            for g in groups
-            for t in g.trajectories
-        ]
+        lines = [json.dumps(_line(version, g, t)) for g in groups for t in g.trajectories]
         with self._path.open("a", encoding="utf-8") as f:
             f.write("".join(line + "\n" for line in lines))
         return batch
+
+
+def _line(version: int, g: TrainingGroup, t: TrainingTrajectory) -> dict[str, Any]:
+    line = {
+        "version": version,
+        "group_id": g.group_id,
+        "traj_id": t.traj_id,
+        "v_traj": t.v_traj,
+        "tokens": t.tokens.tolist(),
+        "versions": t.versions.tolist(),
+    }
+    if t.mask is not None and not t.mask.all():  # a multi-turn response: its loss mask
+        line["mask"] = t.mask.astype(int).tolist()
+    return line
 
 
 def read_audit(path: str | Path) -> list[dict[str, Any]]:

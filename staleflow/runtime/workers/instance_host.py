@@ -142,7 +142,10 @@ class InstanceHost:
             # Never strand trajectories the TS believes are here.
             return_live(
                 self._ts,
-                [PartialTrajectory(r.traj_id, r.tokens, r.logprobs, r.versions) for r in routed],
+                [
+                    PartialTrajectory(r.traj_id, r.tokens, r.logprobs, r.versions, r.mask)
+                    for r in routed
+                ],
                 instance_id=self.holder,
             )
             raise

@@ -11,15 +11,16 @@ completions and the TS refuses those (``docs/recovery.md``)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
 
 from staleflow.control.late import CompletionSink, complete_live
+from staleflow.envs.base import FINISH_ERROR
 from staleflow.rollout.instance import Finished
 from staleflow.runtime.interface import Rewarded
-from trajectory_server.types import Completion, InstanceId, WorkerId
+from trajectory_server.types import Completion, InfoValue, InstanceId, RewardTask, WorkerId
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +75,37 @@ class RewardStage:
             raise RuntimeError(
                 f"the reward function scored {len(results)} of {len(finished)} trajectories"
             )
+        return self.complete(finished, results, instance_id)
+
+    def complete(
+        self,
+        finished: Sequence[Finished],
+        results: Sequence[ScoredLike],
+        instance_id: InstanceId | None = None,
+        infos: Sequence[Mapping[str, InfoValue]] | None = None,
+        finish_reasons: Sequence[str] | None = None,
+    ) -> list[int]:
+        """Store scored trajectories in the TS as completed, then report them; returns the
+        ids the TS took. ``infos`` and ``finish_reasons`` (one per trajectory) add to the
+        record and replace the engine's reason (an episode's end, e.g. ``max_turns``)."""
+        infos = infos or [{}] * len(finished)
+        reasons = finish_reasons or [f.finish_reason for f in finished]
         completions = []
-        for f, r in zip(finished, results, strict=True):
-            info: dict[str, int | float | str] = {"instance": f.instance}
+        for f, r, extra, reason in zip(finished, results, infos, reasons, strict=True):
+            info: dict[str, int | float | str] = {"instance": f.instance, **extra}
             if r.error:
                 info["reward_error"] = r.error[:500]
                 self.errors += 1
             completions.append(
                 Completion(
-                    f.traj_id, f.tokens, f.logprobs, f.versions, r.reward, f.finish_reason, info
+                    f.traj_id,
+                    f.tokens,
+                    f.logprobs,
+                    f.versions,
+                    r.reward,
+                    reason,
+                    info,
+                    f.mask,
                 )
             )
         stored = {
@@ -101,12 +124,36 @@ class RewardStage:
                 reward=r.reward,
                 error=r.error,
                 response_len=len(f.tokens),
-                finish_reason=f.finish_reason,
+                finish_reason=reason,
                 instance=f.instance,
+                turns=int(extra.get("turns", 0)),
+                tool_calls=int(extra.get("tool_calls", 0)),
+                env_errors=int(extra.get("env_errors", 0)) + (reason == FINISH_ERROR),
+                tool_wait_s=float(extra.get("tool_latency_s", 0.0)),
             )
-            for f, r in zip(finished, results, strict=True)
+            for f, r, reason, extra in zip(finished, results, reasons, infos, strict=True)
             if f.traj_id in stored
         ]
         if rewarded:
             self._report(rewarded)
         return [r.traj_id for r in rewarded]
+
+
+def finished_from_task(t: RewardTask) -> Finished:
+    """A REWARDING trajectory the TS hands a worker again (its worker was lost, or the run
+    resumed), as the worker receives a finished one: a multi-turn trajectory's
+    environment state stays in the TS, where the environment stage reads it."""
+    return Finished(
+        t.traj_id,
+        t.group_id,
+        t.v_traj,
+        t.sample_id,
+        t.answer,
+        t.prompt,
+        t.tokens,
+        t.logprobs,
+        t.versions,
+        t.finish_reason,
+        -1,  # its instance is unknown (and may be gone)
+        t.mask,
+    )

@@ -15,18 +15,22 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from parameter_server.torch_compat import layout_of_state_dict
+from staleflow.config.env import ENV_TASKS
 from staleflow.data.tokenizer import CharTokenizer, HFTokenizer
 from staleflow.engines import engine_class
 from staleflow.engines.factory import build_engine
 from staleflow.engines.settings import EngineSettings
+from staleflow.envs import EpisodeLimits, make_environment
+from staleflow.envs.formats import turn_format
 from staleflow.rewards import RewardItem, RewardWorker
 from staleflow.rewards.worker import build_reward_fn
 from staleflow.runtime.interface import Rewarded
+from staleflow.runtime.workers.env_stage import EnvironmentStage
 from staleflow.runtime.workers.reward_stage import CompletionSink, RewardStage
 from staleflow.trainers import trainer_class
 
 if TYPE_CHECKING:
-    from staleflow.config import RewardConfig, RolloutConfig, TrainerConfig
+    from staleflow.config import RewardConfig, RolloutConfig, RunConfig, TrainerConfig
     from staleflow.engines.factory import EngineOptions
 
 
@@ -77,9 +81,33 @@ class EnginePlacement:
 
 
 @dataclass(frozen=True, slots=True)
+class EnvSpec:
+    """The environment of a multi-turn task (``staleflow.envs``), for the reward workers
+    that run its steps."""
+
+    name: str
+    options: Mapping[str, Any]
+    max_turns: int
+    max_tokens: int  # the response budget, turns and observations together
+    threads: int
+    step_timeout_s: float = 0.0  # 0: no limit
+
+
+def env_spec(cfg: RunConfig) -> EnvSpec | None:
+    """The environment of ``cfg``'s task; None for a single-turn task."""
+    task = cfg.data.task
+    if task not in ENV_TASKS:
+        return None
+    e = cfg.env
+    budget = cfg.rollout.max_response_tokens
+    return EnvSpec(task, e.options(task), e.max_turns, budget, e.threads, e.step_timeout_s)
+
+
+@dataclass(frozen=True, slots=True)
 class RewardSpec:
     reward: RewardConfig  # resolved: kind is arithmetic | exact | math_verify
     tokenizer: tuple[str, str]
+    env: EnvSpec | None = None  # set: a multi-turn task, its environment scores episodes
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +244,7 @@ def build_reward_stage(
     ts: CompletionSink,
     report: Callable[[Sequence[Rewarded]], None],
     worker_id: str | None = None,
-) -> RewardStage:
+) -> RewardStage | EnvironmentStage:
 
     kind = spec.reward.kind
     worker = RewardWorker(build_reward_fn(kind, spec.reward.timeout_s), name=kind)
@@ -226,4 +254,17 @@ def build_reward_stage(
         results = worker.score([RewardItem(t, text, answer) for t, text, answer in items])
         return [_Scored(r.reward, r.error) for r in results]
 
-    return RewardStage(score, tokenizer.decode, ts, report, worker_id)
+    stage = RewardStage(score, tokenizer.decode, ts, report, worker_id)
+    if spec.env is None:
+        return stage
+    e = spec.env
+    return EnvironmentStage(
+        make_environment(e.name, **e.options),
+        turn_format(tokenizer),
+        EpisodeLimits(max_turns=e.max_turns, max_tokens=e.max_tokens),
+        ts,  # type: ignore[arg-type]  # the TS client serves the environment calls too
+        stage,
+        worker_id=worker_id or "reward",
+        threads=e.threads,
+        step_timeout_s=e.step_timeout_s,
+    )

@@ -120,6 +120,35 @@ def test_a_resubmitted_prefix_is_kept_and_continued(backend, eng) -> None:
     check_logprobs(backend.reference, resumed, out, start=k)
 
 
+def test_a_resubmission_after_an_observation_continues_after_it(backend, eng) -> None:
+    """A multi-turn trajectory's next turn (docs/agentic.md): its response so far is a
+    model turn that ended at the stop token, then observation tokens (logprob 0, the
+    version of the token before them). The engine keeps all of it as given and
+    generates after it: the stop token inside the prefix ends nothing."""
+    if backend.eos is None:
+        pytest.skip("this backend's model has no stop token")
+    first = request(max_response=6)
+    turn = np.array([*np.random.default_rng(7).integers(0, VOCAB, 3), backend.eos], np.int32)
+    observation = np.random.default_rng(8).integers(0, VOCAB, 4).astype(np.int32)
+    tokens = np.concatenate([turn, observation])
+    logprobs = np.concatenate([np.full(4, -1.25, np.float32), np.zeros(4, np.float32)])
+    versions = np.array([3, 3, 3, 3, 3, 3, 3, 3], np.int32)
+    resumed = request(
+        max_response=len(tokens) + 6, prompt=first.prompt, prefix=(tokens, logprobs, versions)
+    )
+    eng.submit([resumed])
+    out = drain(eng)[resumed.traj_id]
+    n = len(tokens)
+    np.testing.assert_array_equal(out.tokens[:n], tokens)
+    np.testing.assert_array_equal(out.logprobs[:n], logprobs)
+    assert out.versions[:n].tolist() == versions.tolist()
+    new = out.tokens[n:]
+    assert len(new) >= 1, "the stop token of an earlier turn ended the next one"
+    assert backend.eos not in new[:-1].tolist()
+    assert out.finish_reason == (FINISH_STOP if new[-1] == backend.eos else FINISH_LENGTH)
+    check_logprobs(backend.reference, resumed, out, start=n)
+
+
 def test_interrupt_returns_the_partial_response_and_forgets_it(backend, eng) -> None:
     reqs = [request(max_response=MAX_SEQ - 10) for _ in range(4)]
     eng.submit(reqs)

@@ -45,8 +45,11 @@ def spawn_worker(
 ) -> str:
     """Start incarnation ``incarnation`` of worker ``role``; returns its worker id."""
     wid = worker_id(role, incarnation, pool.tag)
+    # an environment task's worker takes the next batch of turns while a tool of the
+    # last one is still waiting: its steps share the stage's threads (env.threads)
+    extra = {"max_concurrency": pool.spec.env.threads} if pool.spec.env is not None else {}
     actor = respawn(
-        lambda: ctx.spawn(RewardActor, role, process_env(1)).remote(
+        lambda: ctx.spawn(RewardActor, role, process_env(1), **extra).remote(
             pool.spec, control.ts.handle, control.control, wid
         )
     )

@@ -88,3 +88,31 @@ def test_a_second_report_of_the_same_loss_takes_nothing_twice():
     m.instance_lost(0)
     rec = _step(m, 4.0, {0: _times(0.5)})
     assert rec.time_share["decode"] == pytest.approx(2.0 / 4)
+
+
+def test_an_episode_cut_by_either_limit_counts_as_truncated_as_a_response_cut_by_length():
+    from staleflow.runtime.interface import Rewarded
+
+    m = StepMetrics([0], started=0.0)
+    for i, reason in enumerate(["stop", "length", "done", "max_tokens", "max_turns", "env_error"]):
+        m.on_rewarded(Rewarded(i, 0, 0, 0.0, "", 8, reason, 0))
+    assert _step(m, 1.0, {0: _times(1.0)}).truncated == 3
+
+
+def test_multi_turn_episodes_have_their_own_counts_and_single_turn_runs_none():
+    from staleflow.runtime.interface import Rewarded
+
+    m = StepMetrics([0], started=0.0)
+    m.on_rewarded(Rewarded(0, 0, 0, 1.0, "", 8, "stop", 0))
+    single = _step(m, 1.0, {0: _times(1.0)})
+    assert (single.turns_mean, single.tool_calls, single.env_errors, single.tool_wait_s) == (
+        None, None, None, None,
+    )  # fmt: skip
+    m.on_rewarded(Rewarded(1, 0, 0, 1.0, "", 40, "done", 0, turns=2, tool_calls=1, tool_wait_s=0.5))
+    m.on_rewarded(
+        Rewarded(2, 0, 0, 0.0, "", 60, "max_turns", 0, turns=4, tool_calls=4, env_errors=2,
+                 tool_wait_s=1.5)
+    )  # fmt: skip
+    rec = _step(m, 2.0, {0: _times(2.0)})
+    assert (rec.turns_mean, rec.tool_calls, rec.env_errors, rec.tool_wait_s) == (3.0, 5, 2, 2.0)
+    assert StepRecord.from_flat(rec.to_flat()) == rec  # the env/* keys read back

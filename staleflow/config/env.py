@@ -1,0 +1,122 @@
+"""The ``env`` section: multi-turn environment tasks (``data.task=calculator``).
+
+A trajectory of such a task is a sequence of model turns and observations; the episode
+ends when the environment ends it, at ``env.max_turns`` model turns, or when the response
+(turns and observations together) reaches ``rollout.max_response_tokens``
+(``staleflow.envs.after_step``: the same rule in every mode), which an environment task
+left at its default raises to ``ENV_RESPONSE_TOKENS`` (``RunConfig.resolved``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from staleflow.config.checks import (
+    MAX_THREADS,
+    MAX_WAIT_S,
+    THREADS_WHY,
+    WAIT_WHY,
+    _help,
+    require,
+    require_at_least,
+)
+from staleflow.config.walk import check_types
+
+ENV_TASKS = ("calculator",)  # data.task values that name an environment (staleflow.envs)
+# rollout.max_response_tokens of an environment task left at its default: a calculator
+# episode of level 2 takes about 120 tokens (call, answer, final turn); twice that leaves
+# room for a retry after a malformed call
+ENV_RESPONSE_TOKENS = 256
+MAX_TURNS = 1024
+TURNS_WHY = "every turn is a round trip through the queue, an instance and a worker"
+
+
+@dataclass(frozen=True, slots=True)
+class EnvConfig:
+    """The environment of a multi-turn task, and where its steps run."""
+
+    KEY: ClassVar[str] = "env"
+
+    max_turns: int = field(
+        default=4,
+        metadata=_help("model turns per trajectory at most", MAX_TURNS, TURNS_WHY),
+    )
+    latency_scale_s: float = field(
+        default=0.05,
+        metadata=_help(
+            "calculator: the shortest tool call in seconds, the scale of its Pareto "
+            "latency; 0 = answers at once",
+            MAX_WAIT_S,
+            WAIT_WHY,
+        ),
+    )
+    latency_shape: float = field(
+        default=1.5,
+        metadata=_help(
+            "calculator: the Pareto shape of its latency (smaller: a heavier tail), > 0",
+            1000.0,
+            "above a few the tail is gone: every call takes about latency_scale_s",
+        ),
+    )
+    latency_cap_s: float = field(
+        default=5.0,
+        metadata=_help("calculator: the longest tool call in seconds", MAX_WAIT_S, WAIT_WHY),
+    )
+    step_timeout_s: float = field(
+        default=60.0,
+        metadata=_help(
+            "seconds one environment step may compute (its tool's declared latency not "
+            "counted) before its episode ends with env_error; 0 = no limit",
+            MAX_WAIT_S,
+            WAIT_WHY,
+        ),
+    )
+    threads: int = field(
+        default=8,
+        metadata=_help(
+            "environment steps a reward worker runs at once (their tools wait side by side)",
+            MAX_THREADS,
+            THREADS_WHY,
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        check_types(self, self.KEY)
+        require_at_least("env.max_turns", self.max_turns, 1, "turn")
+        require_at_least("env.threads", self.threads, 1, "thread")
+        require(
+            math.isfinite(self.latency_scale_s) and self.latency_scale_s >= 0,
+            "env.latency_scale_s",
+            self.latency_scale_s,
+            "must be >= 0 seconds (0: no wait), e.g. 0.05",
+        )
+        require(
+            math.isfinite(self.step_timeout_s) and self.step_timeout_s >= 0,
+            "env.step_timeout_s",
+            self.step_timeout_s,
+            "must be >= 0 seconds (0: no limit), e.g. 60",
+        )
+        require(
+            math.isfinite(self.latency_shape) and self.latency_shape > 0,
+            "env.latency_shape",
+            self.latency_shape,
+            "must be > 0, e.g. 1.5",
+        )
+        require(
+            math.isfinite(self.latency_cap_s) and self.latency_cap_s >= self.latency_scale_s,
+            "env.latency_cap_s",
+            self.latency_cap_s,
+            f"must be >= env.latency_scale_s={self.latency_scale_s}, e.g. 5",
+        )
+
+    def options(self, task: str) -> dict[str, Any]:
+        """What ``staleflow.envs.make_environment(task, ...)`` takes from this section."""
+        if task == "calculator":
+            return {
+                "latency_scale_s": self.latency_scale_s,
+                "latency_shape": self.latency_shape,
+                "latency_cap_s": self.latency_cap_s,
+            }
+        return {}

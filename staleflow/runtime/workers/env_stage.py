@@ -1,0 +1,255 @@
+"""The environment step of a multi-turn trajectory, on a reward worker, off the instance.
+
+A model turn ends at its end-of-turn stop; the instance hands the trajectory to a reward
+worker as it hands a finished single-turn response (the TS records it REWARDING with
+that worker), so it holds no decode slot and is in no Pull's way while its tool runs.
+Here its environment steps (``staleflow.envs``): the state comes from the TS (none yet:
+the episode starts from the sample the group carries, seeded by the trajectory id), the
+step's observation is tokenised and appended with mask False, logprob 0 and the version
+of the model token before it, and the trajectory goes back to the TS queued for its next
+turn (``next_turn``) with its ``V_traj``, so the staleness bound covers every turn.
+When the episode ends (:func:`staleflow.envs.after_step`: the environment ended it, or
+the last turn, or the token limit) the environment scores it and it completes as a
+single-turn response does.
+
+What can go wrong is one trajectory's: a step that raises, runs past its limit
+(``env.step_timeout_s``), returns a state that is not plain data, or an observation the
+tokenizer cannot encode ends that episode with
+``env_error`` (scored 0, the reason in the record); a malformed tool call is the
+environment's to answer (the calculator answers ``error`` and goes on). A turn the engine
+cut at the token budget (``length``) ends the episode without a step, in every mode.
+
+A lost worker costs the steps it was running: its trajectories are REWARDING in the TS
+with the state before the step, and the worker that takes them over runs the step again
+(the environment is a function of the state and the seed, so it answers the same and
+waits as long; a tool with side effects would run twice).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Protocol
+
+import msgpack
+import numpy as np
+
+from staleflow.control.late import next_turn_live
+from staleflow.engines.base import FINISH_LENGTH
+from staleflow.envs.base import (
+    FINISH_ERROR,
+    FINISH_MAX_TOKENS,
+    EnvContractError,
+    Environment,
+    EnvSample,
+    EnvState,
+    EpisodeLimits,
+    ModelTurn,
+    after_step,
+    check_plain,
+)
+from staleflow.envs.formats import TurnFormat
+from staleflow.rollout.instance import Finished
+from staleflow.runtime.workers.reward_stage import RewardStage
+from trajectory_server.types import InfoValue, InstanceId, NextTurn
+
+logger = logging.getLogger(__name__)
+
+
+class EnvServer(Protocol):
+    """The part of the TS the environment stage uses (besides the reward stage's)."""
+
+    def env_states(self, traj_ids: Sequence[int]) -> dict[int, bytes]: ...
+
+    def next_turn(self, turns: Sequence[NextTurn], *, worker_id: str | int) -> None: ...
+
+
+class StepTimeout(RuntimeError):
+    """An environment step ran past ``env.step_timeout_s``."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Scored:
+    reward: float
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """One trajectory after its step: ``next`` to queue it again, else its end."""
+
+    next: NextTurn | None
+    reward: float = 0.0
+    finish: str = ""
+    error: str = ""
+    info: Mapping[str, InfoValue] | None = None
+
+
+def _tally(into: dict[str, InfoValue], step: Mapping[str, InfoValue]) -> None:
+    """Numbers add up over the episode's steps; text keeps the last value."""
+    for key, value in step.items():
+        old = into.get(key)
+        if isinstance(value, int | float) and isinstance(old, int | float):
+            into[key] = old + value
+        else:
+            into[key] = value
+
+
+def turns_of(mask: np.ndarray) -> list[tuple[int, int]]:
+    """The ``[start, end)`` spans of the model turns in a response's loss mask."""
+    m = np.concatenate([[False], np.asarray(mask, dtype=np.bool_), [False]])
+    edges = np.flatnonzero(m[1:] != m[:-1])
+    return list(zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+class EnvironmentStage:
+    """Runs environment steps for finished model turns; see the module docstring.
+
+    ``rewards``: the reward stage that completes ended episodes (its scorer is unused).
+    ``threads``: steps of one batch run at once, so their tools wait side by side.
+    """
+
+    def __init__(
+        self,
+        env: Environment,
+        fmt: TurnFormat,
+        limits: EpisodeLimits,
+        ts: EnvServer,
+        rewards: RewardStage,
+        *,
+        worker_id: str | int,
+        threads: int = 8,
+        step_timeout_s: float = 0.0,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self._env, self._fmt, self._limits = env, fmt, limits
+        self._ts, self._rewards, self._worker = ts, rewards, worker_id
+        self._sleep = sleep
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="env-step")
+        # with a limit, each step runs on a thread of its own that the stage stops waiting
+        # for (Python cannot kill a thread: a step past its limit runs on, abandoned)
+        self._timeout_s = step_timeout_s
+        self._steps_pool = (
+            ThreadPoolExecutor(max(1, threads), thread_name_prefix="env-step-limited")
+            if step_timeout_s > 0
+            else None
+        )
+        self.steps = 0
+        self.errors = 0
+        self.continued = 0
+        self.wait_s = 0.0  # tool latency slept, summed over steps
+
+    def process(
+        self, finished: Sequence[Finished], instance_id: InstanceId | None = None
+    ) -> list[int]:
+        """Step every trajectory of ``finished``; queue the continuing ones and complete
+        the ended ones. Returns the ids completed."""
+        if not finished:
+            return []
+        states = self._ts.env_states([f.traj_id for f in finished])
+        outcomes = list(
+            self._pool.map(lambda f: self._one(f, states.get(f.traj_id, b"")), finished)
+        )
+        going = [o.next for o in outcomes if o.next is not None]
+        if going:
+            self.continued += len(next_turn_live(self._ts, going, self._worker))
+        ended = [(f, o) for f, o in zip(finished, outcomes, strict=True) if o.next is None]
+        if not ended:
+            return []
+        return self._rewards.complete(
+            [f for f, _ in ended],
+            [_Scored(o.reward, o.error) for _, o in ended],
+            instance_id,
+            infos=[dict(o.info or {}) for _, o in ended],
+            finish_reasons=[o.finish for _, o in ended],
+        )
+
+    def _one(self, f: Finished, packed: bytes) -> _Outcome:
+        try:
+            return self._step(f, packed)
+        except Exception as exc:  # one trajectory's failure, never the worker's
+            with self._lock:
+                self.errors += 1
+            logger.warning("trajectory %d: its environment failed: %r", f.traj_id, exc)
+            why = str(exc) if isinstance(exc, StepTimeout) else repr(exc)
+            return _Outcome(None, 0.0, FINISH_ERROR, f"environment: {why}"[:500])
+
+    def _step(self, f: Finished, packed: bytes) -> _Outcome:
+        mask = np.asarray(f.mask, dtype=np.bool_)
+        spans = turns_of(mask)
+        if packed:
+            # what the TS keeps: the environment's state and this stage's running tally of
+            # the episode (summed step counters, the last error), for the final record
+            envelope = msgpack.unpackb(packed)
+            state, info = envelope["state"], envelope["info"]
+        else:
+            state = self._env.start(EnvSample.from_json(f.answer), seed=f.traj_id).state
+            info = {}
+        turns = len(spans)
+        info["turns"] = turns
+        if f.finish_reason == FINISH_LENGTH or not spans:  # cut mid-turn: no step, in every mode
+            return _Outcome(None, self._score(state), FINISH_MAX_TOKENS, info=info)
+        start, end = spans[-1]
+        ids = f.tokens[start:end]
+        turn = ModelTurn(turns - 1, self._fmt.turn_text(ids), ids)
+        if self._steps_pool is None:
+            step = self._env.step(state, turn)
+        else:
+            try:
+                step = self._steps_pool.submit(self._env.step, state, turn).result(self._timeout_s)
+            except FutureTimeout:
+                raise StepTimeout(
+                    f"the environment's step took over {self._timeout_s:g} s (env.step_timeout_s)"
+                ) from None
+        check_plain(step.state)
+        if step.latency_s > 0:
+            self._sleep(step.latency_s)
+        with self._lock:
+            self.steps += 1
+            self.wait_s += step.latency_s
+        _tally(info, step.info)
+        obs = np.zeros(0, np.int32) if step.done else self._fmt.observation_ids(step.observation)
+        verdict = after_step(
+            self._limits,
+            turns_done=turns,
+            response_tokens=len(f.tokens),
+            step=step,
+            observation_ids=obs,
+        )
+        if step.error:
+            info["env_error"] = step.error[:500]
+            info["env_errors"] = int(info.get("env_errors", 0)) + 1
+            logger.info("trajectory %d: %s", f.traj_id, step.error)
+        if verdict.ended:
+            return _Outcome(None, self._score(step.state), verdict.finish, info=info)
+        n = len(verdict.observation_ids)
+        if n == 0:  # the mask could not tell this turn from the next
+            raise EnvContractError(
+                "the turn format rendered the observation as no tokens; an observation "
+                "needs at least one (e.g. the format's tool-response markup)"
+            )
+        last_version = int(f.versions[-1]) if len(f.versions) else 0
+        return _Outcome(
+            NextTurn(
+                f.traj_id,
+                np.concatenate([f.tokens, verdict.observation_ids]).astype(np.int32),
+                np.concatenate([f.logprobs, np.zeros(n, np.float32)]),
+                np.concatenate([f.versions, np.full(n, last_version, np.int32)]),
+                np.concatenate([mask, np.zeros(n, np.bool_)]),
+                msgpack.packb({"state": step.state, "info": info}),
+            )
+        )
+
+    def _score(self, state: EnvState) -> float:
+        return float(self._env.score(state))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        if self._steps_pool is not None:
+            self._steps_pool.shutdown(wait=False)
