@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from parameter_server.torch_compat import to_numpy
+from staleflow.models.state import load_policy_state, policy_state
 from staleflow.trainers.rl import LocalReduce, SingleStage, dense_token_stats
 
 logger = logging.getLogger(__name__)
@@ -43,9 +45,6 @@ def reference_weights(path: str | Path) -> dict[str, np.ndarray]:
     name (the names the parameter server and the Megatron converter use), in float32."""
     from transformers import AutoModelForCausalLM
 
-    from parameter_server.torch_compat import to_numpy
-    from staleflow.models.state import policy_state
-
     p = Path(path).expanduser()
     model = AutoModelForCausalLM.from_pretrained(str(p), torch_dtype=torch.float32)
     logger.info("loaded the reference policy from %s", p)
@@ -55,7 +54,6 @@ def reference_weights(path: str | Path) -> dict[str, np.ndarray]:
 def load_reference(model: torch.nn.Module, path: str | Path) -> torch.nn.Module:
     """A frozen copy of ``model`` with the weights of the model folder ``path``; the
     architectures must match (``ModelError`` names the parameters that do not)."""
-    from staleflow.models.state import load_policy_state
 
     ref = frozen_copy(model)
     load_policy_state(ref, reference_weights(path))

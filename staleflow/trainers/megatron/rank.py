@@ -52,6 +52,7 @@ from staleflow.trainers.megatron.cpu_patches import apply_cpu_patches, cpu_devic
 from staleflow.trainers.megatron.model import Stage, build_gpt, load_shard, parameters_by_name
 from staleflow.trainers.megatron.optim import CpuUpdate, MegatronUpdate
 from staleflow.trainers.megatron.split import coordinates
+from staleflow.trainers.reference import reference_weights
 from staleflow.trainers.rl import train_step
 from staleflow.trainers.streamed import StreamedStep
 from trajectory_server.types import TrainingBatch
@@ -198,8 +199,6 @@ class MegatronRank:
         if not self.cpu:
             ref = ref.to(self.device)
         if s.ref.path:
-            from staleflow.trainers.reference import reference_weights
-
             hf = {k: _host_array(torch.from_numpy(v), self.spec.dtype)
                   for k, v in reference_weights(s.ref.path).items()}  # fmt: skip
             load_shard(ref, self.converter.shard(hf, self.tp_rank), self.stage)
