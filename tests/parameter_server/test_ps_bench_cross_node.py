@@ -15,6 +15,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 SCRIPT = Path(__file__).resolve().parents[2] / "experiments" / "bench_parameter_server.py"
 
 
+@pytest.mark.slow  # two raylets (35 s on CI); test_ps_nixl and test_ps_transport cover the transports
 def test_cross_node_row_pushes_over_nixl_or_tcp_and_pulls_over_shm(tmp_path: Path) -> None:
     target = tmp_path / "cross.json"
     args = ["--cross-node", "--skip-pull", "--skip-push", "--size-mib", "4", "--repeats", "2"]

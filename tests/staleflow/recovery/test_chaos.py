@@ -146,6 +146,7 @@ def _conserved(ck, consumed_before: int) -> None:
     assert c["consumed_trajs"] == consumed_before, (c, consumed_before)
 
 
+@pytest.mark.slow  # two runs and four recoveries (5.5 min on CI); test_chaos_end, test_resume_launch and test_recovery_inprocess cover it by parts
 # a liveness bound, not a timing check: two runs, a resume and four recoveries take about
 # 3.5 min at a load of 13 on 2 cores, beyond the suite's 300 s default under heavier load
 @pytest.mark.timeout(1200)

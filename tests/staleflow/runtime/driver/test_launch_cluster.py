@@ -108,6 +108,7 @@ def _ray_records(address: str, run: str) -> tuple[dict[str, str], dict[str, list
     return actors, groups
 
 
+@pytest.mark.slow  # three raylets and a launch (72 s on CI); test_placement covers the plan
 def test_every_actor_lands_where_its_plan_says_and_weights_take_the_planned_routes(
     cluster, tmp_path, monkeypatch
 ):

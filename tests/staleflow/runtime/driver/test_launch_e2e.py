@@ -67,6 +67,7 @@ def test_launch_eta1_bounded_and_conserving(tmp_path):
     assert (ref_kl[-1] > 0) == moved, (ref_kl, moved)
 
 
+@pytest.mark.slow  # a launch (45-80 s on CI): CI's budget keeps two here; in-process tests cover it
 def test_launch_eta0_is_exactly_on_policy(tmp_path):
     result = _launch(tmp_path, 0)
     check_run(result, 0, STEPS, 2 * 4)
@@ -116,6 +117,7 @@ def test_launch_with_streamed_training_is_exactly_on_policy_and_loses_nothing(tm
     check_user_inputs(result, STEPS)
 
 
+@pytest.mark.slow  # a launch (45-80 s on CI): CI's budget keeps two here; in-process tests cover it
 def test_launch_with_the_tail_race_is_exactly_on_policy_and_loses_nothing(tmp_path):
     """coordinator.race (SpecActor's fastest-of-N) at eta = 0, where the trainer waits for
     its buffer's last trajectories while instances that finished theirs idle at the same
@@ -139,6 +141,7 @@ def test_launch_with_the_tail_race_is_exactly_on_policy_and_loses_nothing(tmp_pa
     print("races:", {k: v for k, v in last.items() if k.startswith("race/")})
 
 
+@pytest.mark.slow  # a launch (45-80 s on CI): CI's budget keeps two here; in-process tests cover it
 def test_launch_with_batch_and_group_redundancy_drops_the_surplus(tmp_path):
     """§4.3 / App. C: 3 entries per buffer of 2 groups, 5 members per group of 4. This used
     to stop with ``TrajectoryGone`` as soon as a dropped trajectory's reward came in."""
@@ -149,6 +152,7 @@ def test_launch_with_batch_and_group_redundancy_drops_the_surplus(tmp_path):
     assert result.summary["audit"]["aborted"] >= STEPS * 2
 
 
+@pytest.mark.slow  # a launch (45-80 s on CI): CI's budget keeps two here; in-process tests cover it
 def test_a_dead_rollout_actor_is_restarted_and_instances_join_and_leave(tmp_path):
     """docs/recovery.md. A killed instance: the control plane gives its trajectories back
     to the TS, the supervisor starts a new incarnation (its own holder id) and the run
@@ -215,6 +219,7 @@ def test_a_dead_rollout_actor_is_restarted_and_instances_join_and_leave(tmp_path
     assert last["recovery/instance_added"] == 1 and last["recovery/instance_removed"] == 2
 
 
+@pytest.mark.slow  # a launch (45-80 s on CI): CI's budget keeps two here; in-process tests cover it
 def test_launch_with_seer_divided_rollout_holds_the_bound_and_loses_nothing(tmp_path):
     """coordinator.seer on: 8-token responses in chunks of 3, re-placed between chunks,
     probes first and longest-estimated groups next (coordinator/seer.py)."""
@@ -229,6 +234,7 @@ def test_launch_with_seer_divided_rollout_holds_the_bound_and_loses_nothing(tmp_
     assert last.probe_error is None or 0.0 <= last.probe_error < 1.0
 
 
+@pytest.mark.slow  # a launch (45-80 s on CI): CI's budget keeps two here; in-process tests cover it
 def test_a_ps_worker_that_dies_under_its_live_actor_is_replaced(tmp_path):
     """docs/recovery.md. The PS replica's worker process (the child of its actor that holds
     the weights) is SIGKILLed once the actors are up, before the first step, while the
