@@ -111,6 +111,7 @@ def _end(procs: list[subprocess.Popen], temp_dir: str) -> None:
                 p.kill()
 
 
+@pytest.mark.slow  # a Ray head and a raylet (35 s on CI)
 def test_a_raylet_started_the_documented_way_joins_a_token_auth_head():
     temp_dir = tempfile.mkdtemp(prefix="sfray-", dir="/tmp")  # short: socket paths
     token = Path(temp_dir) / "token"

@@ -43,6 +43,7 @@ def _config(tmp_path, *extra: str):
     )
 
 
+@pytest.mark.slow  # a Megatron launch (70-130 s on CI): the dp2 streamed launch stays in the default run
 @pytest.mark.ray
 @pytest.mark.timeout(900)
 def test_launch_megatron_tp2_is_bounded_conserving_and_advancing(tmp_path):
@@ -93,6 +94,7 @@ def test_launch_megatron_dp2_streamed_is_on_policy_and_conserving(tmp_path):
     assert all(rec.tokens and rec.tokens > 0 for rec in result.records)
 
 
+@pytest.mark.slow  # a Megatron launch (70-130 s on CI): the dp2 streamed launch stays in the default run
 @pytest.mark.ray
 @pytest.mark.timeout(900)
 def test_launch_megatron_pp2_is_bounded_conserving_and_advancing(tmp_path):
@@ -112,6 +114,7 @@ def test_launch_megatron_pp2_is_bounded_conserving_and_advancing(tmp_path):
     assert model.config.num_hidden_layers == 4
 
 
+@pytest.mark.slow  # a Megatron launch (70-130 s on CI): the dp2 streamed launch stays in the default run
 @pytest.mark.ray
 @pytest.mark.timeout(900)
 def test_a_lost_ps_replica_is_refilled_by_the_ranks_and_the_run_goes_on(tmp_path):
@@ -176,6 +179,7 @@ def two_rollout_nodes():
         c.shutdown()
 
 
+@pytest.mark.slow  # a Megatron launch (70-130 s on CI): the dp2 streamed launch stays in the default run
 @pytest.mark.ray
 @pytest.mark.timeout(900)
 def test_every_rank_pushes_to_every_ps_replica(two_rollout_nodes, tmp_path):
@@ -331,6 +335,7 @@ def test_the_default_run_learns_with_the_megatron_trainer(tmp_path):
     assert last > first + 0.03, (first, last)
 
 
+@pytest.mark.slow  # a Megatron launch (70-130 s on CI): the dp2 streamed launch stays in the default run
 @pytest.mark.ray
 @pytest.mark.timeout(900)
 def test_a_stopped_megatron_run_resumes_from_its_run_checkpoint(tmp_path):

@@ -48,6 +48,7 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "COLUMNS": "160", "TERM": "xterm"}
 
 
+@pytest.mark.slow  # a launch to watch its waits (55-75 s on CI)
 def test_a_log_gets_a_line_for_each_wait_as_it_starts_and_ends(tmp_path):
     done = subprocess.run(
         _command(tmp_path),
@@ -83,6 +84,7 @@ def test_a_log_gets_a_line_for_each_wait_as_it_starts_and_ends(tmp_path):
     assert not ANSI.search(done.stdout), "terminal control codes in a log"
 
 
+@pytest.mark.slow  # a launch to watch its waits (55-75 s on CI)
 def test_a_terminal_gets_live_bars_for_each_wait(tmp_path):
     controller, terminal = os.openpty()
     proc = subprocess.Popen(
