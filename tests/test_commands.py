@@ -45,9 +45,11 @@ def test_the_check_command_sets_up_lints_tests_vllm_and_drives_the_browser():
     check = (ROOT / "scripts" / "check").read_text()
     stages = re.findall(r"^stage (\S+) ", check, re.M)
     assert stages == ["lint", "tests", "vllm", "sglang", "browser"]
-    # the vLLM backend's tests in their own environment, the stage CI has always run
-    assert re.search(r"^stage vllm bash \.ci/vllm\b", check, re.M)
-    assert re.search(r"^stage sglang bash \.ci/sglang\b", check, re.M)
+    # each engine's tests in their own environment, built in the background (prepare)
+    # while lint and tests run, then tested by its stage
+    for engine in ("vllm", "sglang"):
+        assert re.search(rf"^stage {engine} engine_stage {engine}\b", check, re.M)
+    assert 'bash ".ci/$engine" prepare' in check and 'bash ".ci/$name" test' in check
     assert os.access(ROOT / ".ci" / "vllm", os.R_OK)
     listed = re.search(r"^stages=\((.*?)\)", check, re.M)
     assert listed and listed.group(1).split() == stages  # what --help and the check name
