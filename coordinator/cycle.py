@@ -194,6 +194,30 @@ class Coordinator:
         """Drop these trajectories / whole groups at the next valid snapshot."""
         self._aborts.add(trajs, groups)
 
+    def issue_aborts(self) -> list[Abort]:
+        """The requested Aborts alone, now, without the rest of a cycle: for a caller whose
+        cycles have ended (a stop), so that no instance keeps running what was dropped.
+        They are found on a fresh snapshot, valid or not (an Abort names its trajectories;
+        one that left meanwhile is settled as missed), and counted in P as a cycle's are,
+        so that later snapshots still validate. Returns them."""
+        if not self._aborts:
+            return []
+        for done in self._executor.poll():
+            self.speculative.settle(done)
+        tracked = set(self.speculative.instances)
+        S = Fleet(self._snapshots.snapshot())
+        commands = [
+            Abort(S.ids[pos], _ids(trajs))
+            for pos, trajs in self._aborts.on_instances(S)
+            if S.ids[pos] in tracked
+        ]
+        self._aborts.retain_listed(self._trajectories.routable())
+        for command in commands:
+            self.speculative.apply(command)
+        self._executor.issue(commands)
+        self.stats.commands += len(commands)
+        return commands
+
     def step(self, now: float | None = None) -> list[Command]:
         """One cycle if it is due: snapshot → validate → strategies → issue."""
         now = self._clock() if now is None else now

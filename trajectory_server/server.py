@@ -315,7 +315,8 @@ class TrajectoryServer:
         plan = []
         for n in items:
             traj = self._s.lookup(n.traj_id)
-            if traj.state is not REWARDING or traj.holder != worker_id or not _extends(n, traj):
+            late = traj.state is not REWARDING or traj.holder != worker_id
+            if late or not validate.extends(n.tokens, traj.tokens):
                 # not with this worker, or a resent step of an earlier turn: a late message
                 raise NotHolder(f"{traj.describe()}, not this turn with {worker_id!r}: drop it")
             response = self._check_response(traj, n.tokens, n.logprobs, n.versions, n.mask)
@@ -387,6 +388,9 @@ class TrajectoryServer:
                     f"{traj.describe()}, not being scored by worker {worker_id!r}: it was "
                     "reassigned to another worker or already scored; drop this late completion"
                 )
+            if traj.state is REWARDING and validate.earlier_turn(c.tokens, traj.tokens):
+                # a step resent after an instance loss ended the episode on a turn it left
+                raise NotHolder(f"{traj.describe()}: a completion of an earlier turn: drop it")
             if traj.state is not REWARDING:
                 traj = self._routed(c.traj_id, "complete", instance_id)
             arrays = self._check_response(traj, c.tokens, c.logprobs, c.versions, c.mask)
@@ -590,9 +594,3 @@ class TrajectoryServer:
     def _after_groups_left(self) -> None:
         if self._config.auto_refill:
             self.refill()
-
-
-def _extends(turn: NextTurn, traj: TrajRecord) -> bool:
-    """``turn``'s response starts with the stored one (it is about the turn the TS has)."""
-    n = len(traj.tokens)
-    return len(turn.tokens) >= n and np.array_equal(np.asarray(turn.tokens)[:n], traj.tokens)

@@ -124,3 +124,19 @@ def reward(traj_id: int, value: object) -> float:
     if not math.isfinite(r):
         raise InvalidPayload(f"trajectory {traj_id}: reward {r} is not finite")
     return r
+
+
+# -- the turns of a multi-turn response: which turn a worker's message is about --------
+
+
+def extends(tokens: object, stored: np.ndarray) -> bool:
+    """``tokens`` starts with the stored response (it is about the turn the TS has)."""
+    t, n = np.asarray(tokens), len(stored)
+    return t.ndim == 1 and len(t) >= n and np.array_equal(t[:n], stored)
+
+
+def earlier_turn(tokens: object, stored: np.ndarray) -> bool:
+    """``tokens`` is a strict prefix of the stored response: the response of a turn the
+    trajectory went on from (what a stale step of a multi-turn episode completes)."""
+    t = np.asarray(tokens)
+    return t.ndim == 1 and len(t) < len(stored) and np.array_equal(stored[: len(t)], t)

@@ -12,8 +12,9 @@ and is where every decision of a run is taken:
 - **the snapshot-command cycle** (:meth:`ControlLoop.cycle`): snapshot, validate against
   the speculative state, run the strategies, carry the commands out;
 - **aborts**: whatever is dropped leaves the trajectory server at once and the instances
-  at the next valid snapshot (the coordinator issues the Aborts, so its speculative state
-  counts them); a Route that finds its trajectory gone gives its fresh Reserve back.
+  at the next valid snapshot, or at a stop (the coordinator issues the Aborts, so its
+  speculative state counts them); a Route that finds its trajectory gone gives its fresh
+  Reserve back.
 
 Its drivers inject only the planes, the trajectory server, the snapshot and PS-version
 sources and the clock: ``staleflow.runtime.controller.control_plane.ControlPlane`` runs it on wall time on
@@ -216,6 +217,19 @@ class ControlLoop:
             self.coordinator.request_abort(trajs=ids)
             if self.on_decision is not None:
                 self.on_decision(Dropped(self._clock(), ids, ()))
+
+    def abort_pending(self) -> int:
+        """Once the cycles have ended (a stop): issue the Aborts requested since the last
+        cycle, e.g. of the surplus the last Occupy or Consume dropped just before the
+        stop. The TS forgot those trajectories already; left on an instance they would
+        run on for nothing, outside every count. Returns how many were to be aborted."""
+        commands = self.coordinator.issue_aborts()
+        if not commands:
+            return 0
+        if self.on_decision is not None:
+            self.on_decision(Issued(self._clock(), tuple(commands)))
+        self.executor.run_until_idle()
+        return sum(len(c.trajs) for c in commands)
 
     def cycle(self) -> bool:
         """One snapshot-command cycle if it is due; True if one ran."""

@@ -11,6 +11,7 @@ import pytest
 from tests.trajectory_server.test_ts_mask import server, turns
 from tests.trajectory_server.test_ts_persist import positioned
 from trajectory_server import (
+    Completion,
     FinishedTrajectory,
     InvalidPayload,
     NextTurn,
@@ -103,3 +104,29 @@ def test_a_resent_step_of_an_earlier_turn_is_a_late_message() -> None:
     with pytest.raises(NotHolder, match="not this turn"):
         ts.next_turn([stale], worker_id="w")
     assert ts.env_states([0]) == {0: b"s1"} and ts.state_of(0) is TrajState.REWARDING
+
+
+def test_a_resent_step_that_ends_the_episode_on_an_earlier_turn_is_a_late_completion() -> None:
+    """The worker is sent the first turn again (after an instance loss) while the
+    trajectory is with it on its second: this time that step ends the episode. Its
+    completion is late, as a stale ``next_turn`` is (``NotHolder``, which the workers
+    drop), not a malformed payload; the current turn's completion still goes through."""
+    ts = server()
+    _first_turn_with_worker(ts)
+    ts.next_turn([NextTurn(0, *turns(("model", 3, 2), ("obs", 2, 2)), b"s1")], worker_id="w")
+    ts.route([0], None, "a")
+    second = turns(("model", 3, 2), ("obs", 2, 2), ("model", 2, 2))
+    ts.hand_to_reward([FinishedTrajectory(0, *second[:3], "stop", second[3])], "w")
+    stale = turns(("model", 3, 2))  # the first turn's response, as that step scores it
+    with pytest.raises(NotHolder, match="earlier turn"):
+        ts.complete_many([Completion(0, *stale[:3], 1.0, "stop", {}, stale[3])], worker_id="w")
+    assert ts.state_of(0) is TrajState.REWARDING and ts.env_states([0]) == {0: b"s1"}
+    # a completion that is no earlier turn of the stored response stays malformed
+    other = turns(("model", 1, 2))
+    other[0][0] += 1
+    with pytest.raises(InvalidPayload):
+        ts.complete_many([Completion(0, *other[:3], 1.0, "stop", {}, other[3])], worker_id="w")
+    (status,) = ts.complete_many(
+        [Completion(0, *second[:3], 1.0, "stop", {}, second[3])], worker_id="w"
+    )
+    assert ts.state_of(0) is TrajState.COMPLETED and status.completed == 1

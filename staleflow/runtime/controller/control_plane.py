@@ -289,6 +289,10 @@ class ControlPlane:
             self._thread.join(timeout)
         if self._failure is None:
             self._drain_inbox()  # the last step's report may have arrived as we stopped
+            if self._thread is None or not self._thread.is_alive():  # the loop is ours now
+                # aborts decided since the last cycle (the last step's surplus) would never
+                # be issued: carry them out, so that no instance keeps what the TS dropped
+                self.loop.abort_pending()
 
     def settle(self) -> int:
         """After :meth:`stop` (the end-of-run audit): interrupt every member and take out

@@ -122,6 +122,25 @@ def test_dropped_trajectories_are_aborted_on_their_instance_at_the_next_cycle() 
     assert cluster.check() == []
 
 
+def test_a_stop_carries_out_the_aborts_no_cycle_issued() -> None:
+    """The last Occupy before a stop dropped a trajectory still on its instance: no cycle
+    will come to abort it there, so the stop does (``abort_pending``), once."""
+    cluster, decisions = _cluster(group_redundancy=0.5)
+    assert cluster.loop.cycle()
+    (surplus, other) = sorted(cluster.instances[0].holds())[:2]
+    cluster.loop._drop((surplus,), ())
+    assert surplus in cluster.instances[0].holds()
+    assert cluster.loop.abort_pending() == 1
+    assert decisions[-1] == Issued(cluster.now, (Abort(0, (surplus,)),))
+    assert surplus not in cluster.instances[0].holds() and other in cluster.instances[0].holds()
+    assert cluster.check() == []
+    assert cluster.loop.abort_pending() == 0  # carried out: forgotten
+    # counted in the speculative state as a cycle's Abort: the next snapshot is valid
+    cluster.now += cluster.config.coordinator.period_s
+    discarded = cluster.loop.coordinator.stats.discarded
+    assert cluster.loop.cycle() and cluster.loop.coordinator.stats.discarded == discarded
+
+
 def test_errors_that_are_not_late_news_stay_loud() -> None:
     """Only "already gone" is tolerated: dropping a trajectory or group the TS never had
     is a bug that must stop the loop."""
