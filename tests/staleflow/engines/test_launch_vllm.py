@@ -65,6 +65,7 @@ def test_launch_vllm_eta0_is_exactly_on_policy(tmp_path):
     assert result.summary["on_policy_tokens"] is True
 
 
+@pytest.mark.slow  # a vLLM launch (about a minute); the race's own tests run in-process and in the sim
 def test_launch_vllm_with_the_tail_race_is_exactly_on_policy(tmp_path):
     """coordinator.race on vLLM: a copy forks from the response the TS has (vLLM draws
     by position, as the embedded engine; runtime/controller/races.py), completes in its holder's

@@ -78,6 +78,7 @@ def test_launch_megatron_tp2_is_bounded_conserving_and_advancing(tmp_path):
     assert set(resumed.summary["audit"]["ps_latest"].values()) == {2}
 
 
+@pytest.mark.slow  # a Megatron launch (56 s); real ranks step in test_megatron_{equivalence,pipeline,mask}
 @pytest.mark.ray
 @pytest.mark.timeout(900)
 def test_launch_megatron_dp2_streamed_is_on_policy_and_conserving(tmp_path):
