@@ -30,15 +30,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
+
+# the same synthetic batch as the trainer benchmark's (this script runs from experiments/)
+from bench_trainer import make_batch
 
 from parameter_server.torch_compat import state_dict_to_numpy
 from staleflow.config import TrainerConfig
 from staleflow.models import build_arithmetic_model, policy_state
 from staleflow.models.build import build_model
 from staleflow.trainers.embedded import EmbeddedTrainer
-from trajectory_server.types import TrainingBatch, TrainingGroup, TrainingTrajectory
+from trajectory_server.types import TrainingBatch
 
 KL_ON = {"kl_coef": 0.01, "kl_estimator": "k3"}
 
@@ -55,29 +57,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--json", type=Path, help="also write the results here")
     return p.parse_args(argv)
-
-
-def make_batch(args: argparse.Namespace, vocab: int, seed: int = 0) -> TrainingBatch:
-    rng = np.random.default_rng(seed)
-    groups = []
-    for g in range(args.groups):
-        prompt = rng.integers(3, vocab, args.prompt_len).astype(np.int32)
-        trajs = []
-        for i in range(args.group_size):
-            n = int(rng.integers(args.response_len // 2, args.response_len + 1))
-            trajs.append(
-                TrainingTrajectory(
-                    traj_id=g * args.group_size + i,
-                    v_traj=0,
-                    tokens=rng.integers(3, vocab, n).astype(np.int32),
-                    logprobs=-rng.uniform(0.1, 3.0, n).astype(np.float32),
-                    versions=np.zeros(n, np.int32),
-                    reward=float(i % 2),
-                    finish_reason="length",
-                )
-            )
-        groups.append(TrainingGroup(g, g, "", prompt, tuple(trajs)))
-    return TrainingBatch(tuple(groups))
 
 
 def _row(name: str, off: list[float], on: list[float], ref_bytes: int) -> dict[str, Any]:
