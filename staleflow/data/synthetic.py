@@ -146,22 +146,42 @@ def check(response_text: str, answer: str) -> float:
 # ``=``.
 
 
-def _parse(prompt: str) -> list[int | str]:
-    expression = prompt.strip().removesuffix("=")
+class ExpressionError(ValueError):
+    """Text that is not digits joined by ``+ - *``: ``char`` is the first character that
+    cannot be read, or ``None`` when the text ends in an operator."""
+
+    def __init__(self, char: str | None) -> None:
+        super().__init__(f"cannot read {char!r}" if char else "ends in an operator")
+        self.char = char
+
+
+def split_expression(text: str) -> list[int | str]:
+    """``"12+3*4"`` as ``[12, "+", 3, "*", 4]``; raises :class:`ExpressionError`."""
     parts: list[int | str] = []
     number = ""
-    for char in expression:
+    for char in text:
         if char.isdigit():
             number += char
         elif char in _OPERATORS and number:
             parts += [int(number), char]
             number = ""
         else:
-            raise ValueError(f"cannot parse the prompt {prompt!r} at {char!r}")
+            raise ExpressionError(char)
     if not number:
-        raise ValueError(f"cannot parse the prompt {prompt!r}: it ends in an operator")
+        raise ExpressionError(None)
     parts.append(int(number))
     return parts
+
+
+def _parse(prompt: str) -> list[int | str]:
+    try:
+        return split_expression(prompt.strip().removesuffix("="))
+    except ExpressionError as e:
+        if e.char is None:
+            raise ValueError(
+                f"cannot parse the prompt {prompt!r}: it ends in an operator"
+            ) from None
+        raise ValueError(f"cannot parse the prompt {prompt!r} at {e.char!r}") from None
 
 
 def _reduce_once(parts: list[int | str]) -> list[int | str]:

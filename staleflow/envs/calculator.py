@@ -23,7 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from staleflow.data.synthetic import ArithmeticConfig, ArithmeticTask, evaluate, extract_answer
+from staleflow.data.synthetic import (
+    ArithmeticConfig,
+    ArithmeticTask,
+    ExpressionError,
+    evaluate,
+    extract_answer,
+    split_expression,
+)
 from staleflow.data.tokenizer import CharTokenizer, Tokenizer
 from staleflow.envs.base import EnvSample, EnvState, Episode, ModelTurn, Step, keyed_uniform
 from staleflow.envs.formats import TurnFormat, tool_tokenizer
@@ -72,19 +79,14 @@ def calculate(expression: str) -> str:
             f"the expression has {len(text)} characters; the calculator takes at most "
             f"{MAX_EXPRESSION_CHARS}"
         )
-    parts: list[int | str] = []
-    number = ""
-    for char in text:
-        if char.isdigit():
-            number += char
-        elif char in "+-*" and number:
-            parts += [int(number), char]
-            number = ""
-        else:
-            raise CalculatorError(f"cannot read {expression!r} at {char!r}: use digits and + - *")
-    if not number:
-        raise CalculatorError(f"{expression!r} ends in an operator")
-    parts.append(int(number))
+    try:
+        parts = split_expression(text)
+    except ExpressionError as e:
+        if e.char is None:
+            raise CalculatorError(f"{expression!r} ends in an operator") from None
+        raise CalculatorError(
+            f"cannot read {expression!r} at {e.char!r}: use digits and + - *"
+        ) from None
     return str(evaluate(parts))
 
 
