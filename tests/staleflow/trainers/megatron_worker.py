@@ -233,3 +233,40 @@ def consecutive_steps(rank: int, world: int, address: str, payload: Any) -> list
         part = split_batch(batch, spec.section.dp)[r.dp_rank] if r.is_data_leader else None
         metrics.append(r.train_step(part))
     return [metrics, r.gather_hf()]
+
+
+def resumed_reference(rank: int, world: int, address: str, payload: Any) -> dict[str, Any]:
+    """``payload = (spec, hf, batch, folder)``: a rank loaded from ``hf`` takes a step on
+    ``batch``, writes a distributed checkpoint to ``folder`` and takes a second step; a
+    second rank (a resumed run) loads the checkpoint and takes that second step. Rank 0
+    returns both second steps' metrics and whether the resumed rank's reference holds
+    ``hf`` (the initial policy) while its policy does not."""
+    import torch
+
+    torch.set_num_threads(1)
+    from staleflow.trainers.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from staleflow.trainers.megatron.rank import MegatronRank, init_distributed
+    from staleflow.trainers.megatron.split import split_batch
+
+    spec, hf, batch, folder = payload
+    init_distributed(rank, world, address)
+    r = MegatronRank(spec)
+    r.load_hf(hf)
+    initial = {n: p.detach().clone() for n, p in r.model.named_parameters()}
+    part = split_batch(batch, spec.section.dp)[r.dp_rank] if r.is_data_leader else None
+    r.train_step(part)
+    save_checkpoint(r, folder)
+    straight = r.train_step(part)
+
+    resumed = MegatronRank(spec)
+    load_checkpoint(resumed, folder)
+    ref = dict(resumed.reference_model.named_parameters()) if resumed.reference_model else {}
+    return {
+        "straight": straight,
+        "resumed": resumed.train_step(part),
+        "reference_is_initial": bool(ref)
+        and all(torch.equal(ref[n], p) for n, p in initial.items()),
+        "policy_moved": any(
+            not torch.equal(q, initial[n]) for n, q in resumed.model.named_parameters()
+        ),
+    }
