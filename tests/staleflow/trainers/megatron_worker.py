@@ -270,3 +270,28 @@ def resumed_reference(rank: int, world: int, address: str, payload: Any) -> dict
             not torch.equal(q, initial[n]) for n, q in resumed.model.named_parameters()
         ),
     }
+
+
+def train_and_export(rank: int, world: int, address: str, payload: Any) -> list[int] | None:
+    """``payload = (spec, hf, batch, folder, prompt, n)``: a rank loaded from ``hf`` takes
+    a step on ``batch`` and writes the pool's checkpoint of it to ``folder`` (the code of
+    ``RankActor.save_checkpoint``: the distributed checkpoint, the RNG states and the HF
+    folder a run's ``checkpoint`` is); rank 0 returns the ``n`` tokens the trained model
+    decodes greedily after ``prompt`` (argmax of Megatron's own logits)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from staleflow.trainers.megatron.pool import RankActor
+    from staleflow.trainers.megatron.rank import MegatronRank, init_distributed
+    from staleflow.trainers.megatron.split import split_batch
+
+    spec, hf, batch, folder, prompt, n = payload
+    init_distributed(rank, world, address)
+    r = MegatronRank(spec)
+    r.load_hf(hf)
+    r.train_step(split_batch(batch, spec.section.dp)[r.dp_rank] if r.is_data_leader else None)
+    actor = RankActor(spec, rank)
+    actor._rank = r  # what RankActor.start builds; its save_checkpoint is the pool's
+    actor.save_checkpoint(folder)
+    tokens = _greedy(r, np.asarray(prompt), n)
+    return tokens if rank == 0 else None
