@@ -24,23 +24,9 @@ import torch
 import torch.distributed as dist
 
 from parameter_server.torch_compat import from_numpy
+from staleflow.config.loss import SHAPE_KEYS  # the HF config keys that fix the weights' shapes
 
 logger = logging.getLogger(__name__)
-
-# Keys of the HF config that fix the shapes of the weights: a checkpoint whose values
-# differ holds another model.
-SHAPE_KEYS = (
-    "model_type",
-    "num_hidden_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "vocab_size",
-    "head_dim",
-    "tie_word_embeddings",
-)
-
 
 # the reference's tensors in the checkpoint: its own names, apart from the policy's
 REFERENCE_PREFIX = "reference."
