@@ -239,9 +239,10 @@ def resumed_reference(rank: int, world: int, address: str, payload: Any) -> dict
     """``payload = (spec, hf, batch, folder)``: a rank loaded from ``hf`` takes a step on
     ``batch``, writes a distributed checkpoint to ``folder`` and takes a second step; a
     second rank (a resumed run) loads the checkpoint and takes that second step. Rank 0
-    returns both second steps' metrics and whether the resumed rank's reference holds
-    ``hf`` (the initial policy) while its policy does not."""
+    returns both second steps' metrics and whether the resumed ranks' reference holds
+    ``hf`` (the initial policy) while their policy does not, on every rank."""
     import torch
+    import torch.distributed as dist
 
     torch.set_num_threads(1)
     from staleflow.trainers.megatron.checkpoint import load_checkpoint, save_checkpoint
@@ -261,14 +262,17 @@ def resumed_reference(rank: int, world: int, address: str, payload: Any) -> dict
     resumed = MegatronRank(spec)
     load_checkpoint(resumed, folder)
     ref = dict(resumed.reference_model.named_parameters()) if resumed.reference_model else {}
+    mine = (  # this rank's shard
+        bool(ref) and all(torch.equal(ref[n], p) for n, p in initial.items()),
+        any(not torch.equal(q, initial[n]) for n, q in resumed.model.named_parameters()),
+    )
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
     return {
         "straight": straight,
         "resumed": resumed.train_step(part),
-        "reference_is_initial": bool(ref)
-        and all(torch.equal(ref[n], p) for n, p in initial.items()),
-        "policy_moved": any(
-            not torch.equal(q, initial[n]) for n, q in resumed.model.named_parameters()
-        ),
+        "reference_is_initial": all(r for r, _ in every),  # on every rank
+        "policy_moved": all(m for _, m in every),
     }
 
 

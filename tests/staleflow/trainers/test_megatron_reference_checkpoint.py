@@ -1,7 +1,8 @@
 """A resumed Megatron run keeps its reference policy: the distributed checkpoint holds the
 frozen reference (the initial policy), and a pool that loads it takes the same next step,
 KL included, as the pool that never stopped, not a step whose KL is to the weights it
-resumed from. One gloo rank at TP = 1, real megatron-core. (The embedded trainer's:
+resumed from. Real megatron-core on gloo at TP = 1, TP = 2 (the reference's shards) and
+PP = 2 (each stage's, the last one's tied output layer). (The embedded trainer's:
 tests/staleflow/trainers/test_trainers_reference.py.) Slow: run with ``-m slow``."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from staleflow.trainers.megatron.rank import RankSpec  # noqa: E402
 from tests.staleflow.trainers.masked import masked_batch  # noqa: E402
 from tests.staleflow.trainers.megatron_worker import resumed_reference  # noqa: E402
 
-# a gloo rank in a child process: 20-30 s here, past the default run's few seconds. By
+# gloo ranks in child processes: 20-150 s each here (by load), past the default run's few seconds. By
 # default, the embedded trainer's resume keeps its reference
 # (test_trainers_reference.py) and a Megatron checkpoint without a reference round-trips
 # (test_megatron_equivalence.py); this is the Megatron reference's own check.
@@ -34,14 +35,18 @@ PRESET = ModelPreset(
 )
 
 
-def test_a_resumed_pool_keeps_the_initial_policy_as_its_reference(tmp_path):
+@pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 1), (1, 2)], ids=["tp1", "tp2", "pp2"])
+def test_a_resumed_pool_keeps_the_initial_policy_as_its_reference(tmp_path, tp, pp):
     _, tokenizer = build_arithmetic_model("micro")
     model = build_model(PRESET, tokenizer.vocab_size, seed=3)
     hf = {k: np.array(v, copy=True) for k, v in state_dict_to_numpy(policy_state(model)).items()}
-    section = TrainerConfig(backend="megatron", lr=1e-2, kl_coef=0.5, kl_estimator="k2")
+    section = TrainerConfig(
+        backend="megatron", tp=tp, pp=pp, lr=1e-2, kl_coef=0.5, kl_estimator="k2"
+    )
     spec = RankSpec(model.config.to_dict(), section, pad_id=tokenizer.pad_id)
     batch = masked_batch(model, tokenizer)
-    out = run_local(1, resumed_reference, (spec, hf, batch, str(tmp_path / "ckpt")), timeout_s=240)
+    payload = (spec, hf, batch, str(tmp_path / "ckpt"))
+    out = run_local(tp * pp, resumed_reference, payload, timeout_s=240)
     assert out["policy_moved"] and out["reference_is_initial"]
     straight, resumed = out["straight"], out["resumed"]
     assert straight["train/ref_kl"] > 0  # the policy left its reference in step 1
