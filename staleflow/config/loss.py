@@ -40,6 +40,19 @@ KL_COEF_WHY = (
     "drowns the policy gradient and the policy never leaves the reference"
 )
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model*.safetensors.index.json")
+# Keys of a config.json that fix the shapes of the weights: two folders that differ in one
+# hold models of different architectures (also the Megatron checkpoint's check)
+SHAPE_KEYS = (
+    "model_type",
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "head_dim",
+    "tie_word_embeddings",
+)
 
 
 def model_folder_problem(path: str) -> str | None:
@@ -60,6 +73,29 @@ def model_folder_problem(path: str) -> str | None:
     if not any(any(p.glob(pattern)) for pattern in _WEIGHT_FILES):
         return "has no weights (model.safetensors or pytorch_model.bin)"
     return None
+
+
+def _config_json(folder: str) -> dict | None:
+    try:
+        parsed = json.loads((Path(folder).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def architecture_mismatch(reference: str, policy: str) -> str | None:
+    """The shape keys (:data:`SHAPE_KEYS`) whose values differ between the config.json of
+    model folders ``reference`` and ``policy``, said in words; None when they agree or a
+    config cannot be read (the folder checks name that). Pure: reads two JSON files."""
+    ref, pol = _config_json(reference), _config_json(policy)
+    if ref is None or pol is None:
+        return None
+    differ = [k for k in SHAPE_KEYS if ref.get(k) != pol.get(k)]
+    if not differ:
+        return None
+    return ", ".join(
+        f"{k} {ref.get(k)!r} (reference) vs {pol.get(k)!r} (policy)" for k in differ[:3]
+    )
 
 
 @dataclass(frozen=True, slots=True)

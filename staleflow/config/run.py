@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, ClassVar
 from coordinator.config import ConfigError, CoordinatorConfig, CostModelConfig
 from staleflow.config.checks import INT32_MAX, STEPS_WHY
 from staleflow.config.env import ENV_RESPONSE_TOKENS, ENV_TASKS, EnvConfig
+from staleflow.config.loss import architecture_mismatch
 from staleflow.config.recovery import RecoveryConfig
 from staleflow.config.resources import ResourcesConfig
 from staleflow.config.sections import (
@@ -288,6 +289,17 @@ class RunConfig:
                 "needs copies that sample the original's tokens, which SGLang does only with "
                 "deterministic inference; set rollout.sglang.deterministic=true (slower "
                 "kernels), or set coordinator.race.enabled=false"
+            )
+        ref = self.trainer.ref.path
+        if ref and model.checkpoint:  # the built-in policy's: the trainer checks it
+            mismatch = architecture_mismatch(ref, model.checkpoint)
+            require(
+                mismatch is None,
+                "trainer.ref.path",
+                ref,
+                f"holds another architecture than model.checkpoint ({mismatch}): set it to a "
+                "model folder of the policy's architecture (e.g. a checkpoint of this run or of "
+                "model.checkpoint), or drop it to use the initial policy",
             )
         if not model.checkpoint:
             self._check_builtin_context()

@@ -297,6 +297,12 @@ class EmbeddedTrainer:
                 _set_rng_state(torch.load(p / _RNG_FILE, weights_only=True))
             if self.reference is not None and (p / _REFERENCE_FILE).is_file():
                 load_policy_state(self.reference, load_file(str(p / _REFERENCE_FILE)))
+            elif self.reference is not None:
+                logger.warning(
+                    "the checkpoint %s holds no reference policy (written without a KL "
+                    "term): the KL is to the policy the trainer was built with",
+                    p,
+                )
             self._version = int(state["version"])
         logger.info("loaded trainer checkpoint (version %d) from %s", self._version, p)
 

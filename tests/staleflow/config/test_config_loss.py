@@ -102,3 +102,25 @@ def test_gspo_with_ppo_clip_ranges_warns():
     assert any("eps_low=3e-4 eps_high=4e-4" in w for w in warned)
     tuned = ["trainer.loss=gspo", "trainer.eps_low=3e-4", "trainer.eps_high=4e-4"]
     assert not any("gspo" in w for w in config_warnings(load_config(None, tuned)))
+
+
+def test_a_ref_path_of_another_architecture_than_the_policy_is_refused(tmp_path, no_ray, capsys):
+    from staleflow.cli import main
+
+    def folder(name: str, **config) -> str:
+        (tmp_path / name).mkdir()
+        shape = {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2, **config}
+        (tmp_path / name / "config.json").write_text(json.dumps(shape))
+        (tmp_path / name / "model.safetensors").write_bytes(b"")
+        return str(tmp_path / name)
+
+    policy, same = folder("policy"), folder("same", torch_dtype="bfloat16")  # not a shape
+    ok = load_config(None, [f"model.checkpoint={policy}", f"trainer.ref.path={same}"])
+    assert ok.trainer.ref.path == same
+    other = folder("other", hidden_size=32)
+    override = f"trainer.ref.path={other}"
+    with pytest.raises(ConfigError, match=r"hidden_size 32 \(reference\) vs 64 \(policy\)") as err:
+        load_config(None, [f"model.checkpoint={policy}", override])
+    assert "set it to a model folder of the policy's architecture" in str(err.value)
+    assert main(["launch", "--no-dashboard", f"model.checkpoint={policy}", override]) == 2
+    assert "trainer.ref.path" in capsys.readouterr().err

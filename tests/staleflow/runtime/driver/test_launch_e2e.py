@@ -67,6 +67,38 @@ def test_launch_eta1_bounded_and_conserving(tmp_path):
     assert (ref_kl[-1] > 0) == moved, (ref_kl, moved)
 
 
+# Each other loss variant launched once with the KL on (each with its own estimator): a
+# launch each (45-80 s on CI), so slow. In the default run, the eta = 1 launch above is
+# GSPO with the KL; each variant's maths against hand-computed numbers is
+# tests/staleflow/trainers/test_trainers_loss_variants.py, and the KL's
+# test_trainers_reference.py (unit level, both trainers' shared code).
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param(("trainer.loss=ppo", "trainer.kl_estimator=k1"), id="ppo-k1"),
+        pytest.param(
+            ("trainer.loss=cispo", "trainer.eps_low=0.99", "trainer.kl_estimator=k2"),
+            id="cispo-k2",
+        ),
+        pytest.param(("trainer.advantage=drgrpo", "trainer.kl_estimator=k3"), id="drgrpo-k3"),
+    ],
+)
+def test_launch_each_loss_variant_with_the_kl_holds_the_bound_and_the_audit(tmp_path, variant):
+    import yaml
+
+    result = _launch(tmp_path, 1, "trainer.kl_coef=0.01", *variant)
+    check_run(result, 1, STEPS, 2 * 4)
+    ref_kl = [r.extra["train/ref_kl"] for r in result.records]
+    assert len(ref_kl) == STEPS and all(k >= 0 for k in ref_kl) and ref_kl[0] == 0.0
+    # the run trained what it was asked (config.yaml holds the resolved keys)
+    trainer = yaml.safe_load((result.run_dir / "config.yaml").read_text())["trainer"]
+    for key, value in (v.split("=") for v in variant):
+        assert str(trainer[key.removeprefix("trainer.")]) == value, key
+    if "trainer.advantage=drgrpo" in variant:  # Dr. GRPO's constant length L
+        assert trainer["loss_norm_len"] == 8  # rollout.max_response_tokens
+
+
 @pytest.mark.slow  # a launch (45-80 s on CI): CI's budget keeps two here; in-process tests cover it
 def test_launch_eta0_is_exactly_on_policy(tmp_path):
     result = _launch(tmp_path, 0)
