@@ -76,5 +76,5 @@ def test_a_datasets_folder_reads_its_test_split(tmp_path):
     ).save_to_disk(str(tmp_path / "dd"))
     check_heldout_source(tmp_path / "dd", LAYOUT, "test")
     assert [s.answer for s in load_heldout(tmp_path / "dd", TOK, LAYOUT)] == ["1", "2"]
-    with pytest.raises(DatasetError, match="no such column .* set data.prompt_column"):
+    with pytest.raises(DatasetError, match=r"no such column .* set data\.prompt_column"):
         check_heldout_source(tmp_path / "dd", RecordLayout("question", "a"), "test")
