@@ -163,6 +163,7 @@ class EvalRounds:
         self._scoring: list[tuple[Any, list[int], list[tuple[np.ndarray, str]]]] = []
         self._next_id = EVAL_ID_BASE
         self._next_worker = 0
+        self._posted: int | None = None  # the step whose scores went to the plane last
         self.rounds = 0
 
     @property
@@ -170,13 +171,26 @@ class EvalRounds:
         return self._round is not None
 
     def poll(self) -> None:
-        """Start the due evaluation, or move the running one on; never waits long."""
+        """Start the due evaluation, or move the running one on; never waits long. An
+        evaluation that fails is given up (its record goes out without it): it never
+        stops the training."""
         if self._round is None:
             step = self._ray.get(self._control.eval_due.remote())
-            if step is not None:
+            if step is not None and step != self._posted:
                 self._start(step)
             return
-        self._advance(self._round)
+        try:
+            self._advance(self._round)
+        except Exception as exc:
+            logger.warning("evaluation of step %d failed: %s", self._round.step, exc)
+            self._end(self._round, failed=True)
+
+    def pending(self) -> bool:
+        """An evaluation runs, or a step waits for one."""
+        if self._round is not None:
+            return True
+        step = self._ray.get(self._control.eval_due.remote())
+        return step is not None and step != self._posted
 
     def finish(self, poll_s: float = 0.2, stall_s: float = STALL_S) -> None:
         """At the end of training: run the due and the running evaluation to their end
@@ -184,7 +198,7 @@ class EvalRounds:
         while True:
             self.poll()
             if self._round is None and self._ray.get(self._control.eval_due.remote()) is None:
-                return
+                return  # the plane took the last scores: its records are out
             if self._round is not None and time.monotonic() - self._round.last_progress > stall_s:
                 logger.warning(
                     "evaluation of step %d gave no response for %g s: given up",
@@ -201,6 +215,7 @@ class EvalRounds:
         members = self._ray.get(self._control.members.remote(), timeout=self._timeout)
         self._handles = {i: h for i, (_, h) in sorted(members.items())}
         if not self._handles:
+            self._posted = step
             self._ray.get(self._control.eval_done.remote(step, None))
             return
         r = EvalRound(
@@ -270,6 +285,7 @@ class EvalRounds:
         scores = None if failed else r.scores()
         self._round, self._scoring = None, []
         self.rounds += 1
+        self._posted = r.step  # until the plane takes them, the step still looks due
         self._ray.get(self._control.eval_done.remote(r.step, scores))
         if scores is None:
             logger.warning("evaluation of step %d: nothing was scored", r.step)

@@ -354,8 +354,8 @@ class Run:
         self.supervisor.heal_ps()  # the run ends with the last version on every replica
         ray.get(control.request_stop.remote())  # the end of the run is a stop, too
         self._write(self._final_cut())
-        if self.evals is not None:  # the records it holds come out once it is done
-            self._phase("evaluating the last policy on the held-out set")
+        if self.evals is not None and self.evals.pending():  # it holds the last records
+            self._phase("finishing the held-out evaluation (eval.every)")
             self.evals.finish()
         for rec in ray.get(control.records.remote(seen)):
             on_record(rec)

@@ -133,3 +133,17 @@ def test_a_round_over_actors_survives_a_dead_instance_and_a_dead_reward_worker()
     assert scores is not None and scores.problems == 3
     assert scores.mean_at_k == pytest.approx(4 / 6) and scores.pass_at_k == pytest.approx(1.0)
     assert rounds.rounds == 1 and not rounds.running
+
+
+def test_an_evaluation_that_fails_is_given_up_and_its_record_goes_out_without_it():
+    class Broken(_Worker):
+        def score_eval(self, responses):
+            raise ValueError("the reward function's process is gone")
+
+    control = _Control({0: Actor(_Instance())})
+    rounds = EvalRounds(
+        FakeRay(), Actor(control), lambda: {"r": Actor(Broken())}, HELDOUT, samples=1, k=1
+    )
+    assert rounds.pending()
+    rounds.finish(poll_s=0)
+    assert control.done == [(2, None)] and not rounds.pending()
