@@ -19,6 +19,7 @@ from staleflow.config.checks import (
 )
 from staleflow.config.env import ENV_TASKS
 from staleflow.config.walk import check_types
+from staleflow.data.layouts import RecordLayout
 from staleflow.data.synthetic import ArithmeticConfig
 
 FILE_TASKS = ("gsm8k", "dapo", "jsonl", "parquet", "hf")
@@ -129,3 +130,10 @@ class DataConfig:
                 f"does not end in {' or '.join(suffixes)} as data.task={self.task} needs: "
                 "fix the path, or set data.task to the file's format",
             )
+
+    def record_layout(self) -> RecordLayout | None:
+        """The fields data.prompt_column / data.answer_column name (of the training
+        prompts and of the held-out set); None: detect a built-in layout."""
+        if not self.prompt_column:
+            return None
+        return RecordLayout(self.prompt_column, self.answer_column, name="data.prompt_column")

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, ClassVar
 from coordinator.config import ConfigError, CoordinatorConfig, CostModelConfig
 from staleflow.config.checks import INT32_MAX, STEPS_WHY
 from staleflow.config.env import ENV_RESPONSE_TOKENS, ENV_TASKS, EnvConfig
+from staleflow.config.evaluation import EvalConfig
 from staleflow.config.loss import architecture_mismatch
 from staleflow.config.recovery import RecoveryConfig
 from staleflow.config.resources import ResourcesConfig
@@ -129,16 +130,6 @@ class RunConfig:
             STEPS_WHY,
         ),
     )
-    eval_problems: int = field(
-        default=512,
-        metadata=_help(
-            "held-out problems of the built-in task scored before and after training, at "
-            "rollout.temperature (the run's improvement); 0 = off",
-            2**20,
-            "each is sampled twice, before and after training, while nothing else runs: "
-            "2**20 takes hours on the embedded engine",
-        ),
-    )
     dashboard: bool = field(
         default=True,
         metadata=_help(
@@ -176,6 +167,7 @@ class RunConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     coordinator: CoordinatorConfig = field(default_factory=_embedded_coordinator)
 
     # Keys that were replaced: the message says which key to use instead.
@@ -187,6 +179,12 @@ class RunConfig:
             "included; it also reserves resources.rollout for each rank): set "
             "rollout.tensor_parallel instead"
         ),
+    }
+    # Keys that were renamed and are still read under their old name (a saved config.yaml
+    # of an earlier run resumes as it was), with a warning naming the new one.
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        # the held-out set got its own section with the evaluation during training (#37)
+        "eval_problems": "eval.problems",
     }
 
     def __post_init__(self) -> None:
@@ -201,7 +199,6 @@ class RunConfig:
         require_at_least("steps", self.steps, 1, "training step")
         require(self.seed >= 0, "seed", self.seed, "is negative: use a seed >= 0")
         require_at_least("checkpoint_every", self.checkpoint_every, 0, "steps (0 = at the end)")
-        require_at_least("eval_problems", self.eval_problems, 0, "problems (0 = off)")
         require(
             1 <= self.dashboard_port <= 65535,
             "dashboard_port",
@@ -301,8 +298,30 @@ class RunConfig:
                 "model folder of the policy's architecture (e.g. a checkpoint of this run or of "
                 "model.checkpoint), or drop it to use the initial policy",
             )
+        self._check_eval()
         if not model.checkpoint:
             self._check_builtin_context()
+
+    def _check_eval(self) -> None:
+        ev, task = self.eval, self.data.task
+        if task in ENV_TASKS:
+            require(
+                not ev.path and not ev.every,
+                "eval.every" if ev.every else "eval.path",
+                ev.every or ev.path,
+                f"is not supported with data.task={task}: a multi-turn episode needs its "
+                "environment, which only the reward workers run; set eval.every=0 and "
+                "eval.path=''",
+            )
+        elif task != "arithmetic":
+            require(
+                bool(ev.path) or not ev.every,
+                "eval.path",
+                ev.path,
+                f"is required for eval.every={ev.every} with data.task={task}: only the "
+                "built-in task has its own held-out problems; set eval.path=/path/to/"
+                "test.jsonl (or .parquet, or a datasets folder), or eval.every=0",
+            )
 
     def _check_builtin_context(self) -> None:
         limit = PRESETS[self.model.preset].max_position_embeddings

@@ -92,6 +92,7 @@ function render() {
   drawFreshness($("freshness-chart"), o.run);
   drawThroughput($("throughput-chart"), o.run);
   drawReward($("reward-chart"));
+  drawEval($("eval-chart"));
   drawIdle($("idle-chart"));
   document.body.dataset.updates = String(state.updates);
 }
@@ -344,6 +345,21 @@ function drawReward(canvas) {
     : "no reward recorded yet";
   lineChart(canvas, [{ label: "mean reward", colour: "#2e7d32", points }],
     { xLabel: "step", yLabel: "reward", empty: note });
+}
+
+// the held-out evaluation (eval.every): only the steps evaluated carry these keys
+const EVAL_SERIES = [
+  { key: "eval/mean_at_k", label: "mean@k", colour: "#2e7d32" },
+  { key: "eval/pass_at_k", label: "pass@k", colour: "#6a1b9a" },
+];
+
+function drawEval(canvas) {
+  const series = EVAL_SERIES.map((s) => ({
+    label: s.label,
+    colour: s.colour,
+    points: state.records.filter((x) => x[s.key] !== undefined && x[s.key] !== null).map((x) => [x.step, x[s.key]]),
+  }));
+  lineChart(canvas, series, { xLabel: "step", yLabel: "held-out", yMax: 1, empty: "no evaluation yet (eval.every)" });
 }
 
 function drawIdle(canvas) {

@@ -21,6 +21,7 @@ class ControlConfig:
     coordinator: CoordinatorConfig
     idle_wait_s: float = 0.05  # longest sleep between loop iterations
     checkpoint_every: int = 0  # take a cut after every N-th training step (0: never)
+    eval_every: int = 0  # hold every N-th step's record for its evaluation (0: never)
 
 
 @dataclass(frozen=True, slots=True)

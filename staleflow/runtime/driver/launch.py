@@ -43,7 +43,7 @@ from staleflow.data.hf_datasets import (
     load_hf_dataset,
     open_hf_dataset,
 )
-from staleflow.data.layouts import DatasetError, RecordLayout
+from staleflow.data.layouts import DatasetError
 from staleflow.data.tokenizer import TokenizerError
 from staleflow.envs import make_environment
 from staleflow.envs.calculator import calculator_samples
@@ -55,12 +55,13 @@ from staleflow.runfolder.run_state import CRASHED, FINISHED, STOPPED, StateWrite
 from staleflow.runfolder.step_record import (
     CORRECTED,
     StepRecord,
+    evaluations,
     reward_mean,
     trainer_idle_ratio,
 )
 from staleflow.runfolder.writer import RunOutput
 from staleflow.runtime.backends import check_backends
-from staleflow.runtime.driver.evaluation import held_out_reward
+from staleflow.runtime.driver.evaluation import check_heldout, held_out_reward, heldout_set
 from staleflow.runtime.driver.launch_progress import TrainingWaits, actors_phase
 from staleflow.runtime.driver.resume import restore_state
 from staleflow.runtime.driver.run import Run, cause
@@ -141,18 +142,16 @@ def preflight(cfg: RunConfig) -> None:
     if hf_data:  # its columns: memory-mapped, read without the policy or its tokenizer
         try:
             check_columns(
-                open_hf_dataset(cfg.data.path, cfg.data.split), _layout(cfg), cfg.data.path
+                open_hf_dataset(cfg.data.path, cfg.data.split),
+                cfg.data.record_layout(),
+                cfg.data.path,
             )
         except DatasetError as exc:
             raise LaunchError(f"cannot read the prompts: {exc}") from exc
-
-
-def _layout(cfg: RunConfig) -> RecordLayout | None:
-    """The fields data.prompt_column / data.answer_column name; None: detect a layout."""
-    data = cfg.data
-    if not data.prompt_column:
-        return None
-    return RecordLayout(data.prompt_column, data.answer_column, name="data.prompt_column")
+    try:  # eval.path: there, with the columns (one row read)
+        check_heldout(cfg)
+    except DatasetError as exc:
+        raise LaunchError(f"cannot read the held-out set (eval.path): {exc}") from exc
 
 
 def prepare_policy(
@@ -242,7 +241,7 @@ def build_dataset(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
     data = cfg.data
     fmt = PromptFormat(data.chat_template, data.system_prompt)
     check_chat_template(tokenizer, fmt, data.tokenizer or cfg.model.checkpoint)
-    layout = _layout(cfg)
+    layout = cfg.data.record_layout()
     if data.task == "calculator":
         env = make_environment("calculator", **cfg.env.options("calculator"))
         task = ArithmeticConfig.level(data.difficulty, seed=cfg.seed + 1)
@@ -313,6 +312,7 @@ def summarise(records: list[StepRecord], facts: dict[str, Any]) -> dict[str, Any
         "trainer_idle_ratio": trainer_idle_ratio(records),
         "rollout_idle_ratio": last.rollout_idle_ratio,
         "time_share": last.time_shares(),
+        **evaluations(records),
         **partial,
         **facts,
     }
@@ -394,8 +394,9 @@ def launch(
 
 def _prepare(
     cfg: RunConfig, phase: Phase, resume: Checkpoint | None, progress: Progress
-) -> tuple[Any, Any, PromptDataset, dict[str, Any], ResumePoint | None]:
-    """The policy, tokenizer and prompts; a resumed run's from its checkpoint."""
+) -> tuple[Any, Any, PromptDataset, PromptDataset | None, dict[str, Any], ResumePoint | None]:
+    """The policy, tokenizer, prompts and held-out set (None: no evaluation during
+    training); a resumed run's from its checkpoint."""
 
     started = time.monotonic()
     try:
@@ -414,17 +415,21 @@ def _prepare(
         dataset = build_dataset(cfg, tokenizer)
     except (DatasetError, TokenizerError) as exc:
         raise LaunchError(f"cannot read the prompts: {exc}") from exc
+    try:
+        heldout = heldout_set(cfg, tokenizer)
+    except (DatasetError, TokenizerError) as exc:
+        raise LaunchError(f"cannot read the held-out set (eval.path): {exc}") from exc
     if cfg.data.chat_template:
         # the template the prompts went through, with the run (summary.json, the trackers)
         facts["chat_template"] = chat_template_of(tokenizer)
     point = None
     if resume is not None:
         point = restore_state(cfg, resume, dataset)
-    elif cfg.eval_problems and cfg.data.task == "arithmetic":
-        facts["eval_problems"] = cfg.eval_problems
-        facts["eval_reward_start"] = held_out_reward(cfg, model, tokenizer, progress)
+    elif (start := held_out_reward(cfg, model, tokenizer, progress)) is not None:
+        facts["eval_problems"] = cfg.eval.problems
+        facts["eval_reward_start"] = start
     facts["prepare_s"] = time.monotonic() - started
-    return model, tokenizer, dataset, facts, point
+    return model, tokenizer, dataset, heldout, facts, point
 
 
 def _launch_on(
@@ -439,7 +444,7 @@ def _launch_on(
     resume: Checkpoint | None,
     stop: threading.Event,
 ) -> RunResult:
-    model, tokenizer, dataset, facts, point = _prepare(cfg, phase, resume, progress)
+    model, tokenizer, dataset, heldout, facts, point = _prepare(cfg, phase, resume, progress)
     if resume is None:
         out = RunOutput.create(cfg)
     else:  # the steps after the checkpoint are done again
@@ -448,7 +453,13 @@ def _launch_on(
     state = StateWriter(out.path, resumed=resume is not None)
     state.phase("starting")
     run = Run(
-        cfg, out.path, supervisor=Supervisor, cluster=cluster, placement=placement, phase=phase
+        cfg,
+        out.path,
+        supervisor=Supervisor,
+        cluster=cluster,
+        placement=placement,
+        phase=phase,
+        heldout=heldout,
     )
     records = [StepRecord.from_flat(r) for r in resume.metrics] if resume is not None else []
     waits = TrainingWaits(progress, cfg, on_tick)

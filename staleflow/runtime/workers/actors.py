@@ -40,6 +40,7 @@ from parameter_server import BackgroundPusher, Layout
 from parameter_server.transport import connect
 from parameter_server.worker import PSWorker
 from staleflow.control.late import hand_live
+from staleflow.rollout.eval_lane import EvalOutput, EvalRequest
 from staleflow.rollout.instance import CopyEnd, Finished, InstanceTimes
 from staleflow.runtime.backends import load_hook
 from staleflow.runtime.interface import (
@@ -61,6 +62,8 @@ from trajectory_server.actor import TrajectoryServerClient
 from trajectory_server.types import AbortedTrajectory, FinishedTrajectory, InstanceId, RewardTask
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from parameter_server.replicas import ReplicaRoute
     from parameter_server.store import StoreInfo
     from parameter_server.transport.base import Endpoint
@@ -281,6 +284,7 @@ class RolloutActor:
             holder=self._holder,
             chunk_tokens=spec.chunk_tokens,
             on_copy_finished=self._dispatch_copies,
+            eval_running=spec.eval_running,
         )
         self._host.start(at_least, rec.progress_every_s)
 
@@ -373,6 +377,13 @@ class RolloutActor:
     def settle_won(self, traj_ids: list[int]) -> dict[int, int]:
         return self._host.settle_won(traj_ids)
 
+    def submit_eval(self, requests: list[EvalRequest]) -> int:
+        """Evaluation requests (not trajectories: never in the TS); returns how many."""
+        return self._host.submit_eval(requests)
+
+    def take_eval(self) -> list[EvalOutput]:
+        return self._host.take_eval()
+
     def version(self) -> int:
         """The version of the weights loaded (what a joining instance Pulled)."""
         return self._host.instance.version
@@ -423,6 +434,14 @@ class RewardActor:
     def process_tasks(self, tasks: list[RewardTask]) -> int:
         """Score trajectories handed to a worker that was lost (``reassign_rewards``)."""
         return self.process([finished_from_task(t) for t in tasks])
+
+    def score_eval(self, responses: list[tuple[np.ndarray, str]]) -> list[float]:
+        """Rewards of held-out evaluation responses (tokens, ground truth), by the run's
+        reward function; no trajectories: nothing goes to the TS or the control plane."""
+        score = getattr(self._stage, "score", None)
+        if score is None:  # the config refuses eval.every with an environment task
+            raise RuntimeError("an environment task's reward worker cannot score evaluations")
+        return score(responses)
 
     def ping(self) -> int:
         return os.getpid()

@@ -61,6 +61,8 @@ class RolloutSpec:
     engine_options: EngineOptions | None = None
     # Divided rollout (coordinator.seer): response tokens one route may add; None: off.
     chunk_tokens: int | None = None
+    # eval.max_running: evaluation requests in the engine at once (rollout/eval_lane.py)
+    eval_running: int = 16
 
     @property
     def layout(self) -> dict[str, Any]:

@@ -16,7 +16,12 @@ from typing import Any
 import pytest
 
 from tests.staleflow.runtime.driver.launch_checks import MICRO_RUN, check_run
-from tests.staleflow.runtime.driver.user_inputs import check_user_inputs, hf_policy_and_dataset
+from tests.staleflow.runtime.driver.user_inputs import (
+    check_evaluation,
+    check_user_inputs,
+    heldout_file,
+    hf_policy_and_dataset,
+)
 
 # A real run is a dozen processes: minutes on a loaded 2-core machine (over the suite's
 # 300 s once at load 24). The timeout only stops a hang; nothing here is timed.
@@ -37,7 +42,7 @@ def _launch(tmp_path, eta: int, *extra: str):
             f"run_dir={tmp_path}",
             *MICRO_RUN,
             "dashboard=false",  # tests/staleflow/dashboard/test_launch_dashboard.py has it on
-            "eval_problems=32",
+            "eval.problems=32",
             *extra,
         ],
     )
@@ -121,13 +126,22 @@ def test_launch_with_streamed_training_is_exactly_on_policy_and_loses_nothing(tm
     covers it: its own Hugging Face checkpoint (the micro model with a character-level
     HF tokenizer carrying a chat template), a ``datasets`` save_to_disk folder with mapped
     columns rendered through the template with a system prompt, and all three trackers,
-    each holding every step and the summary when the run ends."""
+    each holding every step and the summary when the run ends. And its own held-out set
+    (a JSON Lines file, the same columns and template), evaluated every 5 steps on the
+    rollout engines: the record of step 5 holds it, the trackers and summary too, while
+    the bound and the audit hold as without it (docs/evaluation.md)."""
     for extra in ("datasets", "tensorboard", "wandb", "mlflow"):  # the dev install has them
         pytest.importorskip(extra, reason="needs the tracking and datasets extras")
     policy, data = hf_policy_and_dataset(tmp_path / "inputs")
+    steps = 5  # one evaluation, after the last step: the run waits for it
     result = _launch(
         tmp_path,
         0,
+        f"steps={steps}",
+        f"eval.path={heldout_file(tmp_path / 'inputs')}",
+        "eval.every=5",
+        "eval.samples=2",
+        "eval.problems=8",
         "trainer.stream=true",
         "recovery.audit_log=true",
         f"model.checkpoint={policy}",
@@ -139,14 +153,15 @@ def test_launch_with_streamed_training_is_exactly_on_policy_and_loses_nothing(tm
         "data.system_prompt=0",
         "tracking=tensorboard,wandb,mlflow",
     )
-    check_run(result, 0, STEPS, 2 * 4)
+    check_run(result, 0, steps, 2 * 4)
     for step in result.consumed:
         assert set(step["staleness"]) == {0} and set(step["token_staleness"]) == {0}
     assert all(rec.streamed_groups is not None for rec in result.records)
     assert all(0 <= rec.streamed_groups <= 2 for rec in result.records)
     audit = (result.run_dir / "audit.jsonl").read_text().splitlines()
-    assert len(audit) == STEPS * 2 * 4  # streamed groups are not written twice
-    check_user_inputs(result, STEPS)
+    assert len(audit) == steps * 2 * 4  # streamed groups are not written twice
+    check_user_inputs(result, steps)
+    check_evaluation(result, step=5, problems=8, samples=2)
 
 
 @pytest.mark.slow  # a launch (45-80 s on CI): CI's budget keeps two here; in-process tests cover it
@@ -292,7 +307,7 @@ def test_a_ps_worker_that_dies_under_its_live_actor_is_replaced(tmp_path):
                 killed.append(pid)
 
     steps = 8
-    settings = [f"steps={steps}", f"run_dir={tmp_path}", "dashboard=false", "eval_problems=0"]
+    settings = [f"steps={steps}", f"run_dir={tmp_path}", "dashboard=false", "eval.problems=0"]
     cfg = load_config(None, ["eta=1", *MICRO_RUN, *settings])
     result = launch(cfg, on_started=kill_worker)
     assert len(killed) == 1
