@@ -25,6 +25,7 @@ from staleflow.config.sections import (
     require_at_least,
 )
 from staleflow.config.walk import check_tree_bounds, check_types
+from staleflow.control.dynamic_sampling import SamplingConfig
 from staleflow.models.presets import PRESETS
 from staleflow.rewards.registry import resolve_reward_kind
 from staleflow.tracking import TrackerError, parse_trackers
@@ -333,6 +334,13 @@ class RunConfig:
             batch_redundancy=self.batch_redundancy,
             group_redundancy=self.group_redundancy,
         )
+
+    def sampling_config(self) -> SamplingConfig | None:
+        """Dynamic sampling's settings for the control plane (None: off)."""
+        t = self.trainer
+        if not t.dynamic_sampling:
+            return None
+        return SamplingConfig(self.batch_size, t.dynamic_sampling_max_drop)
 
     def trajectory_server_config(self) -> TrajectoryServerConfig:
         """The trajectory server's configuration, from the top-level keys."""

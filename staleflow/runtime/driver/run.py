@@ -98,7 +98,8 @@ def control_config(cfg: RunConfig) -> ControlConfig:
     if isinstance(cost, CostModelConfig) and cost.kv_budget is None:
         budget = float(cfg.rollout.kv_budget_tokens)
         coordinator = replace(coordinator, cost_model=replace(cost, kv_budget=budget))
-    return ControlConfig(cfg.staleness_config(), coordinator, checkpoint_every=cfg.checkpoint_every)
+    every, sampling = cfg.checkpoint_every, cfg.sampling_config()
+    return ControlConfig(cfg.staleness_config(), coordinator, every, sampling=sampling)
 
 
 def rollout_spec(
@@ -451,8 +452,8 @@ class Run:
     def audit(self) -> dict[str, Any]:
         """After training: stop routing, call every trajectory back to the TS and wait for
         the reward path, then count. Every trajectory ever created must be consumed,
-        aborted, queued or completed in the TS, none left routed, rewarding or on an
-        instance; and every PS replica must hold the trainer's last version
+        aborted, filtered (dynamic sampling), queued or completed in the TS, none left
+        routed, rewarding or on an instance; and every PS replica must hold the trainer's last version
         (``ps_latest``).
 
         An actor may die here as anywhere else, and is handled as the run handles it: the
@@ -474,6 +475,8 @@ class Run:
             "created": stats.created_trajectories,
             "consumed": stats.consumed_trajectories,
             "aborted": stats.aborted_trajectories,
+            "filtered": stats.filtered_trajectories,
+            "filtered_groups": stats.filtered_groups,
             "queued": stats.queued,
             "routed": stats.routed,
             "rewarding": stats.rewarding,
