@@ -371,6 +371,13 @@ def config_warnings(config: RunConfig) -> list[str]:
             "sequence's length-normalised ratio rarely leaves such a range, so nothing is "
             "clipped; the GSPO paper uses eps_low=3e-4 eps_high=4e-4"
         )
+    if t.dynamic_sampling and config.eta <= 1 and config.batch_redundancy == 0:
+        out.append(
+            f"trainer.dynamic_sampling at eta={config.eta} with batch_redundancy=0: a dropped "
+            "group's place is refilled by a group that starts from nothing while the trainer "
+            "waits; over-provision with batch_redundancy of about p / (1 - p) for a dropped "
+            "share p, e.g. 0.5 when a third of the groups are uniform (docs/staleness.md)"
+        )
     kv_budget = config.coordinator.cost_model.kv_budget
     if (
         config.rollout.backend in ("embedded", "vllm")

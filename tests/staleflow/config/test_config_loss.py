@@ -93,6 +93,10 @@ def test_dynamic_sampling_reaches_the_control_plane_only_when_on():
     on = load_config(None, ["trainer.dynamic_sampling=true", "batch_size=8"])
     sampling = on.sampling_config()
     assert sampling is not None and (sampling.batch_size, sampling.budget) == (8, 24)
+    # at eta <= 1 a refill starts from nothing while the trainer waits: over-provision
+    warned = config_warnings(load_config(None, ["trainer.dynamic_sampling=true", "eta=1"]))
+    assert any("batch_redundancy of about p / (1 - p)" in w for w in warned)
+    assert not any("batch_redundancy" in w for w in config_warnings(on))  # eta=3
 
 
 def test_auto_aggregation_and_drgrpo_length():
