@@ -1,6 +1,6 @@
-"""The trainer's algorithm keys: the policy loss, its aggregation, and the KL to a frozen
-reference policy (``trainer.loss``, ``trainer.loss_agg``, ``trainer.kl_coef``,
-``trainer.ref``). :class:`LossSettings` is the base of
+"""The trainer's algorithm keys: the policy loss, its aggregation, the KL to a frozen
+reference policy and dynamic sampling (``trainer.loss``, ``trainer.loss_agg``,
+``trainer.kl_coef``, ``trainer.ref``, ``trainer.dynamic_sampling``). :class:`LossSettings` is the base of
 :class:`staleflow.config.sections.TrainerConfig`: the keys are the ``trainer`` section's.
 The maths is :mod:`staleflow.trainers.losses`; docs/training.md has every option with its
 formula. Messages name the dotted key and the fix, as in :mod:`staleflow.config.sections`.
@@ -179,6 +179,28 @@ class LossSettings:
         ),
     )
     ref: RefConfig = field(default_factory=RefConfig)
+    # verl's algorithm.filter_groups.enable; the control plane applies it (at the Occupy of
+    # a group), since the trainer never sees a group that was dropped
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata=_help(
+            "DAPO's dynamic sampling: drop each completed group whose rewards are all equal "
+            "(no learning signal under group-relative advantages) before training; its "
+            "buffer entry is refilled (docs/staleness.md)"
+        ),
+    )
+    dynamic_sampling_max_drop: float = field(
+        default=0.75,
+        metadata=_help(
+            "with dynamic_sampling: the largest share of a step's completed groups that is "
+            "dropped (0.75: up to 3 batches' worth a step); beyond it uniform groups are "
+            "trained on as they are, so that a run whose groups are nearly all uniform does "
+            "not stall",
+            0.95,
+            "a share s drops batch_size x s / (1 - s) groups a step: at 0.95 the rollout "
+            "makes 20 groups for each one trained",
+        ),
+    )
 
     def _check_loss(self) -> None:
         require_choice("trainer.loss", self.loss, LOSSES, "docs/training.md")
@@ -196,6 +218,12 @@ class LossSettings:
             "must be >= 0 (it weighs a penalty): use 0 for no KL term, e.g. 0.001",
         )
         require_choice("trainer.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        require(
+            0.0 <= self.dynamic_sampling_max_drop < 1.0,
+            "trainer.dynamic_sampling_max_drop",
+            self.dynamic_sampling_max_drop,
+            "must be a share in [0, 0.95]: e.g. 0.75 (0 filters nothing)",
+        )
 
     def aggregation(self, advantage: str) -> str:
         """``loss_agg`` with ``auto`` resolved (see its help)."""

@@ -27,6 +27,7 @@ from staleflow.config.sections import (
     require_at_least,
 )
 from staleflow.config.walk import check_tree_bounds, check_types
+from staleflow.control.dynamic_sampling import SamplingConfig
 from staleflow.models.presets import PRESETS
 from staleflow.rewards.registry import resolve_reward_kind
 from staleflow.tracking import TrackerError, parse_trackers
@@ -365,6 +366,13 @@ class RunConfig:
             group_redundancy=self.group_redundancy,
         )
 
+    def sampling_config(self) -> SamplingConfig | None:
+        """Dynamic sampling's settings for the control plane (None: off)."""
+        t = self.trainer
+        if not t.dynamic_sampling:
+            return None
+        return SamplingConfig(self.batch_size, t.dynamic_sampling_max_drop)
+
     def trajectory_server_config(self) -> TrajectoryServerConfig:
         """The trajectory server's configuration, from the top-level keys."""
 
@@ -393,6 +401,13 @@ def config_warnings(config: RunConfig) -> list[str]:
             f"trainer.loss=gspo with eps_low={t.eps_low:g}, eps_high={t.eps_high:g}: a "
             "sequence's length-normalised ratio rarely leaves such a range, so nothing is "
             "clipped; the GSPO paper uses eps_low=3e-4 eps_high=4e-4"
+        )
+    if t.dynamic_sampling and config.eta <= 1 and config.batch_redundancy == 0:
+        out.append(
+            f"trainer.dynamic_sampling at eta={config.eta} with batch_redundancy=0: a dropped "
+            "group's place is refilled by a group that starts from nothing while the trainer "
+            "waits; over-provision with batch_redundancy of about p / (1 - p) for a dropped "
+            "share p, e.g. 0.5 when a third of the groups are uniform (docs/staleness.md)"
         )
     kv_budget = config.coordinator.cost_model.kv_budget
     if (

@@ -256,6 +256,36 @@ def freshness_keys(state: Any) -> dict[str, float]:
     }
 
 
+FILTERED_GROUPS = "rollout/filtered_groups"
+FILTERED_FRAC = "rollout/filtered_frac"
+SAMPLED_GROUPS = "rollout/sampled_groups"
+FLAT_KEPT = "rollout/flat_kept_groups"
+
+
+def sampling_keys(completed: int, filtered: int, flat_kept: int) -> dict[str, float]:
+    """Dynamic sampling during the step (``staleflow.control.dynamic_sampling``), for
+    ``extra``: groups that reached ``G`` completions, those dropped because their rewards
+    were all equal and their share, and uniform groups kept because the step's budget
+    (``trainer.dynamic_sampling_max_drop``) was spent."""
+    return {
+        SAMPLED_GROUPS: float(completed),
+        FILTERED_GROUPS: float(filtered),
+        FILTERED_FRAC: filtered / completed if completed else 0.0,
+        FLAT_KEPT: float(flat_kept),
+    }
+
+
+def filtered_share(records: Iterable[StepRecord]) -> tuple[int, float] | None:
+    """Groups dropped by dynamic sampling over these steps, and their share of the groups
+    that completed; None if no record has the keys (dynamic sampling off)."""
+    done = [r.extra for r in records if FILTERED_GROUPS in r.extra]
+    if not done:
+        return None
+    filtered = int(sum(e[FILTERED_GROUPS] for e in done))
+    sampled = sum(e.get(SAMPLED_GROUPS, 0.0) for e in done)
+    return filtered, filtered / sampled if sampled else 0.0
+
+
 ROLLOUT_IDLE = "rollout/idle_ratio"
 COMMANDS_SHARE = "rollout/time_share/commands"
 _DERIVED = (STALENESS_MEAN, STALENESS_MAX, ROLLOUT_IDLE, COMMANDS_SHARE)

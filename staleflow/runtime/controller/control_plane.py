@@ -44,10 +44,11 @@ from typing import Any, Protocol
 
 from coordinator.types import InstanceSnapshot
 from staleflow.control import ControlLoop, Decision
+from staleflow.control.dynamic_sampling import DynamicSampling
 from staleflow.recovery.events import RecoveryEvent, RecoveryLog
 from staleflow.rewards.estimators import EvalScores
 from staleflow.rollout.instance import InstanceTimes
-from staleflow.runfolder.step_record import StepRecord, freshness_keys
+from staleflow.runfolder.step_record import StepRecord, freshness_keys, sampling_keys
 from staleflow.runtime.controller.eval_hold import EvalHold
 from staleflow.runtime.controller.fleet import FleetOps, LostInstance, RecoverableStore
 from staleflow.runtime.controller.instances import Members
@@ -126,6 +127,7 @@ class ControlPlane:
             run_round=run_round,
             on_decision=on_decision,
             manager=manager,
+            sampling=DynamicSampling(config.sampling) if config.sampling is not None else None,
         )
         self.manager = self.loop.manager
         self.coordinator = self.loop.coordinator
@@ -545,6 +547,8 @@ class ControlPlane:
         times = {i: t for i in list(self.members) if (t := self._times_of(i)) is not None}
         seer = self.coordinator.strategies.seer
         fresh = self.coordinator.strategies.freshness
+        # dynamic sampling's counts since the last step (None: off)
+        w = self.loop.sampling.take_window() if self.loop.sampling is not None else None
         self.metrics.on_step(
             report,
             now=self._clock(),
@@ -559,6 +563,7 @@ class ControlPlane:
                 **self.recovery.totals(),
                 **(self.races.totals() if self.races else {}),
                 **(freshness_keys(fresh.state) if fresh is not None else {}),
+                **(sampling_keys(w.completed, w.filtered, w.flat_kept) if w else {}),
             },
             probes=seer.accuracy() if seer is not None else None,
         )

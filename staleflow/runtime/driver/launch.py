@@ -56,6 +56,7 @@ from staleflow.runfolder.step_record import (
     CORRECTED,
     StepRecord,
     evaluations,
+    filtered_share,
     reward_mean,
     trainer_idle_ratio,
 )
@@ -297,6 +298,9 @@ def summarise(records: list[StepRecord], facts: dict[str, Any]) -> dict[str, Any
             tokens.update(rec.token_staleness)
             token_steps += 1
     partial = {"token_staleness_steps": token_steps} if token_steps < len(records) else {}
+    sampled = filtered_share(records)  # dynamic sampling's drops (None: off)
+    if sampled is not None:
+        partial |= {"filtered_groups": sampled[0], "filtered_frac": sampled[1]}
     return {
         "steps": len(records),
         "elapsed_s": last.elapsed_s,

@@ -34,6 +34,7 @@ def control_config(cfg: RunConfig) -> ControlConfig:
         coordinator,
         checkpoint_every=cfg.checkpoint_every,
         eval_every=cfg.eval.every if cfg.eval.during_training else 0,
+        sampling=cfg.sampling_config(),
     )
 
 

@@ -410,8 +410,8 @@ class Run:
     def audit(self) -> dict[str, Any]:
         """After training: stop routing, call every trajectory back to the TS and wait for
         the reward path, then count. Every trajectory ever created must be consumed,
-        aborted, queued or completed in the TS, none left routed, rewarding or on an
-        instance; and every PS replica must hold the trainer's last version
+        aborted, filtered (dynamic sampling), queued or completed in the TS, none left
+        routed, rewarding or on an instance; and every PS replica must hold the trainer's last version
         (``ps_latest``).
 
         An actor may die here as anywhere else, and is handled as the run handles it: the
@@ -433,6 +433,8 @@ class Run:
             "created": stats.created_trajectories,
             "consumed": stats.consumed_trajectories,
             "aborted": stats.aborted_trajectories,
+            "filtered": stats.filtered_trajectories,
+            "filtered_groups": stats.filtered_groups,
             "queued": stats.queued,
             "routed": stats.routed,
             "rewarding": stats.rewarding,

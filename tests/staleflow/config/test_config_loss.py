@@ -53,6 +53,11 @@ def _folders(tmp_path):
         ("trainer.kl_estimator=k4", r"trainer.kl_estimator='k4' is unknown: use one of k1"),
         ("trainer.advantage=ppo", r"trainer.advantage='ppo' is unknown: use one of grpo"),
         ("trainer.loss_norm_len=-3", r"trainer.loss_norm_len=-3 is negative: use 0"),
+        (
+            "trainer.dynamic_sampling_max_drop=-0.5",
+            r"trainer.dynamic_sampling_max_drop=-0.5 must be a share in \[0, 0.95\]",
+        ),
+        ("trainer.dynamic_sampling_max_drop=0.99", r"max_drop=0.99 is too large: use at most 0.95"),
     ],
 )
 def test_a_bad_algorithm_key_is_refused_before_ray_starts(override, expected, no_ray, capsys):
@@ -81,6 +86,17 @@ def test_a_model_folder_is_accepted_as_reference(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"")
     cfg = load_config(None, [f"trainer.ref.path={tmp_path}", "trainer.kl_coef=0.01"])
     assert cfg.trainer.ref.path == str(tmp_path) and cfg.trainer.uses_reference
+
+
+def test_dynamic_sampling_reaches_the_control_plane_only_when_on():
+    assert load_config(None, []).sampling_config() is None
+    on = load_config(None, ["trainer.dynamic_sampling=true", "batch_size=8"])
+    sampling = on.sampling_config()
+    assert sampling is not None and (sampling.batch_size, sampling.budget) == (8, 24)
+    # at eta <= 1 a refill starts from nothing while the trainer waits: over-provision
+    warned = config_warnings(load_config(None, ["trainer.dynamic_sampling=true", "eta=1"]))
+    assert any("batch_redundancy of about p / (1 - p)" in w for w in warned)
+    assert not any("batch_redundancy" in w for w in config_warnings(on))  # eta=3
 
 
 def test_auto_aggregation_and_drgrpo_length():

@@ -59,9 +59,28 @@ def _check_eval(result) -> None:
 
 def test_launch_eta1_bounded_and_conserving(tmp_path):
     """Also the algorithm options end to end: GSPO with the KL to the initial policy (a
-    second model in the trainer actor) holds the bound and the audit like the default."""
-    result = _launch(tmp_path, 1, "trainer.loss=gspo", "trainer.kl_coef=0.01")
-    check_run(result, 1, STEPS, 2 * 4)
+    second model in the trainer actor) and dynamic sampling hold the bound and the audit
+    like the default. The untrained micro model's groups are nearly all wrong (rewards all
+    0): dynamic sampling drops them up to its budget per step (max_drop 0.5: one batch of
+    2) and trains on the rest, so every batch is still full."""
+    result = _launch(
+        tmp_path,
+        1,
+        "trainer.loss=gspo",
+        "trainer.kl_coef=0.01",
+        "trainer.dynamic_sampling=true",
+        "trainer.dynamic_sampling_max_drop=0.5",
+    )
+    check_run(result, 1, STEPS, 2 * 4)  # full batches, the bound, the audit with filtered
+    audit, summary = result.summary["audit"], result.summary
+    assert audit["filtered_groups"] > 0 and audit["filtered"] == 4 * audit["filtered_groups"]
+    records = [r.extra for r in result.records]
+    assert all(0 <= e["rollout/filtered_groups"] <= e["rollout/sampled_groups"] for e in records)
+    assert all(0.0 <= e["rollout/filtered_frac"] <= 1.0 for e in records)
+    # the records count what the control plane filtered up to the last step; the audit
+    # also what it filtered between that step and the stop
+    assert 0 < summary["filtered_groups"] <= audit["filtered_groups"]
+    assert 0.0 < summary["filtered_frac"] < 1.0
     _check_eval(result)
     ref_kl = [r.extra["train/ref_kl"] for r in result.records]
     assert len(ref_kl) == STEPS and all(k >= 0 for k in ref_kl)
