@@ -12,6 +12,7 @@ from staleflow.config.checks import INT32_MAX, STEPS_WHY
 from staleflow.config.env import ENV_RESPONSE_TOKENS, ENV_TASKS, EnvConfig
 from staleflow.config.recovery import RecoveryConfig
 from staleflow.config.resources import ResourcesConfig
+from staleflow.config.rollout import LORA_ROLLOUT_BACKENDS
 from staleflow.config.sections import (
     FILE_TASKS,
     DataConfig,
@@ -288,6 +289,15 @@ class RunConfig:
                 "needs copies that sample the original's tokens, which SGLang does only with "
                 "deterministic inference; set rollout.sglang.deterministic=true (slower "
                 "kernels), or set coordinator.race.enabled=false"
+            )
+        if self.trainer.lora.enabled:
+            require(
+                rollout.backend in LORA_ROLLOUT_BACKENDS,
+                "rollout.backend",
+                rollout.backend,
+                "cannot load a LoRA adapter per version (trainer.lora.enabled=true): use "
+                f"rollout.backend={' or '.join(LORA_ROLLOUT_BACKENDS)}, or "
+                "trainer.lora.enabled=false to train and Push the full weights",
             )
         if not model.checkpoint:
             self._check_builtin_context()
