@@ -131,30 +131,35 @@ def base_key(param: str) -> str:
     return param.replace(_BASE_LAYER, ".")
 
 
+def adapter_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The adapter's live parameters by adapter-file name."""
+    return {adapter_key(n): p for n, p in model.named_parameters() if _is_adapter(n)}
+
+
+def base_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """The base's live parameters by the names of the model without adapters."""
+    return {base_key(n): p for n, p in model.named_parameters() if not _is_adapter(n)}
+
+
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The adapter's matrices by adapter-file name (detached views of the live weights)."""
-    return {adapter_key(n): p.detach() for n, p in model.named_parameters() if _is_adapter(n)}
+    return {k: p.detach() for k, p in adapter_parameters(model).items()}
 
 
 def base_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The frozen weights by the names of the model without adapters (tied ones once)."""
-    return {base_key(n): p.detach() for n, p in model.named_parameters() if not _is_adapter(n)}
-
-
-def _load(model: nn.Module, state: Mapping[str, object], key: Any, adapter: bool) -> None:
-    params = {key(n): p for n, p in model.named_parameters() if _is_adapter(n) == adapter}
-    load_parameters(params, state)
+    return {k: p.detach() for k, p in base_parameters(model).items()}
 
 
 def load_adapter_state(model: nn.Module, state: Mapping[str, object]) -> None:
     """Copy an adapter (by adapter-file name) into ``model``; every name and shape is
     checked first, so a mismatch (``ModelError``) leaves it unchanged."""
-    _load(model, state, adapter_key, adapter=True)
+    load_parameters(adapter_parameters(model), state)
 
 
 def load_base_state(model: nn.Module, state: Mapping[str, object]) -> None:
     """Copy base weights (by the names of the model without adapters) into ``model``."""
-    _load(model, state, base_key, adapter=False)
+    load_parameters(base_parameters(model), state)
 
 
 def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
