@@ -205,3 +205,29 @@ def load_adapter(folder: str | Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise ModelError(f"{folder}: not a LoRA adapter folder (no {ADAPTER_FILE})")
     return load_file(str(path))
+
+
+def with_adapters(
+    model: nn.Module, lora: LoraConfig, *, seed: int = 0, checkpoint: str | Path | None = None
+) -> nn.Module:
+    """The run's policy with adapters: fresh ones (from ``seed``) on ``model``, or, from a
+    LoRA trainer ``checkpoint`` (whose merged weights ``model`` was loaded with), its exact
+    base and its adapter. ``ModelError`` names the fix (a target the model lacks, a
+    checkpoint written without LoRA)."""
+    from safetensors.torch import load_file
+
+    base = None
+    if checkpoint is not None:
+        path = Path(checkpoint) / "base" / "model.safetensors"
+        if not path.is_file():
+            raise ModelError(
+                f"{checkpoint} is not a LoRA checkpoint (no base/model.safetensors): resume it "
+                "with trainer.lora.enabled=false, or start a new LoRA run from it with "
+                f"model.checkpoint={checkpoint}"
+            )
+        base = load_file(str(path))
+    add_adapters(model, lora, seed=seed)
+    if checkpoint is not None:
+        load_base_state(model, base or {})
+        load_adapter_state(model, load_adapter(Path(checkpoint) / "adapter"))
+    return model

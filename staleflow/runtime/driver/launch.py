@@ -408,6 +408,15 @@ def _prepare(
             phase(f"resuming from {resume.path} (step {resume.steps}, version {resume.version})")
             model, tokenizer = load_pretrained(resume.trainer_dir)
             facts = {"source": str(resume.trainer_dir), "resumed_from": str(resume.path)}
+        if cfg.trainer.lora.enabled:  # the base frozen, an adapter trained (and resumed)
+            from staleflow.models.lora import with_adapters  # torch, as above
+
+            with_adapters(
+                model,
+                cfg.trainer.lora,
+                seed=cfg.seed,
+                checkpoint=None if resume is None else resume.trainer_dir,
+            )
     except ModelError as exc:  # a checkpoint that cannot be loaded: say so, no traceback
         raise LaunchError(f"cannot load the policy: {exc}") from exc
     try:

@@ -154,3 +154,27 @@ def test_lora_dropout_acts_in_the_gradient_pass_only():
         c, d = backend.logits(ids), backend.logits(ids)
     assert not torch.allclose(c, d)
     assert not any(m.training for m in lora_lib.dropout_modules(model))
+
+
+def test_a_run_resumes_the_checkpoints_base_and_adapter_or_refuses_with_the_fix(tmp_path):
+    """What the driver does at start (``with_adapters``): a LoRA checkpoint's folder loads
+    as its merged policy; the run takes its exact base and adapter from it."""
+    from staleflow.models import load_pretrained
+
+    model, tokenizer, trainer = _setup()
+    trainer.train_step(_batch(model, tokenizer))
+    trainer.save_checkpoint(tmp_path / "lora")
+    policy, _ = load_pretrained(tmp_path / "lora")  # merged weights
+    lora_lib.with_adapters(policy, LORA, seed=3, checkpoint=tmp_path / "lora")
+    for name, value in trainer.export_weights().items():
+        np.testing.assert_array_equal(lora_lib.adapter_state(policy)[name].numpy(), value)
+    for name, value in trainer.export_base_weights().items():
+        np.testing.assert_array_equal(lora_lib.base_state(policy)[name].numpy(), value)
+
+    plain, tokenizer = build_arithmetic_model("micro", seed=0)
+    EmbeddedTrainer(plain, TrainerConfig(), pad_id=0, tokenizer=tokenizer).save_checkpoint(
+        tmp_path / "full"
+    )
+    policy, _ = load_pretrained(tmp_path / "full")
+    with pytest.raises(ModelError, match=r"not a LoRA checkpoint.*trainer.lora.enabled=false"):
+        lora_lib.with_adapters(policy, LORA, checkpoint=tmp_path / "full")
