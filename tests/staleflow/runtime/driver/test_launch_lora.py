@@ -1,7 +1,9 @@
 """A real launch with ``trainer.lora`` on (Ray actors, the embedded engine and trainer,
 micro model): the bound holds and the audit balances as without LoRA, the PS versions
-are the adapter alone, and the final checkpoint holds the merged policy, the adapter
-folder and the base."""
+are the adapter alone, the final checkpoint holds the merged policy, the adapter folder
+and the base, and ``--resume`` goes on from the run checkpoint's version. (That the
+resumed adapter is the checkpoint's, exactly, is checked in process:
+tests/staleflow/trainers/test_trainers_lora.py.)"""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ def test_launch_with_lora_bounded_and_conserving(tmp_path):
             "eval_problems=0",
             "trainer.lora.enabled=true",
             "trainer.lora.rank=4",
+            "checkpoint_every=2",
         ],
     )
     result = launch(cfg)
@@ -49,3 +52,13 @@ def test_launch_with_lora_bounded_and_conserving(tmp_path):
     pushed = Layout.from_arrays({k: v.numpy() for k, v in adapter.items()})
     assert result.summary["audit"]["ps_latest"] == {"ps/0": STEPS}
     assert pushed.nbytes < (final / "base" / "model.safetensors").stat().st_size
+
+    from staleflow.runtime.driver.resume import check_resume
+
+    resumed_cfg, ck = check_resume(result.run_dir, [f"steps={STEPS + 2}"])
+    assert ck.version == STEPS and (ck.trainer_dir / "adapter").is_dir()
+    second = launch(resumed_cfg, resume=ck)
+    assert [s["version"] for s in second.consumed] == [STEPS, STEPS + 1]
+    assert second.summary["audit"]["ps_latest"] == {"ps/0": STEPS + 2}
+    for step in second.consumed:
+        assert max(step["staleness"]) <= 1
