@@ -26,6 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -180,21 +181,56 @@ def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
 # -- files -------------------------------------------------------------------------------
 
 
-def save_adapter(
-    state: Mapping[str, torch.Tensor], lora: LoraConfig, folder: str | Path, base: str = ""
-) -> Path:
-    """Write a PEFT adapter folder (``adapter_model.safetensors``, ``adapter_config.json``)
-    that ``peft``, vLLM and SGLang load; ``base`` names the base model's folder."""
+def adapter_config(
+    rank: int,
+    alpha: float,
+    targets: tuple[str, ...] | list[str],
+    dropout: float = 0.0,
+    base: str = "",
+) -> dict[str, Any]:
+    """The ``adapter_config.json`` of a PEFT LoRA adapter folder (what ``peft``, vLLM and
+    SGLang read), written without peft; ``base`` names the base model's folder."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": int(rank),
+        "lora_alpha": float(alpha),
+        "lora_dropout": float(dropout),
+        "target_modules": sorted(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "inference_mode": True,
+        "base_model_name_or_path": base or None,
+    }
+
+
+def write_adapter(state: Mapping[str, Any], config: Mapping[str, Any], folder: str | Path) -> Path:
+    """Write an adapter folder: ``state`` (tensors or arrays by adapter-file name) and its
+    ``config`` (:func:`adapter_config`)."""
     from safetensors.torch import save_file
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, out / ADAPTER_FILE)
-    config = peft_config(lora).to_dict()
-    config["base_model_name_or_path"] = base or None
-    config["target_modules"] = sorted(config["target_modules"])  # a set in peft's dict
-    (out / ADAPTER_CONFIG_FILE).write_text(json.dumps(config, indent=2, default=str) + "\n")
+    tensors = {
+        k: (v.detach() if isinstance(v, torch.Tensor) else torch.from_numpy(np.array(v)))
+        .contiguous()
+        .clone()
+        for k, v in state.items()
+    }
+    save_file(tensors, out / ADAPTER_FILE)
+    (out / ADAPTER_CONFIG_FILE).write_text(json.dumps(dict(config), indent=2) + "\n")
     return out
+
+
+def save_adapter(
+    state: Mapping[str, torch.Tensor], lora: LoraConfig, folder: str | Path, base: str = ""
+) -> Path:
+    """Write ``lora``'s adapter folder, which ``peft``, vLLM and SGLang load."""
+    config = adapter_config(lora.rank, lora.alpha, lora.targets, lora.dropout, base)
+    return write_adapter(state, config, folder)
 
 
 def load_adapter(folder: str | Path) -> dict[str, torch.Tensor]:

@@ -178,3 +178,22 @@ def test_a_run_resumes_the_checkpoints_base_and_adapter_or_refuses_with_the_fix(
     policy, _ = load_pretrained(tmp_path / "full")
     with pytest.raises(ModelError, match=r"not a LoRA checkpoint.*trainer.lora.enabled=false"):
         lora_lib.with_adapters(policy, LORA, checkpoint=tmp_path / "full")
+
+
+def test_the_exported_adapter_folder_loads_in_peft_over_the_base(tmp_path):
+    """Export offers both: the checkpoint folder is the merged policy, and its adapter/
+    folder loads with peft over the base model (as vLLM and SGLang load it)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    model, tokenizer, trainer = _setup()
+    trainer.train_step(_batch(model, tokenizer))
+    trainer.save_checkpoint(tmp_path / "ck")
+    base, _ = build_arithmetic_model("micro", seed=11)
+    base.load_state_dict(
+        load_file(str(tmp_path / "ck" / "base" / "model.safetensors")), strict=False
+    )
+    served = PeftModel.from_pretrained(base, tmp_path / "ck" / "adapter").eval()
+    ids = torch.tensor([tokenizer.encode(PROMPT + GOOD, add_bos=True).tolist()])
+    with torch.no_grad():
+        torch.testing.assert_close(served(input_ids=ids).logits, model(input_ids=ids).logits)
