@@ -12,10 +12,13 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from staleflow.config.sections import RolloutConfig, SGLangOptions, VLLMOptions
 from staleflow.engines.settings import EngineSettings
+
+if TYPE_CHECKING:
+    from staleflow.config.lora import LoraConfig
 
 ENGINE_MODEL_DIR = "engine_model"  # the built-in policy, saved for the engines to load
 
@@ -46,10 +49,13 @@ def engine_options(
             path = str(checkpoint)
         else:
             # torch: only when a built-in model must be saved for the served engine to read
+            from staleflow.models import lora
             from staleflow.models.checkpoint import save_pretrained
 
             folder = Path(run_dir) / ENGINE_MODEL_DIR
-            save_pretrained(model, tokenizer, folder)
+            # a policy with LoRA adapters: the folder is the frozen base they apply to
+            base = lora.base_state(model) if lora.has_adapters(model) else None
+            save_pretrained(model, tokenizer, folder, base)
             path = str(folder)
         section = dataclasses.replace(section, model_path=path)
     return EngineOptions(
@@ -66,8 +72,10 @@ def build_engine(
     ps_endpoint: Any = None,
     transport: str = "auto",
     layout: dict[str, Any] | None = None,
+    lora: LoraConfig | None = None,
 ) -> Any:
-    """A started engine of ``backend`` (``vllm`` or ``sglang``) for instance ``inst``."""
+    """A started engine of ``backend`` (``vllm`` or ``sglang``) for instance ``inst``; with
+    ``lora`` (``trainer.lora``), one whose versions are that adapter."""
     common = {f.name: getattr(settings, f.name) for f in dataclasses.fields(EngineSettings)}
     o = options.section
     if backend == "vllm" and isinstance(o, VLLMOptions):
@@ -83,6 +91,7 @@ def build_engine(
                 dtype=o.dtype,
                 extra_args=json.loads(o.extra_args or "{}"),
                 log_path=str(Path(options.log_dir) / "vllm" / f"instance-{inst}.log"),
+                **_vllm_lora(lora, Path(options.log_dir) / "vllm" / f"lora-{inst}"),
             )
         )
     if backend == "sglang" and isinstance(o, SGLangOptions):
@@ -119,3 +128,15 @@ def build_engine(
         f"build_engine builds vllm or sglang engines from their own section, not {backend!r} "
         f"with {type(o).__name__}"
     )
+
+
+def _vllm_lora(lora: LoraConfig | None, folder: Path) -> dict[str, Any]:
+    """The vLLM engine's LoRA settings (its adapter folders under ``folder``)."""
+    if lora is None:
+        return {}
+    return {
+        "lora_rank": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_targets": lora.targets,
+        "lora_dir": str(folder),
+    }

@@ -257,6 +257,7 @@ def build_served_engine(spec: RolloutSpec, seed: int, placement: EnginePlacement
         ps_endpoint=None if pull is None else pull.endpoint,
         transport="auto" if pull is None else pull.intended,
         layout=spec.layout,
+        lora=spec.model.lora,
     )
 
 
