@@ -91,7 +91,8 @@ def build_engine(
                 dtype=o.dtype,
                 extra_args=json.loads(o.extra_args or "{}"),
                 log_path=str(Path(options.log_dir) / "vllm" / f"instance-{inst}.log"),
-                **_vllm_lora(lora, Path(options.log_dir) / "vllm" / f"lora-{inst}"),
+                **_lora_settings(lora),
+                lora_dir=str(Path(options.log_dir) / "vllm" / f"lora-{inst}"),
             )
         )
     if backend == "sglang" and isinstance(o, SGLangOptions):
@@ -109,6 +110,7 @@ def build_engine(
             tp_size=o.tp_size,
             weight_sync=o.weight_sync,
             disk_dir=o.disk_dir,
+            **_lora_settings(lora),
         )
         spec = ServerSpec(
             model_path=o.model_path,
@@ -119,6 +121,8 @@ def build_engine(
             extra_args=o.extra_server_args,
             deterministic=o.deterministic,
             startup_timeout_s=o.startup_timeout_s,
+            lora_rank=0 if lora is None else lora.rank,
+            lora_targets=() if lora is None else lora.targets,
         )
         source = None
         if ps_endpoint is not None and layout is not None:
@@ -130,13 +134,8 @@ def build_engine(
     )
 
 
-def _vllm_lora(lora: LoraConfig | None, folder: Path) -> dict[str, Any]:
-    """The vLLM engine's LoRA settings (its adapter folders under ``folder``)."""
+def _lora_settings(lora: LoraConfig | None) -> dict[str, Any]:
+    """A served engine's LoRA settings (``trainer.lora``); none without it."""
     if lora is None:
         return {}
-    return {
-        "lora_rank": lora.rank,
-        "lora_alpha": lora.alpha,
-        "lora_targets": lora.targets,
-        "lora_dir": str(folder),
-    }
+    return {"lora_rank": lora.rank, "lora_alpha": lora.alpha, "lora_targets": lora.targets}

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from staleflow.engines.adapters import AdapterSpec
 from staleflow.engines.base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -61,7 +62,7 @@ from staleflow.engines.checks import (
 from staleflow.engines.vllm import logs as vllm_logs
 from staleflow.engines.vllm import worker as vllm_worker
 from staleflow.engines.vllm.config import VLLMEngineConfig
-from staleflow.engines.vllm.lora import AdapterSlots, AdapterSpec
+from staleflow.engines.vllm.lora import AdapterSlots, engine_args
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ class VLLMEngine:
             spec = AdapterSpec(config.lora_rank, config.lora_alpha, tuple(config.lora_targets))
             self._adapter_shapes = spec.shapes(self._checkpoint)
             self._adapters = AdapterSlots(spec, config.lora_dir)
-            extra = spec.engine_args()
+            extra = engine_args(spec)
         self.adapters = self._adapters is not None
         self._llm, self._pin_threads = _start_vllm(config, self._checkpoint, extra)
         self._pinned_thread: int | None = None

@@ -57,6 +57,13 @@ PARAMS = [
         id="vllm",
         marks=[pytest.mark.vllm, pytest.mark.skipif(not vllm_available(), reason=VLLM_SKIP)],
     ),
+    pytest.param(
+        "sglang-fake",
+        id="sglang-fake",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("peft") is None, reason="the fake's LoRA layers are peft's"
+        ),
+    ),
 ]
 
 
@@ -86,7 +93,8 @@ def merged(adapter: dict[str, np.ndarray]) -> Any:
     return model
 
 
-def open_engine(name: str, folder: Path, log_dir: Path) -> tuple[Any, int]:
+def open_engine(name: str, folder: Path, log_dir: Path) -> tuple[Any, int, Any]:
+    """The engine, its stop token, and the fake server behind it (sglang-fake) or None."""
     eos = frequent_token(build_model(0))
     common = dict(
         kv_budget_tokens=KV_BUDGET,
@@ -105,7 +113,32 @@ def open_engine(name: str, folder: Path, log_dir: Path) -> tuple[Any, int]:
         model = build_model(5)  # other weights: the base must come through load_base_weights
         lora = LoraConfig(enabled=True, rank=RANK, alpha=ALPHA, target_modules=",".join(TARGETS))
         add_adapters(model, lora, seed=3)
-        return EmbeddedEngine(model, EmbeddedEngineConfig(**common)), eos
+        return EmbeddedEngine(model, EmbeddedEngineConfig(**common)), eos, None
+    if name == "sglang-fake":
+        from staleflow.engines.sglang import SGLangEngine, SGLangEngineConfig, SGLangHTTP
+        from tests.support.fake_sglang import FakeSGLangServer
+
+        fake = FakeSGLangServer(
+            build_model(5),  # the base comes through load_base_weights, as with the others
+            temperature=TEMPERATURE,
+            top_p=TOP_P,
+            eos_token_id=eos,
+            kv_budget_tokens=KV_BUDGET,
+            max_running=MAX_RUNNING,
+            max_seq_len=MAX_SEQ,
+            lora_rank=8,  # above the adapters' rank, as a server's --max-lora-rank may be
+            lora_targets=TARGETS,
+        ).start()
+        config = SGLangEngineConfig(
+            model_path=str(folder),
+            weight_sync="disk",
+            disk_dir=str(log_dir),
+            **common,
+            lora_rank=RANK,
+            lora_alpha=ALPHA,
+            lora_targets=TARGETS,
+        )
+        return SGLangEngine(SGLangHTTP(fake.url), config, on_close=fake.stop), eos, fake
     from staleflow.engines.vllm import VLLMEngine, VLLMEngineConfig
 
     config = VLLMEngineConfig(
@@ -116,18 +149,18 @@ def open_engine(name: str, folder: Path, log_dir: Path) -> tuple[Any, int]:
         lora_targets=TARGETS,
         lora_dir=str(log_dir / "lora"),
     )
-    return VLLMEngine(config), eos
+    return VLLMEngine(config), eos, None
 
 
 @pytest.fixture(scope="module", params=PARAMS)
-def engine(request, tmp_path_factory) -> Iterator[tuple[Any, int]]:
+def engine(request, tmp_path_factory) -> Iterator[tuple[Any, Any]]:
     folder = tmp_path_factory.mktemp("lora-model")
     build_model(0).save_pretrained(folder)
-    eng, eos = open_engine(request.param, folder, tmp_path_factory.mktemp("lora-logs"))
+    eng, _, fake = open_engine(request.param, folder, tmp_path_factory.mktemp("lora-logs"))
     base = {n: p.detach().numpy().copy() for n, p in build_model(0).named_parameters()}
     eng.load_base_weights(base)
     try:
-        yield eng, eos
+        yield eng, fake
     finally:
         eng.close()
 
@@ -168,13 +201,22 @@ def test_with_an_adapter_it_samples_the_merged_models_logprobs(engine) -> None:
 
 
 def test_a_new_adapter_per_version_carries_running_requests_over(engine) -> None:
-    eng, _ = engine
+    eng, fake = engine
     eng.load_weights(random_adapter(1), 10)
     reqs = [_request(max_response=40) for _ in range(6)]
+    if fake is not None:
+        fake.hold()
     eng.submit(reqs)
-    early = {o.traj_id: o for o in eng.step()}  # a token each: running across the load
+    if fake is None:
+        early = {o.traj_id: o for o in eng.step()}  # a token each: running across the load
+    else:  # the fake steps on its own thread: one step, then the load
+        early = {}
+        fake.wait_for_requests(len(reqs))
+        fake.allow(1)
     second = random_adapter(2)
     eng.load_weights(second, 11)
+    if fake is not None:
+        fake.release()
     done = {**early, **drain(eng)}
     assert sorted(done) == sorted(r.traj_id for r in reqs), "a request was dropped by the load"
     for out in done.values():
@@ -194,8 +236,11 @@ def test_a_new_adapter_per_version_carries_running_requests_over(engine) -> None
     llm = getattr(eng, "_llm", None)
     if llm is not None:  # vLLM: the old adapter was removed, and its folder
         assert len(llm.list_loras()) == 1
-        folders = [p for p in Path(eng._adapters._root).iterdir()]  # type: ignore[attr-defined]
+        folders = list(eng._adapters.root.iterdir())  # type: ignore[attr-defined]
         assert len(folders) == 1 and folders[0].name.startswith("v11-")
+    if fake is not None:  # SGLang: the old one unloaded, only the new one held
+        assert list(fake.lora.loaded) == [eng._adapter[0]] and eng._adapter[1] == 11
+        assert "/unload_lora_adapter" in fake.calls
 
 
 def test_a_bad_adapter_is_refused_by_name_and_changes_nothing(engine) -> None:
