@@ -262,3 +262,18 @@ def test_a_bad_adapter_is_refused_by_name_and_changes_nothing(engine) -> None:
     np.testing.assert_allclose(
         out.logprobs, teacher_forced(merged(good), r.prompt, out.tokens), atol=TOL, rtol=0
     )
+
+
+def test_an_sglang_server_for_lora_is_started_with_its_adapter_flags() -> None:
+    """SGLang 0.5.23's flags (``arg_groups/fields/lora.py``): LoRA on, the rank and the
+    targets fixed at start (adapters are loaded later, none with the server), room for two
+    adapters (the next version's is loaded before the last one goes), and on CPU the
+    plain-PyTorch LoRA kernels (the default csgmv ones are Triton's)."""
+    from staleflow.engines.sglang import ServerSpec
+
+    argv = ServerSpec("m", "log", device="cpu", lora_rank=16, lora_targets=TARGETS).argv(1)
+    flags = " ".join(argv)
+    assert "--enable-lora --max-lora-rank 16 --lora-target-modules " + " ".join(TARGETS) in flags
+    assert "--max-loras-per-batch 2 --max-loaded-loras 2" in flags
+    assert "--lora-backend torch_native" in flags
+    assert "lora" not in " ".join(ServerSpec("m", "log", device="cpu").argv(1))
