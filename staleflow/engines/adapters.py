@@ -18,10 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from staleflow.engines.checkpoint import CheckpointInfo
-
-# the names of a PEFT adapter file (staleflow.models.lora.ADAPTER_PREFIX, not imported: the
-# SGLang adapter's package imports no torch until an engine writes an adapter)
-ADAPTER_PREFIX = "base_model.model."
+from staleflow.models.lora import ADAPTER_PREFIX, adapter_config, write_adapter
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,8 +58,6 @@ class AdapterFolders:
 
     def write(self, tensors: dict[str, Any], version: int) -> tuple[str, int, Path]:
         """Write a version's adapter; returns (a name unique in this engine, its id, folder)."""
-        from staleflow.models.lora import adapter_config, write_adapter  # torch
-
         lora_id = next(self._ids)
         name = f"v{version}-{lora_id}"
         config = adapter_config(self.spec.rank, self.spec.alpha, self.spec.targets)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from staleflow.config.sections import RolloutConfig, SGLangOptions, VLLMOptions
 from staleflow.engines.settings import EngineSettings
+from staleflow.models import lora as lora_lib
 
 if TYPE_CHECKING:
     from staleflow.config.lora import LoraConfig
@@ -49,12 +50,11 @@ def engine_options(
             path = str(checkpoint)
         else:
             # torch: only when a built-in model must be saved for the served engine to read
-            from staleflow.models import lora
             from staleflow.models.checkpoint import save_pretrained
 
             folder = Path(run_dir) / ENGINE_MODEL_DIR
             # a policy with LoRA adapters: the folder is the frozen base they apply to
-            base = lora.base_state(model) if lora.has_adapters(model) else None
+            base = lora_lib.base_state(model) if lora_lib.has_adapters(model) else None
             save_pretrained(model, tokenizer, folder, base)
             path = str(folder)
         section = dataclasses.replace(section, model_path=path)

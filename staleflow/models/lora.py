@@ -16,7 +16,8 @@ Its weights split in two, each under the names other tools use:
 
 The parameter server carries the base once and the adapter every version; the checkpoint
 keeps both (``staleflow.trainers.embedded``). ``peft`` is the optional extra ``lora``; it
-is imported only where adapters are built.
+is imported only where adapters are built, and torch only where a function needs it, so
+that the driver's and the SGLang adapter's modules import this one at module level.
 """
 
 from __future__ import annotations
@@ -26,15 +27,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
-from torch import nn
-
 from staleflow.install import missing
 from staleflow.models.errors import ModelError
-from staleflow.models.state import load_parameters
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from staleflow.config.lora import LoraConfig
 
 ADAPTER_PREFIX = "base_model.model."  # how a PEFT adapter file names each tensor
@@ -70,6 +69,8 @@ def peft_config(lora: LoraConfig) -> Any:
 
 def linear_names(model: nn.Module) -> set[str]:
     """The last part of every ``nn.Linear`` module's path (what target modules name)."""
+    from torch import nn
+
     return {
         name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)
     }
@@ -94,6 +95,8 @@ def has_adapters(model: nn.Module) -> bool:
 def add_adapters(model: nn.Module, lora: LoraConfig, *, seed: int = 0) -> nn.Module:
     """Inject LoRA layers into ``model`` in place (``A`` drawn from ``seed``, ``B`` zero:
     the policy is unchanged until it trains); every other weight is frozen."""
+    import torch
+
     check_targets(model, lora)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -108,6 +111,8 @@ def add_adapters(model: nn.Module, lora: LoraConfig, *, seed: int = 0) -> nn.Mod
 
 def dropout_modules(model: nn.Module) -> list[nn.Module]:
     """The adapters' input dropouts (``nn.Dropout``; ``nn.Identity`` at dropout 0)."""
+    from torch import nn
+
     return [
         m
         for name, m in model.named_modules()
@@ -155,17 +160,26 @@ def base_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def load_adapter_state(model: nn.Module, state: Mapping[str, object]) -> None:
     """Copy an adapter (by adapter-file name) into ``model``; every name and shape is
     checked first, so a mismatch (``ModelError``) leaves it unchanged."""
-    load_parameters(adapter_parameters(model), state)
+    _load(adapter_parameters(model), state)
 
 
 def load_base_state(model: nn.Module, state: Mapping[str, object]) -> None:
     """Copy base weights (by the names of the model without adapters) into ``model``."""
-    load_parameters(base_parameters(model), state)
+    _load(base_parameters(model), state)
+
+
+def _load(params: Mapping[str, nn.Parameter], state: Mapping[str, object]) -> None:
+    # torch: staleflow.models.state loads it, and this module leaves it to the caller
+    from staleflow.models.state import load_parameters
+
+    load_parameters(params, state)
 
 
 def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The policy's weights with every adapter folded in (``W + (alpha / r) B A``), by the
     names of the model without adapters: what a model without LoRA computes the same with."""
+    from torch import nn
+
     out = {k: v.clone() for k, v in base_state(model).items()}
     for name, m in model.named_modules():
         lora_a = getattr(m, "lora_A", None)
@@ -210,6 +224,8 @@ def adapter_config(
 def write_adapter(state: Mapping[str, Any], config: Mapping[str, Any], folder: str | Path) -> Path:
     """Write an adapter folder: ``state`` (tensors or arrays by adapter-file name) and its
     ``config`` (:func:`adapter_config`)."""
+    import numpy as np
+    import torch
     from safetensors.torch import save_file
 
     out = Path(folder)

@@ -49,6 +49,7 @@ from staleflow.envs import make_environment
 from staleflow.envs.calculator import calculator_samples
 from staleflow.envs.formats import episode_dataset, turn_format
 from staleflow.models.errors import ModelError
+from staleflow.models.lora import with_adapters
 from staleflow.progress import SILENT, Progress
 from staleflow.runfolder.reader import SUMMARY
 from staleflow.runfolder.run_state import CRASHED, FINISHED, STOPPED, StateWriter
@@ -409,8 +410,6 @@ def _prepare(
             model, tokenizer = load_pretrained(resume.trainer_dir)
             facts = {"source": str(resume.trainer_dir), "resumed_from": str(resume.path)}
         if cfg.trainer.lora.enabled:  # the base frozen, an adapter trained (and resumed)
-            from staleflow.models.lora import with_adapters  # torch, as above
-
             with_adapters(
                 model,
                 cfg.trainer.lora,

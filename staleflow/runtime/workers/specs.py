@@ -23,6 +23,7 @@ from staleflow.engines.factory import build_engine
 from staleflow.engines.settings import EngineSettings
 from staleflow.envs import EpisodeLimits, make_environment
 from staleflow.envs.formats import turn_format
+from staleflow.models import lora as lora_lib
 from staleflow.rewards import RewardItem, RewardWorker
 from staleflow.rewards.worker import build_reward_fn
 from staleflow.runtime.interface import Rewarded
@@ -154,16 +155,12 @@ def tokenizer_from_spec(spec: tuple[str, str]) -> Any:
 def model_spec(model: Any, tokenizer: Any, lora: LoraConfig | None = None) -> ModelSpec:
     """The spec of ``model``; with ``lora``, of its adapters (injected already,
     :func:`staleflow.models.lora.add_adapters`) over its base."""
-    # torch: the control actor and the reward workers import this module and never load it
-    from staleflow.models import lora as lora_lib
-    from staleflow.models.state import policy_state
-
     base = None
     if lora is not None:
         layout = layout_of_state_dict(lora_lib.adapter_state(model))
         base = layout_of_state_dict(lora_lib.base_state(model)).to_dict()
-    else:
-        layout = layout_of_state_dict(policy_state(model))
+    else:  # a model without adapters: its base state is its whole policy state
+        layout = layout_of_state_dict(lora_lib.base_state(model))
     return ModelSpec(
         hf_config=model.config.to_dict(),
         layout=layout.to_dict(),
@@ -180,11 +177,8 @@ def initial_weights(
 ) -> tuple[dict[str, np.ndarray], tuple[Layout, dict[str, np.ndarray]] | None]:
     """What the driver publishes first: the policy's weights, or with LoRA its adapter and
     (the PS holds it once) the base's layout and weights."""
-    from staleflow.models import lora as lora_lib
-    from staleflow.models.state import policy_state
-
     if spec.lora is None or spec.base_layout is None:
-        return state_dict_to_numpy(policy_state(model)), None
+        return state_dict_to_numpy(lora_lib.base_state(model)), None  # the whole policy
     base = state_dict_to_numpy(lora_lib.base_state(model))
     return state_dict_to_numpy(lora_lib.adapter_state(model)), (
         Layout.from_dict(spec.base_layout),
@@ -205,9 +199,7 @@ def build_architecture(spec: ModelSpec, seed: int = 0) -> Any:
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model = model.to(torch.float32)
     if spec.lora is not None:
-        from staleflow.models.lora import add_adapters
-
-        add_adapters(model, spec.lora, seed=seed)
+        lora_lib.add_adapters(model, spec.lora, seed=seed)
     return model
 
 
@@ -268,7 +260,6 @@ def build_embedded_trainer(
 ) -> Any:
     """The embedded trainer over ``weights`` (with LoRA: the adapter, over ``base``)."""
     # torch, as above: only the trainer actor loads it
-    from staleflow.models import lora as lora_lib
     from staleflow.models.state import load_policy_state
 
     model = build_architecture(spec.model)
