@@ -14,6 +14,7 @@ from staleflow.config.evaluation import EvalConfig
 from staleflow.config.loss import architecture_mismatch
 from staleflow.config.recovery import RecoveryConfig
 from staleflow.config.resources import ResourcesConfig
+from staleflow.config.rollout import LORA_ROLLOUT_BACKENDS
 from staleflow.config.sections import (
     FILE_TASKS,
     DataConfig,
@@ -300,6 +301,15 @@ class RunConfig:
                 "model.checkpoint), or drop it to use the initial policy",
             )
         self._check_eval()
+        if self.trainer.lora.enabled:
+            require(
+                rollout.backend in LORA_ROLLOUT_BACKENDS,
+                "rollout.backend",
+                rollout.backend,
+                "cannot load a LoRA adapter per version (trainer.lora.enabled=true): use "
+                f"rollout.backend={' or '.join(LORA_ROLLOUT_BACKENDS)}, or "
+                "trainer.lora.enabled=false to train and Push the full weights",
+            )
         if not model.checkpoint:
             self._check_builtin_context()
 

@@ -49,6 +49,7 @@ from staleflow.envs import make_environment
 from staleflow.envs.calculator import calculator_samples
 from staleflow.envs.formats import episode_dataset, turn_format
 from staleflow.models.errors import ModelError
+from staleflow.models.lora import with_adapters
 from staleflow.progress import SILENT, Progress
 from staleflow.runfolder.reader import SUMMARY
 from staleflow.runfolder.run_state import CRASHED, FINISHED, STOPPED, StateWriter
@@ -413,6 +414,13 @@ def _prepare(
             phase(f"resuming from {resume.path} (step {resume.steps}, version {resume.version})")
             model, tokenizer = load_pretrained(resume.trainer_dir)
             facts = {"source": str(resume.trainer_dir), "resumed_from": str(resume.path)}
+        if cfg.trainer.lora.enabled:  # the base frozen, an adapter trained (and resumed)
+            with_adapters(
+                model,
+                cfg.trainer.lora,
+                seed=cfg.seed,
+                checkpoint=None if resume is None else resume.trainer_dir,
+            )
     except ModelError as exc:  # a checkpoint that cannot be loaded: say so, no traceback
         raise LaunchError(f"cannot load the policy: {exc}") from exc
     try:

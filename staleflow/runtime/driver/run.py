@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from parameter_server import Layout
-from parameter_server.torch_compat import state_dict_to_numpy
 from staleflow.config import RunConfig
 from staleflow.data import PromptSampler
 from staleflow.progress import SILENT_PHASE, Phase
@@ -44,6 +43,7 @@ from staleflow.runtime.workers.ps_healing import ReplicaResolver
 from staleflow.runtime.workers.specs import (
     RewardSpec,
     env_spec,
+    initial_weights,
     model_spec,
 )
 
@@ -164,9 +164,6 @@ class Run:
         checkpoint: the TS and the manager as restored, the PS and the trainer at its
         version (the trainer's weights, optimizer and RNG), the instances Pulling that
         version first."""
-        # torch: imported once the run starts, not when `staleflow launch --check` loads this
-        from staleflow.models.state import policy_state
-
         cfg = self.cfg
         if self.cluster is None or self.placement is None:
             self.cluster, self.placement = place(cfg, self._phase)
@@ -189,7 +186,8 @@ class Run:
         )
         version = resume.version if resume is not None else 0
         self.steps_before = resume.steps if resume is not None else 0
-        spec = model_spec(model, tokenizer)
+        lora = cfg.trainer.lora if cfg.trainer.lora.enabled else None
+        spec = model_spec(model, tokenizer, lora)
         self.control = build_control(
             ctx,
             control_config(cfg),
@@ -201,9 +199,9 @@ class Run:
         )
         stages.advance(detail="control plane and TS up")
         # a resumed run's weights are the trainer checkpoint's, as its own version
-        weights = state_dict_to_numpy(policy_state(model))
+        weights, base = initial_weights(model, spec)
         self.ps = build_parameter_server(
-            ctx, cfg.parameter_server, Layout.from_dict(spec.layout), weights, version
+            ctx, cfg.parameter_server, Layout.from_dict(spec.layout), weights, version, base
         )
         stages.advance(detail="PS up")
         self.reward_pool = build_rewards(

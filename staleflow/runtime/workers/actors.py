@@ -210,13 +210,25 @@ class ControlClient:
 
 class ParameterServerActor:
     """One PS replica: a worker process on this actor's node. With ``tcp`` it listens on
-    the node's address, so clients on other nodes reach it (else a Unix socket)."""
+    the node's address, so clients on other nodes reach it (else a Unix socket). With
+    ``base`` (``trainer.lora``) its versions are adapters and it holds that base once."""
 
-    def __init__(self, layout: dict[str, Any], num_slots: int, nixl: bool, tcp: bool) -> None:
+    def __init__(
+        self,
+        layout: dict[str, Any],
+        num_slots: int,
+        nixl: bool,
+        tcp: bool,
+        base: dict[str, Any] | None = None,
+    ) -> None:
 
         address = f"tcp:{import_ray().util.get_node_ip_address()}:0" if tcp else None
         self._worker = PSWorker.start(
-            Layout.from_dict(layout), num_slots, nixl=nixl, address=address
+            Layout.from_dict(layout),
+            num_slots,
+            nixl=nixl,
+            address=address,
+            base=None if base is None else Layout.from_dict(base),
         )
 
     def endpoint(self) -> Endpoint:
@@ -496,7 +508,13 @@ class TrainerActor(_TrainingHost):
         layout = Layout.from_dict(spec.layout)
         buffer = np.empty(layout.nbytes, dtype=np.uint8)
         self._replicas.pull(buffer, None)  # the first weights, from the nearest replica
-        self.trainer = build_embedded_trainer(spec, layout.views(buffer))
+        base = None
+        if spec.model.base_layout is not None:  # LoRA: the adapter's frozen base, once
+            base_layout = Layout.from_dict(spec.model.base_layout)
+            base_buffer = np.empty(base_layout.nbytes, dtype=np.uint8)
+            self._replicas.pull_base(base_buffer)
+            base = base_layout.views(base_buffer)
+        self.trainer = build_embedded_trainer(spec, layout.views(buffer), base)
         if resume_from:  # weights, optimizer, RNG and version of a run checkpoint
             self.trainer.load_checkpoint(resume_from)
         self._pusher = BackgroundPusher(self._replicas, name="trainer-push")
@@ -518,8 +536,9 @@ class TrainerActor(_TrainingHost):
 
     def refill_ps(self) -> int:
         """A PS replica was restarted: give it the newest weights (the trainer's own);
-        returns how many replicas took them."""
-        return self._replicas.refill(self.trainer.export_weights(), self.trainer.version)
+        returns how many replicas took them (with LoRA, the base first where it is missing)."""
+        base = self.trainer.export_base_weights() if self.trainer.lora else None
+        return self._replicas.refill(self.trainer.export_weights(), self.trainer.version, base)
 
     def stop(self) -> None:
         self._pusher.close(timeout=30)

@@ -100,7 +100,13 @@ class InstanceHost:
 
     def start(self, at_least: int = 0, progress_every_s: float = 0.0) -> int:
         """Load the first weights and start generating; returns their version. With
-        ``progress_every_s`` > 0, report progress to the TS that often."""
+        ``progress_every_s`` > 0, report progress to the TS that often. An engine with LoRA
+        adapters (``trainer.lora``) loads the frozen base first, once: every later Pull
+        moves the adapter alone."""
+        if getattr(self._engine, "adapters", False):
+            started = time.perf_counter()
+            self._engine.load_base_weights(self._weights.fetch_base())  # type: ignore[attr-defined]
+            self.instance.add_command_time("pull", time.perf_counter() - started)
         version = self.pull(at_least)
         self.instance.start()
         if progress_every_s > 0:
