@@ -40,7 +40,9 @@ torch = pytest.importorskip("torch")
 
 RANK, ALPHA = 4, 8.0
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-TOL = 2e-5
+# float32 logprobs of an unmerged adapter against a merged model differ by summation order:
+# 3e-5 seen once in a batch of 4 (a 2% weight error moves them by 1e-2)
+TOL = 1e-4
 PREFIX = "base_model.model."
 _ids = itertools.count(5000)
 
