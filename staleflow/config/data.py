@@ -37,7 +37,8 @@ class DataConfig:
         metadata=_help(
             "arithmetic (built in) | calculator (built in, multi-turn with a tool: the env "
             "section) | gsm8k | dapo | jsonl | parquet (local files at data.path) "
-            "| hf (a Hugging Face datasets folder or files at data.path)"
+            "| hf (a Hugging Face datasets folder or files at data.path) | env (the "
+            "environment env.name, its problems at data.path: docs/agentic.md)"
         ),
     )
     path: str = field(
@@ -54,12 +55,16 @@ class DataConfig:
         default="",
         metadata=_help(
             "the field holding the prompt (text, or a chat list of {role, content}; a.b "
-            "reads a nested field); '' = detect the GSM8K or DAPO-Math layout"
+            "reads a nested field); '' = detect the GSM8K or DAPO-Math layout (data.task=env: "
+            "'prompt')"
         ),
     )
     answer_column: str = field(
         default="",
-        metadata=_help("the field holding the ground truth; set with data.prompt_column"),
+        metadata=_help(
+            "the field holding the ground truth; set with data.prompt_column (data.task=env: "
+            "'answer')"
+        ),
     )
     chat_template: bool = field(
         default=False,

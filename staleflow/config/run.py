@@ -247,10 +247,17 @@ class RunConfig:
                 f"is required for data.task={data.task}: the built-in model only knows "
                 "arithmetic; set model.checkpoint=/path/to/a/local/hf/checkpoint",
             )
+        elif data.task == "env":
+            self._check_env_task()
         elif data.path:
             raise ConfigError(
                 f"data.path={data.path!r} is set but data.task={data.task} does not read files: "
-                "set data.task to jsonl, parquet, gsm8k or dapo, or drop data.path"
+                "set data.task to jsonl, parquet, gsm8k, dapo, hf or env, or drop data.path"
+            )
+        if self.env.name and data.task != "env":
+            raise ConfigError(
+                f"env.name={self.env.name!r} is set but data.task={data.task}: env.name is the "
+                "environment of data.task=env; set data.task=env, or drop env.name"
             )
         if data.tokenizer and not model.checkpoint:
             raise ConfigError(
@@ -312,6 +319,32 @@ class RunConfig:
             )
         if not model.checkpoint:
             self._check_builtin_context()
+
+    def _check_env_task(self) -> None:
+        """data.task=env: an environment, its problems and a policy that can read them
+        (the environment itself and the file's columns are checked before the launch
+        starts anything: ``staleflow.runtime.driver.env_task``)."""
+        require(
+            bool(self.env.name),
+            "env.name",
+            self.env.name,
+            "is required for data.task=env: name the environment, registered or "
+            "module:attribute, e.g. env.name=mypkg.envs:MyEnv",
+        )
+        require(
+            bool(self.data.path),
+            "data.path",
+            self.data.path,
+            "is required for data.task=env: the environment's problems, one per row (.jsonl, "
+            ".parquet, or a Hugging Face datasets folder or files)",
+        )
+        require(
+            bool(self.model.checkpoint),
+            "model.checkpoint",
+            self.model.checkpoint,
+            "is required for data.task=env: the built-in model only knows the built-in tasks; "
+            "set model.checkpoint=/path/to/a/local/hf/checkpoint",
+        )
 
     def _check_eval(self) -> None:
         ev, task = self.eval, self.data.task

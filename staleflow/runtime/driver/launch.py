@@ -45,9 +45,6 @@ from staleflow.data.hf_datasets import (
 )
 from staleflow.data.layouts import DatasetError
 from staleflow.data.tokenizer import TokenizerError
-from staleflow.envs import make_environment
-from staleflow.envs.calculator import calculator_samples
-from staleflow.envs.formats import episode_dataset, turn_format
 from staleflow.models.errors import ModelError
 from staleflow.models.lora import with_adapters
 from staleflow.progress import SILENT, Progress
@@ -63,6 +60,7 @@ from staleflow.runfolder.step_record import (
 )
 from staleflow.runfolder.writer import RunOutput
 from staleflow.runtime.backends import check_backends
+from staleflow.runtime.driver.env_task import check_env_task, env_dataset
 from staleflow.runtime.driver.evaluation import check_heldout, held_out_reward, heldout_set
 from staleflow.runtime.driver.launch_progress import TrainingWaits, actors_phase
 from staleflow.runtime.driver.resume import restore_state
@@ -127,8 +125,8 @@ def preflight(cfg: RunConfig) -> None:
         check_installed(parse_trackers(cfg.tracking))
     except TrackerError as exc:
         raise LaunchError(str(exc)) from None
-    # data.task=hf reads a save_to_disk folder, or files (a glob)
-    hf_data = cfg.data.task == "hf"
+    # data.task=hf (and env) reads a save_to_disk folder, or files (a glob)
+    hf_data = cfg.data.task in ("hf", "env")
     for key, value, kind, what in (
         ("model.checkpoint", cfg.model.checkpoint, "dir", "cannot load the policy"),
         ("data.tokenizer", cfg.data.tokenizer, "any", "cannot load the policy"),
@@ -141,7 +139,9 @@ def preflight(cfg: RunConfig) -> None:
         if not ok:
             thing = {"dir": "checkpoint directory", "file": "file"}.get(kind, "file or directory")
             raise LaunchError(f"{what}: {path}: no such {thing} (set by {key})")
-    if hf_data:  # its columns: memory-mapped, read without the policy or its tokenizer
+    if cfg.data.task in ENV_TASKS:  # the environment builds, its problems read
+        check_env_task(cfg)
+    elif hf_data:  # its columns: memory-mapped, read without the policy or its tokenizer
         try:
             check_columns(
                 open_hf_dataset(cfg.data.path, cfg.data.split),
@@ -171,7 +171,7 @@ def prepare_policy(
         phase(f"loading the policy from {m.checkpoint}{tokenizer_note}")
         model, tokenizer = load_pretrained(m.checkpoint, tokenizer_path=cfg.data.tokenizer or None)
         return model, tokenizer, {"source": str(m.checkpoint)}
-    if cfg.data.task not in ("arithmetic", *ENV_TASKS):
+    if cfg.data.task not in ("arithmetic", "calculator"):
         raise LaunchError(
             f"data.task={cfg.data.task!r} needs model.checkpoint (a local Hugging Face "
             "checkpoint directory): the built-in model only knows the built-in tasks"
@@ -244,12 +244,8 @@ def build_dataset(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
     fmt = PromptFormat(data.chat_template, data.system_prompt)
     check_chat_template(tokenizer, fmt, data.tokenizer or cfg.model.checkpoint)
     layout = cfg.data.record_layout()
-    if data.task == "calculator":
-        env = make_environment("calculator", **cfg.env.options("calculator"))
-        task = ArithmeticConfig.level(data.difficulty, seed=cfg.seed + 1)
-        dataset = episode_dataset(
-            env, calculator_samples(task, size=20_000), turn_format(tokenizer)
-        )
+    if data.task in ENV_TASKS:
+        dataset = env_dataset(cfg, tokenizer)
     elif data.task == "arithmetic":
         # A seed apart from the warm-up's own problem stream (see models.warmup).
         task = ArithmeticConfig.level(data.difficulty, seed=cfg.seed + 1)

@@ -21,7 +21,7 @@ from staleflow.data.tokenizer import CharTokenizer, HFTokenizer
 from staleflow.engines import engine_class
 from staleflow.engines.factory import build_engine
 from staleflow.engines.settings import EngineSettings
-from staleflow.envs import EpisodeLimits, make_environment
+from staleflow.envs import EpisodeLimits, environment_target, make_environment
 from staleflow.envs.formats import turn_format
 from staleflow.models import lora as lora_lib
 from staleflow.rewards import RewardItem, RewardWorker
@@ -94,7 +94,7 @@ class EnvSpec:
     """The environment of a multi-turn task (``staleflow.envs``), for the reward workers
     that run its steps."""
 
-    name: str
+    name: str  # "module:attribute" (staleflow.envs.environment_target)
     options: Mapping[str, Any]
     max_turns: int
     max_tokens: int  # the response budget, turns and observations together
@@ -108,8 +108,11 @@ def env_spec(cfg: RunConfig) -> EnvSpec | None:
     if task not in ENV_TASKS:
         return None
     e = cfg.env
+    name = e.environment(task)
     budget = cfg.rollout.max_response_tokens
-    return EnvSpec(task, e.options(task), e.max_turns, budget, e.threads, e.step_timeout_s)
+    return EnvSpec(
+        environment_target(name), e.options(name), e.max_turns, budget, e.threads, e.step_timeout_s
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -244,3 +244,21 @@ def test_an_observation_of_no_tokens_ends_the_episode_instead_of_merging_two_tur
     assert h.turn(a, _call(a), version=0) == [0]
     (r,) = h.rewarded
     assert r.finish_reason == "env_error" and "no tokens" in r.error
+
+
+def test_the_audit_trail_writes_down_each_episodes_mask_and_record(tmp_path) -> None:
+    from staleflow.runtime.workers.audit_trail import AuditedBatches, read_audit
+
+    h = Harness()
+    first, other = h.ts.route([0, 1], 0, "i0")
+    h.turn(first, _call(first), version=0)
+    (again,) = h.ts.route([0], None, "i0")
+    h.turn(again, EnvSample.from_json(again.answer).answer, version=0)
+    h.turn(other, "7", version=0)
+    AuditedBatches(h.ts, tmp_path / "audit.jsonl", lambda: 0).take_batch([first.group_id])
+    lines = {a["traj_id"]: a for a in read_audit(tmp_path / "audit.jsonl")}
+    two = lines[0]
+    assert two["info"]["turns"] == 2 and two["info"]["tool_calls"] == 1
+    assert len(turns_of(np.array(two["mask"], bool))) == 2
+    assert two["finish_reason"] == "done"
+    assert lines[1]["info"]["turns"] == 1 and "mask" not in lines[1]  # all the model's
