@@ -210,6 +210,59 @@ class _Stuck(CalculatorEnvironment):
         return super().step(state, turn)
 
 
+class _SlowFor(CalculatorEnvironment):
+    """Steps the turn ``slow`` only once the test lets it; any other turn at once."""
+
+    def __init__(self, slow: str) -> None:
+        super().__init__(latency_scale_s=0.0)
+        self.slow, self.release = slow, threading.Event()
+
+    def step(self, state, turn):
+        if turn.text == self.slow:
+            self.release.wait(30)
+        return super().step(state, turn)
+
+
+def _finished(routed: RoutedTrajectory, text: str) -> Finished:
+    new = np.append(TOK.encode(text), TOK.eos_id).astype(np.int32)
+    n = len(new)
+    return Finished(
+        routed.traj_id, routed.group_id, 0, routed.sample_id, routed.answer, routed.prompt,
+        np.concatenate([routed.tokens, new]),
+        np.concatenate([routed.logprobs, np.full(n, -0.5, np.float32)]),
+        np.concatenate([routed.versions, np.zeros(n, np.int32)]),
+        "stop", 0, np.concatenate([routed.mask, np.ones(n, bool)]),
+    )  # fmt: skip
+
+
+def test_a_fast_tool_takes_its_next_turn_while_a_slow_one_of_its_batch_still_waits() -> None:
+    h = Harness()
+    a, b = h.ts.route([0, 1], 0, "i0")
+    slow = _call(a)
+    env = _SlowFor(slow)
+    h.stage._env = env  # the harness's stage, stepping this environment
+    fast = format_tool_call("calculator", {"expression": "1+1"})
+    batch = [_finished(a, slow), _finished(b, fast)]
+    h.ts.hand_to_reward(
+        [FinishedTrajectory(f.traj_id, f.tokens, f.logprobs, f.versions, "stop", f.mask)
+         for f in batch],
+        "w",
+    )  # fmt: skip
+    done = threading.Thread(target=h.stage.process, args=(batch,))
+    done.start()
+    try:
+        for _ in range(3000):  # b's next turn is queued while a's tool still runs
+            if h.ts.state_of(1) is TrajState.QUEUED:
+                break
+            threading.Event().wait(0.01)
+        assert h.ts.state_of(1) is TrajState.QUEUED
+        assert h.ts.state_of(0) is TrajState.REWARDING and done.is_alive()
+    finally:
+        env.release.set()
+        done.join(30)
+    assert h.ts.state_of(0) is TrajState.QUEUED and h.stage.continued == 2
+
+
 class _Accented(CalculatorEnvironment):
     def step(self, state, turn):
         step = super().step(state, turn)

@@ -96,7 +96,10 @@ def test_a_pull_while_every_trajectory_waits_on_its_tool_does_not_wait_for_the_t
         threads=IN_FLIGHT,
         sleep=tool_sleep,
     )
-    worker = ThreadPoolExecutor(4, thread_name_prefix="reward-worker")
+    # as many calls at once as the stage has threads, as a reward actor takes
+    # (max_concurrency=env.threads, driver/pools/rewards.py): with fewer, calls whose
+    # tools sleep hold every worker thread and a later turn never reaches its tool
+    worker = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="reward-worker")
 
     def dispatch(finished: list[Finished], holder: int) -> None:
         """What a rollout actor does with finished turns (RolloutActor._dispatch): hand
