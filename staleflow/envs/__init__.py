@@ -28,7 +28,7 @@ from staleflow.envs.base import (
     check_plain,
     keyed_uniform,
 )
-from staleflow.envs.verifiers_env import is_verifiers_taskset
+from staleflow.envs.verifiers_env import VerifiersEnvironment, is_verifiers_taskset
 
 # name -> "module:attribute" of a class (or factory) called with the environment's options
 ENVIRONMENTS: dict[str, str] = {
@@ -85,8 +85,6 @@ def make_environment(name: str, **options: object) -> Environment:
             "where the run starts and on every worker (installed, or on PYTHONPATH)"
         ) from exc
     if is_verifiers_taskset(factory):  # a `verifiers` environment: its adapter runs it
-        from staleflow.envs.verifiers_env import VerifiersEnvironment
-
         if options:
             raise EnvContractError(f"environment {shown} is a verifiers taskset: no options")
         try:
