@@ -21,7 +21,7 @@ import pytest
 
 vf = pytest.importorskip(
     "verifiers.v1",
-    reason="needs the envs extra: pip install 'staleflow[envs]' (verifiers==0.4.0)",
+    reason="needs the envs extra: pip install 'staleflow[envs]' (verifiers 0.4)",
 )
 
 from staleflow.envs import EnvSample, ModelTurn, make_environment  # noqa: E402

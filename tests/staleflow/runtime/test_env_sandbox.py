@@ -119,9 +119,11 @@ def test_a_runaway_step_is_killed_and_ends_its_trajectory_while_the_other_goes_o
         third, fourth = ts.route([2, 3], 0, "i0")
         assert sorted(stage.process([_finished(ts, t, "ok") for t in (third, fourth)])) == [2, 3]
         assert {r.finish_reason for r in rewarded[2:]} == {"done"}
+        children = sandbox.pids
+        assert len(children) == 2 and all(_alive(pid) for pid in children)
     finally:
         stage.close()
-    assert not any(_alive(pid) for pid in sandbox.pids)
+    assert not any(_alive(pid) for pid in children)  # close stops them
 
 
 def test_a_sandbox_needs_a_limit() -> None:
