@@ -210,11 +210,14 @@ class VerifiersEnvironment:
             row["answer"] = sample.answer
         row.update(sample.extra)
         try:
-            return self.data_type.model_validate(row)
+            data = self.data_type.model_validate(row)
         except Exception as exc:  # pydantic's message names the field
             raise EnvContractError(
                 f"{self.name}: the row is not a {self.data_type.__name__}: {exc}"
             ) from exc
+        # the taskset config's system prompt file overrides each task's, as its __iter__ does
+        override = self.taskset.system_prompt
+        return data if override is None else data.model_copy(update={"system_prompt": override})
 
     def _task(self, state: EnvState) -> Any:
         data = self.data_type.model_validate(state["data"])

@@ -51,6 +51,7 @@ class Calc(vf.Toolset[CalcConfig]):
 
 class SumData(vf.TaskData):
     answer: str
+    system_prompt: str | None = "add with the calculator"
 
 
 class SumTask(vf.Task[SumData, vf.State, vf.TaskConfig]):
@@ -96,7 +97,10 @@ def env() -> VerifiersEnvironment:
 def test_the_taskset_gives_its_messages_and_its_tools_as_the_harness_lists_them(env) -> None:
     assert isinstance(env, VerifiersEnvironment) and env.columns == ()
     episode = env.start(EnvSample(0, "12+30=", "42"), seed=5)
-    assert episode.messages == ({"role": "user", "content": "12+30="},)
+    assert episode.messages == (
+        {"role": "system", "content": "add with the calculator"},
+        {"role": "user", "content": "12+30="},
+    )
     (tool,) = episode.tools
     assert tool["function"]["name"] == "calc_evaluate"  # <server>_<tool>
     assert tool["function"]["parameters"]["required"] == ["expression"]
@@ -117,8 +121,8 @@ def test_a_tool_call_is_answered_by_the_toolset_and_the_rubric_scores_the_episod
     assert env.score(env.step(state, _turn(0, "12+30=41")).state) == 0.0
     # the state is the conversation, as the trace the rubric read
     roles = [m["role"] for m in final.state["messages"]]
-    assert roles == ["user", "assistant", "tool", "assistant"]
-    assert final.state["messages"][1]["content"] == "let me add"
+    assert roles == ["system", "user", "assistant", "tool", "assistant"]
+    assert final.state["messages"][2]["content"] == "let me add"
 
 
 @pytest.mark.parametrize(
