@@ -340,19 +340,25 @@ def test_a_race_copy_resumed_at_the_originals_point_samples_its_tokens(backend, 
 TURN_PROMPT = 40  # with its first turn, more than one of vLLM's 32-token blocks: cacheable
 
 
-def first_turn(backend: Backend, eng, traj_id: int) -> tuple[GenerationRequest, object]:
-    """A first turn that ended at the stop token: the first prompt (of a fixed sequence)
-    whose turn does, so the case is the same on every run."""
+def first_turn(backend: Backend, eng) -> tuple[GenerationRequest, object]:
+    """A first turn that ended at the stop token: the first trajectory (of a fixed
+    sequence of ids and prompts) whose turn does, so the case is the same on every run;
+    draws are keyed by trajectory, so each try is a new id. Under the suite's first
+    weights, whose most frequent token is the stop token (earlier cases load others)."""
+    version = eng.state().version + next(_versions)
+    backend.load(build_model(0), version)
+    seen = []
     for seed in range(40):
-        req = request(TURN_PROMPT, max_response=12, traj_id=traj_id, seed=seed)
+        req = request(TURN_PROMPT, max_response=12, seed=seed)
         eng.submit([req])
-        out = drain(eng)[traj_id]
+        out = drain(eng)[req.traj_id]
+        seen.append((out.finish_reason, out.tokens.tolist()))
         if out.finish_reason == FINISH_STOP:
             check_output(out, req, backend.eos)
             assert set(out.versions.tolist()) == {eng.state().version}
             check_logprobs(backend.reference, req, out)
             return req, out
-    raise AssertionError("no first turn ended at the stop token")
+    raise AssertionError(f"no first turn ended at the stop token {backend.eos}: {seen[:3]}")
 
 
 def next_turn(first: GenerationRequest, out, max_new: int = 12):
@@ -404,8 +410,8 @@ def test_a_turn_ends_at_its_stop_token_and_the_next_continues_after_the_observat
     vLLM: its prefix cache's hit), and the next turn is exactly a full re-prefill's."""
     if backend.eos is None:
         pytest.skip("this backend's model has no stop token")
-    tid = next(_ids)
-    first, out = first_turn(backend, eng, tid)
+    first, out = first_turn(backend, eng)
+    tid = first.traj_id
     held = getattr(eng, "held_prefixes", None)
     if held is not None:
         assert tid in held()
@@ -425,8 +431,8 @@ def test_an_interrupt_inside_a_later_turn_keeps_the_turns_and_resumes_exactly(ba
     exactly the turn it would have straight through."""
     if backend.eos is None:
         pytest.skip("this backend's model has no stop token")
-    tid = next(_ids)
-    first, out = first_turn(backend, eng, tid)
+    first, out = first_turn(backend, eng)
+    tid = first.traj_id
     req, mask = next_turn(first, out, max_new=24)
     backend.hold()
     eng.submit([req])
@@ -469,8 +475,8 @@ def test_a_next_turn_after_a_weight_load_is_the_new_weights_reprefill(backend, e
     prefix (docs/agentic.md: re-prefilling after a Pull)."""
     if backend.eos is None:
         pytest.skip("this backend's model has no stop token")
-    tid = next(_ids)
-    first, out = first_turn(backend, eng, tid)
+    first, out = first_turn(backend, eng)
+    tid = first.traj_id
     version = eng.state().version + next(_versions)
     backend.load(build_model(version), version)
     held = getattr(eng, "held_prefixes", None)
