@@ -73,14 +73,17 @@ def test_launch_vllm_eta0_multi_turn_is_exactly_on_policy(tmp_path):
 
     policy = tmp_path / "policy"
     # measured: at micro's lr 1e-2 this width never called the tool (0 of 32 validation
-    # episodes took a second turn); at 5e-3 for 80 steps, 15 of 32 did
-    warm_micro_calculator(policy, hidden_size=64, lr=5e-3, steps=80)
+    # episodes took a second turn); at 5e-3 for 80 steps, 15 of 32 did. 192 positions: a
+    # call (about 80 tokens) and the calculator's answer (about 30) fit in 160
+    warm_micro_calculator(policy, positions=192, hidden_size=64, lr=5e-3, steps=80)
     result = _launch(
         tmp_path,
         0,
         "data.task=calculator",
         f"model.checkpoint={policy}",
-        "rollout.max_response_tokens=110",  # the prompt and this fit the policy's 128
+        # the prompt and this fit the policy's 192; with 110, most calls left no room for
+        # the answer and ended their episode (max_tokens): 1 of 32 trained was multi-turn
+        "rollout.max_response_tokens=160",
         "env.latency_scale_s=0.01",
         "env.latency_cap_s=0.2",
         "eval_problems=0",  # held-out evaluation covers the arithmetic task only
