@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator.config import CostModelConfig
 from staleflow.config import RunConfig
+from staleflow.config.env import ENV_TASKS
 from staleflow.engines.factory import engine_options
 from staleflow.runfolder.writer import AUDIT
 from staleflow.runtime.controller.plane_records import ControlConfig
@@ -70,6 +71,7 @@ def rollout_spec(
         engine_options=options,
         chunk_tokens=cfg.coordinator.seer.chunk,
         eval_running=cfg.eval.max_running,
+        prefix_cache_tokens=r.prefix_cache_tokens if cfg.data.task in ENV_TASKS else 0,
     )
 
 

@@ -71,6 +71,9 @@ class RolloutSpec:
     chunk_tokens: int | None = None
     # eval.max_running: evaluation requests in the engine at once (rollout/eval_lane.py)
     eval_running: int = 16
+    # KV tokens of finished turns the embedded engine keeps for their next turn
+    # (rollout.prefix_cache_tokens; 0 for a single-turn task, which has no next turn)
+    prefix_cache_tokens: int = 0
 
     @property
     def layout(self) -> dict[str, Any]:
@@ -242,7 +245,9 @@ def build_embedded_engine(spec: RolloutSpec, seed: int, placement: EnginePlaceme
     from staleflow.engines.embedded import EmbeddedEngineConfig
 
     config = EmbeddedEngineConfig(
-        **asdict(engine_settings(spec, seed)), num_threads=spec.rollout.num_threads
+        **asdict(engine_settings(spec, seed)),
+        num_threads=spec.rollout.num_threads,
+        prefix_cache_tokens=spec.prefix_cache_tokens,
     )
     return engine_class("embedded")(build_architecture(spec.model, seed), config)
 
