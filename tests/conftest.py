@@ -18,6 +18,7 @@ def _has_cuda() -> bool:
     return bool(torch.cuda.is_available())
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups set here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     reasons = {}
     if any(item.get_closest_marker("gpu") for item in items) and not _has_cuda():
@@ -32,7 +33,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=reason))
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:
-            item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+            group = _xdist_group(item)
+            item.add_marker(pytest.mark.xdist_group(group))
+            if getattr(config.option, "loadgroup", False):
+                _name_group(item, group)
+
+
+def _name_group(item: pytest.Item, group: str) -> None:
+    """Suffix the node id with ``@group``, the form --dist loadgroup schedules by.
+    xdist 3.8 writes the suffix into ``item._nodeid``, which pytest 9 no longer reads
+    (the id lives in ``item._id``): without this, every test went to either worker, so a
+    module's fixtures were built on both and two Ray launches ran at once."""
+    if "@" in item.nodeid:  # a later xdist that names the group itself
+        return
+    try:
+        from _pytest.nodeid import coerce_node_id  # pytest >= 9 only
+    except ImportError:  # an older pytest reads the _nodeid xdist sets
+        return
+    item._id = coerce_node_id(f"{item.nodeid}@{group}")  # type: ignore[attr-defined]
 
 
 # Files whose tests start Ray without the ``ray`` marker, or spawn process groups of

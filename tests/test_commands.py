@@ -44,7 +44,7 @@ def test_ci_runs_the_readmes_check_command_and_nothing_else_tests():
 def test_the_check_command_sets_up_lints_tests_vllm_and_drives_the_browser():
     check = (ROOT / "scripts" / "check").read_text()
     stages = re.findall(r"^stage (\S+) ", check, re.M)
-    assert stages == ["lint", "tests", "vllm", "sglang", "browser"]
+    assert stages == ["lint", "tests", "vllm", "sglang", "envs", "browser"]
     # each engine's tests in their own environment, built in the background (prepare)
     # while lint and tests run, then tested by its stage
     for engine in ("vllm", "sglang"):
@@ -54,6 +54,10 @@ def test_the_check_command_sets_up_lints_tests_vllm_and_drives_the_browser():
     listed = re.search(r"^stages=\((.*?)\)", check, re.M)
     assert listed and listed.group(1).split() == stages  # what --help and the check name
     assert '"$root/scripts/setup" dev' in check
+    # the envs extra is installed in the background after the tests stage, which must not
+    # see it arrive mid-run, and its stage fails rather than skips without it
+    assert check.index("stage tests tests\nenvs_install\n") < check.index("stage envs envs")
+    assert 'python -c "import verifiers.v1" || return 1' in check
     assert "ruff check . && ruff format --check ." in check
     assert f'-m "{SELECTION}"' in check
 
@@ -62,7 +66,7 @@ def test_the_check_command_names_its_stages_before_setting_anything_up(tmp_path)
     env = {**os.environ, "STALEFLOW_VENV": str(tmp_path / "venv")}
     check = str(ROOT / "scripts" / "check")
     shown = subprocess.run([check, "--help"], env=env, capture_output=True, text=True)
-    assert shown.returncode == 0 and "stages: lint tests vllm sglang browser" in shown.stderr
+    assert shown.returncode == 0 and "stages: lint tests vllm sglang envs browser" in shown.stderr
     wrong = subprocess.run([check, "test"], env=env, capture_output=True, text=True)
     assert wrong.returncode != 0 and "no stage 'test'" in wrong.stderr
     assert not (tmp_path / "venv").exists()  # neither call set anything up
