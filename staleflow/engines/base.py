@@ -31,6 +31,10 @@ class GenerationRequest:
     ``traj_id`` is a trajectory's id, or, from ``EVAL_ID_BASE`` (2**62) on, a held-out
     evaluation request of the instance (``staleflow.rollout.eval_lane``): an engine treats
     both alike, so it must take any non-negative int64 id.
+
+    ``group_id``: the trajectory's group (its siblings answer the same prompt), for an
+    engine that drafts speculative tokens from the group (``staleflow.engines.drafts``);
+    None: not in a group (evaluation), or unknown. Engines without speculation ignore it.
     """
 
     traj_id: int
@@ -39,6 +43,7 @@ class GenerationRequest:
     logprobs: np.ndarray
     versions: np.ndarray
     max_response: int
+    group_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -64,6 +64,51 @@ class DraftSettings:
             )
 
 
+@dataclass(frozen=True, slots=True)
+class SpeculationSettings:
+    """Speculative decoding from drafts (an engine's ``speculation`` setting; None: off).
+
+    Adaptive draft length (Seer §4.4's adaptive range): a verification step feeds every
+    running request its draft, so its cost grows with ``running x draft``; a request drafts
+    at most ``max_draft`` tokens and the batch at most ``batch_draft_tokens`` together, so a
+    full batch early in a rollout drafts little (verification would cost most there) and the
+    few long requests of the tail draft long (where a forward costs the same for 1 token or
+    ``max_draft``)."""
+
+    drafts: DraftSettings = DraftSettings()
+    max_draft: int = 8
+    batch_draft_tokens: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("max_draft", "batch_draft_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculation {name} must be a positive int, got {value!r}")
+
+    def draft_length(self, running: int) -> int:
+        """The most draft tokens a request may verify when ``running`` requests decode."""
+        return min(self.max_draft, self.batch_draft_tokens // max(running, 1))
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationStats:
+    """Counters of an engine's speculation since it started: ``verifications`` (a request's
+    draft verified in a step), ``drafted`` draft tokens, ``accepted`` of them."""
+
+    verifications: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def wasted(self) -> int:
+        """Draft tokens verified and rejected (computed for nothing)."""
+        return self.drafted - self.accepted
+
+    @property
+    def accepted_per_verification(self) -> float:
+        return self.accepted / self.verifications if self.verifications else 0.0
+
+
 class _Group:
     """The sequences of one group and the n-gram index over them."""
 

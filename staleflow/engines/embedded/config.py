@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from staleflow.engines.drafts import SpeculationSettings
 from staleflow.engines.settings import EngineSettings, positive_int
 
 
@@ -19,15 +20,23 @@ class EmbeddedEngineConfig(EngineSettings):
     num_threads: if set, ``torch.set_num_threads`` at construction (a process-wide setting).
     max_prefill_tokens: padded tokens (requests x longest prefix) per batched prefill forward;
         a longer single prefix still runs, alone.
+    speculation: verify drafts from the request's group (or its own history) in each decode
+        step, lossless (``docs/speculation.md``); None: one token per request per step.
     """
 
     num_threads: int | None = None
     max_prefill_tokens: int = 8192
+    speculation: SpeculationSettings | None = None
 
     def __post_init__(self) -> None:
         EngineSettings.__post_init__(self)
         positive_int(
             "max_prefill_tokens", self.max_prefill_tokens, "padded tokens per prefill forward"
         )
+        if self.speculation is not None and not isinstance(self.speculation, SpeculationSettings):
+            raise ValueError(
+                "speculation must be a SpeculationSettings (staleflow.engines.drafts) or None, "
+                f"got {type(self.speculation).__name__}"
+            )
         if self.num_threads is not None:
             positive_int("num_threads", self.num_threads, "torch threads (None: leave as is)")

@@ -55,6 +55,19 @@ class SlotKVCache:
         self.k[layer][rows, :, positions] = k
         self.v[layer][rows, :, positions] = v
 
+    def write_tokens(
+        self,
+        layer: int,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Write token ``j`` (``k``/``v`` ``[m, kv_heads, head_dim]``) at ``positions[j]``
+        of row ``rows[j]``: any number of tokens per row (speculative verification)."""
+        self.k[layer][rows, :, positions] = k
+        self.v[layer][rows, :, positions] = v
+
     def view(self, layer: int, n: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of rows ``0..n-1``, positions ``0..length-1`` (views, no copy)."""
         return self.k[layer][:n, :, :length], self.v[layer][:n, :, :length]
