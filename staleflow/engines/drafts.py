@@ -13,8 +13,10 @@ takes the longest suffix of the trajectory's own ``prompt + response`` (``min_ng
 occurrences at once, each step taking the continuation most of the still-agreeing
 occurrences share (a majority path through the group's suffix trie, as a count-weighted
 suffix tree gives). That is one path of up to ``k`` tokens; it stops where no occurrence
-goes on. Cost: ``max_ngram`` dict updates per token appended, and ``O(max_ngram + k * m)``
-per draft with ``m <= max_matches`` occurrences kept per n-gram (the most recent ones).
+goes on. Cost: ``max_ngram`` dict updates per token, paid lazily (appending only stores the
+token; a group is indexed up to date when one of its members drafts, so a full batch that
+the adaptive range gives no draft pays nothing per step), and ``O(max_ngram + k * m)`` per
+draft with ``m <= max_matches`` occurrences kept per n-gram (the most recent ones).
 
 ``scope="own"`` indexes each trajectory alone (prompt + own response): the classic
 prompt-lookup / own-history n-gram draft, the baseline grouped drafts are compared with.
@@ -112,13 +114,17 @@ class SpeculationStats:
 class _Group:
     """The sequences of one group and the n-gram index over them."""
 
-    __slots__ = ("index", "prompt_seq", "seqs")
+    __slots__ = ("index", "indexed", "prompt_seq", "seqs")
 
     def __init__(self) -> None:
         self.seqs: list[list[int]] = []
         # n-gram -> [(sequence, index of the token that followed it)], oldest first
         self.index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
         self.prompt_seq = -1
+        # tokens of each sequence in the index: appending only stores tokens, and a group is
+        # indexed up to date when one of its members drafts, so a full batch that drafts
+        # nothing (the adaptive range gives it no draft tokens) pays no indexing per step
+        self.indexed: list[int] = []
 
 
 class _Member:
@@ -172,25 +178,47 @@ class GroupedDraftSource:
     def extend(self, traj_id: int, tokens: Sequence[int]) -> None:
         """Append newly sampled ``tokens`` to ``traj_id``'s response (unknown ids: no-op)."""
         m = self._members.get(traj_id)
-        if m is None or not len(tokens):
+        if m is not None and len(tokens):
+            self._append(m.group, m.resp_seq, tokens)
+
+    def add_reference(self, group_id: int, prompt: Sequence[int], tokens: Sequence[int]) -> None:
+        """Add a response of ``group_id`` generated elsewhere (a sibling that ran on another
+        instance, reported by the TS): it drafts for the group's members here. Ignored in
+        ``own`` scope."""
+        if self.settings.scope == "own":
             return
-        g = m.group
-        seq = g.seqs[m.resp_seq]
+        if group_id < 0:
+            raise ValueError(f"group_id {group_id} is negative")
+        g = self._group(group_id)
+        if g.prompt_seq < 0:
+            g.prompt_seq = self._new_seq(g, [int(t) for t in np.asarray(prompt).tolist()])
+        self._append(g, self._new_seq(g, []), np.asarray(tokens).tolist())
+
+    def _append(self, g: _Group, seq_id: int, tokens: Sequence[int]) -> None:
+        g.seqs[seq_id].extend(int(t) for t in tokens)
+
+    def _catch_up(self, g: _Group) -> None:
+        """Index the tokens appended to ``g`` since it was last indexed."""
         prompt = g.seqs[g.prompt_seq]
         n_max, cap = self.settings.max_ngram, self.settings.max_matches
-        for tok in tokens:
-            seq.append(int(tok))
-            end = len(seq)  # the n-grams ending at the new token are followed by index `end`
-            # Context for the n-grams that straddle the prompt/response boundary: the
-            # trajectory's own history is prompt + response.
-            tail = seq[max(0, end - n_max) : end]
-            if len(tail) < n_max:
-                tail = prompt[len(prompt) - (n_max - len(tail)) :] + tail
-            for n in range(1, min(n_max, len(tail)) + 1):
-                occ = g.index.setdefault(tuple(tail[-n:]), [])
-                occ.append((m.resp_seq, end))
-                if len(occ) > cap:
-                    del occ[0]
+        index = g.index
+        for seq_id, seq in enumerate(g.seqs):
+            start = g.indexed[seq_id]
+            if start == len(seq):
+                continue
+            # the n-grams that straddle the prompt/response boundary: a response's history
+            # is prompt + response (the prompt itself is a sequence with none before it)
+            lead = [] if seq_id == g.prompt_seq else prompt[max(0, len(prompt) - n_max) :]
+            full = lead + seq
+            off = len(lead)
+            for end in range(start + 1, len(seq) + 1):
+                at = end + off  # the n-grams ending at token end-1 are followed by index end
+                for n in range(1, min(n_max, at) + 1):
+                    occ = index.setdefault(tuple(full[at - n : at]), [])
+                    occ.append((seq_id, end))
+                    if len(occ) > cap:
+                        del occ[0]
+            g.indexed[seq_id] = len(seq)
 
     def forget(self, traj_id: int) -> None:
         """Stop following ``traj_id``; its tokens stay as a reference for its group (a group
@@ -225,16 +253,8 @@ class GroupedDraftSource:
 
     def _new_seq(self, g: _Group, tokens: list[int]) -> int:
         g.seqs.append(tokens)
-        seq = len(g.seqs) - 1
-        if tokens:  # the prompt: index it whole, once per group
-            n_max, cap = self.settings.max_ngram, self.settings.max_matches
-            for end in range(1, len(tokens) + 1):
-                for n in range(1, min(n_max, end) + 1):
-                    occ = g.index.setdefault(tuple(tokens[end - n : end]), [])
-                    occ.append((seq, end))
-                    if len(occ) > cap:
-                        del occ[0]
-        return seq
+        g.indexed.append(0)
+        return len(g.seqs) - 1
 
     # ------------------------------------------------------------------------- drafting
 
@@ -245,6 +265,7 @@ class GroupedDraftSource:
         if m is None or k < 1:
             return []
         g = m.group
+        self._catch_up(g)
         s = self.settings
         seq = g.seqs[m.resp_seq]
         context = seq[-s.max_ngram :]

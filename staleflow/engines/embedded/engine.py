@@ -474,6 +474,15 @@ class EmbeddedEngine:
         v, d, a = self._spec_stats
         return SpeculationStats(verifications=v, drafted=d, accepted=a)
 
+    def add_group_responses(
+        self, group_id: int, prompt: np.ndarray, responses: Iterable[np.ndarray]
+    ) -> None:
+        """Responses of ``group_id`` generated elsewhere (siblings on other instances),
+        for its members here to draft from (no-op without grouped speculation)."""
+        if self._draft_source is not None:
+            for tokens in responses:
+                self._draft_source.add_reference(group_id, prompt, tokens)
+
     def forget_groups(self, group_ids: Iterable[int]) -> None:
         """Drop the drafts of groups that were consumed or aborted (no-op without
         speculation; groups beyond the draft source's bound go on their own)."""

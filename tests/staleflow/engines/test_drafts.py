@@ -99,3 +99,11 @@ def test_own_scope_forgets_with_the_trajectory() -> None:
 def test_bad_settings_are_refused(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         DraftSettings(**kwargs)
+
+
+def test_references_from_elsewhere_draft_for_the_group_but_not_in_own_scope() -> None:
+    for scope, want in (("group", [12, 13]), ("own", [])):
+        src = GroupedDraftSource(DraftSettings(scope=scope, min_ngram=2, max_ngram=2))
+        src.add_reference(4, PROMPT, [10, 11, 12, 13])
+        src.add(1, 4, PROMPT, [10, 11])
+        assert src.draft(1, 2) == want
