@@ -16,9 +16,13 @@ Group-correlated responses need a model whose siblings agree, as a trained polic
 randomly initialised Qwen2 (nothing downloaded) has its final norm scaled by
 ``--sharpness``, which makes its next-token distributions peaked (the mean entropy of the
 sampled tokens is printed). The sampled tokens of every side are checked to be the same
-(keyed sampling: speculation changes how fast, not what). Figures: decode tokens/s (the
-engine's own decode time, prefill excluded; median over ``--repeats``), mean accepted
-draft tokens per verification, drafts wasted. One torch thread by default.
+(keyed sampling: speculation changes how fast, not what; up to float rounding, see
+docs/speculation.md). Figures: decode tokens/s (the engine's own decode wall time, prefill
+excluded), tokens per CPU second of the process (prefill included, which is small here;
+on a machine shared with busy processes, wall-clock figures swing several-fold within
+seconds while CPU time of the single-threaded process does not), both the median over
+``--repeats``; mean accepted draft tokens per verification, drafts wasted. One torch
+thread by default.
 
     OMP_NUM_THREADS=1 python experiments/bench_speculation.py --json results/bench_speculation.json
 """
@@ -162,13 +166,14 @@ def run_side(
     engine.submit(
         [request(g * args.group + args.group - 1, p, args.tokens, g) for g, p in enumerate(prompts)]
     )
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     done = drain(engine)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     t = engine.times()
     stats = engine.speculation_stats()
     return {
         "decode_tokens_per_s": t.decode_tokens / t.decode_s,
+        "cpu_tokens_per_s": t.decode_tokens / cpu,
         "wall_s": wall,
         "accepted_per_verification": stats.accepted_per_verification,
         "verifications": stats.verifications,
@@ -212,6 +217,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "decode_tokens_per_s": statistics.median(
                     r["decode_tokens_per_s"] for r in runs[side]
                 ),
+                "cpu_tokens_per_s": statistics.median(r["cpu_tokens_per_s"] for r in runs[side]),
                 "accepted_per_verification": first["accepted_per_verification"],
                 "verifications": first["verifications"],
                 "drafted": first["drafted"],
@@ -219,17 +225,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "same_tokens_as_none": same,
             }
             rows.append(row)
-    base = {r["batch"]: r["decode_tokens_per_s"] for r in rows if r["side"] == "none"}
+    base = {r["batch"]: r for r in rows if r["side"] == "none"}
     print(
-        f"{'batch':>5} {'side':>9} {'decode tok/s':>12} {'x none':>7} {'acc/verif':>9} "
-        f"{'drafted':>8} {'wasted':>8} same-tokens"
+        f"{'batch':>5} {'side':>9} {'decode tok/s':>12} {'x none':>7} {'tok/cpu-s':>9} "
+        f"{'x none':>7} {'acc/verif':>9} {'drafted':>8} {'wasted':>8} same-tokens"
     )
     for r in rows:
-        r["speedup"] = r["decode_tokens_per_s"] / base[r["batch"]]
+        b = base[r["batch"]]
+        r["speedup"] = r["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+        r["cpu_speedup"] = r["cpu_tokens_per_s"] / b["cpu_tokens_per_s"]
         print(
             f"{r['batch']:>5} {r['side']:>9} {r['decode_tokens_per_s']:>12.0f} "
-            f"{r['speedup']:>7.2f} {r['accepted_per_verification']:>9.2f} {r['drafted']:>8} "
-            f"{r['wasted']:>8} {r['same_tokens_as_none']}"
+            f"{r['speedup']:>7.2f} {r['cpu_tokens_per_s']:>9.0f} {r['cpu_speedup']:>7.2f} "
+            f"{r['accepted_per_verification']:>9.2f} {r['drafted']:>8} {r['wasted']:>8} "
+            f"{r['same_tokens_as_none']}"
         )
     result = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
