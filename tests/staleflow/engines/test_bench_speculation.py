@@ -16,7 +16,7 @@ from tests.support.experiments import load
 def test_the_sides_agree_and_the_figures_are_written(tmp_path: Path) -> None:
     bench = load("bench_speculation")
     out = tmp_path / "spec.json"
-    args = ["--hidden", "32", "--layers", "1", "--vocab", "64", "--tokens", "24"]
+    args = ["--hidden", "32", "--layers", "1", "--vocab", "64", "--tokens", "16", "--group", "3"]
     result = bench.main([*args, "--batches", "1,2", "--repeats", "1", "--json", str(out)])
     rows = {(r["batch"], r["side"]): r for r in result["rows"]}
     assert len(rows) == 2 * len(bench.SIDES)
