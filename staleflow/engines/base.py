@@ -98,8 +98,9 @@ class RolloutEngine(Protocol):
     def step(self) -> list[EngineOutput]:
         """Admit waiting requests while the KV budget allows (prefill), preempting running
         ones back into the queue when the budget is exceeded, then decode one token for
-        every running request. Returns the requests that finished in this step. A no-op
-        returning [] when there is no work."""
+        every running request (an engine verifying speculative drafts may add several).
+        Returns the requests that finished in this step. A no-op returning [] when there is
+        no work."""
         ...
 
     def interrupt(self, traj_ids: Iterable[int]) -> dict[int, EngineOutput]:
