@@ -225,6 +225,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "same_tokens_as_none": same,
             }
             rows.append(row)
+            print(
+                f"batch {b} {side}: {row['cpu_tokens_per_s']:.0f} tok/cpu-s, "
+                f"{row['decode_tokens_per_s']:.0f} decode tok/s, "
+                f"{row['accepted_per_verification']:.2f} accepted/verification",
+                flush=True,
+            )
     base = {r["batch"]: r for r in rows if r["side"] == "none"}
     print(
         f"{'batch':>5} {'side':>9} {'decode tok/s':>12} {'x none':>7} {'tok/cpu-s':>9} "
