@@ -34,6 +34,10 @@ ROLLOUT_BACKENDS = ("embedded", "vllm", "sglang")
 # class says so with ``loads_adapters`` (tests/staleflow/engines check the two agree)
 LORA_ROLLOUT_BACKENDS = ("embedded", "vllm", "sglang")
 SGLANG_WEIGHT_SYNCS = ("tensor", "disk")  # staleflow.engines.sglang.config.WEIGHT_SYNCS
+SPECULATION_METHODS = ("off", "group", "own")
+DRAFT_WHY = "draft tokens verified in one forward: acceptance decays long before 1024 tokens"
+NGRAM_WHY = "the index keeps every n-gram up to this length per token: its memory grows with it"
+SPECULATION_BACKENDS = ("embedded",)  # the backends that verify drafts (docs/speculation.md)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +161,55 @@ class SGLangOptions:
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculationOptions:
+    """rollout.speculation: lossless speculative decoding from model-free drafts
+    (docs/speculation.md); off by default."""
+
+    KEY: ClassVar[str] = "rollout.speculation"
+
+    method: str = field(
+        default="off",
+        metadata=_help(
+            "off | group (drafts from the responses of the trajectory's group and its own "
+            "history) | own (its own prompt and response only)"
+        ),
+    )
+    max_draft: int = field(
+        default=8,
+        metadata=_help("draft tokens one trajectory verifies per step", 1024, DRAFT_WHY),
+    )
+    batch_draft_tokens: int = field(
+        default=32,
+        metadata=_help(
+            "draft tokens the whole running batch verifies per step: a trajectory drafts "
+            "min(max_draft, this // running), long in the tail, none in a full batch",
+            MAX_BATCH_TOKENS,
+            BATCH_TOKENS_WHY,
+        ),
+    )
+    min_ngram: int = field(
+        default=2,
+        metadata=_help("shortest context suffix matched in the group", 1024, NGRAM_WHY),
+    )
+    max_ngram: int = field(
+        default=6,
+        metadata=_help("longest context suffix matched in the group", 1024, NGRAM_WHY),
+    )
+
+    def __post_init__(self) -> None:
+        check_types(self, self.KEY)
+        require_choice(f"{self.KEY}.method", self.method, SPECULATION_METHODS)
+        for name in ("max_draft", "batch_draft_tokens", "min_ngram", "max_ngram"):
+            require_at_least(f"{self.KEY}.{name}", getattr(self, name), 1, "token")
+        require(
+            self.min_ngram <= self.max_ngram,
+            f"{self.KEY}.min_ngram",
+            self.min_ngram,
+            f"exceeds max_ngram={self.max_ngram}: lower it or raise max_ngram",
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class RolloutConfig:
     """The rollout instances and how they sample."""
 
@@ -224,6 +277,7 @@ class RolloutConfig:
     )
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
     sglang: SGLangOptions = field(default_factory=SGLangOptions)
+    speculation: SpeculationOptions = field(default_factory=SpeculationOptions)
 
     def __post_init__(self) -> None:
         check_types(self, self.KEY)
@@ -237,3 +291,10 @@ class RolloutConfig:
         require_at_least("rollout.max_running", self.max_running, 1, "trajectory")
         require_at_least("rollout.num_threads", self.num_threads, 1, "thread")
         require_at_least("rollout.prefix_cache_tokens", self.prefix_cache_tokens, 0, "token")
+        require(
+            self.speculation.method == "off" or self.backend in SPECULATION_BACKENDS,
+            "rollout.speculation.method",
+            self.speculation.method,
+            f"needs rollout.backend in {SPECULATION_BACKENDS} (rollout.backend="
+            f"{self.backend} does not verify drafts yet): set it to off",
+        )

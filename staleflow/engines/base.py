@@ -31,6 +31,10 @@ class GenerationRequest:
     ``traj_id`` is a trajectory's id, or, from ``EVAL_ID_BASE`` (2**62) on, a held-out
     evaluation request of the instance (``staleflow.rollout.eval_lane``): an engine treats
     both alike, so it must take any non-negative int64 id.
+
+    ``group_id``: the trajectory's group (its siblings answer the same prompt), for an
+    engine that drafts speculative tokens from the group (``staleflow.engines.drafts``);
+    None: not in a group (evaluation), or unknown. Engines without speculation ignore it.
     """
 
     traj_id: int
@@ -39,6 +43,7 @@ class GenerationRequest:
     logprobs: np.ndarray
     versions: np.ndarray
     max_response: int
+    group_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -101,8 +106,9 @@ class RolloutEngine(Protocol):
     def step(self) -> list[EngineOutput]:
         """Admit waiting requests while the KV budget allows (prefill), preempting running
         ones back into the queue when the budget is exceeded, then decode one token for
-        every running request. Returns the requests that finished in this step. A no-op
-        returning [] when there is no work."""
+        every running request (an engine verifying speculative drafts may add several).
+        Returns the requests that finished in this step. A no-op returning [] when there is
+        no work."""
         ...
 
     def interrupt(self, traj_ids: Iterable[int]) -> dict[int, EngineOutput]:

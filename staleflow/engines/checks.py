@@ -22,6 +22,7 @@ class CheckedRequest:
     logprobs: np.ndarray  # float32
     versions: np.ndarray  # int32
     max_response: int
+    group_id: int | None = None
 
 
 class RequestRecord:
@@ -83,6 +84,11 @@ def check_request(req: GenerationRequest, *, vocab_size: int, max_seq_len: int) 
             f"{where}: prompt ({len(prompt)}) + max_response ({max_response}) exceeds "
             f"max_seq_len={max_seq_len}; shorten the request or raise max_seq_len"
         )
+    group_id = req.group_id
+    if group_id is not None and (
+        not isinstance(group_id, int | np.integer) or isinstance(group_id, bool) or group_id < 0
+    ):
+        raise ValueError(f"{where}: group_id must be a non-negative int or None, got {group_id!r}")
     return CheckedRequest(
         traj_id=int(traj_id),
         prompt=prompt,
@@ -90,6 +96,7 @@ def check_request(req: GenerationRequest, *, vocab_size: int, max_seq_len: int) 
         logprobs=logprobs.astype(np.float32, copy=True),
         versions=versions.astype(np.int32, copy=True),
         max_response=int(max_response),
+        group_id=None if req.group_id is None else int(req.group_id),
     )
 
 

@@ -204,6 +204,7 @@ class RolloutInstance:
                 logprobs=r.logprobs,
                 versions=r.versions,
                 max_response=chunk_cap(len(r.tokens), self._max_response, self._chunk_tokens),
+                group_id=r.group_id,  # an engine with grouped drafts drafts from its siblings
             )
             for r in routed
         ]
@@ -278,6 +279,7 @@ class RolloutInstance:
                 logprobs=routed.logprobs,
                 versions=routed.versions,
                 max_response=self._max_response,
+                group_id=routed.group_id,
             )
             self._engine.submit([request])
             r = routed
@@ -308,6 +310,7 @@ class RolloutInstance:
                         max_response=chunk_cap(
                             len(out.tokens), self._max_response, self._chunk_tokens
                         ),
+                        group_id=m.group_id,
                     )
                 ]
             )

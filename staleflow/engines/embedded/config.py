@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from staleflow.engines.drafts import SpeculationSettings
 from staleflow.engines.settings import EngineSettings, positive_int
 
 
@@ -22,12 +23,15 @@ class EmbeddedEngineConfig(EngineSettings):
     prefix_cache_tokens: KV tokens of finished turns kept for their trajectory's next turn
         (``prefix_store``), beside the running batch's budget; 0 (default): none kept.
     prefix_cache_trajs: trajectories whose prefix is kept at most (least recent evicted).
+    speculation: verify drafts from the request's group (or its own history) in each decode
+        step, lossless (``docs/speculation.md``); None: one token per request per step.
     """
 
     num_threads: int | None = None
     max_prefill_tokens: int = 8192
     prefix_cache_tokens: int = 0
     prefix_cache_trajs: int = 256
+    speculation: SpeculationSettings | None = None
 
     def __post_init__(self) -> None:
         EngineSettings.__post_init__(self)
@@ -38,5 +42,10 @@ class EmbeddedEngineConfig(EngineSettings):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0 (0: keep no prefix), got {value!r}")
+        if self.speculation is not None and not isinstance(self.speculation, SpeculationSettings):
+            raise ValueError(
+                "speculation must be a SpeculationSettings (staleflow.engines.drafts) or None, "
+                f"got {type(self.speculation).__name__}"
+            )
         if self.num_threads is not None:
             positive_int("num_threads", self.num_threads, "torch threads (None: leave as is)")

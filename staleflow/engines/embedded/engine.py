@@ -72,6 +72,7 @@ from staleflow.engines.checks import (
     check_unique,
     check_weights,
 )
+from staleflow.engines.drafts import GroupedDraftSource, SpeculationStats
 from staleflow.engines.embedded import sampling
 from staleflow.engines.embedded.config import EmbeddedEngineConfig
 from staleflow.engines.embedded.prefix_store import HeldPrefix, PrefixStore, common_prefix
@@ -148,6 +149,9 @@ class EmbeddedEngine:
         self._prefix_hits = 0
         self._prefix_tokens = 0
         self.preemptions = 0
+        spec = config.speculation
+        self._draft_source = None if spec is None else GroupedDraftSource(spec.drafts)
+        self._spec_stats = [0, 0, 0]  # verifications (with a draft), drafted, accepted
         logger.info(
             "embedded engine: %d layers, %d/%d heads, KV cache %.1f MiB (%d slots x %d tokens), "
             "budget %d tokens",
@@ -173,6 +177,8 @@ class EmbeddedEngine:
             r = _Request(c)
             self._waiting.append(r)
             self._known[r.traj_id] = r
+            if self._draft_source is not None:
+                self._draft_source.add(r.traj_id, c.group_id, r.prompt, r.tokens)
 
     def interrupt(self, traj_ids: Iterable[int]) -> dict[int, EngineOutput]:
         return {r.traj_id: r.output(None) for r in self._remove(traj_ids)}
@@ -205,6 +211,8 @@ class EmbeddedEngine:
             if r is None:
                 continue
             found.append(r)
+            if self._draft_source is not None:
+                self._draft_source.forget(r.traj_id)
             if r.admitted >= 0:
                 self._release_row(self._rows.index(r))
             else:
@@ -316,27 +324,28 @@ class EmbeddedEngine:
         if not rows:
             return []
         t0 = time.perf_counter()
-        device = self._runner.shape.device
-        last = [r.tokens[-1] if r.tokens else int(r.prompt[-1]) for r in rows]
-        ids = torch.tensor(last, dtype=torch.long, device=device)
-        positions = torch.tensor([r.length - 1 for r in rows], dtype=torch.long, device=device)
-        logits = self._runner.decode(self._cache, ids, positions)
-        cfg = self.config
-        u = sampling.uniforms(cfg.seed, [r.traj_id for r in rows], [len(r.tokens) for r in rows])
-        with torch.inference_mode():
-            toks, lps = sampling.sample(
-                logits, torch.from_numpy(u).to(device), temperature=cfg.temperature, top_p=cfg.top_p
-            )
+        drafts = self._drafts()
+        sampled = self._verify(drafts) if any(drafts) else [[p] for p in self._decode_one()]
         finished: list[tuple[int, str]] = []
         version = self._version
-        for i, (r, tok, lp) in enumerate(zip(rows, toks.tolist(), lps.tolist(), strict=True)):
-            r.tokens.append(tok)
-            r.logprobs.append(lp)
-            r.versions.append(version)
-            if tok in self._eos:
-                finished.append((i, FINISH_STOP))
-            elif len(r.tokens) >= r.max_response:
-                finished.append((i, FINISH_LENGTH))
+        produced = 0
+        for i, (r, pairs) in enumerate(zip(rows, sampled, strict=True)):
+            start = len(r.tokens)
+            reason = None
+            for tok, lp in pairs:
+                r.tokens.append(tok)
+                r.logprobs.append(lp)
+                r.versions.append(version)
+                if tok in self._eos:
+                    reason = FINISH_STOP
+                elif len(r.tokens) >= r.max_response:
+                    reason = FINISH_LENGTH
+                if reason is not None:
+                    finished.append((i, reason))
+                    break
+            produced += len(r.tokens) - start
+            if self._draft_source is not None:
+                self._draft_source.extend(r.traj_id, r.tokens[start:])
         outputs = []
         # Highest rows first, so moving the last row into a hole never moves a finished one.
         for i, reason in reversed(finished):
@@ -345,9 +354,11 @@ class EmbeddedEngine:
                 self._keep_prefix(i, r)
             self._release_row(i)
             del self._known[r.traj_id]
+            if self._draft_source is not None:
+                self._draft_source.forget(r.traj_id)  # its tokens stay for its siblings
             outputs.append(r.output(reason))
         outputs.reverse()
-        self._decode_tokens += len(last)
+        self._decode_tokens += produced
         self._decode_s += time.perf_counter() - t0
         return outputs
 
@@ -360,6 +371,96 @@ class EmbeddedEngine:
         with torch.inference_mode():
             k, v = self._cache.read_row(row, n)
         self._prefixes.put(r.traj_id, HeldPrefix(r.sequence()[:n], k, v))
+
+    def _decode_one(self) -> list[tuple[int, float]]:
+        """One token and its logprob for every running request (no drafts)."""
+        rows = self._rows
+        device = self._runner.shape.device
+        last = [r.tokens[-1] if r.tokens else int(r.prompt[-1]) for r in rows]
+        ids = torch.tensor(last, dtype=torch.long, device=device)
+        positions = torch.tensor([r.length - 1 for r in rows], dtype=torch.long, device=device)
+        logits = self._runner.decode(self._cache, ids, positions)
+        toks, lps = self._sample(logits, [r.traj_id for r in rows], [len(r.tokens) for r in rows])
+        return list(zip(toks, lps, strict=True))
+
+    def _sample(
+        self, logits: torch.Tensor, traj_ids: list[int], indices: list[int]
+    ) -> tuple[list[int], list[float]]:
+        cfg = self.config
+        u = sampling.uniforms(cfg.seed, traj_ids, indices)
+        with torch.inference_mode():
+            toks, lps = sampling.sample(
+                logits,
+                torch.from_numpy(u).to(logits.device),
+                temperature=cfg.temperature,
+                top_p=cfg.top_p,
+            )
+        return toks.tolist(), lps.tolist()
+
+    def _drafts(self) -> list[list[int]]:
+        """Each running request's draft: at most the adaptive length for this batch size, one
+        token short of its budget (the verified step adds a token of its own), and within
+        the KV budget together (a request grows by its accepted drafts plus one)."""
+        source, spec = self._draft_source, self.config.speculation
+        if source is None or spec is None:
+            return [[] for _ in self._rows]
+        k = spec.draft_length(len(self._rows))
+        spare = self.config.kv_budget_tokens - sum(r.length + 1 for r in self._rows)
+        drafts = []
+        for r in self._rows:
+            room = min(k, r.max_response - len(r.tokens) - 1, spare)
+            d = source.draft(r.traj_id, room) if room > 0 else []
+            spare -= len(d)
+            drafts.append(d)
+        return drafts
+
+    def _verify(self, drafts: list[list[int]]) -> list[list[tuple[int, float]]]:
+        """Run every request's last token and draft through one forward and keep, per
+        request, the tokens sampled up to and including the first that differs from its
+        draft (or the one after a fully accepted draft).
+
+        Token ``i`` is sampled from the target's distribution after ``prompt + response[:i]``
+        with the request's own uniform ``u(seed, traj, i)``, exactly as without drafts; a
+        draft token ``d`` is accepted iff that sample *is* ``d``. That is the speculative-
+        sampling rule for a deterministic draft (accept ``d`` with probability ``p(d)``; on
+        rejection draw from ``p`` with ``d`` removed, renormalised), realised with the key
+        the plain path uses, so a request samples the tokens it would sample without
+        speculation (docs/speculation.md)."""
+        rows = self._rows
+        device = self._runner.shape.device
+        width = 1 + max(len(d) for d in drafts)
+        ids = np.zeros((len(rows), width), dtype=np.int64)
+        for i, (r, d) in enumerate(zip(rows, drafts, strict=True)):
+            ids[i, 0] = r.tokens[-1] if r.tokens else int(r.prompt[-1])
+            ids[i, 1 : 1 + len(d)] = d
+        lengths = [1 + len(d) for d in drafts]
+        logits = self._runner.verify(
+            self._cache,
+            torch.from_numpy(ids).to(device),
+            torch.tensor([r.length - 1 for r in rows], dtype=torch.long, device=device),
+            torch.tensor(lengths, dtype=torch.long, device=device),
+        )
+        keep = [(i, j) for i, n in enumerate(lengths) for j in range(n)]
+        flat = logits[[i for i, _ in keep], [j for _, j in keep]]
+        toks, lps = self._sample(
+            flat, [rows[i].traj_id for i, _ in keep], [len(rows[i].tokens) + j for i, j in keep]
+        )
+        out: list[list[tuple[int, float]]] = []
+        at = 0
+        stats = self._spec_stats
+        for d, n in zip(drafts, lengths, strict=True):
+            pairs = []
+            for j in range(n):
+                pairs.append((toks[at + j], lps[at + j]))
+                if j == len(d) or toks[at + j] != d[j]:
+                    break
+            at += n
+            out.append(pairs)
+            if d:
+                stats[0] += 1
+                stats[1] += len(d)
+                stats[2] += len(pairs) - 1
+        return out
 
     def _release_row(self, row: int) -> None:
         """Free cache row ``row``, keeping rows dense by moving the last request into it."""
@@ -430,6 +531,26 @@ class EmbeddedEngine:
 
     def _rows_by_admission(self) -> list[_Request]:
         return sorted(self._rows, key=lambda r: r.admitted)
+
+    def speculation_stats(self) -> SpeculationStats:
+        v, d, a = self._spec_stats
+        return SpeculationStats(verifications=v, drafted=d, accepted=a)
+
+    def add_group_responses(
+        self, group_id: int, prompt: np.ndarray, responses: Iterable[np.ndarray]
+    ) -> None:
+        """Responses of ``group_id`` generated elsewhere (siblings on other instances),
+        for its members here to draft from (no-op without grouped speculation)."""
+        if self._draft_source is not None:
+            for tokens in responses:
+                self._draft_source.add_reference(group_id, prompt, tokens)
+
+    def forget_groups(self, group_ids: Iterable[int]) -> None:
+        """Drop the drafts of groups that were consumed or aborted (no-op without
+        speculation; groups beyond the draft source's bound go on their own)."""
+        if self._draft_source is not None:
+            for g in group_ids:
+                self._draft_source.forget_group(g)
 
     def times(self) -> StepTimes:
         return StepTimes(

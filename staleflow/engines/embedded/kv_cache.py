@@ -55,7 +55,7 @@ class SlotKVCache:
         self.k[layer][rows, :, positions] = k
         self.v[layer][rows, :, positions] = v
 
-    def write_at(
+    def write_tokens(
         self,
         layer: int,
         rows: torch.Tensor,
@@ -63,8 +63,9 @@ class SlotKVCache:
         k: torch.Tensor,
         v: torch.Tensor,
     ) -> None:
-        """Write one token per entry (``k``/``v`` ``[N, kv_heads, head_dim]``) at
-        ``rows[j]``, ``positions[j]``: a batch of prefix extensions, each at its own offset."""
+        """Write token ``j`` (``k``/``v`` ``[m, kv_heads, head_dim]``) at ``positions[j]``
+        of row ``rows[j]``: any number of tokens per row (a batch of prefix extensions,
+        each at its own offset; speculative verification)."""
         self.k[layer][rows, :, positions] = k
         self.v[layer][rows, :, positions] = v
 

@@ -221,7 +221,7 @@ class ModelRunner:
             q, k, v = self._qkv(attn, x, (n, length, nh, hd), (n, length, kvh, hd))
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-            cache.write_at(
+            cache.write_tokens(
                 i, write_rows, write_pos, k.transpose(1, 2)[valid], v.transpose(1, 2)[valid]
             )
             if i == last and not want_logits:
@@ -264,3 +264,43 @@ class ModelRunner:
             h = h + attn.o_proj(a.reshape(n, 1, kvh * rep * hd))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.lm_head(self.norm(h))[:, 0].float()
+
+    @torch.inference_mode()
+    def verify(
+        self, cache: SlotKVCache, ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor
+    ) -> torch.Tensor:
+        """Several tokens for each cache row ``0..n-1`` in one forward (speculative
+        verification): row ``i`` feeds ``ids[i, :lengths[i]]`` (its last token then its
+        draft; right-padded) at positions ``positions[i]`` on, each attending causally to
+        the row's cache and the tokens before it. Writes their K/V (padding is not
+        written) and returns float32 logits ``[n, L, vocab]``."""
+        n, length = ids.shape
+        kvh, hd, rep = self.shape.kv_heads, self.shape.head_dim, self._rep
+        steps = torch.arange(length, device=ids.device)
+        pos = positions[:, None] + steps[None, :]  # [n, L]
+        span = int((positions + lengths).max())
+        valid = steps[None, :] < lengths[:, None]
+        rows_w = torch.arange(n, device=ids.device)[:, None].expand(n, length)[valid]
+        pos_w = pos[valid]
+        h = self.embed(ids)
+        cos, sin = self.rotary(h, pos)  # [n, L, D]
+        q_cos, q_sin = cos[:, :, None, None], sin[:, :, None, None]  # over kv heads and rep
+        k_cos, k_sin = cos[:, :, None], sin[:, :, None]
+        # query (j, r) of KV head g sees key position t if t <= position of query j; the rep
+        # query heads of a KV head ride on the query-length axis, as in decode.
+        keys_at = torch.arange(span, device=ids.device)
+        mask = (keys_at[None, None, :] <= pos[:, :, None]).repeat_interleave(rep, dim=1)
+        mask = mask[:, None]  # [n, 1, L * rep, span]
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q, k, v = self._qkv(attn, x, (n, length, kvh, rep, hd), (n, length, kvh, hd))
+            q, k = _rope(q, q_cos, q_sin), _rope(k, k_cos, k_sin)
+            cache.write_tokens(i, rows_w, pos_w, k[valid], v[valid])
+            keys, values = cache.view(i, n, span)
+            q = q.permute(0, 2, 1, 3, 4).reshape(n, kvh, length * rep, hd)
+            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
+            a = a.view(n, kvh, length, rep, hd).permute(0, 2, 1, 3, 4)
+            h = h + attn.o_proj(a.reshape(n, length, kvh * rep * hd))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.lm_head(self.norm(h)).float()

@@ -19,6 +19,7 @@ from parameter_server.torch_compat import layout_of_state_dict, state_dict_to_nu
 from staleflow.config.env import ENV_TASKS
 from staleflow.data.tokenizer import CharTokenizer, HFTokenizer
 from staleflow.engines import engine_class
+from staleflow.engines.drafts import DraftSettings, SpeculationSettings
 from staleflow.engines.factory import build_engine
 from staleflow.engines.settings import EngineSettings
 from staleflow.envs import EpisodeLimits, environment_target, make_environment
@@ -35,6 +36,7 @@ from staleflow.trainers import trainer_class
 if TYPE_CHECKING:
     from staleflow.config import RewardConfig, RolloutConfig, RunConfig, TrainerConfig
     from staleflow.config.lora import LoraConfig
+    from staleflow.config.rollout import SpeculationOptions
     from staleflow.engines.factory import EngineOptions
 
 
@@ -237,6 +239,19 @@ def engine_settings(spec: RolloutSpec, seed: int) -> Any:
     )
 
 
+def speculation_settings(options: SpeculationOptions) -> SpeculationSettings | None:
+    """``rollout.speculation`` as the engine's setting (None: off)."""
+    if options.method == "off":
+        return None
+    return SpeculationSettings(
+        drafts=DraftSettings(
+            scope=options.method, min_ngram=options.min_ngram, max_ngram=options.max_ngram
+        ),
+        max_draft=options.max_draft,
+        batch_draft_tokens=options.batch_draft_tokens,
+    )
+
+
 def build_embedded_engine(spec: RolloutSpec, seed: int, placement: EnginePlacement) -> Any:
     """The ``embedded`` rollout backend (one CPU process; ``placement`` has no TP bundles)."""
     from dataclasses import asdict
@@ -248,6 +263,7 @@ def build_embedded_engine(spec: RolloutSpec, seed: int, placement: EnginePlaceme
         **asdict(engine_settings(spec, seed)),
         num_threads=spec.rollout.num_threads,
         prefix_cache_tokens=spec.prefix_cache_tokens,
+        speculation=speculation_settings(spec.rollout.speculation),
     )
     return engine_class("embedded")(build_architecture(spec.model, seed), config)
 

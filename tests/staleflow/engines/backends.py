@@ -140,6 +140,11 @@ SGLANG_SKIP = (
 
 PARAMS = [
     pytest.param("embedded", id="embedded"),
+    # speculation on (own-history drafts: contract requests name no group): every guarantee
+    # of the contract holds with drafts verified in the steps (with this random model they
+    # are verified and rejected, the path that leaves K/V past a request's length; accepted
+    # drafts are tested in test_embedded_speculation)
+    pytest.param("embedded-spec", id="embedded-spec"),
     pytest.param(
         "vllm",
         id="vllm",
@@ -185,14 +190,20 @@ def open_backend(
         eos_token_id=eos,
         seed=0,
     )
-    if name == "embedded":
+    if name in ("embedded", "embedded-spec"):
+        from staleflow.engines.drafts import DraftSettings, SpeculationSettings
         from staleflow.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
         engine_model = build_model(0)
         engine_model.load_state_dict(model.state_dict())
         budget = {} if prefill_budget is None else {"max_prefill_tokens": prefill_budget}
+        spec = None
+        if name == "embedded-spec":
+            spec = SpeculationSettings(drafts=DraftSettings(scope="own", min_ngram=1))
         # a turn's KV kept for its next turn (prefix_store): every case runs with it
-        config = EmbeddedEngineConfig(**common, **budget, prefix_cache_tokens=4096)
+        config = EmbeddedEngineConfig(
+            **common, **budget, prefix_cache_tokens=4096, speculation=spec
+        )
         return Backend(name, EmbeddedEngine(engine_model, config), reference, eos)
     if name == "vllm":
         from staleflow.engines.vllm import VLLMEngine, VLLMEngineConfig
