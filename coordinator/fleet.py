@@ -18,7 +18,19 @@ class Fleet:
     """``S`` of Algorithm 1 for one cycle: versions, loads and the trajectories on each
     instance. The snapshot itself is never modified."""
 
-    __slots__ = ("ids", "kv", "n_run", "n_wait", "run", "speed", "version", "wait")
+    __slots__ = (
+        "env",
+        "held",
+        "ids",
+        "kv",
+        "n_env",
+        "n_run",
+        "n_wait",
+        "run",
+        "speed",
+        "version",
+        "wait",
+    )
 
     ids: list[InstanceId]
     version: npt.NDArray[np.int64]
@@ -30,6 +42,12 @@ class Fleet:
     # Step-latency multiplier per instance (coordinator.estimation): the instance's cost
     # model is the profiled one times this. Ones unless an estimator sets it.
     speed: npt.NDArray[np.float64]
+    # Multi-turn work (types.InstanceSnapshot): trajectories waiting on an environment
+    # after a turn that ended on each instance, and the prefixes each instance caches,
+    # as trajectory -> (position, KV tokens). Neither is decoding work.
+    env: list[tuple[TrajectoryView, ...]]
+    n_env: npt.NDArray[np.int64]
+    held: dict[int, tuple[int, int]]
 
     def __init__(self, snapshot: Snapshot | None = None) -> None:
         insts = sorted(snapshot.instances, key=lambda s: s.inst) if snapshot else []
@@ -41,6 +59,13 @@ class Fleet:
         self.run = [s.run_trajs for s in insts]
         self.wait = [s.wait_trajs for s in insts]
         self.speed = np.ones(len(insts))
+        self.env = [s.env_trajs for s in insts]
+        self.n_env = np.array([len(s.env_trajs) for s in insts], dtype=np.int64)
+        self.held = {}
+        for pos, s in enumerate(insts):
+            for t, n in s.held:  # an instance left behind may cache a shorter, older prefix
+                if n > self.held.get(t, (-1, -1))[1]:
+                    self.held[t] = (pos, n)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -56,6 +81,9 @@ class Fleet:
         out.run = list(self.run)
         out.wait = list(self.wait)
         out.speed = self.speed
+        out.env = self.env
+        out.n_env = self.n_env
+        out.held = self.held  # copied on write (set_version)
         return out
 
     def latencies(self, cost: CostModel) -> npt.NDArray[np.float64]:
@@ -98,4 +126,12 @@ class Fleet:
         self.n_wait[pos] = len(wait)
 
     def set_version(self, pos: int, version: int) -> None:
+        """A Pull: new weights, so the prefixes the instance cached are gone."""
+        if version != self.version[pos] and self.held:
+            self.held = {t: h for t, h in self.held.items() if h[0] != pos}
         self.version[pos] = version
+
+    def holder(self, traj_id: int) -> int:
+        """Position of the instance caching ``traj_id``'s prefix, -1 if none does."""
+        h = self.held.get(traj_id)
+        return -1 if h is None else h[0]

@@ -6,6 +6,7 @@ from operator import attrgetter
 
 import numpy as np
 
+from coordinator.agentic import waiting_pulls
 from coordinator.critical import oldest_tail
 from coordinator.fleet import Fleet
 from coordinator.gains import routing_gains
@@ -99,6 +100,8 @@ class ThroughputSync:
         phi_wait: int | None = None,
         pull_kv: float | None = None,
         hold_tail: int | None = None,
+        waiting_share: float | None = None,
+        tail_waiting: bool = False,
     ) -> None:
         if phi_wait is not None and phi_wait < 0:
             raise ValueError(f"phi_wait must be >= 0 or None (got {phi_wait})")
@@ -114,6 +117,12 @@ class ThroughputSync:
         if hold_tail is not None and hold_tail < 1:
             raise ValueError(f"hold_tail must be >= 1 trajectory per instance (got {hold_tail})")
         self.hold_tail = hold_tail  # None: no critical holds
+        if waiting_share is not None and not 0.0 <= waiting_share <= 1.0:
+            raise ValueError(f"waiting_share must be in [0, 1] (got {waiting_share})")
+        # Pulls of instances whose trajectories mostly wait on tools (coordinator/
+        # agentic.py waiting_pulls); None: off
+        self.waiting_share = waiting_share
+        self.tail_waiting = tail_waiting  # the critical tail counts tool waits (critical.py)
 
     def select(
         self, fleet: Fleet, pool: TrajectoryPool, ps_version: int, sketch: AdmissionSketch
@@ -126,9 +135,14 @@ class ThroughputSync:
         # Algorithm 4 keeps these; the queue release below may still Pull one.
         held: set[int] = set()
         if max_kv is not None and self.hold_tail is not None:
-            held = _running_tail(fleet, pool, self.hold_tail, ps_version)
+            held = _running_tail(fleet, pool, self.hold_tail, ps_version, self.tail_waiting)
         candidates = [p for p in lagging if p not in held]
         chosen = self._algorithm4(fleet, levels, candidates, ps_version, sketch, max_kv)
+        if self.waiting_share is not None:
+            taken = set(chosen)
+            rest = [p for p in candidates if p not in taken]
+            fresh = self._fresh_work(levels, ps_version, sketch)
+            chosen = sorted(chosen + waiting_pulls(fleet, rest, self.waiting_share, fresh))
         if self.phi_wait is None:
             return chosen
         taken = set(chosen)
@@ -138,6 +152,14 @@ class ThroughputSync:
                 chosen + self._release(fleet, levels, chosen, queued, ps_version, sketch)
             )
         return chosen
+
+    @staticmethod
+    def _fresh_work(levels: list[Level], ps_version: int, sketch: AdmissionSketch) -> bool:
+        """Does the TS hold a new trajectory that may start at ``ps_version``?"""
+        initial = [ts for v, ts in levels if v is None]
+        if not initial:
+            return False
+        return any(sketch.verify(ps_version, g) for g in dict.fromkeys(map(_GROUP_ID, initial[0])))
 
     def loaded(self, fleet: Fleet) -> bool:
         """Does a drained instance step faster than the fleet's, and would a Pull's
@@ -262,11 +284,11 @@ class ThroughputSync:
 
 
 def _running_tail(
-    fleet: Fleet, pool: TrajectoryPool, per_instance: int, ps_version: int
+    fleet: Fleet, pool: TrajectoryPool, per_instance: int, ps_version: int, waiting: bool
 ) -> set[int]:
     """Positions running a trajectory of the oldest version's tail (a queued one makes no
     progress where it is: no reason to keep its instance's version)."""
-    oldest, on = oldest_tail(fleet, pool, per_instance)
+    oldest, on = oldest_tail(fleet, pool, per_instance, waiting)
     if oldest >= ps_version - 1:
         return set()  # one version behind: the hold would starve the next buffer (class doc)
     return {pos for pos, t in on if t not in fleet.wait[pos]}  # queues are short; runs not
