@@ -21,8 +21,10 @@ trajectory will still spend waiting, learned online from the snapshots:
 - :func:`expected_returns` (admission): the decode load each instance will get back
   from its waiting trajectories within a turn's time, which new trajectories must leave
   room for.
-- :func:`waiting_pulls` (synchronisation): a lagging instance whose trajectories mostly
-  wait on tools decodes little now, so a Pull interrupts little; it is taken then.
+- the synchronisation (``sync.ThroughputSync.kv_in_use``) weighs a Pull by what it
+  discards: the decoding KV and the cached prefixes expected back within a turn's time
+  (:func:`expected_returns`). An instance whose trajectories wait on long tool calls,
+  whose caches eviction would likely take anyway, is cheap to Pull and is Pulled then.
 
 Pure: fed snapshots and TS views, it returns numbers; no clock of its own.
 """
@@ -105,6 +107,15 @@ class ToolWaits:
                 left.clear()  # completed or dropped before they were seen back
         if len(back) > 4 * len(since) + 1024:
             back.clear()  # turns that ended the episode leave no next wait
+
+    def learn(self, waits: Sequence[float] = (), turn_tokens: Sequence[int] = ()) -> None:
+        """Add measured waits (seconds) and turn sizes (tokens) directly, e.g. from an
+        earlier run of the same task."""
+        if any(not w >= 0 for w in waits) or any(n < 1 for n in turn_tokens):
+            raise ValueError("waits must be >= 0 seconds and turns >= 1 token")
+        self._waits.extend(float(w) for w in waits)
+        self._turns.extend(int(n) for n in turn_tokens)
+        self._sorted = None
 
     # -- what the rules ask -------------------------------------------------------------
 
@@ -203,7 +214,7 @@ def stays_home(
 
 
 def expected_returns(
-    fleet: Fleet, waits: ToolWaits, cost: CostModel
+    fleet: Fleet, waits: ToolWaits, cost: CostModel, turns: float = 1.0
 ) -> tuple[FloatArray, FloatArray]:
     """Per instance, the expected decoding trajectories and KV tokens that come back from
     their environment within a turn's time, by KV locality: a waiting trajectory whose
@@ -216,7 +227,7 @@ def expected_returns(
     kv = np.zeros(len(fleet))
     if not fleet.held or not fleet.n_env.any():
         return n, kv
-    horizon = fleet.latencies(cost) * waits.turn_tokens()
+    horizon = fleet.latencies(cost) * waits.turn_tokens() * turns
     pos_l, len_l, waited_l = [], [], []
     for pos, trajs in enumerate(fleet.env):
         for t in trajs:
@@ -232,33 +243,3 @@ def expected_returns(
     np.add.at(n, where, p)
     np.add.at(kv, where, p * cost.k5 * np.array(len_l, dtype=np.float64))
     return n, kv
-
-
-def waiting_pulls(
-    fleet: Fleet, lagging: Sequence[int], share: float, fresh_work: bool
-) -> list[int]:
-    """Lagging instances to Pull because their trajectories mostly wait on tools: at most
-    ``share`` of those listed on it (decoding or waiting on an environment) decode, and
-    none is queued. An idle one qualifies too. Only with multi-turn work in the fleet,
-    and only when ``fresh_work`` (the TS has new trajectories admissible at the PS's
-    version, which fresh admission starts on an up-to-date instance only): otherwise the
-    Pull would let nothing in.
-
-    Why. A lagging instance takes no new trajectory (fresh admission), and Algorithm 4
-    Pulls it only once nothing in the TS is routable at its version. With multi-turn
-    work the TS always holds next turns of old trajectories, routable anywhere at their
-    version or newer, so no lagging instance is ever a candidate: the fleet drained
-    completely before each version and then Pulled together, as a synchronous system
-    (docs/simulator.md, Agentic work). Such an instance's decoding batch is small while
-    its trajectories are at their tools, so its Pull interrupts little, and it can start
-    new groups at once. What the Pull costs (its cached prefixes are gone; the few it
-    interrupts and the waiting ones are prefilled again when routed) is paid once per
-    version by every instance in any case."""
-    if not fresh_work or not fleet.n_env.any():
-        return []
-    out = []
-    for pos in lagging:
-        n_run, n_env = float(fleet.n_run[pos]), float(fleet.n_env[pos])
-        if fleet.n_wait[pos] == 0 and n_run <= share * (n_run + n_env):
-            out.append(pos)
-    return out

@@ -250,14 +250,6 @@ class AgenticRulesConfig:
             "back within a turn's time (learned online) were running already"
         },
     )
-    skip_withheld: bool = field(
-        default=True,
-        metadata={
-            "help": "a next turn the throughput routing withholds (mu) does not end the "
-            "routing pass; the others of its MLQ level are still routed (coordinator/"
-            "routing.py)"
-        },
-    )
     tool_critical: bool = field(
         default=True,
         metadata={
@@ -266,14 +258,15 @@ class AgenticRulesConfig:
             "(coordinator/critical.py oldest_tail)"
         },
     )
-    waiting_pulls: float | None = field(
-        default=0.5,
+    tool_pulls: bool = field(
+        default=False,
         metadata={
-            "help": "throughput synchronisation also Pulls a lagging instance on which at "
-            "most this share of its trajectories decode (the rest wait on tools), when "
-            "new trajectories wait at the PS's version; null: off",
-            "max": 1.0,
-            "max_why": "a share of an instance's trajectories",
+            "help": "synchronisation weighs a Pull by the KV it discards that the fleet needs "
+            "again soon (decoding, and the cached prefixes of trajectories expected back "
+            "from their tools within a turn's time): deferred Pulls (pull_kv) count those "
+            "prefixes, and a lagging instance under pull_kv is Pulled when new work waits "
+            "(coordinator/sync.py kv_in_use); off by default: it did not raise throughput "
+            "in the simulator (docs/simulator.md, Agentic work)"
         },
     )
     prior_wait_s: float = field(
@@ -294,18 +287,11 @@ class AgenticRulesConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("kv_locality", "expected_returns", "skip_withheld", "tool_critical"):
+        for name in ("kv_locality", "expected_returns", "tool_pulls", "tool_critical"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
                     f"coordinator.agentic.{name}={getattr(self, name)!r} must be true or false"
                 )
-        if self.waiting_pulls is not None and (
-            isinstance(self.waiting_pulls, bool) or not 0.0 <= self.waiting_pulls <= 1.0
-        ):
-            raise ConfigError(
-                f"coordinator.agentic.waiting_pulls={self.waiting_pulls!r} must be a share in "
-                "[0, 1] (e.g. 0.5), or null for off"
-            )
         if isinstance(self.prior_wait_s, bool) or not self.prior_wait_s > 0:
             raise ConfigError(
                 f"coordinator.agentic.prior_wait_s={self.prior_wait_s!r} must be > 0 seconds "
@@ -323,7 +309,7 @@ class AgenticRulesConfig:
 
     @property
     def any(self) -> bool:
-        return self.kv_locality or self.expected_returns
+        return self.kv_locality or self.expected_returns or self.tool_pulls
 
 
 @dataclass(frozen=True, slots=True)

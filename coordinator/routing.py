@@ -131,12 +131,9 @@ class ThroughputRouting:
       admitted on each instance as if the trajectories expected back from their
       environments within a turn's time were running there already
       (:func:`~coordinator.agentic.expected_returns`), so that a return finds its cache
-      and a batch it fits in; with ``skip_withheld`` a next turn that no instance gains
-      enough from is withheld alone: the pass goes on with the others of its level.
-      Algorithm 3 stops at the first trajectory it withholds, so that lower priorities
-      wait; with multi-turn work nearly everything in flight is partial and of one
-      level, and one long next turn at the head kept a thousand shorter ones in the TS
-      (the simulator's `swe-agent` warm-up), where their cached prefixes were evicted.
+      and a batch it fits in. Next turns that stay with their cache are placed before
+      the waterfall: Algorithm 3 stops at the first trajectory it withholds, and a next
+      turn kept in the TS behind one without a cache loses its own to eviction meanwhile.
     """
 
     def __init__(
@@ -150,7 +147,6 @@ class ThroughputRouting:
         waits: ToolWaits | None = None,
         locality: bool = False,
         returns: bool = False,
-        skip_withheld: bool = False,
     ) -> None:
         if not 0.0 < mu <= 1.0:
             raise ValueError(f"mu must be in (0, 1] (got {mu})")
@@ -166,7 +162,6 @@ class ThroughputRouting:
         self.waits = waits
         self.locality = locality
         self.returns = returns
-        self.skip_withheld = skip_withheld
 
     def route(
         self,
@@ -211,8 +206,6 @@ class ThroughputRouting:
         out: list[Placement] = []
         started: set[GroupId] = set()  # groups with a member placed in this pass
         home_of = _Homes(fleet, order, bk) if self.locality and fleet.held else None
-        # multi-turn work in the fleet: a withheld next turn does not end the pass
-        turns = self.skip_withheld and (bool(fleet.held) or bool(fleet.n_env.any()))
         reserved: tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None = None
         try:
             if home_of is not None:
@@ -280,17 +273,13 @@ class ThroughputRouting:
                             break
                         if sel < 0 and initial and self.whole_groups and t.group_id in started:
                             sel, sel_b, gain = _with_room(best, verify, bver, first, t, refused)
-                        skip = turns and not initial  # a next turn withheld blocks no other
                         if probe is not None:
                             if sel < 0:
-                                if probe(t, length, thr, None, 0.0, None) or not skip:
-                                    return out
-                                continue
+                                probe(t, length, thr, None, 0.0, None)
+                                return out
                             if probe(t, length, thr, bver[sel_b], gain, order[sel]):
                                 return out
                         if sel < 0:
-                            if skip:
-                                continue
                             return out  # withheld: stop, lower priorities wait (Alg. 3 l. 41)
                         v = bver[sel_b] if v_level is None else v_level
                         if initial:

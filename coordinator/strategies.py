@@ -96,7 +96,6 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
         waits=waits,
         locality=waits is not None and agentic.kv_locality,
         returns=waits is not None and agentic.expected_returns,
-        skip_withheld=agentic.skip_withheld,
     )
     routing: RoutingStrategy = (
         throughput_routing
@@ -124,8 +123,8 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
             release,
             pull_kv,
             held_tail,
-            config.agentic.waiting_pulls,
             config.agentic.tool_critical,
+            waits is not None and config.agentic.tool_pulls,
         )
     elif config.synchronization == "drain":
         drain = DrainGlobalSync()  # it also holds routing until the fleet has drained

@@ -176,8 +176,8 @@ RULES: dict[str, dict[str, Any]] = {
 AGENTIC_RULES: dict[str, dict[str, Any]] = {
     "locality": {"kv_locality": False},
     "returns": {"expected_returns": False},
-    "skip": {"skip_withheld": False},
-    "waiting-pulls": {"waiting_pulls": None},
+    # off by default (config.py): ``staleflow-no-tool-pulls`` is ``staleflow``
+    "tool-pulls": {"tool_pulls": False},
     "tool-critical": {"tool_critical": False},
 }
 AGENTIC_RULES["tool-waits"] = {

@@ -147,7 +147,10 @@ def test_waiting_trajectories_are_no_decoding_work() -> None:
     def later(snap: Snapshot, dt: float, tokens: int) -> Snapshot:
         s = snap.instances[0]
         grown = tuple(TrajRecord(t.traj_id, 0, 0, t.length + tokens, 50) for t in s.run_trajs)
-        return Snapshot((InstanceSnapshot(0, s.kv_cache + 3 * tokens, grown, (), (), 0, s.env_trajs, s.held),), dt)
+        return Snapshot(
+            (InstanceSnapshot(0, s.kv_cache + 3 * tokens, grown, (), (), 0, s.env_trajs, s.held),),
+            dt,
+        )
 
     factors = []
     for snap in (plain, agentic):

@@ -42,7 +42,9 @@ def test_a_plan_alternates_turns_and_tool_calls_within_the_context() -> None:
         assert p.call_after(p.total) is None
         # retries: 1..3 attempts, each cut at the timeout
         assert all(1 <= a <= 3 for a in p.attempts)
-        assert all(0 < w <= a * c.latency_timeout_s for w, a in zip(p.latency, p.attempts, strict=True))
+        assert all(
+            0 < w <= a * c.latency_timeout_s for w, a in zip(p.latency, p.attempts, strict=True)
+        )
 
 
 def test_plans_are_the_seeds_alone() -> None:
@@ -80,7 +82,7 @@ def _run(name: str, workload: str, eta: int, **agentic: Any) -> tuple[SimCluster
     ("name", "rules"),
     [
         ("staleflow", {}),
-        ("staleflow", {"kv_locality": False, "expected_returns": False, "waiting_pulls": None}),
+        ("staleflow", {"kv_locality": False, "expected_returns": False, "tool_pulls": False}),
         ("sticky", {}),
         ("vanilla", {}),
         ("sync", {}),
