@@ -360,7 +360,7 @@ def launch_run(folder: Path, run: Path, args: argparse.Namespace) -> dict[str, A
             "rollout.max_response_tokens=64",
             "batch_size=8",
             "group_size=8",
-            "eval_problems=32",
+            "eval.problems=32",
             "dashboard=false",
             *gpu,
         ],

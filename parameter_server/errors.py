@@ -43,6 +43,11 @@ class VersionNotHeldError(ParameterServerError, LookupError):
         super().__init__(msg)
 
 
+class BaseWeightsError(ParameterServerError, LookupError):
+    """The base weights of an adapter layout are not there yet, or were published already
+    (they are written once per store)."""
+
+
 class PushVersionError(ParameterServerError, ValueError):
     """A Push named a version other than the next one."""
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from parameter_server.errors import (
+    BaseWeightsError,
     LayoutMismatchError,
     PushVersionError,
     TransportUnavailableError,
@@ -170,7 +171,16 @@ class ReplicaGroup:
                 "start every worker with the same layout"
             )
         self.layout: Layout = first
+        bases = {name: t.base_layout for name, t in self._replicas.items()}
+        if len({None if b is None else b.fingerprint for b in bases.values()}) != 1:
+            raise LayoutMismatchError(
+                f"replicas disagree on the base of adapter versions ({sorted(bases)}); start "
+                "every worker with the same base layout"
+            )
+        self.base_layout: Layout | None = next(iter(bases.values()))
         self.receiver = receiver
+        self._links = dict(links or {})
+        self._default_link = default_link
         self._planner = Planner(links or {}, default_link)
         self._pool = ThreadPoolExecutor(len(self._replicas), thread_name_prefix="ps-replica")
 
@@ -241,6 +251,27 @@ class ReplicaGroup:
         for future in futures:
             future.result()
         return target
+
+    def push_base(self, weights: Weights) -> int:
+        """Publish the base of adapter versions on every replica that lacks it (a replica
+        holds it once; one restarted empty gets it again); returns how many took it."""
+        if self.base_layout is None:
+            raise BaseWeightsError("these replicas hold full-weight versions, no base")
+        validate_push(self.base_layout, weights)
+        lacking = [t for t in self._replicas.values() if not t.info().base_ready]
+        for future in [self._pool.submit(t.push_base, weights) for t in lacking]:
+            future.result()
+        return len(lacking)
+
+    def pull_base(self, dest: np.ndarray) -> None:
+        """Copy the base from the replica with the fastest link to this receiver (it moves
+        once: no plan splits it)."""
+
+        def cost(name: str) -> float:
+            link = self._links.get((name, self.receiver), self._default_link)
+            return link.estimate(dest.nbytes)
+
+        self._replicas[min(self._replicas, key=cost)].pull_base(dest)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -24,7 +24,13 @@ from parameter_server.errors import (
     PushInProgressError,
     TransportError,
 )
-from parameter_server.store import ReadLease, VersionedStore, WriteLease, slot_stride
+from parameter_server.store import (
+    BaseLease,
+    ReadLease,
+    VersionedStore,
+    WriteLease,
+    slot_stride,
+)
 from parameter_server.transport.base import Endpoint, boot_id
 
 logger = logging.getLogger(__name__)
@@ -81,6 +87,8 @@ class PSServer:
             host=socket.gethostname(),
             boot_id=boot_id(),
             nixl_metadata=nixl_metadata,
+            base_layout={} if store.base_layout is None else store.base_layout.to_dict(),
+            base_offset=store.base_offset,
         )
         self.endpoint = Endpoint(address, socket.gethostname(), boot_id(), region_name)
         self._assembler: ShardAssembler | None = None  # set by the first DeclareShards
@@ -128,7 +136,7 @@ class PSServer:
 
     def _serve(self, conn: socket.socket) -> None:
         reads: dict[int, ReadLease] = {}
-        writes: dict[int, WriteLease] = {}
+        writes: dict[int, WriteLease | BaseLease] = {}
         try:
             while True:
                 message = wire.recv(conn)
@@ -157,7 +165,7 @@ class PSServer:
         conn: socket.socket,
         msg: wire.Message,
         reads: dict[int, ReadLease],
-        writes: dict[int, WriteLease],
+        writes: dict[int, WriteLease | BaseLease],
     ) -> wire.Message | None:
         store = self.store
         match msg:
@@ -172,6 +180,8 @@ class PSServer:
                     list(info.readers),
                     info.pushing,
                     info.version_bytes,
+                    info.base_bytes,
+                    info.base_ready,
                 )
             case wire.AcquireRead(version=version):
                 lease = store.acquire_read(version)
@@ -213,6 +223,24 @@ class PSServer:
                 return wire.Ok()
             case wire.PushShard(version=version, sender=sender, ranges=ranges, nbytes=nbytes):
                 return self._push_shard(conn, version, sender, ranges, nbytes)
+            case wire.AcquireBase():
+                store.check_base_ready()
+                return wire.Leased(0, -1, store.base_offset, store.base_view.nbytes)
+            case wire.SendBase():
+                store.check_base_ready()
+                wire.send(conn, wire.Leased(0, -1, store.base_offset, store.base_view.nbytes))
+                conn.sendall(store.base_view.data)
+                return None
+            case wire.BeginBase():
+                base = store.begin_base()
+                lease_id = next(self._lease_ids)
+                writes[lease_id] = base
+                return wire.Leased(lease_id, -1, base.offset, base.view.nbytes)
+            case wire.CommitBase(lease_id=lease_id):
+                self._pop(writes, lease_id).commit()
+                return wire.Ok()
+            case wire.ReceiveBase(nbytes=nbytes):
+                return self._receive_base(conn, nbytes)
             case wire.Shutdown():
                 wire.send(conn, wire.Ok())
                 self.on_shutdown_request()
@@ -233,6 +261,22 @@ class PSServer:
             write.abort()
             raise
         return wire.Published(write.commit())
+
+    def _receive_base(self, conn: socket.socket, nbytes: int) -> wire.Message:
+        if nbytes != self.store.base_view.nbytes:
+            raise LayoutMismatchError(
+                f"base Push of {nbytes} bytes but the base layout is "
+                f"{self.store.base_view.nbytes}; client and worker disagree on the layout"
+            )
+        base = self.store.begin_base()
+        try:
+            wire.send(conn, wire.Ok())
+            wire.recv_exact(conn, base.view.data)
+        except BaseException:
+            base.abort()
+            raise
+        base.commit()
+        return wire.Ok()
 
     def _declare(self, source: dict[str, Any]) -> None:
         with self._declare_lock:

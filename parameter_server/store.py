@@ -7,6 +7,11 @@ reader sees either the whole of version ``v`` or the whole of ``v + 1``, never
 a mix. The latest version's slot is never a Push target, so a Pull of the
 latest version never waits for a Push; a per-slot :class:`RWLock` makes a
 Push that needs an older slot wait until its readers are done.
+
+A store of LoRA versions (``base``) also holds the frozen base weights the
+adapters apply to, once, after the slots: written once (:meth:`push_base`),
+then read by every client that joins (:meth:`pull_base`) and never changed, so
+reading it needs no lock. Every version is then the adapter alone.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from parameter_server.errors import (
+    BaseWeightsError,
     LayoutMismatchError,
     PushInProgressError,
     PushVersionError,
@@ -40,9 +46,10 @@ def slot_stride(layout: Layout) -> int:
     return max(PAGE, (layout.nbytes + PAGE - 1) // PAGE * PAGE)
 
 
-def required_bytes(layout: Layout, num_slots: int) -> int:
-    """Size of the region a store of ``num_slots`` slots needs."""
-    return slot_stride(layout) * num_slots
+def required_bytes(layout: Layout, num_slots: int, base: Layout | None = None) -> int:
+    """Size of the region a store of ``num_slots`` slots (and the ``base``) needs."""
+    extra = 0 if base is None else (base.nbytes + PAGE - 1) // PAGE * PAGE
+    return slot_stride(layout) * num_slots + extra
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,8 @@ class StoreInfo:
     readers: tuple[int, ...]
     pushing: bool
     version_bytes: int = 0  # one version of the weights: what every Push and whole Pull moves
+    base_bytes: int = 0  # the frozen base of adapter versions, moved once (0: no base)
+    base_ready: bool = False  # the base was pushed
 
 
 class _Slot:
@@ -139,32 +148,79 @@ class WriteLease:
             self.commit()
 
 
+class BaseLease:
+    """Exclusive hold on the base region while the base weights are written into it."""
+
+    def __init__(self, store: VersionedStore) -> None:
+        self._store = store
+        self._done = False
+
+    @property
+    def offset(self) -> int:
+        return self._store.base_offset
+
+    @property
+    def view(self) -> np.ndarray:
+        return self._store.base_view
+
+    def commit(self) -> int:
+        """Publish the base (returns -1: the base is no version)."""
+        if self._done:
+            raise RuntimeError("this base push was already committed or aborted")
+        self._done = True
+        self._store._finish_base(publish=True)
+        return -1
+
+    def abort(self) -> None:
+        if not self._done:
+            self._done = True
+            self._store._finish_base(publish=False)
+
+    def __enter__(self) -> BaseLease:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is not None:
+            self.abort()
+        elif not self._done:
+            self.commit()
+
+
 class VersionedStore:
     """Holds the last few published versions of one layout.
 
     ``memory`` is the flat uint8 region the slots live in (shared memory for a
     PS worker, so transports can read slots without a copy through Python); by
-    default the store allocates its own. Thread safe.
+    default the store allocates its own. ``base``: the layout of the frozen base
+    weights of adapter versions, held once after the slots. Thread safe.
     """
 
     def __init__(
-        self, layout: Layout, num_slots: int = 3, memory: np.ndarray | None = None
+        self,
+        layout: Layout,
+        num_slots: int = 3,
+        memory: np.ndarray | None = None,
+        base: Layout | None = None,
     ) -> None:
         if num_slots < 2:
             raise ValueError(
                 f"num_slots must be at least 2 (one readable while one is written), got {num_slots}"
             )
         stride = slot_stride(layout)
-        need = stride * num_slots
+        need = required_bytes(layout, num_slots, base)
         if memory is None:
             memory = np.zeros(need, dtype=np.uint8)
         if memory.dtype != np.uint8 or memory.ndim != 1 or memory.nbytes < need:
             raise ValueError(
                 f"memory must be a 1-D uint8 array of at least {need} bytes "
-                f"(required_bytes(layout, {num_slots})), got {memory.dtype} {memory.shape}"
+                f"(required_bytes(layout, {num_slots}, base)), got {memory.dtype} {memory.shape}"
             )
         self.layout = layout
+        self.base_layout = base
         self.memory = memory
+        self.base_offset = stride * num_slots
+        self.base_view = memory[self.base_offset : self.base_offset + (base.nbytes if base else 0)]
+        self._base_state = "empty"  # -> "writing" -> "ready" (once), back to empty on abort
         self._slots = [
             _Slot(i, i * stride, memory[i * stride : i * stride + layout.nbytes])
             for i in range(num_slots)
@@ -194,6 +250,8 @@ class VersionedStore:
                 readers=tuple(s.lock.readers for s in self._slots),
                 pushing=self._pushing,
                 version_bytes=self.layout.nbytes,
+                base_bytes=self.base_view.nbytes,
+                base_ready=self._base_state == "ready",
             )
 
     def _held(self) -> tuple[int, ...]:
@@ -307,6 +365,58 @@ class VersionedStore:
                 f"Push of version {version} but the latest is {latest}; push version "
                 f"{latest + 1} next (versions advance by one)"
             )
+
+    # -- the base of adapter versions --------------------------------------------------
+
+    def _need_base(self) -> Layout:
+        if self.base_layout is None:
+            raise BaseWeightsError(
+                "this store holds full-weight versions, no base: start it with base=<the "
+                "base layout> to hold adapter versions"
+            )
+        return self.base_layout
+
+    def begin_base(self) -> BaseLease:
+        """Reserve the base region to write the base weights into, once."""
+        self._need_base()
+        with self._meta:
+            if self._base_state != "empty":
+                raise BaseWeightsError(
+                    f"the base weights are {'published' if self._base_state == 'ready' else 'being written'}"
+                    " already: they are written once per store (a restarted replica starts empty)"
+                )
+            self._base_state = "writing"
+        return BaseLease(self)
+
+    def push_base(self, weights: Weights) -> None:
+        """Copy the base weights in and publish them (once)."""
+        base = self._need_base()
+        if isinstance(weights, np.ndarray):
+            packed = base.check_buffer(weights, "packed base buffer", LayoutMismatchError)
+            with self.begin_base() as lease:
+                np.copyto(lease.view, packed)
+        else:
+            base.validate(weights)
+            with self.begin_base() as lease:
+                base.pack(weights, lease.view)
+
+    def pull_base(self, dest: np.ndarray) -> None:
+        """Copy the base weights into ``dest`` (``base_layout.nbytes`` bytes)."""
+        flat = self._need_base().check_buffer(dest, "base Pull destination")
+        self.check_base_ready()
+        np.copyto(flat, self.base_view)  # published once and never written again: no lock
+
+    def check_base_ready(self) -> None:
+        self._need_base()
+        if self._base_state != "ready":
+            raise BaseWeightsError(
+                "the base weights were not pushed to this PS yet: push_base them before "
+                "the first Pull (the driver does, with version 0)"
+            )
+
+    def _finish_base(self, publish: bool) -> None:
+        with self._meta:
+            self._base_state = "ready" if publish else "empty"
 
     def _finish_push(self, slot: _Slot, version: int, publish: bool) -> None:
         slot.lock.release_write()

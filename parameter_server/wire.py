@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import msgpack
@@ -44,6 +44,9 @@ class Welcome(Message):
     host: str
     boot_id: str
     nixl_metadata: bytes
+    # the frozen base of adapter versions, held once at base_offset ({}: no base)
+    base_layout: dict[str, Any] = field(default_factory=dict)
+    base_offset: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class Info(Message):
     readers: list[int]
     pushing: bool
     version_bytes: int = 0
+    base_bytes: int = 0
+    base_ready: bool = False
 
 
 @dataclass(frozen=True)
@@ -178,6 +183,43 @@ class PushShard(Message):
     nbytes: int
 
 
+@dataclass(frozen=True)
+class AcquireBase(Message):
+    """Where the published base weights lie (shm, NIXL read them in place); answered by
+    Leased (no lease to release: the base never changes once published)."""
+
+    tag: ClassVar[int] = 20
+
+
+@dataclass(frozen=True)
+class SendBase(Message):
+    """Socket Pull of the base weights: answered by Leased followed by ``nbytes`` raw bytes."""
+
+    tag: ClassVar[int] = 21
+
+
+@dataclass(frozen=True)
+class BeginBase(Message):
+    """Reserve the base region to be written in place (shm); answered by Leased, then
+    CommitBase (or AbortPush)."""
+
+    tag: ClassVar[int] = 22
+
+
+@dataclass(frozen=True)
+class CommitBase(Message):
+    tag: ClassVar[int] = 23
+    lease_id: int
+
+
+@dataclass(frozen=True)
+class ReceiveBase(Message):
+    """Socket Push of the base weights: Ok, then ``nbytes`` raw bytes, then Ok."""
+
+    tag: ClassVar[int] = 24
+    nbytes: int
+
+
 _TYPES: dict[int, type[Message]] = {
     cls.tag: cls
     for cls in (
@@ -200,6 +242,11 @@ _TYPES: dict[int, type[Message]] = {
         SendRanges,
         DeclareShards,
         PushShard,
+        AcquireBase,
+        SendBase,
+        BeginBase,
+        CommitBase,
+        ReceiveBase,
     )
 }
 

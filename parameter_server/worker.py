@@ -41,6 +41,7 @@ class WorkerConfig:
     address: str = ""
     nixl: bool = False
     region_name: str = ""
+    base: dict[str, Any] | None = None  # the base layout of adapter versions
 
 
 def default_address() -> str:
@@ -53,11 +54,12 @@ def run_worker(config: WorkerConfig, parent: Connection) -> None:
     """Child entry point: serve until the parent says stop or goes away."""
 
     layout = Layout.from_dict(config.layout)
+    base = None if config.base is None else Layout.from_dict(config.base)
     segment = region = server = None
     try:
-        size = required_bytes(layout, config.num_slots)
+        size = required_bytes(layout, config.num_slots, base)
         segment = ShmSegment.create(size, config.region_name or None)
-        store = VersionedStore(layout, config.num_slots, segment.array)
+        store = VersionedStore(layout, config.num_slots, segment.array, base)
         metadata = b""
         if config.nixl:
             try:
@@ -110,12 +112,19 @@ class PSWorker:
         nixl: bool = False,
         address: str | None = None,
         timeout: float = 120.0,
+        base: Layout | None = None,
     ) -> PSWorker:
-        """Spawn a worker for ``layout`` and wait until it serves."""
+        """Spawn a worker for ``layout`` (with ``base``: adapter versions over that frozen
+        base, held once) and wait until it serves."""
 
         region_name = new_segment_name()
         config = WorkerConfig(
-            layout.to_dict(), num_slots, address or default_address(), nixl, region_name
+            layout.to_dict(),
+            num_slots,
+            address or default_address(),
+            nixl,
+            region_name,
+            None if base is None else base.to_dict(),
         )
         ctx = mp.get_context("spawn")
         parent_end, child_end = ctx.Pipe()

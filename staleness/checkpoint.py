@@ -2,8 +2,10 @@
 
 Format 2 adds the aborted group ids (a straggler of an aborted group must still be
 discarded after a restore, and its id must take no new Reserve) and the consumed
-batches' staleness history. Format 1 states are refused: restoring one would forget the
-aborted groups.
+batches' staleness history. Format 3 adds the counts of dynamic sampling: groups filtered
+in all and since the last Consume (the filter's budget per step); a format 2 state
+restores with both at 0 (it was written before filtering existed). Format 1 states are
+refused: restoring one would forget the aborted groups.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from staleness.errors import CorruptState, InvalidConfig
 from staleness.feasibility import AdmissionCounts
 from staleness.types import StalenessConfig
 
-FORMAT = 2
+FORMAT = 3
+READABLE = (2, 3)
 PROTOCOL_KEYS = ("eta", "batch_size", "group_size", "batch_redundancy", "group_redundancy")
 
 
@@ -28,6 +31,8 @@ class SavedState:
     consumed_batches: int
     aborted_groups: int
     history: list[tuple[int, tuple[int, ...]]]  # (buffer version, staleness per group)
+    filtered_groups: int = 0
+    filtered_this_step: int = 0
 
 
 def config_dict(config: StalenessConfig) -> dict[str, Any]:
@@ -45,6 +50,8 @@ def export_state(saved: SavedState) -> dict[str, Any]:
         "consumed_batches": saved.consumed_batches,
         "aborted_groups": saved.aborted_groups,
         "history": [[v, list(s)] for v, s in saved.history],
+        "filtered_groups": saved.filtered_groups,
+        "filtered_this_step": saved.filtered_this_step,
     }
 
 
@@ -89,9 +96,10 @@ def parse_state(state: Any) -> SavedState:
         raise CorruptState(
             f"a staleness state is a dict from export_state(), got {type(state).__name__}"
         )
-    if state.get("format") != FORMAT:
+    if state.get("format") not in READABLE:
         raise CorruptState(
-            f"unsupported staleness state format {state.get('format')!r}; expected {FORMAT}"
+            f"unsupported staleness state format {state.get('format')!r}; expected one of "
+            f"{READABLE}"
         )
     config = _saved_config(state.get("config"))
     try:
@@ -103,6 +111,8 @@ def parse_state(state: Any) -> SavedState:
             _count(state["consumed_batches"], "'consumed_batches'"),
             _count(state["aborted_groups"], "'aborted_groups'"),
             [(_count(v, "history version"), tuple(s)) for v, s in state["history"]],
+            _count(state.get("filtered_groups", 0), "'filtered_groups'"),
+            _count(state.get("filtered_this_step", 0), "'filtered_this_step'"),
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, CorruptState):

@@ -26,6 +26,10 @@ class NotReserved(StalenessError):
     """Occupy (complete) of a trajectory that has no reservation."""
 
 
+class NotOccupied(StalenessError):
+    """Filter of a group that is not occupied (its rewards are not all known yet)."""
+
+
 class StalenessViolation(StalenessError):
     """A Reserve would break the staleness bound: no admissible buffer slot exists."""
 

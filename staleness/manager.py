@@ -7,8 +7,9 @@ them completed) and keeps the invariant that all tracked groups fit in the buffe
 - reserved groups are placeholders: any buffer of their window will do, and admission is
   decided exactly from counts (``staleness.feasibility``);
 - occupied groups are committed to a buffer and only ever move earlier: after every
-  Occupy, Abort and Consume they are repacked lexicographically earliest (the entry
-  movement of Figure 7 right and Figure 8c). The trainer consumes the trainer's buffer.
+  Occupy, Abort, Filter and Consume they are repacked lexicographically earliest (the
+  entry movement of Figure 7 right and Figure 8c). The trainer consumes the trainer's
+  buffer.
 
 Thread safety: every public method holds one lock, so a trainer thread may block in
 ``wait_ready`` while the control plane mutates the state.
@@ -19,22 +20,22 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from staleness import checkpoint, explain
-from staleness.bounds import config_problem
 from staleness.errors import (
     DuplicateTrajectory,
     InvalidConfig,
+    NotOccupied,
     NotReady,
     NotReserved,
     StalenessViolation,
     UnknownGroup,
 )
-from staleness.feasibility import AdmissionCounts
 from staleness.layout import canonical_buffers
 from staleness.sketch import CLOSED, Sketch, admits, check_v_traj
+from staleness.tracking import REMEMBER_CLOSED, GroupTracker, TrackedGroup
 from staleness.types import (
     ConsumedBatch,
     ConsumedGroup,
@@ -49,38 +50,13 @@ logger = logging.getLogger(__name__)
 
 _EMPTY = Outcome()
 _READY = Outcome(ready=True)
-_REMEMBER_CLOSED = 1 << 16  # aborted and consumed ids kept to recognise late messages
 
 
-class _Group:
-    __slots__ = ("buffer", "completed", "dropped", "members", "version")
-
-    def __init__(self, version: int) -> None:
-        self.version = version  # min V_traj over the members that count
-        self.members: dict[TrajId, int] = {}  # reserved trajectories -> V_traj
-        self.completed: list[TrajId] = []
-        self.dropped = 0  # members aborted one by one
-        self.buffer: int | None = None  # the buffer an occupied group is committed to
-
-
-def validate_config(config: StalenessConfig) -> None:
-    # StalenessConfig checks itself when built; its fields may have been set since
-    problem = config_problem(
-        config.eta,
-        config.batch_size,
-        config.group_size,
-        config.batch_redundancy,
-        config.group_redundancy,
-    )
-    if problem is not None:
-        raise InvalidConfig(problem)
-
-
-class StalenessManager:
+class StalenessManager(GroupTracker):
     """Tracks every in-flight group and enforces ``V_traj <= V_buf <= V_traj + eta``."""
 
     def __init__(self, config: StalenessConfig, version: int = 0) -> None:
-        validate_config(config)
+        config.check()
         if isinstance(version, bool) or not isinstance(version, int) or version < 0:
             raise InvalidConfig(f"the initial version must be an integer >= 0, got {version!r}")
         self.config = config
@@ -89,27 +65,16 @@ class StalenessManager:
         self.group_size = config.group_size
         self.capacity = config.buffer_capacity
         self.group_capacity = config.group_capacity
-        self._n = self.eta + 1
-        self._counts = AdmissionCounts(self.eta, self.batch_size, self.capacity, version)
-        self._groups: dict[GroupId, _Group] = {}
-        # Reserved group ids per version and occupied ones per buffer (rings, arrival order).
-        self._reserved: list[dict[GroupId, None]] = [{} for _ in range(self._n)]
-        self._pinned: list[dict[GroupId, None]] = [{} for _ in range(self._n)]
-        # Groups that left for good (aborted or consumed): a late message about one is
-        # discarded, and a Reserve for one refused, instead of tracking it anew.
-        self._closed: dict[GroupId, None] = {}
+        super().__init__(self.eta, self.batch_size, self.capacity, version)
         self.consumed_batches = 0
-        self.aborted_groups = 0
+        # dynamic sampling: occupied groups filtered out, in all and since the last Consume
+        self.filtered_groups = 0
+        self.filtered_this_step = 0
         self.history: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=4096)
         self._cond = threading.Condition(threading.Lock())
         self._ready_listeners: list[Callable[[int], None]] = []
 
     # -- queries ----------------------------------------------------------------------
-
-    @property
-    def version(self) -> int:
-        """The trainer's version: the buffer it consumes next."""
-        return self._counts.version
 
     def verify(self, v_traj: int, group_id: GroupId | None = None) -> bool:
         """Would a Reserve of a trajectory with this ``V_traj`` succeed? Changes nothing."""
@@ -204,7 +169,7 @@ class StalenessManager:
             if not self._verify(v_traj, group_id):
                 raise StalenessViolation(explain.rejection(self._counts, self.eta, v_traj))
             if group is None:
-                group = _Group(v_traj)
+                group = TrackedGroup(v_traj)
                 self._groups[group_id] = group
                 self._add_reserved(group_id, v_traj)
             elif v_traj < group.version:
@@ -216,8 +181,20 @@ class StalenessManager:
 
     # -- Occupy -----------------------------------------------------------------------
 
-    def complete(self, group_id: GroupId, traj_id: TrajId) -> Outcome:
-        """A trajectory finished and was rewarded. Occupies its group once ``G`` are done."""
+    def complete(
+        self,
+        group_id: GroupId,
+        traj_id: TrajId,
+        keep: Callable[[Sequence[TrajId]], bool] | None = None,
+    ) -> Outcome:
+        """A trajectory finished and was rewarded. Occupies its group once ``G`` are done.
+
+        ``keep`` (dynamic sampling) is asked, with the ``G`` kept trajectories, when the
+        group would be occupied, before anything changes; False filters it instead (as
+        :meth:`filter` would once occupied), within this call, so that no reader (a
+        streaming trainer, a ready listener) ever sees it occupied. It runs under the
+        manager's lock: it must not call the manager.
+        """
         with self._cond:
             group = self._groups.get(group_id)
             if group is None:
@@ -237,7 +214,7 @@ class StalenessManager:
             group.completed.append(traj_id)
             if len(group.completed) < self.group_size:
                 return _READY if self._counts.head_ready() else _EMPTY
-            outcome = self._occupy(group_id, group)
+            outcome = self._occupy(group_id, group, keep)
         self._notify_if_ready(outcome.ready)
         return outcome
 
@@ -246,9 +223,27 @@ class StalenessManager:
         members): nothing changes, but the caller still learns whether training may go."""
         return Outcome(discarded=True, abort_trajectories=trajs, ready=self._counts.head_ready())
 
-    def _occupy(self, group_id: GroupId, group: _Group) -> Outcome:
+    def _occupy(
+        self,
+        group_id: GroupId,
+        group: TrackedGroup,
+        keep: Callable[[Sequence[TrajId]], bool] | None,
+    ) -> Outcome:
         kept = tuple(group.completed)
         new_v = min(group.members[t] for t in kept)
+        # Surplus members stay on record so that a late completion is recognised.
+        surplus = tuple(t for t in group.members if t not in kept)
+        # dynamic sampling decides before anything changes (``keep`` may raise), and only
+        # about a group that would be occupied (not batch redundancy's surplus)
+        if keep is not None and self._would_fit(group, new_v) and not self._ask(keep, group):
+            self._remove_reserved(group_id, group.version)
+            self._close_filtered(group_id)
+            return Outcome(
+                kept=kept,
+                abort_trajectories=surplus,
+                ready=self._counts.head_ready(),
+                filtered=True,
+            )
         self._remove_reserved(group_id, group.version)
         layout = self._counts.repack(extra_at=self._counts.deadline(new_v))
         if layout is None:
@@ -260,8 +255,6 @@ class StalenessManager:
                 abort_groups=(group_id,),
                 ready=self._counts.head_ready(),
             )
-        # Surplus members stay on record so that a late completion is recognised.
-        surplus = tuple(t for t in group.members if t not in kept)
         group.version = new_v
         self._pin(group_id, group, self.version + self._counts.deadline(new_v))
         self._apply_layout(layout)
@@ -318,6 +311,52 @@ class StalenessManager:
             )
         self._notify_if_ready(outcome.ready)
         return outcome
+
+    def filter(self, group_id: GroupId) -> Outcome:
+        """Drop an occupied group the algorithm does not need (dynamic sampling: rewards
+        that are all equal teach nothing), §4.3 / Figure 8c. Occupied groups of later
+        buffers move forward into the hole, so the trainer's buffer stays Ready without
+        waiting for new trajectories; the freed entry takes a new Reserve. Counted in
+        ``filtered_groups``, not ``aborted_groups``; ``kept`` lists its trajectories."""
+        with self._cond:
+            group = self._groups.get(group_id)
+            if group is None or group.buffer is None:
+                raise NotOccupied(
+                    f"group {group_id} is not occupied: only a completed group can be "
+                    "filtered (abort a reserved one instead)"
+                )
+            outcome = self._filter(group_id, group)
+        self._notify_if_ready(outcome.ready)
+        return outcome
+
+    def _filter(self, group_id: GroupId, group: TrackedGroup) -> Outcome:
+        kept = tuple(group.completed)
+        self._unpin(group_id, group)
+        self._close_filtered(group_id)
+        return Outcome(kept=kept, ready=self._counts.head_ready(), filtered=True)
+
+    @staticmethod
+    def _ask(keep: Callable[[Sequence[TrajId]], bool], group: TrackedGroup) -> bool:
+        try:
+            return keep(tuple(group.completed))
+        except BaseException:
+            group.completed.pop()  # the completion is undone: nothing changed
+            raise
+
+    def _would_fit(self, group: TrackedGroup, new_v: int) -> bool:
+        """Would the reserved ``group`` find an occupied slot with version ``new_v``?"""
+        trial = self._counts.copy()
+        trial.add_reserved(group.version, -1)
+        return trial.repack(extra_at=trial.deadline(new_v)) is not None
+
+    def _close_filtered(self, group_id: GroupId) -> None:
+        """A group left its entry (already taken out of the rings) as filtered: occupied
+        groups of later buffers move forward into the hole (Figure 8c)."""
+        del self._groups[group_id]
+        self._close(group_id)
+        self.filtered_groups += 1
+        self.filtered_this_step += 1
+        self._apply_layout(self._repacked())
 
     def abort_trajectory(self, group_id: GroupId, traj_id: TrajId) -> Outcome:
         """Drop one running member (e.g. its engine failed). The group survives while it can
@@ -391,6 +430,7 @@ class StalenessManager:
             counts.advance()
             self._apply_layout(self._repacked())
             self.consumed_batches += 1
+            self.filtered_this_step = 0
             batch = ConsumedBatch(buffer_version, tuple(picked), aborted)
             self.history.append((buffer_version, batch.staleness))
             ready = counts.head_ready()
@@ -420,86 +460,6 @@ class StalenessManager:
             drop_oldest(v)
             shifted.add_reserved(v, -1)
         return tuple(aborted)
-
-    # -- bookkeeping ----------------------------------------------------------------------
-
-    def _add_reserved(self, gid: GroupId, v: int) -> None:
-        self._reserved[v % self._n][gid] = None
-        self._counts.add_reserved(v)
-
-    def _remove_reserved(self, gid: GroupId, v: int) -> None:
-        del self._reserved[v % self._n][gid]
-        self._counts.add_reserved(v, -1)
-
-    def _check_running(self, gid: GroupId, group: _Group | None, traj_id: TrajId) -> None:
-        if group is None or traj_id not in group.members or traj_id in group.completed:
-            raise NotReserved(f"trajectory {traj_id} of group {gid} is not a running member")
-        if group.buffer is not None:
-            raise NotReserved(f"trajectory {traj_id}: group {gid} is already occupied")
-
-    def _rereserve(self, gid: GroupId, group: _Group) -> bool:
-        """After a member left: the group's version is the min of those left (it only
-        ever rises, which only relaxes). True if it moved."""
-        new_v = min(group.members.values())
-        if new_v == group.version:
-            return False
-        self._remove_reserved(gid, group.version)
-        self._add_reserved(gid, new_v)
-        group.version = new_v
-        return True
-
-    def _pin(self, gid: GroupId, group: _Group, buffer: int) -> None:
-        group.buffer = buffer
-        self._pinned[buffer % self._n][gid] = None
-        self._counts.add_pinned(buffer)
-
-    def _unpin(self, gid: GroupId, group: _Group) -> None:
-        assert group.buffer is not None
-        del self._pinned[group.buffer % self._n][gid]
-        self._counts.add_pinned(group.buffer, -1)
-        group.buffer = None
-
-    def _untrack(self, gid: GroupId, group: _Group) -> None:
-        if group.buffer is not None:
-            self._unpin(gid, group)
-        else:
-            self._remove_reserved(gid, group.version)
-        self._forget(gid)
-
-    def _forget(self, gid: GroupId) -> None:
-        del self._groups[gid]
-        self._close(gid)
-        self.aborted_groups += 1
-
-    def _close(self, gid: GroupId) -> None:
-        self._closed[gid] = None
-        if len(self._closed) > _REMEMBER_CLOSED:
-            del self._closed[next(iter(self._closed))]
-
-    def _repacked(self) -> list[int]:
-        layout = self._counts.repack()
-        if layout is None:
-            raise AssertionError("occupied groups no longer fit: the invariant is broken")
-        return layout
-
-    def _apply_layout(self, target: list[int]) -> None:
-        """Move occupied groups earlier until buffer ``j`` holds ``target[j]`` of them,
-        pulling from the nearest later buffers in arrival order."""
-        n, base = self._n, self.version
-        if target == self._counts.pinned_by_buffer():
-            return
-        for j in range(n):
-            here = self._pinned[(base + j) % n]
-            src = j + 1
-            while len(here) < target[j]:
-                while not self._pinned[(base + src) % n]:
-                    src += 1
-                    if src >= n:
-                        raise AssertionError("repack asked for more occupied groups than exist")
-                gid = next(iter(self._pinned[(base + src) % n]))
-                group = self._groups[gid]
-                self._unpin(gid, group)
-                self._pin(gid, group, base + j)
 
     def _notify_if_ready(self, ready: bool) -> None:
         if not ready:
@@ -537,6 +497,7 @@ class StalenessManager:
                 occupied_groups=sum(len(b) for b in pinned),
                 consumed_batches=self.consumed_batches,
                 aborted_groups=self.aborted_groups,
+                filtered_groups=self.filtered_groups,
             )
 
     def export_state(self) -> dict[str, Any]:
@@ -570,6 +531,8 @@ class StalenessManager:
                     self.consumed_batches,
                     self.aborted_groups,
                     [(bv, tuple(st)) for bv, st in self.history],
+                    self.filtered_groups,
+                    self.filtered_this_step,
                 )
             )
 
@@ -580,10 +543,12 @@ class StalenessManager:
         manager = cls(parsed.config, version=parsed.version)
         manager.consumed_batches = parsed.consumed_batches
         manager.aborted_groups = parsed.aborted_groups
-        manager._closed = dict.fromkeys(parsed.aborted[-_REMEMBER_CLOSED:])
+        manager.filtered_groups = parsed.filtered_groups
+        manager.filtered_this_step = parsed.filtered_this_step
+        manager._closed = dict.fromkeys(parsed.aborted[-REMEMBER_CLOSED:])
         manager.history.extend(parsed.history)
         for raw in parsed.groups:
-            group = _Group(raw["version"])
+            group = TrackedGroup(raw["version"])
             group.members = {t: v for t, v in raw["members"]}
             group.completed = list(raw["completed"])
             group.dropped = raw["dropped"]

@@ -73,6 +73,7 @@ class ManagerView:
     occupied_groups: int
     consumed_batches: int
     aborted_groups: int
+    filtered_groups: int = 0  # occupied groups a filter dropped (dynamic sampling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,9 @@ class Outcome:
     ``abort_groups``: whole groups that were dropped (batch-level redundancy surplus);
     every trajectory of these groups, routed or not, must be aborted.
     ``ready``: the trainer's buffer is Ready after this call.
+    ``filtered``: the group was dropped by a filter (dynamic sampling) with its ``kept``
+    trajectories, which are completed and must leave the trajectory server; counted apart
+    from aborts (``ManagerView.filtered_groups``).
     """
 
     occupied: bool = False
@@ -118,6 +122,7 @@ class Outcome:
     abort_groups: tuple[GroupId, ...] = ()
     ready: bool = False
     discarded: bool = False  # the call concerned a group that had already been aborted
+    filtered: bool = False
 
 
 @dataclass(slots=True)
@@ -142,6 +147,11 @@ class StalenessConfig:
     def __post_init__(self) -> None:
         # refused here, with the protocol's own error, before a ring of eta + 1 buffers
         # is allocated (eta=10**20 raised OverflowError there, 2**62 MemoryError)
+        self.check()
+
+    def check(self) -> None:
+        """Raise ``InvalidConfig`` for settings the protocol cannot hold (checked again by
+        the manager: the fields may have been set since construction)."""
         problem = config_problem(
             self.eta,
             self.batch_size,

@@ -1,4 +1,5 @@
-"""Skip marked tests cleanly where what they need is absent; keep torch on one thread."""
+"""Skip marked tests cleanly where what they need is absent; keep torch on one thread; on
+pytest-xdist's workers, keep the tests that start process trees one at a time."""
 
 from __future__ import annotations
 
@@ -29,6 +30,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for marker, reason in reasons.items():
             if item.get_closest_marker(marker):
                 item.add_marker(pytest.mark.skip(reason=reason))
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            item.add_marker(pytest.mark.xdist_group(_xdist_group(item)))
+
+
+# Files whose tests start Ray without the ``ray`` marker, or spawn process groups of
+# their own (Megatron's gloo ranks, SGLang stand-in servers).
+RAY_FILES = ("runtime/driver/test_launch_checks.py",)
+SPAWN_FILES = ("trainers/test_megatron", "engines/test_sglang_adapter")
+
+
+def _xdist_group(item: pytest.Item) -> str:
+    """scripts/check runs the suite on two xdist workers (``--dist loadgroup``), one a
+    core. Tests that start Ray all run on one worker, one after another, and so do those
+    that spawn process groups: two local Rays at once on two cores can miss Ray's fixed
+    30 s start-up wait. Every other test goes with its file, so a module's fixtures are
+    built once."""
+    path = item.nodeid.split("::", 1)[0]
+    if item.get_closest_marker("ray") or path.endswith(RAY_FILES):
+        return "ray"
+    if item.get_closest_marker("heavy") or any(part in path for part in SPAWN_FILES):
+        return "spawn"
+    return path
 
 
 @pytest.fixture(autouse=True)

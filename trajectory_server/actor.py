@@ -140,6 +140,9 @@ class TrajectoryServerService:
     def abort_group(self, group_id: int) -> tuple[AbortedTrajectory, ...]:
         return self._ts.abort_group(group_id)
 
+    def filter_group(self, group_id: int) -> tuple[AbortedTrajectory, ...]:
+        return self._ts.filter_group(group_id)
+
     def state_of(self, traj_id: int) -> TrajState:
         return self._ts.state_of(traj_id)
 
@@ -313,6 +316,9 @@ class TrajectoryServerClient:
 
     def abort_group(self, group_id: int) -> tuple[AbortedTrajectory, ...]:
         return self._call("abort_group", group_id)
+
+    def filter_group(self, group_id: int) -> tuple[AbortedTrajectory, ...]:
+        return self._call("filter_group", group_id)
 
     def state_of(self, traj_id: int) -> TrajState:
         return self._call("state_of", traj_id)

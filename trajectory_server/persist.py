@@ -43,6 +43,8 @@ _COUNTERS = (
     "consumed_groups",
     "aborted_groups",
 )
+# counters added since format 1: absent from older states, where they were 0
+_LATER_COUNTERS = ("filtered_trajs", "filtered_groups")
 
 
 def _concat(parts: list[np.ndarray], dtype: type) -> tuple[np.ndarray, np.ndarray]:
@@ -66,7 +68,7 @@ def export_state(
     return {
         "format": FORMAT,
         "config": {key: getattr(config, key) for key in PROTOCOL_KEYS},
-        "counters": {key: getattr(store, key) for key in _COUNTERS},
+        "counters": {key: getattr(store, key) for key in _COUNTERS + _LATER_COUNTERS},
         "exhausted": store.exhausted,
         "source": source,
         # holders declared lost stay fenced after a restore (a message sent before the
@@ -165,8 +167,8 @@ def _slices(data: np.ndarray, offsets: np.ndarray, what: str) -> list[np.ndarray
 def _load(
     store: TrajectoryStore, config: TrajectoryServerConfig, state: Mapping[str, Any]
 ) -> tuple[int, ...]:
-    for key in _COUNTERS:
-        value = state["counters"][key]
+    for key in _COUNTERS + _LATER_COUNTERS:
+        value = state["counters"][key] if key in _COUNTERS else state["counters"].get(key, 0)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise CorruptState(f"trajectory server state: counter '{key}' must be an int >= 0")
         setattr(store, key, value)

@@ -12,7 +12,13 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from trajectory_server.errors import InvalidTransition
-from trajectory_server.types import InfoValue, InstanceId, RoutableTrajectory, TrajState
+from trajectory_server.types import (
+    InfoValue,
+    InstanceId,
+    LiveTrajectory,
+    RoutableTrajectory,
+    TrajState,
+)
 
 QUEUED, ROUTED, REWARDING, COMPLETED = (
     TrajState.QUEUED,
@@ -90,6 +96,18 @@ class TrajRecord:
             self.v_traj,
             prompt_len + len(self.tokens),
             prompt_len,
+        )
+
+    def live(self) -> LiveTrajectory:
+        graded = self.state is COMPLETED and "reward_error" not in self.info
+        return LiveTrajectory(
+            self.traj_id,
+            self.group.group_id,
+            self.state,
+            self.v_traj,
+            self.holder,
+            len(self.tokens),
+            self.reward if graded else None,
         )
 
     def describe(self) -> str:

@@ -8,6 +8,7 @@ Life of a trajectory::
                  └──requeue / instance_lost ┘           (reassign_rewards: another worker)
 
     abort / abort_group (any state) ─► aborted
+    filter_group (a completed group, dynamic sampling) ─► filtered
 
 While ROUTED, an instance may ``report_progress``: the TS keeps the longest response it
 knows, and a trajectory whose instance is lost goes back to the queue with it (keeping its
@@ -114,11 +115,9 @@ class TrajectoryServer:
         return GroupStatus(group_id, group.completed, len(group.members))
 
     def ledger(self) -> tuple[LiveTrajectory, ...]:
-        """Every live trajectory with its state, ``V_traj`` and holder, by id (no payloads)."""
-        return tuple(
-            LiveTrajectory(t.traj_id, t.group.group_id, t.state, t.v_traj, t.holder, len(t.tokens))
-            for _, t in sorted(self._s.trajs.items())
-        )
+        """Every live trajectory with its state, ``V_traj``, holder and (completed and
+        graded) reward, by id (no payloads)."""
+        return tuple(t.live() for _, t in sorted(self._s.trajs.items()))
 
     def routed_to(self, instance_id: InstanceId) -> tuple[int, ...]:
         """Ids of the trajectories ROUTED to ``instance_id`` (for audits and recovery)."""
@@ -192,7 +191,7 @@ class TrajectoryServer:
                     "(interrupt it and pass it to interrupt_return first)"
                 )
             v = per_traj.get(tid) if per_traj is not None else v_traj
-            plan.append((traj, self._resolve_version(traj, v)))  # type: ignore[arg-type]
+            plan.append((traj, validate.route_version(traj.traj_id, traj.v_traj, v)))  # type: ignore[arg-type]
         out = []
         for traj, v in plan:
             self._s.mlq.remove(traj.traj_id, traj.v_traj)
@@ -506,6 +505,15 @@ class TrajectoryServer:
         """Drop a whole group (e.g. batch-level redundancy surplus)."""
         return self.abort(tuple(self._s.group(group_id).members))
 
+    def filter_group(self, group_id: int) -> tuple[AbortedTrajectory, ...]:
+        """Drop a completed group that dynamic sampling filtered out (its rewards were all
+        equal): like :meth:`abort_group`, but counted in ``filtered_trajectories`` and
+        ``filtered_groups``, so that the audit tells a group that taught nothing from
+        work that was lost."""
+        out = self._s.drop_filtered(self._s.group(group_id))
+        self._after_groups_left()
+        return out
+
     # ------------------------------------------------------------ checkpoints
 
     def export_state(self) -> dict[str, Any]:
@@ -553,23 +561,6 @@ class TrajectoryServer:
 
     def _store(self, traj: TrajRecord, response: validate.Response) -> None:
         traj.tokens, traj.logprobs, traj.versions, traj.mask = response
-
-    def _resolve_version(self, traj: TrajRecord, v: object) -> int:
-        if traj.v_traj is not None:
-            if v is not None and v != traj.v_traj:
-                raise VersionConflict(
-                    f"trajectory {traj.traj_id} is a partial with V_traj={traj.v_traj}; route "
-                    f"asked for V_traj={v}, but a V_traj never changes — pass {traj.v_traj} or None"
-                )
-            return traj.v_traj
-        if v is None:
-            raise VersionConflict(
-                f"trajectory {traj.traj_id} is initial and needs a V_traj; pass the target "
-                "instance's model version (checked with the staleness manager first)"
-            )
-        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 0:
-            raise VersionConflict(f"V_traj must be a non-negative int, got {v!r}")
-        return int(v)
 
     def _check_response(
         self,

@@ -43,6 +43,7 @@ class TrajectoryStore:
         self.next_group = 0
         self.consumed_trajs = self.aborted_trajs = 0
         self.consumed_groups = self.aborted_groups = 0
+        self.filtered_trajs = self.filtered_groups = 0  # dynamic sampling's drops
         self.exhausted = False
         # instances declared lost (``instance_lost``): a Route to one is refused, so a
         # message it sent before it died cannot strand trajectories on it afterwards
@@ -95,6 +96,8 @@ class TrajectoryStore:
             consumed_groups=self.consumed_groups,
             aborted_groups=self.aborted_groups,
             dataset_exhausted=self.exhausted,
+            filtered_trajectories=self.filtered_trajs,
+            filtered_groups=self.filtered_groups,
         )
 
     # -- changes ------------------------------------------------------------------------
@@ -144,6 +147,14 @@ class TrajectoryStore:
         del traj.group.members[traj.traj_id]
         on_instance = traj.holder if traj.state is ROUTED else None
         return AbortedTrajectory(traj.traj_id, traj.group.group_id, traj.state, on_instance)
+
+    def drop_filtered(self, group: GroupRecord) -> tuple[AbortedTrajectory, ...]:
+        """Forget a group dynamic sampling filtered out, counted as filtered."""
+        out = tuple(self.drop(t) for t in list(group.members.values()))
+        del self.groups[group.group_id]
+        self.filtered_trajs += len(out)
+        self.filtered_groups += 1
+        return out
 
     def _uncount(self, traj: TrajRecord) -> None:
         counts = self.counts[traj.state]

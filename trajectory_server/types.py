@@ -157,6 +157,9 @@ class LiveTrajectory(NamedTuple):
     v_traj: int | None
     holder: int | str | None  # its instance (ROUTED) or reward worker (REWARDING)
     tokens: int  # response tokens the TS holds
+    # a COMPLETED one's reward; None otherwise, and when its reward function failed
+    # (dynamic sampling decides on the graded rewards of a group, as the advantages do)
+    reward: float | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -361,6 +364,9 @@ class TSStats:
     aborted_groups: int
     dataset_exhausted: bool
     rewarding: int = 0  # finished, with (or waiting for) a reward worker
+    # completed groups dynamic sampling dropped (all rewards equal), and their trajectories
+    filtered_trajectories: int = 0
+    filtered_groups: int = 0
 
     def metrics(self) -> dict[str, float]:
         """Flat metric keys, e.g. ``ts/queued``."""
@@ -380,6 +386,8 @@ class TSStats:
                 "created_groups",
                 "consumed_groups",
                 "aborted_groups",
+                "filtered_trajectories",
+                "filtered_groups",
             )
         }
         for state, counts in (

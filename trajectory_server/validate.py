@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from trajectory_server.errors import InvalidPayload
+from trajectory_server.errors import InvalidPayload, VersionConflict
 
 _INT32 = np.iinfo(np.int32)
 
@@ -140,3 +140,23 @@ def earlier_turn(tokens: object, stored: np.ndarray) -> bool:
     trajectory went on from (what a stale step of a multi-turn episode completes)."""
     t = np.asarray(tokens)
     return t.ndim == 1 and len(t) < len(stored) and np.array_equal(stored[: len(t)], t)
+
+
+def route_version(traj_id: int, v_traj: int | None, v: object) -> int:
+    """The ``V_traj`` a Route gives a trajectory: a partial keeps its own (``v`` must be
+    it or None), an initial one takes ``v``, an int >= 0."""
+    if v_traj is not None:
+        if v is not None and v != v_traj:
+            raise VersionConflict(
+                f"trajectory {traj_id} is a partial with V_traj={v_traj}; route "
+                f"asked for V_traj={v}, but a V_traj never changes — pass {v_traj} or None"
+            )
+        return v_traj
+    if v is None:
+        raise VersionConflict(
+            f"trajectory {traj_id} is initial and needs a V_traj; pass the target "
+            "instance's model version (checked with the staleness manager first)"
+        )
+    if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 0:
+        raise VersionConflict(f"V_traj must be a non-negative int, got {v!r}")
+    return int(v)

@@ -20,7 +20,7 @@ from typing import Protocol, TypeVar, runtime_checkable
 import numpy as np
 
 from parameter_server import wire
-from parameter_server.errors import LayoutMismatchError, TransportError
+from parameter_server.errors import BaseWeightsError, LayoutMismatchError, TransportError
 from parameter_server.layout import Layout, Slice
 from parameter_server.store import StoreInfo, Weights
 
@@ -57,6 +57,15 @@ class Transport(Protocol):
 
     def push(self, weights: Weights, version: int | None = None) -> int:
         """Publish ``weights`` as ``version`` (default: latest + 1); return the version."""
+        ...
+
+    def pull_base(self, dest: np.ndarray) -> None:
+        """Copy the frozen base of adapter versions into ``dest`` (``base_layout.nbytes``
+        bytes); ``BaseWeightsError`` if the worker has none or it was not pushed yet."""
+        ...
+
+    def push_base(self, weights: Weights) -> None:
+        """Publish the base of adapter versions, once per worker."""
         ...
 
     def info(self) -> StoreInfo:
@@ -132,6 +141,8 @@ class ControlClient:
         self.layout = Layout.from_dict(self.welcome.layout)
         if self.layout.fingerprint != self.welcome.fingerprint:
             raise TransportError("layout fingerprint mismatch; client and worker code differ")
+        base = self.welcome.base_layout
+        self.base_layout: Layout | None = Layout.from_dict(base) if base else None
 
     @property
     def lock(self) -> threading.Lock:
@@ -170,7 +181,49 @@ class ControlClient:
             readers=tuple(reply.readers),
             pushing=reply.pushing,
             version_bytes=reply.version_bytes,
+            base_bytes=reply.base_bytes,
+            base_ready=reply.base_ready,
         )
+
+    def need_base(self) -> Layout:
+        """The base layout; ``BaseWeightsError`` before a request when the worker has none."""
+        if self.base_layout is None:
+            raise BaseWeightsError(
+                f"the PS worker at {self.endpoint.address} holds full-weight versions, no "
+                "base: start it with the base layout to hold adapter versions"
+            )
+        return self.base_layout
+
+    def stream_base_in(self, dest: np.ndarray) -> None:
+        """Pull the base over this socket (each transport's way once, except shm's)."""
+        flat = self.need_base().check_buffer(dest, "base Pull destination")
+        with self._lock:
+            lease = self._expect(self.request_locked(wire.SendBase()), wire.Leased)
+            if lease.nbytes != flat.nbytes:
+                raise TransportError(f"worker sent {lease.nbytes} bytes, expected {flat.nbytes}")
+            try:
+                wire.recv_exact(self.sock, flat.data)
+            except OSError as exc:
+                raise TransportError(f"Pull of the base weights broke: {exc}") from exc
+
+    def stream_base_out(self, weights: Weights) -> None:
+        """Push the base over this socket."""
+        base = self.need_base()
+        validate_push(base, weights)
+        with self._lock:
+            try:
+                wire.send(self.sock, wire.ReceiveBase(base.nbytes))
+                reply = wire.recv(self.sock)  # Ok once the region is reserved, or Failure
+                if isinstance(reply, wire.Failure):
+                    wire.raise_failure(reply)
+                self._expect(reply, wire.Ok)
+                send_packed(self.sock, base, weights)
+                reply = wire.recv(self.sock)
+            except OSError as exc:
+                raise TransportError(f"Push of the base weights broke: {exc}") from exc
+            if isinstance(reply, wire.Failure):
+                wire.raise_failure(reply)
+            self._expect(reply, wire.Ok)
 
     def acquire_read(self, version: int | None) -> wire.Leased:
         return self._expect(self.request(wire.AcquireRead(version)), wire.Leased)
@@ -198,6 +251,24 @@ def pack_for_push(layout: Layout, weights: Weights, out: np.ndarray) -> None:
         np.copyto(out, layout.check_buffer(weights, "packed Push buffer", LayoutMismatchError))
     else:
         layout.pack(weights, out)
+
+
+def send_packed(sock: socket.socket, layout: Layout, weights: Weights) -> None:
+    """Stream the packed image of ``weights`` without building it: padding, then each
+    parameter in layout order."""
+    if isinstance(weights, np.ndarray):
+        sock.sendall(weights.reshape(-1).view(np.uint8).data)
+        return
+    position = 0
+    for spec in layout:
+        offset = layout.offset(spec.name)
+        if offset > position:
+            sock.sendall(bytes(offset - position))
+        arr = np.ascontiguousarray(weights[spec.name])
+        sock.sendall(arr.reshape(-1).view(np.uint8).data)
+        position = offset + spec.nbytes
+    if layout.nbytes > position:
+        sock.sendall(bytes(layout.nbytes - position))
 
 
 def validate_push(layout: Layout, weights: Weights) -> None:

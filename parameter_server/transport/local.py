@@ -18,6 +18,7 @@ class LocalTransport:
     def __init__(self, store: VersionedStore) -> None:
         self._store = store
         self.layout: Layout = store.layout
+        self.base_layout: Layout | None = store.base_layout
 
     def pull(self, dest: np.ndarray, version: int | None = None) -> int:
         return self._store.pull(dest, version)
@@ -29,6 +30,12 @@ class LocalTransport:
 
     def push(self, weights: Weights, version: int | None = None) -> int:
         return self._store.push(weights, version)
+
+    def pull_base(self, dest: np.ndarray) -> None:
+        self._store.pull_base(dest)
+
+    def push_base(self, weights: Weights) -> None:
+        self._store.push_base(weights)
 
     def info(self) -> StoreInfo:
         return self._store.info()

@@ -102,6 +102,7 @@ class NixlTransport:
         self._control = ControlClient(endpoint, f"nixl-{os.getpid()}")
         welcome = self._control.welcome
         self.layout: Layout = self._control.layout
+        self.base_layout: Layout | None = self._control.base_layout
         if not welcome.nixl_metadata:
             self._control.close()
             raise TransportUnavailableError(
@@ -182,6 +183,14 @@ class NixlTransport:
                 self._control.abort_push(lease.lease_id)
                 raise
             return self._control.commit_push(lease.lease_id)
+
+    # The base of adapter versions moves once per client: over the control socket, with
+    # no registration of its (large) region for that single transfer.
+    def pull_base(self, dest: np.ndarray) -> None:
+        self._control.stream_base_in(dest)
+
+    def push_base(self, weights: Weights) -> None:
+        self._control.stream_base_out(weights)
 
     def info(self) -> StoreInfo:
         return self._control.info()

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from parameter_server import wire
 from parameter_server.errors import TransportError, TransportUnavailableError
 from parameter_server.layout import Layout, Slice
 from parameter_server.store import StoreInfo, Weights
@@ -151,6 +152,7 @@ class ShmTransport:
             self._segment.close()
             raise
         self.layout: Layout = self._control.layout
+        self.base_layout: Layout | None = self._control.base_layout
         if self._segment.size < self._control.welcome.region_bytes:
             self.close()
             raise TransportError("shared segment is smaller than the worker says")
@@ -188,6 +190,24 @@ class ShmTransport:
             self._control.abort_push(lease.lease_id)
             raise
         return self._control.commit_push(lease.lease_id)
+
+    def pull_base(self, dest: np.ndarray) -> None:
+        flat = self._control.need_base().check_buffer(dest, "base Pull destination")
+        where = self._control.expect(self._control.request(wire.AcquireBase()), wire.Leased)
+        # published once and never written again: no lease to hold while copying
+        np.copyto(flat, self._segment.array[where.offset : where.offset + where.nbytes])
+
+    def push_base(self, weights: Weights) -> None:
+        base = self._control.need_base()
+        validate_push(base, weights)
+        lease = self._control.expect(self._control.request(wire.BeginBase()), wire.Leased)
+        try:
+            region = self._segment.array[lease.offset : lease.offset + lease.nbytes]
+            pack_for_push(base, weights, region)
+        except BaseException:
+            self._control.abort_push(lease.lease_id)
+            raise
+        self._control.expect(self._control.request(wire.CommitBase(lease.lease_id)), wire.Ok)
 
     def info(self) -> StoreInfo:
         return self._control.info()

@@ -16,7 +16,7 @@ from parameter_server import wire
 from parameter_server.errors import TransportError
 from parameter_server.layout import Layout, Slice
 from parameter_server.store import StoreInfo, Weights
-from parameter_server.transport.base import ControlClient, Endpoint, validate_push
+from parameter_server.transport.base import ControlClient, Endpoint, send_packed, validate_push
 
 
 class SocketTransport:
@@ -27,6 +27,7 @@ class SocketTransport:
     def __init__(self, endpoint: Endpoint) -> None:
         self._control = ControlClient(endpoint, f"socket-{os.getpid()}")
         self.layout: Layout = self._control.layout
+        self.base_layout: Layout | None = self._control.base_layout
 
     def pull(self, dest: np.ndarray, version: int | None = None) -> int:
         flat = self.layout.check_buffer(dest, "Pull destination")
@@ -67,7 +68,7 @@ class SocketTransport:
                 if isinstance(reply, wire.Failure):
                     wire.raise_failure(reply)
                 control.expect(reply, wire.Ok)
-                self._send_packed(weights)
+                send_packed(control.sock, self.layout, weights)
                 reply = wire.recv(control.sock)
             except OSError as exc:
                 raise TransportError(f"Push broke: {exc}") from exc
@@ -75,22 +76,11 @@ class SocketTransport:
                 wire.raise_failure(reply)
             return control.expect(reply, wire.Published).version
 
-    def _send_packed(self, weights: Weights) -> None:
-        sock = self._control.sock
-        if isinstance(weights, np.ndarray):
-            sock.sendall(weights.reshape(-1).view(np.uint8).data)
-            return
-        # Stream the packed image without building it: padding, then each parameter.
-        position = 0
-        for spec in self.layout:
-            offset = self.layout.offset(spec.name)
-            if offset > position:
-                sock.sendall(bytes(offset - position))
-            arr = np.ascontiguousarray(weights[spec.name])
-            sock.sendall(arr.reshape(-1).view(np.uint8).data)
-            position = offset + spec.nbytes
-        if self.layout.nbytes > position:
-            sock.sendall(bytes(self.layout.nbytes - position))
+    def pull_base(self, dest: np.ndarray) -> None:
+        self._control.stream_base_in(dest)
+
+    def push_base(self, weights: Weights) -> None:
+        self._control.stream_base_out(weights)
 
     def info(self) -> StoreInfo:
         return self._control.info()

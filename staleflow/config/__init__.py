@@ -9,6 +9,7 @@ the dotted key and the fix.
 
 from coordinator.config import ConfigError, CoordinatorConfig, CostModelConfig
 from staleflow.config.env import EnvConfig
+from staleflow.config.evaluation import EvalConfig
 from staleflow.config.io import (
     config_from_dict,
     config_to_dict,
@@ -38,6 +39,7 @@ __all__ = [
     "CostModelConfig",
     "DataConfig",
     "EnvConfig",
+    "EvalConfig",
     "ModelConfig",
     "PSConfig",
     "RecoveryConfig",

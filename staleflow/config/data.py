@@ -19,6 +19,7 @@ from staleflow.config.checks import (
 )
 from staleflow.config.env import ENV_TASKS
 from staleflow.config.walk import check_types
+from staleflow.data.layouts import RecordLayout
 from staleflow.data.synthetic import ArithmeticConfig
 
 FILE_TASKS = ("gsm8k", "dapo", "jsonl", "parquet", "hf")
@@ -36,7 +37,8 @@ class DataConfig:
         metadata=_help(
             "arithmetic (built in) | calculator (built in, multi-turn with a tool: the env "
             "section) | gsm8k | dapo | jsonl | parquet (local files at data.path) "
-            "| hf (a Hugging Face datasets folder or files at data.path)"
+            "| hf (a Hugging Face datasets folder or files at data.path) | env (the "
+            "environment env.name, its problems at data.path: docs/agentic.md)"
         ),
     )
     path: str = field(
@@ -53,12 +55,16 @@ class DataConfig:
         default="",
         metadata=_help(
             "the field holding the prompt (text, or a chat list of {role, content}; a.b "
-            "reads a nested field); '' = detect the GSM8K or DAPO-Math layout"
+            "reads a nested field); '' = detect the GSM8K or DAPO-Math layout (data.task=env: "
+            "'prompt')"
         ),
     )
     answer_column: str = field(
         default="",
-        metadata=_help("the field holding the ground truth; set with data.prompt_column"),
+        metadata=_help(
+            "the field holding the ground truth; set with data.prompt_column (data.task=env: "
+            "'answer')"
+        ),
     )
     chat_template: bool = field(
         default=False,
@@ -129,3 +135,10 @@ class DataConfig:
                 f"does not end in {' or '.join(suffixes)} as data.task={self.task} needs: "
                 "fix the path, or set data.task to the file's format",
             )
+
+    def record_layout(self) -> RecordLayout | None:
+        """The fields data.prompt_column / data.answer_column name (of the training
+        prompts and of the held-out set); None: detect a built-in layout."""
+        if not self.prompt_column:
+            return None
+        return RecordLayout(self.prompt_column, self.answer_column, name="data.prompt_column")

@@ -1,4 +1,6 @@
-"""The ``env`` section: multi-turn environment tasks (``data.task=calculator``).
+"""The ``env`` section: multi-turn environment tasks: the built-in ``data.task=calculator``,
+and ``data.task=env`` with any environment (``env.name``: registered, or
+``module:attribute``) and its problems from ``data.path``.
 
 A trajectory of such a task is a sequence of model turns and observations; the episode
 ends when the environment ends it, at ``env.max_turns`` model turns, or when the response
@@ -24,7 +26,9 @@ from staleflow.config.checks import (
 )
 from staleflow.config.walk import check_types
 
-ENV_TASKS = ("calculator",)  # data.task values that name an environment (staleflow.envs)
+# data.task values of an environment (staleflow.envs): the built-in calculator with its own
+# problems, or env.name with the problems of data.path
+ENV_TASKS = ("calculator", "env")
 # rollout.max_response_tokens of an environment task left at its default: a calculator
 # episode of level 2 takes about 120 tokens (call, answer, final turn); twice that leaves
 # room for a retry after a malformed call
@@ -39,6 +43,14 @@ class EnvConfig:
 
     KEY: ClassVar[str] = "env"
 
+    name: str = field(
+        default="",
+        metadata=_help(
+            "data.task=env: the environment, registered (staleflow.envs.register_environment) "
+            "or module:attribute of an Environment class or factory, e.g. mypkg.envs:MyEnv "
+            "(importable on every worker)"
+        ),
+    )
     max_turns: int = field(
         default=4,
         metadata=_help("model turns per trajectory at most", MAX_TURNS, TURNS_WHY),
@@ -84,6 +96,13 @@ class EnvConfig:
 
     def __post_init__(self) -> None:
         check_types(self, self.KEY)
+        module, colon, attr = self.name.partition(":")
+        require(
+            not colon or bool(module.strip() and attr.strip()),
+            "env.name",
+            self.name,
+            "is not module:attribute: name the module and the class, e.g. mypkg.envs:MyEnv",
+        )
         require_at_least("env.max_turns", self.max_turns, 1, "turn")
         require_at_least("env.threads", self.threads, 1, "thread")
         require(
@@ -111,9 +130,15 @@ class EnvConfig:
             f"must be >= env.latency_scale_s={self.latency_scale_s}, e.g. 5",
         )
 
-    def options(self, task: str) -> dict[str, Any]:
-        """What ``staleflow.envs.make_environment(task, ...)`` takes from this section."""
-        if task == "calculator":
+    def environment(self, task: str) -> str:
+        """The environment ``data.task`` runs: the built-in calculator, or ``env.name``."""
+        return self.name if task == "env" else task
+
+    def options(self, environment: str) -> dict[str, Any]:
+        """What ``staleflow.envs.make_environment(environment, ...)`` takes from this
+        section: the calculator's latency; nothing for another environment, which is built
+        with its defaults."""
+        if environment == "calculator":
             return {
                 "latency_scale_s": self.latency_scale_s,
                 "latency_shape": self.latency_shape,

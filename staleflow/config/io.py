@@ -88,6 +88,7 @@ def load_config(
         key, value, raw_text = parse_override(text)
         _merge_override(data, key, value)
         raw[key] = raw_text
+    _rename_keys(data, raw)
     config = from_dict(RunConfig, data, base=base or RunConfig(), raw=raw)
     for warning in config_warnings(config):
         logger.warning("config: %s", warning)
@@ -108,10 +109,35 @@ def _merge_override(data: dict[str, Any], key: str, value: object) -> None:
     _merge(node, {parts[-1]: value})
 
 
+def _rename_keys(data: dict[str, Any], raw: dict[str, str]) -> None:
+    """Read a renamed key (``RunConfig.RENAMED_KEYS``) under its new name, with a warning;
+    both names at once is an error (which one was meant?)."""
+    for old, new in RunConfig.RENAMED_KEYS.items():
+        if old not in data:
+            continue
+        value = data.pop(old)
+        node = data
+        *sections, leaf = new.split(".")
+        for part in sections:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"{part} is a section, not a value: set its keys, e.g. {new}=...")
+            node = child
+        if leaf in node:
+            raise ConfigError(
+                f"{old} and {new} are both set: {old} is the old name of {new}; drop {old}"
+            )
+        node[leaf] = value
+        if old in raw:
+            raw[new] = raw.pop(old)
+        logger.warning("config: %s is now %s (read as %s=%r); write %s", old, new, new, value, new)
+
+
 def config_from_dict(data: Mapping[str, Any], *, base: RunConfig | None = None) -> RunConfig:
     """A :class:`RunConfig` from nested mappings (e.g. a saved run's config), validated."""
     merged: dict[str, Any] = {}
     _merge(merged, data)
+    _rename_keys(merged, {})
     return from_dict(RunConfig, merged, base=base or RunConfig())
 
 

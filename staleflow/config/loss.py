@@ -1,6 +1,6 @@
-"""The trainer's algorithm keys: the policy loss, its aggregation, and the KL to a frozen
-reference policy (``trainer.loss``, ``trainer.loss_agg``, ``trainer.kl_coef``,
-``trainer.ref``). :class:`LossSettings` is the base of
+"""The trainer's algorithm keys: the policy loss, its aggregation, the KL to a frozen
+reference policy and dynamic sampling (``trainer.loss``, ``trainer.loss_agg``,
+``trainer.kl_coef``, ``trainer.ref``, ``trainer.dynamic_sampling``). :class:`LossSettings` is the base of
 :class:`staleflow.config.sections.TrainerConfig`: the keys are the ``trainer`` section's.
 The maths is :mod:`staleflow.trainers.losses`; docs/training.md has every option with its
 formula. Messages name the dotted key and the fix, as in :mod:`staleflow.config.sections`.
@@ -40,6 +40,19 @@ KL_COEF_WHY = (
     "drowns the policy gradient and the policy never leaves the reference"
 )
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model*.safetensors.index.json")
+# Keys of a config.json that fix the shapes of the weights: two folders that differ in one
+# hold models of different architectures (also the Megatron checkpoint's check)
+SHAPE_KEYS = (
+    "model_type",
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "head_dim",
+    "tie_word_embeddings",
+)
 
 
 def model_folder_problem(path: str) -> str | None:
@@ -60,6 +73,29 @@ def model_folder_problem(path: str) -> str | None:
     if not any(any(p.glob(pattern)) for pattern in _WEIGHT_FILES):
         return "has no weights (model.safetensors or pytorch_model.bin)"
     return None
+
+
+def _config_json(folder: str) -> dict | None:
+    try:
+        parsed = json.loads((Path(folder).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return parsed if isinstance(parsed, dict) else None
+
+
+def architecture_mismatch(reference: str, policy: str) -> str | None:
+    """The shape keys (:data:`SHAPE_KEYS`) whose values differ between the config.json of
+    model folders ``reference`` and ``policy``, said in words; None when they agree or a
+    config cannot be read (the folder checks name that). Pure: reads two JSON files."""
+    ref, pol = _config_json(reference), _config_json(policy)
+    if ref is None or pol is None:
+        return None
+    differ = [k for k in SHAPE_KEYS if ref.get(k) != pol.get(k)]
+    if not differ:
+        return None
+    return ", ".join(
+        f"{k} {ref.get(k)!r} (reference) vs {pol.get(k)!r} (policy)" for k in differ[:3]
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +179,28 @@ class LossSettings:
         ),
     )
     ref: RefConfig = field(default_factory=RefConfig)
+    # verl's algorithm.filter_groups.enable; the control plane applies it (at the Occupy of
+    # a group), since the trainer never sees a group that was dropped
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata=_help(
+            "DAPO's dynamic sampling: drop each completed group whose rewards are all equal "
+            "(no learning signal under group-relative advantages) before training; its "
+            "buffer entry is refilled (docs/staleness.md)"
+        ),
+    )
+    dynamic_sampling_max_drop: float = field(
+        default=0.75,
+        metadata=_help(
+            "with dynamic_sampling: the largest share of a step's completed groups that is "
+            "dropped (0.75: up to 3 batches' worth a step); beyond it uniform groups are "
+            "trained on as they are, so that a run whose groups are nearly all uniform does "
+            "not stall",
+            0.95,
+            "a share s drops batch_size x s / (1 - s) groups a step: at 0.95 the rollout "
+            "makes 20 groups for each one trained",
+        ),
+    )
 
     def _check_loss(self) -> None:
         require_choice("trainer.loss", self.loss, LOSSES, "docs/training.md")
@@ -160,6 +218,12 @@ class LossSettings:
             "must be >= 0 (it weighs a penalty): use 0 for no KL term, e.g. 0.001",
         )
         require_choice("trainer.kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        require(
+            0.0 <= self.dynamic_sampling_max_drop < 1.0,
+            "trainer.dynamic_sampling_max_drop",
+            self.dynamic_sampling_max_drop,
+            "must be a share in [0, 0.95]: e.g. 0.75 (0 filters nothing)",
+        )
 
     def aggregation(self, advantage: str) -> str:
         """``loss_agg`` with ``auto`` resolved (see its help)."""

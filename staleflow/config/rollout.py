@@ -30,6 +30,9 @@ from staleflow.config.checks import (
 from staleflow.config.walk import check_types
 
 ROLLOUT_BACKENDS = ("embedded", "vllm", "sglang")
+# the backends whose engines load a LoRA adapter per version (trainer.lora): each engine
+# class says so with ``loads_adapters`` (tests/staleflow/engines check the two agree)
+LORA_ROLLOUT_BACKENDS = ("embedded", "vllm", "sglang")
 SGLANG_WEIGHT_SYNCS = ("tensor", "disk")  # staleflow.engines.sglang.config.WEIGHT_SYNCS
 
 

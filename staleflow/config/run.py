@@ -10,8 +10,11 @@ from typing import TYPE_CHECKING, ClassVar
 from coordinator.config import ConfigError, CoordinatorConfig, CostModelConfig
 from staleflow.config.checks import INT32_MAX, STEPS_WHY
 from staleflow.config.env import ENV_RESPONSE_TOKENS, ENV_TASKS, EnvConfig
+from staleflow.config.evaluation import EvalConfig
+from staleflow.config.loss import architecture_mismatch
 from staleflow.config.recovery import RecoveryConfig
 from staleflow.config.resources import ResourcesConfig
+from staleflow.config.rollout import LORA_ROLLOUT_BACKENDS
 from staleflow.config.sections import (
     FILE_TASKS,
     DataConfig,
@@ -25,6 +28,7 @@ from staleflow.config.sections import (
     require_at_least,
 )
 from staleflow.config.walk import check_tree_bounds, check_types
+from staleflow.control.dynamic_sampling import SamplingConfig
 from staleflow.models.presets import PRESETS
 from staleflow.rewards.registry import resolve_reward_kind
 from staleflow.tracking import TrackerError, parse_trackers
@@ -128,16 +132,6 @@ class RunConfig:
             STEPS_WHY,
         ),
     )
-    eval_problems: int = field(
-        default=512,
-        metadata=_help(
-            "held-out problems of the built-in task scored before and after training, at "
-            "rollout.temperature (the run's improvement); 0 = off",
-            2**20,
-            "each is sampled twice, before and after training, while nothing else runs: "
-            "2**20 takes hours on the embedded engine",
-        ),
-    )
     dashboard: bool = field(
         default=True,
         metadata=_help(
@@ -175,6 +169,7 @@ class RunConfig:
     resources: ResourcesConfig = field(default_factory=ResourcesConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     coordinator: CoordinatorConfig = field(default_factory=_embedded_coordinator)
 
     # Keys that were replaced: the message says which key to use instead.
@@ -186,6 +181,12 @@ class RunConfig:
             "included; it also reserves resources.rollout for each rank): set "
             "rollout.tensor_parallel instead"
         ),
+    }
+    # Keys that were renamed and are still read under their old name (a saved config.yaml
+    # of an earlier run resumes as it was), with a warning naming the new one.
+    RENAMED_KEYS: ClassVar[dict[str, str]] = {
+        # the held-out set got its own section with the evaluation during training (#37)
+        "eval_problems": "eval.problems",
     }
 
     def __post_init__(self) -> None:
@@ -200,7 +201,6 @@ class RunConfig:
         require_at_least("steps", self.steps, 1, "training step")
         require(self.seed >= 0, "seed", self.seed, "is negative: use a seed >= 0")
         require_at_least("checkpoint_every", self.checkpoint_every, 0, "steps (0 = at the end)")
-        require_at_least("eval_problems", self.eval_problems, 0, "problems (0 = off)")
         require(
             1 <= self.dashboard_port <= 65535,
             "dashboard_port",
@@ -247,10 +247,17 @@ class RunConfig:
                 f"is required for data.task={data.task}: the built-in model only knows "
                 "arithmetic; set model.checkpoint=/path/to/a/local/hf/checkpoint",
             )
+        elif data.task == "env":
+            self._check_env_task()
         elif data.path:
             raise ConfigError(
                 f"data.path={data.path!r} is set but data.task={data.task} does not read files: "
-                "set data.task to jsonl, parquet, gsm8k or dapo, or drop data.path"
+                "set data.task to jsonl, parquet, gsm8k, dapo, hf or env, or drop data.path"
+            )
+        if self.env.name and data.task != "env":
+            raise ConfigError(
+                f"env.name={self.env.name!r} is set but data.task={data.task}: env.name is the "
+                "environment of data.task=env; set data.task=env, or drop env.name"
             )
         if data.tokenizer and not model.checkpoint:
             raise ConfigError(
@@ -289,8 +296,76 @@ class RunConfig:
                 "deterministic inference; set rollout.sglang.deterministic=true (slower "
                 "kernels), or set coordinator.race.enabled=false"
             )
+        ref = self.trainer.ref.path
+        if ref and model.checkpoint:  # the built-in policy's: the trainer checks it
+            mismatch = architecture_mismatch(ref, model.checkpoint)
+            require(
+                mismatch is None,
+                "trainer.ref.path",
+                ref,
+                f"holds another architecture than model.checkpoint ({mismatch}): set it to a "
+                "model folder of the policy's architecture (e.g. a checkpoint of this run or of "
+                "model.checkpoint), or drop it to use the initial policy",
+            )
+        self._check_eval()
+        if self.trainer.lora.enabled:
+            require(
+                rollout.backend in LORA_ROLLOUT_BACKENDS,
+                "rollout.backend",
+                rollout.backend,
+                "cannot load a LoRA adapter per version (trainer.lora.enabled=true): use "
+                f"rollout.backend={' or '.join(LORA_ROLLOUT_BACKENDS)}, or "
+                "trainer.lora.enabled=false to train and Push the full weights",
+            )
         if not model.checkpoint:
             self._check_builtin_context()
+
+    def _check_env_task(self) -> None:
+        """data.task=env: an environment, its problems and a policy that can read them
+        (the environment itself and the file's columns are checked before the launch
+        starts anything: ``staleflow.runtime.driver.env_task``)."""
+        require(
+            bool(self.env.name),
+            "env.name",
+            self.env.name,
+            "is required for data.task=env: name the environment, registered or "
+            "module:attribute, e.g. env.name=mypkg.envs:MyEnv",
+        )
+        require(
+            bool(self.data.path),
+            "data.path",
+            self.data.path,
+            "is required for data.task=env: the environment's problems, one per row (.jsonl, "
+            ".parquet, or a Hugging Face datasets folder or files)",
+        )
+        require(
+            bool(self.model.checkpoint),
+            "model.checkpoint",
+            self.model.checkpoint,
+            "is required for data.task=env: the built-in model only knows the built-in tasks; "
+            "set model.checkpoint=/path/to/a/local/hf/checkpoint",
+        )
+
+    def _check_eval(self) -> None:
+        ev, task = self.eval, self.data.task
+        if task in ENV_TASKS:
+            require(
+                not ev.path and not ev.every,
+                "eval.every" if ev.every else "eval.path",
+                ev.every or ev.path,
+                f"is not supported with data.task={task}: a multi-turn episode needs its "
+                "environment, which only the reward workers run; set eval.every=0 and "
+                "eval.path=''",
+            )
+        elif task != "arithmetic":
+            require(
+                bool(ev.path) or not ev.every,
+                "eval.path",
+                ev.path,
+                f"is required for eval.every={ev.every} with data.task={task}: only the "
+                "built-in task has its own held-out problems; set eval.path=/path/to/"
+                "test.jsonl (or .parquet, or a datasets folder), or eval.every=0",
+            )
 
     def _check_builtin_context(self) -> None:
         limit = PRESETS[self.model.preset].max_position_embeddings
@@ -334,6 +409,13 @@ class RunConfig:
             group_redundancy=self.group_redundancy,
         )
 
+    def sampling_config(self) -> SamplingConfig | None:
+        """Dynamic sampling's settings for the control plane (None: off)."""
+        t = self.trainer
+        if not t.dynamic_sampling:
+            return None
+        return SamplingConfig(self.batch_size, t.dynamic_sampling_max_drop)
+
     def trajectory_server_config(self) -> TrajectoryServerConfig:
         """The trajectory server's configuration, from the top-level keys."""
 
@@ -362,6 +444,13 @@ def config_warnings(config: RunConfig) -> list[str]:
             f"trainer.loss=gspo with eps_low={t.eps_low:g}, eps_high={t.eps_high:g}: a "
             "sequence's length-normalised ratio rarely leaves such a range, so nothing is "
             "clipped; the GSPO paper uses eps_low=3e-4 eps_high=4e-4"
+        )
+    if t.dynamic_sampling and config.eta <= 1 and config.batch_redundancy == 0:
+        out.append(
+            f"trainer.dynamic_sampling at eta={config.eta} with batch_redundancy=0: a dropped "
+            "group's place is refilled by a group that starts from nothing while the trainer "
+            "waits; over-provision with batch_redundancy of about p / (1 - p) for a dropped "
+            "share p, e.g. 0.5 when a third of the groups are uniform (docs/staleness.md)"
         )
     kv_budget = config.coordinator.cost_model.kv_budget
     if (

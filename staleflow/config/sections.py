@@ -35,6 +35,7 @@ from staleflow.config.data import (
 from staleflow.config.data import (
     DataConfig as DataConfig,
 )
+from staleflow.config.lora import LoraConfig
 from staleflow.config.loss import LossSettings
 from staleflow.config.rollout import (
     ROLLOUT_BACKENDS as ROLLOUT_BACKENDS,
@@ -350,6 +351,7 @@ class TrainerConfig(LossSettings):
             WAIT_WHY,
         ),
     )
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         check_types(self, self.KEY)
@@ -409,6 +411,17 @@ class TrainerConfig(LossSettings):
                 "trainer.stream=false",
             )
         self._check_parallelism()
+        # Megatron's ranks train and Push their tensor-parallel shards of every weight;
+        # adapters on its parallel linear layers (sharded like their base) are not built
+        require(
+            not (self.lora.enabled and self.backend == "megatron"),
+            "trainer.lora.enabled",
+            self.lora.enabled,
+            "needs trainer.backend=embedded: the Megatron trainer has no adapters on its "
+            "tensor-parallel linear layers (its ranks train and Push full shards); set "
+            "trainer.backend=embedded, or trainer.lora.enabled=false to train the full "
+            "weights with Megatron",
+        )
 
     def _check_parallelism(self) -> None:
         for key in ("tp", "pp", "dp"):

@@ -178,6 +178,19 @@ def abort_live(ts: Aborter, traj_ids: Sequence[int]) -> list[AbortedTrajectory]:
     return [t for batch in results for t in batch]
 
 
+class GroupFilterSink(Protocol):
+    def filter_group(self, group_id: int) -> tuple[AbortedTrajectory, ...]: ...
+
+
+def filter_group_live(ts: GroupFilterSink, group_id: int) -> list[AbortedTrajectory]:
+    """Drop a group dynamic sampling filtered out; one already gone is skipped."""
+    try:
+        return list(ts.filter_group(group_id))
+    except GroupGone as exc:
+        logger.debug("late group filter dropped: %s", exc)
+        return []
+
+
 def abort_groups_live(ts: Aborter, group_ids: Iterable[int]) -> list[AbortedTrajectory]:
     """Drop whole groups from the TS; groups already consumed or aborted are skipped."""
     out: list[AbortedTrajectory] = []

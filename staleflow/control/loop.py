@@ -6,7 +6,9 @@ and is where every decision of a run is taken:
 - **Occupy** (:meth:`ControlLoop.occupy`): a rewarded trajectory completes its group;
   the surplus that redundancy (§4.3, App. C) no longer needs is dropped: group-level
   surplus members, batch-level groups that can no longer fit, and the trajectory itself
-  when its group was settled (or consumed) before it arrived;
+  when its group was settled (or consumed) before it arrived; with dynamic sampling
+  (``staleflow.control.dynamic_sampling``), a group whose rewards are all equal is
+  filtered out instead of occupied;
 - **Consume** (:meth:`ControlLoop.consume`): the trainer's buffer, once Ready; reserved
   groups that no longer fit are dropped;
 - **the snapshot-command cycle** (:meth:`ControlLoop.cycle`): snapshot, validate against
@@ -34,19 +36,29 @@ from coordinator import Coordinator, CoordinatorConfig, InProcessExecutor, Snaps
 from coordinator.interface import EnginePlane, ParameterPlane, TrajectoryPlane
 from coordinator.types import InstanceId, InstanceSnapshot
 from staleflow.control.decisions import Consumed, Decision, Dropped, Issued, Occupied
-from staleflow.control.late import Aborter, abort_groups_live, abort_live
+from staleflow.control.dynamic_sampling import DynamicSampling, graded_reward
+from staleflow.control.late import (
+    Aborter,
+    GroupFilterSink,
+    abort_groups_live,
+    abort_live,
+    filter_group_live,
+)
 from staleness import ConsumedBatch, StalenessConfig, StalenessManager
 from staleness.errors import DuplicateTrajectory, StalenessError
 from staleness.types import GroupId, TrajId
-from trajectory_server.types import AbortedTrajectory, RoutableTrajectory
+from trajectory_server.types import AbortedTrajectory, LiveTrajectory, RoutableTrajectory
 
 logger = logging.getLogger(__name__)
 
 
-class TrajectoryStore(Aborter, Protocol):
-    """What the loop needs of the trajectory server: its routing view and aborts."""
+class TrajectoryStore(Aborter, GroupFilterSink, Protocol):
+    """What the loop needs of the trajectory server: its routing view, aborts, and (with
+    dynamic sampling) its ledger and filtered groups."""
 
     def routing_view(self) -> Sequence[RoutableTrajectory]: ...
+
+    def ledger(self) -> Sequence[LiveTrajectory]: ...
 
 
 class Planes(EnginePlane, TrajectoryPlane, ParameterPlane, Protocol):
@@ -85,6 +97,7 @@ class ControlLoop:
         on_decision: Callable[[Decision], None] | None = None,
         manager: StalenessManager | None = None,
         versions: Mapping[InstanceId, int] | None = None,
+        sampling: DynamicSampling | None = None,
     ) -> None:
         # a resumed run hands in the manager it restored (same settings, checked there)
         self.manager = manager if manager is not None else StalenessManager(staleness)
@@ -118,6 +131,11 @@ class ControlLoop:
         self.last_discard = ""  # why the last discarded snapshot failed Eq. 1
         self._latest_version = 0
         self._view: Sequence[RoutableTrajectory] = ()
+        self.sampling = sampling
+        if sampling is not None:
+            # a resumed manager has groups partly completed before the stop: their
+            # rewards are in the TS (a fresh run's ledger holds no completion)
+            sampling.seed(ts.ledger())
 
     # -- what the drivers call ------------------------------------------------------------
 
@@ -128,10 +146,15 @@ class ControlLoop:
         worker, :meth:`replay`) is skipped."""
         context = self.coordinator.strategies.seer
         fresh = self.coordinator.strategies.freshness
+        sampling = self.sampling
         applied: list[FinishedLike] = []
         for f in finished:
+            keep = None
+            if sampling is not None:
+                sampling.note(f.group_id, f.traj_id, graded_reward(f))
+                keep = self._keeper(f.group_id)
             try:
-                outcome = self.manager.complete(f.group_id, f.traj_id)
+                outcome = self.manager.complete(f.group_id, f.traj_id, keep)
             except DuplicateTrajectory:
                 logger.debug("completion of trajectory %d already applied", f.traj_id)
                 continue
@@ -146,7 +169,26 @@ class ControlLoop:
                 self.on_decision(Occupied(self._clock(), f.group_id, f.traj_id, outcome))
             if outcome.abort_trajectories or outcome.abort_groups:
                 self._drop(outcome.abort_trajectories, outcome.abort_groups)
+            if outcome.filtered:
+                self._filtered(f.group_id)
+            elif sampling is not None and outcome.discarded:
+                sampling.forget((f.group_id,))  # a late member of a settled group
         return applied
+
+    def _keeper(self, group_id: GroupId) -> Callable[[Sequence[TrajId]], bool]:
+        """Dynamic sampling's decision, asked by the manager inside its Occupy (under its
+        lock: reads its per-step count as an attribute, calls nothing of it)."""
+        assert self.sampling is not None
+        sampling, manager = self.sampling, self.manager
+        return lambda kept: sampling.keeps(group_id, kept, manager.filtered_this_step)
+
+    def _filtered(self, group_id: GroupId) -> None:
+        """Dynamic sampling dropped ``group_id`` (its completed members; the surplus went
+        as at any Occupy): out of the TS as filtered, and off any instance."""
+        gone = filter_group_live(self._ts, group_id)
+        on_instances = tuple(t.traj_id for t in gone if t.instance_id is not None)
+        if on_instances:
+            self.coordinator.request_abort(trajs=on_instances)
 
     def replay(self, completed: Iterable[FinishedLike]) -> list[FinishedLike]:
         """Completions the TS holds whose report may never come (the reward worker died
@@ -200,6 +242,8 @@ class ControlLoop:
         if not self.manager.is_ready():
             return None
         batch = self.manager.consume()
+        if self.sampling is not None:  # rewards seeded at a resume for occupied groups
+            self.sampling.forget(g.group_id for g in batch.groups)
         fresh = self.coordinator.strategies.freshness
         if fresh is not None:
             fresh.consumed((g.group_id for g in batch.groups), self._clock())
@@ -271,6 +315,8 @@ class ControlLoop:
             abort_live(self._ts, trajs)
         if groups:
             abort_groups_live(self._ts, groups)
+            if self.sampling is not None:
+                self.sampling.forget(groups)
         self.coordinator.request_abort(trajs, groups)
         if self.on_decision is not None:
             self.on_decision(Dropped(self._clock(), tuple(trajs), tuple(groups)))

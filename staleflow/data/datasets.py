@@ -199,17 +199,40 @@ def load_parquet(
     fmt: PromptFormat = AS_WRITTEN,
 ) -> PromptDataset:
     """A Parquet file (through pyarrow); rows are numbered from 1."""
+    p = Path(path)
+    return from_rows(p, parquet_rows(p), tokenizer, layout, fmt)
+
+
+def parquet_rows(path: Path) -> Iterator[tuple[int, object]]:
+    """The rows of a Parquet file as ``(row number from 1, dict)``."""
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
         raise ImportError(missing("pyarrow (for Parquet datasets)", exc)) from exc
-    p = Path(path)
     try:
-        table = pq.read_table(p)
+        table = pq.read_table(path)
     except (OSError, ValueError) as exc:  # pyarrow's errors derive from these
-        raise DatasetError(p, None, None, f"cannot be read as Parquet: {exc}") from None
-    rows = enumerate(table.to_pylist(), start=1)
-    return from_rows(p, rows, tokenizer, layout, fmt)
+        raise DatasetError(path, None, None, f"cannot be read as Parquet: {exc}") from None
+    return enumerate(table.to_pylist(), start=1)
+
+
+def file_rows(path: str | Path) -> Iterator[tuple[int, object]]:
+    """The rows of a ``.jsonl`` (or ``.json``, one object per line) or ``.parquet`` file,
+    by suffix, as ``(row number, row)``: JSONL rows are numbered by line, Parquet rows
+    from 1. Read lazily; errors are :class:`DatasetError`."""
+    p = Path(path)
+    if p.suffix in (".jsonl", ".json"):
+        return _readable(p, _jsonl_rows(p))
+    if p.suffix in (".parquet", ".pq"):
+        return parquet_rows(p)
+    raise DatasetError(p, None, None, "unknown format; use a .jsonl or .parquet file")
+
+
+def _readable(path: Path, rows: Iterator[tuple[int, object]]) -> Iterator[tuple[int, object]]:
+    try:
+        yield from rows
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DatasetError(path, None, None, f"cannot be read: {exc}") from None
 
 
 def load_dataset(

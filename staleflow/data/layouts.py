@@ -14,6 +14,7 @@ from pathlib import Path
 
 Prompt = str | list[dict[str, str]]  # plain text, or chat messages {role, content}
 _MISSING = object()
+MISSING = _MISSING  # what get_field gives for a field the row lacks
 
 
 class DatasetError(ValueError):

@@ -27,6 +27,10 @@ class GenerationRequest:
     trajectory, the partial response for one resumed after an interrupt or preemption
     (the engine re-prefills ``prompt + tokens`` and keeps the given logprobs and versions
     for those tokens).
+
+    ``traj_id`` is a trajectory's id, or, from ``EVAL_ID_BASE`` (2**62) on, a held-out
+    evaluation request of the instance (``staleflow.rollout.eval_lane``): an engine treats
+    both alike, so it must take any non-negative int64 id.
     """
 
     traj_id: int

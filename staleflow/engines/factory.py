@@ -12,10 +12,14 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from staleflow.config.sections import RolloutConfig, SGLangOptions, VLLMOptions
 from staleflow.engines.settings import EngineSettings
+from staleflow.models import lora as lora_lib
+
+if TYPE_CHECKING:
+    from staleflow.config.lora import LoraConfig
 
 ENGINE_MODEL_DIR = "engine_model"  # the built-in policy, saved for the engines to load
 
@@ -49,7 +53,9 @@ def engine_options(
             from staleflow.models.checkpoint import save_pretrained
 
             folder = Path(run_dir) / ENGINE_MODEL_DIR
-            save_pretrained(model, tokenizer, folder)
+            # a policy with LoRA adapters: the folder is the frozen base they apply to
+            base = lora_lib.base_state(model) if lora_lib.has_adapters(model) else None
+            save_pretrained(model, tokenizer, folder, base)
             path = str(folder)
         section = dataclasses.replace(section, model_path=path)
     return EngineOptions(
@@ -66,8 +72,10 @@ def build_engine(
     ps_endpoint: Any = None,
     transport: str = "auto",
     layout: dict[str, Any] | None = None,
+    lora: LoraConfig | None = None,
 ) -> Any:
-    """A started engine of ``backend`` (``vllm`` or ``sglang``) for instance ``inst``."""
+    """A started engine of ``backend`` (``vllm`` or ``sglang``) for instance ``inst``; with
+    ``lora`` (``trainer.lora``), one whose versions are that adapter."""
     common = {f.name: getattr(settings, f.name) for f in dataclasses.fields(EngineSettings)}
     o = options.section
     if backend == "vllm" and isinstance(o, VLLMOptions):
@@ -83,6 +91,8 @@ def build_engine(
                 dtype=o.dtype,
                 extra_args=json.loads(o.extra_args or "{}"),
                 log_path=str(Path(options.log_dir) / "vllm" / f"instance-{inst}.log"),
+                **_lora_settings(lora),
+                lora_dir=str(Path(options.log_dir) / "vllm" / f"lora-{inst}"),
             )
         )
     if backend == "sglang" and isinstance(o, SGLangOptions):
@@ -100,6 +110,7 @@ def build_engine(
             tp_size=o.tp_size,
             weight_sync=o.weight_sync,
             disk_dir=o.disk_dir,
+            **_lora_settings(lora),
         )
         spec = ServerSpec(
             model_path=o.model_path,
@@ -110,6 +121,8 @@ def build_engine(
             extra_args=o.extra_server_args,
             deterministic=o.deterministic,
             startup_timeout_s=o.startup_timeout_s,
+            lora_rank=0 if lora is None else lora.rank,
+            lora_targets=() if lora is None else lora.targets,
         )
         source = None
         if ps_endpoint is not None and layout is not None:
@@ -119,3 +132,10 @@ def build_engine(
         f"build_engine builds vllm or sglang engines from their own section, not {backend!r} "
         f"with {type(o).__name__}"
     )
+
+
+def _lora_settings(lora: LoraConfig | None) -> dict[str, Any]:
+    """A served engine's LoRA settings (``trainer.lora``); none without it."""
+    if lora is None:
+        return {}
+    return {"lora_rank": lora.rank, "lora_alpha": lora.alpha, "lora_targets": lora.targets}

@@ -132,7 +132,9 @@ class Step:
 
 @runtime_checkable
 class Environment(Protocol):
-    """The rules of one kind of multi-turn task; see the module docstring."""
+    """The rules of one kind of multi-turn task; see the module docstring. It may also
+    declare ``columns``, the dataset fields its ``start`` reads from ``EnvSample.extra``
+    (:mod:`staleflow.envs.samples` refuses rows without them)."""
 
     name: str
 

@@ -27,11 +27,17 @@ _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin", "model*.safetensors.inde
 _HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def save_pretrained(model: PreTrainedModel, tokenizer: Tokenizer, path: str | Path) -> Path:
-    """Write ``model`` and ``tokenizer`` into directory ``path`` (created if needed)."""
+def save_pretrained(
+    model: PreTrainedModel,
+    tokenizer: Tokenizer,
+    path: str | Path,
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write ``model`` and ``tokenizer`` into directory ``path`` (created if needed);
+    ``state_dict`` replaces the model's own weights (a LoRA policy's merged ones)."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    model.save_pretrained(out, state_dict=state_dict)
     save_tokenizer(tokenizer, out)
     return out
 

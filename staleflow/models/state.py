@@ -44,7 +44,12 @@ def load_policy_state(model: torch.nn.Module, state: Mapping[str, object]) -> No
     unchanged; the error names the offending parameter. Values are cast to each
     parameter's dtype.
     """
-    params = dict(model.named_parameters())
+    load_parameters(dict(model.named_parameters()), state)
+
+
+def load_parameters(params: Mapping[str, torch.Tensor], state: Mapping[str, object]) -> None:
+    """:func:`load_policy_state` into ``params`` (name -> parameter), checked the same way:
+    exactly these names, their shapes, floating point."""
     missing = [name for name in params if name not in state]
     unexpected = [name for name in state if name not in params]
     if missing or unexpected:

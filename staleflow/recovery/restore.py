@@ -8,7 +8,9 @@ manager tracks) and reward workers, which store a completion in the TS *before* 
 report it to the control plane. So the TS may hold completions the manager has not
 applied yet, and nothing else may differ. :func:`reconcile` replays those completions
 (Occupy, in trajectory id order) and checks every other correspondence; a checkpoint
-where they disagree otherwise is refused rather than guessed at.
+where they disagree otherwise is refused rather than guessed at. With dynamic sampling on,
+a group a replayed completion completes is filtered as the control loop would filter it
+(its rewards are the TS's).
 
 After the restore, trajectories that were ROUTED are QUEUED partials with their
 ``V_traj`` (``TrajectoryServer.restore``) and their reservations are still in the
@@ -19,8 +21,10 @@ for every other: no Reserve is repeated and no entry is lost.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from staleflow.control.dynamic_sampling import DynamicSampling, SamplingConfig
 from staleflow.recovery.checkpoint import STALENESS_FILE, Checkpoint
 from staleflow.recovery.errors import CorruptCheckpoint
 from staleness import StalenessManager
@@ -38,16 +42,20 @@ class Reconciliation:
 
     replayed: tuple[int, ...] = ()  # completions the manager had not applied
     aborted: tuple[int, ...] = ()  # trajectories the replayed Occupies dropped (surplus)
+    filtered: tuple[int, ...] = ()  # trajectories of groups dynamic sampling dropped
 
 
 def restore_run(
-    checkpoint: Checkpoint, ts_config: TrajectoryServerConfig, source: PromptSource
+    checkpoint: Checkpoint,
+    ts_config: TrajectoryServerConfig,
+    source: PromptSource,
+    sampling: SamplingConfig | None = None,
 ) -> tuple[StalenessManager, TrajectoryServer, Reconciliation]:
     """The manager and the TS of a checkpoint, in process and reconciled. A launcher on
     Ray restores them here and hands ``export_state()`` of each to its actors.
 
     ``source`` must be at the saved position (``PromptSampler.from_state(dataset,
-    checkpoint.sampler)``). Errors are ``CorruptCheckpoint`` (the saved states do not
+    checkpoint.sampler)``); ``sampling``: the run's dynamic sampling, if on. Errors are ``CorruptCheckpoint`` (the saved states do not
     fit together) or the typed errors of each restore (another run's settings).
     """
     try:
@@ -62,10 +70,12 @@ def restore_run(
             f"{checkpoint.path}: staleness version {manager.version} is not the run's "
             f"version {checkpoint.version}"
         )
-    return manager, ts, reconcile(manager, ts)
+    return manager, ts, reconcile(manager, ts, sampling)
 
 
-def reconcile(manager: StalenessManager, ts: TrajectoryServer) -> Reconciliation:
+def reconcile(
+    manager: StalenessManager, ts: TrajectoryServer, sampling: SamplingConfig | None = None
+) -> Reconciliation:
     """Replay the completions the TS holds and the manager has not applied; check that
     everything else corresponds (see the module docstring)."""
     state = manager.export_state()
@@ -96,8 +106,13 @@ def reconcile(manager: StalenessManager, ts: TrajectoryServer) -> Reconciliation
             if lost:
                 _disagree(f"group {gid} is reserved for trajectories {lost} the TS lost")
     aborted: list[int] = []
+    filtered: list[int] = []
+    sampler = DynamicSampling(sampling) if sampling is not None else None
+    if sampler is not None:
+        sampler.seed(ts.ledger())
     for gid, tid in sorted(replay, key=lambda x: x[1]):
-        outcome = manager.complete(gid, tid)
+        keep = _keeper(sampler, manager, gid) if sampler is not None else None
+        outcome = manager.complete(gid, tid, keep)
         drop = list(outcome.abort_trajectories)
         for g in outcome.abort_groups:
             try:
@@ -106,11 +121,24 @@ def reconcile(manager: StalenessManager, ts: TrajectoryServer) -> Reconciliation
                 continue  # the group is already gone from the TS
         live = [t for t in dict.fromkeys(drop) if _live(ts, t)]
         aborted.extend(a.traj_id for a in ts.abort(live))
+        if outcome.filtered:
+            filtered.extend(a.traj_id for a in ts.filter_group(gid))
     if replay:
         logger.info(
-            "restore: %d completions replayed, %d surplus dropped", len(replay), len(aborted)
+            "restore: %d completions replayed, %d surplus dropped, %d filtered",
+            len(replay),
+            len(aborted),
+            len(filtered),
         )
-    return Reconciliation(tuple(t for _, t in sorted(replay, key=lambda x: x[1])), tuple(aborted))
+    replayed = tuple(t for _, t in sorted(replay, key=lambda x: x[1]))
+    return Reconciliation(replayed, tuple(aborted), tuple(filtered))
+
+
+def _keeper(
+    sampler: DynamicSampling, manager: StalenessManager, gid: int
+) -> Callable[[Sequence[int]], bool]:
+    """Dynamic sampling's decision on group ``gid``, as the control loop asks it."""
+    return lambda kept: sampler.keeps(gid, kept, manager.filtered_this_step)
 
 
 def _live(ts: TrajectoryServer, traj_id: int) -> bool:

@@ -64,9 +64,11 @@ def make_reward_fn(name: str, **options: object) -> RewardFn:
 def resolve_reward_kind(kind: str, task: str) -> str:
     """``auto`` -> ``arithmetic`` for the built-in task, ``math_verify`` for datasets
     (GSM8K, DAPO-Math and local files, whose answers are numbers or LaTeX), ``exact`` for
-    an environment task (``calculator``), which its environment scores instead."""
+    an environment task (``calculator``, ``env``), which its environment scores instead."""
     if kind != AUTO:
         return kind
-    if task == "calculator":  # an environment task: its environment scores the episode
+    # an environment task (staleflow.config.env.ENV_TASKS, not imported: the config
+    # imports this module): its environment scores the episode
+    if task in ("calculator", "env"):
         return "exact"
     return "arithmetic" if task == "arithmetic" else "math_verify"

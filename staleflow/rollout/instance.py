@@ -22,6 +22,7 @@ import numpy as np
 from coordinator.seer import chunk_cap
 from coordinator.types import InstanceSnapshot, TrajRecord
 from staleflow.engines.base import FINISH_LENGTH, EngineOutput, GenerationRequest, RolloutEngine
+from staleflow.rollout.eval_lane import EvalLane, EvalOutput, EvalRequest
 from trajectory_server.types import (
     InstanceId,
     PartialTrajectory,
@@ -109,6 +110,9 @@ class RolloutInstance:
     ``coordinator.seer.chunk_cap``); a request that stops there for length before its real
     budget goes to ``on_chunk`` as a partial, like an interrupted one, and stays listed
     among the trajectories that left since the last Pull (Eq. 1 counts it).
+
+    ``eval_running``: evaluation requests (:mod:`staleflow.rollout.eval_lane`) in the
+    engine at once at most; they are no trajectories of this instance.
     """
 
     def __init__(
@@ -123,6 +127,7 @@ class RolloutInstance:
         on_chunk: Callable[[list[PartialTrajectory]], None] | None = None,
         on_copy_finished: Callable[[list[tuple[Finished, InstanceId]]], Collection[int]]
         | None = None,
+        eval_running: int = 16,
     ) -> None:
         if max_response < 1:
             raise ValueError(f"max_response={max_response}; use at least 1 token")
@@ -149,6 +154,7 @@ class RolloutInstance:
         # tokens and whether the TS took the copy's completion (it won); drop_copies reports
         self._copy_ends: dict[int, CopyEnd] = {}
         self._on_copy_finished = on_copy_finished
+        self._eval = EvalLane(max_response, eval_running)
         self._completed: list[int] = []  # since the last Pull
         self._busy_s = self._idle_s = self._load_s = 0.0
         self._command_s: dict[str, float] = defaultdict(float)
@@ -230,6 +236,24 @@ class RolloutInstance:
                 self._meta.pop(tid, None)
             self._command_s["abort"] += self._clock() - started
         return dropped
+
+    # -- evaluation requests (rollout/eval_lane.py) --------------------------------------
+
+    def submit_eval(self, requests: Sequence[EvalRequest]) -> None:
+        """Queue evaluation requests; they enter the engine as the lane's cap allows."""
+        with self._lock:
+            self.check()
+            self._eval.add(requests)
+            admitted = self._eval.admit()
+            if admitted:
+                self._engine.submit(admitted)
+                self._work.notify_all()
+
+    def take_eval(self) -> list[EvalOutput]:
+        """The evaluation responses finished since the last call."""
+        with self._lock:
+            self.check()
+            return self._eval.take()
 
     # -- race copies (runtime/controller/races.py) -------------------------------------------------
 
@@ -373,12 +397,8 @@ class RolloutInstance:
             return InstanceSnapshot(
                 inst=self.inst,
                 kv_cache=state.kv_tokens,
-                run_trajs=tuple(
-                    self._record(t, n) for t, n in state.running if t not in self._copies
-                ),
-                wait_trajs=tuple(
-                    self._record(t, n) for t, n in state.waiting if t not in self._copies
-                ),
+                run_trajs=tuple(self._record(t, n) for t, n in state.running if self._own(t)),
+                wait_trajs=tuple(self._record(t, n) for t, n in state.waiting if self._own(t)),
                 complete_trajs=tuple(self._completed),
                 inst_version=state.version,
             )
@@ -415,6 +435,10 @@ class RolloutInstance:
         with self._lock:
             return set(self._meta) - set(self._copies)
 
+    def _own(self, engine_id: int) -> bool:
+        """A trajectory of this instance: not a race copy, not an evaluation request."""
+        return engine_id not in self._copies and not self._eval.owns(engine_id)
+
     def _record(self, traj_id: int, length: int) -> TrajRecord:
         m = self._meta[traj_id]
         return TrajRecord(traj_id, m.group_id, m.v_traj, length, len(m.prompt))
@@ -434,6 +458,8 @@ class RolloutInstance:
                     started = self._clock()
                     outs = self._engine.step()
                     self._busy_s += self._clock() - started
+                    if self._eval:  # evaluation requests end here, and the next go in
+                        outs = self._finish_evals(outs)
                     copies: list[tuple[Finished, InstanceId]] = []
                     if self._copies:  # race copies finish in their holder's name
                         own = []
@@ -460,6 +486,20 @@ class RolloutInstance:
         except BaseException as exc:  # reported through check()
             logger.exception("rollout instance %d failed", self.inst)
             self._failure = exc
+
+    def _finish_evals(self, outs: list[EngineOutput]) -> list[EngineOutput]:
+        """Under the lock: keep the evaluation responses in ``outs`` in the lane, admit
+        the next ones, and return the rest."""
+        own = []
+        for o in outs:
+            if self._eval.owns(o.traj_id):
+                self._eval.finish(o)
+            else:
+                own.append(o)
+        admitted = self._eval.admit()
+        if admitted:
+            self._engine.submit(admitted)
+        return own
 
     def _at_chunk_end(self, out: EngineOutput) -> bool:
         """Stopped for length before the real budget: the end of a chunk, not of a response."""

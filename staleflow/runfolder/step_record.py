@@ -91,6 +91,17 @@ class StepRecord:
     tool_calls: int | None = _scalar("env/tool_calls", whole=True)
     env_errors: int | None = _scalar("env/errors", whole=True)
     tool_wait_s: float | None = _scalar("env/tool_wait_s")
+    # the held-out evaluation of this step (eval.every, docs/evaluation.md): mean reward and
+    # unbiased pass@k over eval/problems problems x eval/samples responses (pass@k at
+    # eval/k), the oldest and newest policy version that sampled them, and its seconds
+    eval_mean_at_k: float | None = _scalar("eval/mean_at_k")
+    eval_pass_at_k: float | None = _scalar("eval/pass_at_k")
+    eval_k: int | None = _scalar("eval/k", whole=True)
+    eval_samples: int | None = _scalar("eval/samples", whole=True)
+    eval_problems: int | None = _scalar("eval/problems", whole=True)
+    eval_version: int | None = _scalar("eval/version", whole=True)
+    eval_version_max: int | None = _scalar("eval/version_max", whole=True)
+    eval_s: float | None = _scalar("eval/seconds")
     # V_buf - V_traj -> trajectories of this step's batch
     staleness: Mapping[int, int] = _per("staleness/hist/", whole=True)
     # V_buf - (the version that generated it) -> generated tokens of this step's batch
@@ -245,6 +256,36 @@ def freshness_keys(state: Any) -> dict[str, float]:
     }
 
 
+FILTERED_GROUPS = "rollout/filtered_groups"
+FILTERED_FRAC = "rollout/filtered_frac"
+SAMPLED_GROUPS = "rollout/sampled_groups"
+FLAT_KEPT = "rollout/flat_kept_groups"
+
+
+def sampling_keys(completed: int, filtered: int, flat_kept: int) -> dict[str, float]:
+    """Dynamic sampling during the step (``staleflow.control.dynamic_sampling``), for
+    ``extra``: groups that reached ``G`` completions, those dropped because their rewards
+    were all equal and their share, and uniform groups kept because the step's budget
+    (``trainer.dynamic_sampling_max_drop``) was spent."""
+    return {
+        SAMPLED_GROUPS: float(completed),
+        FILTERED_GROUPS: float(filtered),
+        FILTERED_FRAC: filtered / completed if completed else 0.0,
+        FLAT_KEPT: float(flat_kept),
+    }
+
+
+def filtered_share(records: Iterable[StepRecord]) -> tuple[int, float] | None:
+    """Groups dropped by dynamic sampling over these steps, and their share of the groups
+    that completed; None if no record has the keys (dynamic sampling off)."""
+    done = [r.extra for r in records if FILTERED_GROUPS in r.extra]
+    if not done:
+        return None
+    filtered = int(sum(e[FILTERED_GROUPS] for e in done))
+    sampled = sum(e.get(SAMPLED_GROUPS, 0.0) for e in done)
+    return filtered, filtered / sampled if sampled else 0.0
+
+
 ROLLOUT_IDLE = "rollout/idle_ratio"
 COMMANDS_SHARE = "rollout/time_share/commands"
 _DERIVED = (STALENESS_MEAN, STALENESS_MAX, ROLLOUT_IDLE, COMMANDS_SHARE)
@@ -329,6 +370,31 @@ def reward_mean(records: Iterable[StepRecord]) -> float | None:
             n += r.rewarded
             total += r.reward_mean * r.rewarded
     return total / n if n else None
+
+
+def evaluations(records: Iterable[StepRecord]) -> dict[str, dict[str, float]]:
+    """The held-out evaluations of the run for its summary: ``eval_last`` (the latest) and
+    ``eval_best`` (the highest mean@k, the earliest of equals), each with the step it was
+    taken at; {} when the run took none."""
+    taken = [r for r in records if r.eval_mean_at_k is not None]
+    if not taken:
+        return {}
+    best = max(taken, key=lambda r: (r.eval_mean_at_k, -r.step))
+
+    def entry(r: StepRecord) -> dict[str, float]:
+        values = {
+            "step": r.step,
+            "mean_at_k": r.eval_mean_at_k,
+            "pass_at_k": r.eval_pass_at_k,
+            "k": r.eval_k,
+            "samples": r.eval_samples,
+            "problems": r.eval_problems,
+            "version": r.eval_version,
+            "version_max": r.eval_version_max,
+        }
+        return {k: v for k, v in values.items() if v is not None}
+
+    return {"eval_last": entry(taken[-1]), "eval_best": entry(best)}
 
 
 def step_busy(rec: StepRecord, prev: StepRecord | None, inst: int) -> float | None:

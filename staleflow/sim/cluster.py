@@ -33,6 +33,7 @@ import numpy as np
 
 from coordinator import CoordinatorConfig, Snapshot
 from staleflow.control import ControlLoop
+from staleflow.control.dynamic_sampling import DynamicSampling, SamplingConfig
 from staleflow.control.late import complete_live, return_live
 from staleflow.sim.agentic import AgenticConfig, AgenticWorkload
 from staleflow.sim.engine import EngineCosts, SimInstance, SimTrajectory
@@ -88,10 +89,18 @@ class ClusterConfig:
     # turn, observations and tool latencies; ``workload`` then only says the cap (use
     # ``AgenticConfig.as_workload()``). None: single-turn responses.
     agentic: AgenticConfig | None = None
+    # Dynamic sampling (staleflow/control/dynamic_sampling.py): the simulator grades no
+    # rewards, so each completed group is drawn uniform (and filtered out) with this
+    # probability, seeded by (seed, group); at most the share ``max_drop`` of a step's
+    # groups is dropped, as in a real run. 0: off.
+    filtered_share: float = 0.0
+    max_drop: float = 0.75
 
     def __post_init__(self) -> None:
         if self.instances < 1 or self.steps < 1:
             raise ValueError(f"need instances >= 1 and steps >= 1, got {self}")
+        if not 0.0 <= self.filtered_share <= 1.0:
+            raise ValueError(f"filtered_share={self.filtered_share} must be in [0, 1]")
         if self.reward_latency_s < 0:
             raise ValueError(f"reward_latency_s={self.reward_latency_s} must be >= 0")
 
@@ -163,6 +172,7 @@ class SimCluster:
             ps_version=lambda: self.trainer.ps_version,
             instances=self.instances,
             clock=lambda: self.now,
+            sampling=_sampling(config),
         )
         self.manager = self.loop.manager
         rule = self.loop.coordinator.strategies.race
@@ -408,7 +418,7 @@ class SimCluster:
         if s.rewarding != rewarding:
             problems.append(f"TS has {s.rewarding} REWARDING but {rewarding} wait on tools")
         total = s.queued + s.routed + s.rewarding + s.completed + s.consumed_trajectories
-        if total + s.aborted_trajectories != s.created_trajectories:
+        if total + s.aborted_trajectories + s.filtered_trajectories != s.created_trajectories:
             problems.append(f"TS counts do not add up: {s}")
         if s.consumed_trajectories != len(self.consumed):
             problems.append(
@@ -419,6 +429,19 @@ class SimCluster:
         if self.planes.claimed:
             problems.append(f"claims left after the executor went idle: {self.planes.claimed}")
         return problems
+
+
+def _sampling(config: ClusterConfig) -> DynamicSampling | None:
+    """Dynamic sampling with drawn drops (``ClusterConfig.filtered_share``), or None."""
+    share, seed = config.filtered_share, config.seed
+    if share <= 0.0:
+        return None
+
+    def uniform(group_id: int, _rewards: object) -> bool:
+        draw = np.random.default_rng([seed, group_id, 0x5A]).random()
+        return bool(draw >= share)  # True: the group has a signal and is kept
+
+    return DynamicSampling(SamplingConfig(config.batch_size, config.max_drop), decide=uniform)
 
 
 def _cost(group: TrainingGroup) -> tuple[int, int]:

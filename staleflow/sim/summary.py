@@ -132,6 +132,10 @@ class Summary:
     races_started: int = 0
     races_won: int = 0
     race_wasted_tokens: int = 0
+    # dynamic sampling (``ClusterConfig.filtered_share``): groups filtered out, and their
+    # share of the groups filtered or consumed by the counted steps (0 when off)
+    filtered_groups: int = 0
+    filtered_frac: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -188,7 +192,15 @@ def summarise(cluster: SimulatedRun) -> Summary:
         streamed_tokens=sum(trainer.step_stream_tokens),
         **_rollout_to_train_end(cluster),
         **_races(cluster),
+        **_filtered(cluster),
     )
+
+
+def _filtered(cluster: SimulatedRun) -> dict[str, Any]:
+    filtered = cluster.manager.filtered_groups
+    consumed = sum(len(b.groups) for b in cluster.batches[: cluster.trainer.steps])
+    done = filtered + consumed
+    return {"filtered_groups": filtered, "filtered_frac": filtered / done if done else 0.0}
 
 
 def _races(cluster: SimulatedRun) -> dict[str, int]:

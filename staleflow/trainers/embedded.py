@@ -27,6 +27,7 @@ import torch
 
 from parameter_server.torch_compat import to_numpy
 from staleflow.config.sections import TrainerConfig
+from staleflow.models import lora
 from staleflow.models.checkpoint import save_pretrained
 from staleflow.models.state import load_policy_state, policy_state
 from staleflow.trainers.batch_checks import BatchError
@@ -58,6 +59,9 @@ _RNG_FILE = "rng.pt"  # torch's generators (a step seeds its own from seed and v
 # keeps the KL to the run's initial policy (not to the weights it resumes from)
 # (in a folder of its own: vLLM loads every *.safetensors beside config.json)
 _REFERENCE_FILE = "reference/model.safetensors"
+# a LoRA trainer's adapter (a PEFT folder) and its exact frozen base
+_ADAPTER_DIR = "adapter"
+_BASE_FILE = "base/model.safetensors"
 
 
 class _DenseBackend(SingleStage, LocalReduce):
@@ -70,7 +74,16 @@ class _DenseBackend(SingleStage, LocalReduce):
         self.vocab_size = int(trainer.model.get_input_embeddings().weight.shape[0])
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        return self._trainer.model(input_ids=ids, use_cache=False).logits
+        # LoRA dropout acts in the gradient pass only: the no-grad passes (proximal,
+        # reference) score the policy itself, as the engines do
+        dropout = self._trainer._dropout if torch.is_grad_enabled() else []
+        for m in dropout:
+            m.train()
+        try:
+            return self._trainer.model(input_ids=ids, use_cache=False).logits
+        finally:
+            for m in dropout:
+                m.eval()
 
     def zero_grad(self) -> None:
         self._trainer.optimizer.zero_grad(set_to_none=True)
@@ -105,6 +118,11 @@ class EmbeddedTrainer:
     When the loss has a KL term (``config.kl_coef``, ``config.ref``), ``reference`` is the
     frozen reference policy; None takes a frozen copy of ``model`` as given (the initial
     policy).
+
+    With ``config.lora.enabled`` the trainer trains a LoRA adapter on the frozen weights of
+    ``model`` (:mod:`staleflow.models.lora`; injected here, from ``seed``, unless ``model``
+    has adapters already): :meth:`export_weights` is then the adapter alone and
+    :meth:`export_base_weights` the frozen base, and checkpoints keep both.
     """
 
     def __init__(
@@ -127,6 +145,12 @@ class EmbeddedTrainer:
         self._version = int(version)
         self.tokenizer = tokenizer
         self._lock = threading.Lock()  # a step and an export never interleave
+        self.lora = self.config.lora.enabled
+        if self.config.uses_reference and reference is None:
+            reference = frozen_copy(model)  # the initial policy, before any adapter
+        if self.lora and not lora.has_adapters(model):
+            lora.add_adapters(model, self.config.lora, seed=self.seed)
+        self._dropout = lora.dropout_modules(model) if self.lora else []
         self._params = [p for p in model.parameters() if p.requires_grad]
         if not self._params:
             raise ValueError("the model has no trainable parameters")
@@ -135,8 +159,8 @@ class EmbeddedTrainer:
         self._stream: StreamedStep | None = None  # parts of the next step seen so far
         self.reference: torch.nn.Module | None = None
         self._reference: DenseReference | None = None
-        if self.config.uses_reference:
-            self.reference = frozen_copy(model) if reference is None else reference
+        if self.config.uses_reference and reference is not None:
+            self.reference = reference
             self.reference.requires_grad_(False)
             self._reference = DenseReference(self.reference)
 
@@ -240,14 +264,32 @@ class EmbeddedTrainer:
     # -- weights and checkpoints ------------------------------------------------------
 
     def export_weights(self) -> dict[str, np.ndarray]:
-        """Copies of the current weights by :func:`~staleflow.models.policy_state` name."""
+        """Copies of the current weights by :func:`~staleflow.models.policy_state` name;
+        with LoRA, of the adapter alone (:func:`staleflow.models.lora.adapter_state`)."""
         with self._lock:
-            return {name: to_numpy(t).copy() for name, t in policy_state(self.model).items()}
+            state = lora.adapter_state(self.model) if self.lora else policy_state(self.model)
+            return {name: to_numpy(t).copy() for name, t in state.items()}
+
+    def export_base_weights(self) -> dict[str, np.ndarray]:
+        """With LoRA, copies of the frozen base weights (the names of the model without
+        adapters): what the parameter server and the instances get once."""
+        if not self.lora:
+            raise ValueError(
+                "export_base_weights: this trainer trains the full weights "
+                "(trainer.lora.enabled=false); export_weights holds them all"
+            )
+        with self._lock:
+            return {n: to_numpy(t).copy() for n, t in lora.base_state(self.model).items()}
 
     def save_checkpoint(self, path: str | Path) -> None:
         """Weights (``model.safetensors`` with the model's ``config.json``), optimizer
         state, torch's RNG states, version and config, written to a temporary directory
-        and renamed into place; an existing checkpoint at ``path`` is replaced."""
+        and renamed into place; an existing checkpoint at ``path`` is replaced.
+
+        With LoRA, ``model.safetensors`` holds the merged policy (the folder loads in
+        ``transformers`` as the trained model), ``adapter/`` the adapter as a PEFT folder
+        (``peft``, vLLM, SGLang load it over the base) and ``base/`` the exact frozen
+        weights, from which :meth:`load_checkpoint` and ``--resume`` continue."""
 
         out = Path(path)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -255,10 +297,16 @@ class EmbeddedTrainer:
         old = out.parent / f".old-{out.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         with self._lock:
             try:
+                merged = lora.merged_state(self.model) if self.lora else None
                 if self.tokenizer is not None:
-                    save_pretrained(self.model, self.tokenizer, tmp)
+                    save_pretrained(self.model, self.tokenizer, tmp, merged)
                 else:
-                    self.model.save_pretrained(tmp)
+                    self.model.save_pretrained(tmp, state_dict=merged)
+                if self.lora:
+                    lora.save_adapter(
+                        lora.adapter_state(self.model), self.config.lora, tmp / _ADAPTER_DIR
+                    )
+                    _save_tensors(lora.base_state(self.model), tmp / _BASE_FILE)
                 torch.save(self.optimizer.state_dict(), tmp / _OPTIMIZER_FILE)
                 torch.save(_rng_state(), tmp / _RNG_FILE)
                 if self.reference is not None:
@@ -285,32 +333,53 @@ class EmbeddedTrainer:
                 raise FileNotFoundError(f"{p}: not a trainer checkpoint (no {name})")
         if not shards:
             raise FileNotFoundError(f"{p}: not a trainer checkpoint (no *.safetensors)")
-        tensors: dict[str, torch.Tensor] = {}
-        for shard in shards:  # large models are saved in several shards
-            tensors.update(load_file(str(shard)))
+        if self.lora and not (p / _BASE_FILE).is_file():
+            raise FileNotFoundError(
+                f"{p}: not a LoRA trainer checkpoint (no {_BASE_FILE}): resume it with "
+                "trainer.lora.enabled=false, or start the LoRA run from it with "
+                f"model.checkpoint={p}"
+            )
         state = json.loads((p / _STATE_FILE).read_text())
-        names = set(dict(self.model.named_parameters()))
         with self._lock:
-            load_policy_state(self.model, {k: v for k, v in tensors.items() if k in names})
+            if self.lora:
+                lora.load_base_state(self.model, load_file(str(p / _BASE_FILE)))
+                lora.load_adapter_state(self.model, lora.load_adapter(p / _ADAPTER_DIR))
+            else:
+                tensors: dict[str, torch.Tensor] = {}
+                for shard in shards:  # large models are saved in several shards
+                    tensors.update(load_file(str(shard)))
+                names = set(dict(self.model.named_parameters()))
+                load_policy_state(self.model, {k: v for k, v in tensors.items() if k in names})
             self.optimizer.load_state_dict(torch.load(p / _OPTIMIZER_FILE, weights_only=True))
             if (p / _RNG_FILE).is_file():  # absent in checkpoints written before it was kept
                 _set_rng_state(torch.load(p / _RNG_FILE, weights_only=True))
             if self.reference is not None and (p / _REFERENCE_FILE).is_file():
                 load_policy_state(self.reference, load_file(str(p / _REFERENCE_FILE)))
+            elif self.reference is not None:
+                logger.warning(
+                    "the checkpoint %s holds no reference policy (written without a KL "
+                    "term): the KL is to the policy the trainer was built with",
+                    p,
+                )
             self._version = int(state["version"])
         logger.info("loaded trainer checkpoint (version %d) from %s", self._version, p)
 
     def __repr__(self) -> str:
         c = self.config
+        adapter = f", lora_rank={c.lora.rank}" if self.lora else ""
         return (
             f"EmbeddedTrainer(version={self._version}, lr={c.lr}, off_policy={c.off_policy!r}, "
-            f"advantage={c.advantage!r})"
+            f"advantage={c.advantage!r}{adapter})"
         )
 
 
 def _save_reference(model: torch.nn.Module, path: Path) -> None:
+    _save_tensors(policy_state(model), path)
+
+
+def _save_tensors(state: dict[str, torch.Tensor], path: Path) -> None:
     from safetensors.torch import save_file
 
     path.parent.mkdir(parents=True, exist_ok=True)
     # tied weights share storage, which safetensors refuses: each name gets its own copy
-    save_file({k: v.detach().contiguous().clone() for k, v in policy_state(model).items()}, path)
+    save_file({k: v.detach().contiguous().clone() for k, v in state.items()}, path)

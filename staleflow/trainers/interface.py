@@ -59,7 +59,9 @@ class Trainer(Protocol):
 
     def export_weights(self) -> dict[str, np.ndarray]:
         """A copy of the current weights by parameter name (``staleflow.models.policy_state``
-        names), unaffected by later steps: safe to push while the next step runs."""
+        names), unaffected by later steps: safe to push while the next step runs. With
+        ``trainer.lora``, what a version carries: the adapter alone, by adapter-file name
+        (``staleflow.models.lora``; the frozen base is published once, apart)."""
         ...
 
     def save_checkpoint(self, path: str | Path) -> None:

@@ -79,6 +79,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.consumed: set[int] = set()
         self.stragglers: set[tuple[int, int]] = set()  # (group, traj) settled without it
         self.at_head: set[int] = set()  # groups trainer_groups() showed (a streaming trainer)
+        self.filtered = 0  # groups dynamic sampling dropped (filter, or complete's keep)
 
     # -- operations ---------------------------------------------------------------------
 
@@ -133,12 +134,23 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.members[gid][tid] = v
 
     @precondition(lambda self: any(self._running(g) for g in self.members))
-    @rule(data=st.data())
-    def complete(self, data):
+    @rule(data=st.data(), reject=st.booleans())
+    def complete(self, data, reject):
+        """``reject``: dynamic sampling's keep says no when the group would be occupied."""
         gid = data.draw(st.sampled_from(sorted(g for g in self.members if self._running(g))))
         tid = data.draw(st.sampled_from(sorted(self._running(gid))))
-        out = self.m.complete(gid, tid)
-        if out.discarded:
+        before = self._occupied_buffers()
+        out = self.m.complete(gid, tid, keep=(lambda kept: False) if reject else None)
+        if out.filtered:
+            assert reject and not out.occupied and not out.abort_groups
+            self.done[gid].append(tid)
+            assert set(out.kept) == set(self.done[gid]) and len(out.kept) == self.cfg.group_size
+            assert set(out.abort_trajectories) == set(self.members[gid]) - set(out.kept)
+            self.stragglers.update((gid, t) for t in out.abort_trajectories)
+            self._forget(gid)
+            self.filtered += 1
+            self._moved_only_forward(before)
+        elif out.discarded:
             assert gid in out.abort_groups
             self.done[gid].append(tid)
             self._forget(gid)
@@ -190,6 +202,19 @@ class ProtocolMachine(RuleBasedStateMachine):
         assert out.ready == self.m.is_ready()
         self._forget(gid)
 
+    @precondition(lambda self: bool(self.occupied))
+    @rule(data=st.data())
+    def filter_occupied(self, data):
+        """Figure 8c: an occupied group is filtered out; the others only move forward."""
+        gid = data.draw(st.sampled_from(sorted(self.occupied)))
+        before = self._occupied_buffers()
+        out = self.m.filter(gid)
+        assert out.filtered and set(out.kept) == set(self.done[gid])
+        assert out.ready == self.m.is_ready()
+        self._forget(gid)
+        self.filtered += 1
+        self._moved_only_forward(before)
+
     @precondition(lambda self: self.m.is_ready())
     @rule()
     def consume(self):
@@ -227,6 +252,19 @@ class ProtocolMachine(RuleBasedStateMachine):
         self.occupied.discard(gid)
         self.gone.add(gid)
 
+    def _occupied_buffers(self) -> dict[int, int]:
+        return {
+            e.group_id: buf.version
+            for buf in self.m.view().buffers
+            for e in buf.entries
+            if e.kind is EntryKind.OCCUPIED
+        }
+
+    def _moved_only_forward(self, before: dict[int, int]) -> None:
+        after = self._occupied_buffers()
+        for gid, buffer in after.items():
+            assert gid not in before or buffer <= before[gid], "an occupied group moved later"
+
     def _windows(self, committed: bool):
         """Each tracked group's admissible buffers; occupied ones capped at their committed
         buffer when ``committed``."""
@@ -258,6 +296,7 @@ class ProtocolMachine(RuleBasedStateMachine):
                 assert e.group_id not in seen, "group placed twice"
                 seen[e.group_id] = e
         assert set(seen) == set(self.members), "a tracked group was lost or invented"
+        assert view.filtered_groups == self.filtered
         for gid, e in seen.items():
             assert (e.kind is EntryKind.OCCUPIED) == (gid in self.occupied)
 

@@ -36,6 +36,8 @@ embedded engine's logits do not depend on the batch anyway), and two requests wi
 seed in flight on one server (refused here; real SGLang would run both). Without
 ``deterministic`` the seed is ignored, as SGLang ignores it.
 
+With ``lora_rank`` (``--enable-lora``) it serves LoRA adapters (fake_sglang_lora.py).
+
 Per-token versions are reported as SGLang does, ``meta_info.weight_versions`` spans of
 string versions set by the ``weight_version`` of each update ("default" before the first).
 """
@@ -110,6 +112,7 @@ class _Generation:
         self.output: EngineOutput | None = None
         self.aborted = False
         self.retractions = 0
+        self.lora: str | None = None  # the adapter it runs with (lora_path)
 
 
 class _ModelShim:
@@ -144,7 +147,14 @@ class FakeSGLangServer:
             "staleflow.engines.sglang.loader.load_from_parameter_server",
         ),
         port: int = 0,
+        lora_rank: int = 0,
+        lora_targets: tuple[str, ...] = (),
     ) -> None:
+        self.lora = None
+        if lora_rank:  # --enable-lora: the model gets the adapter layers first
+            from tests.support.fake_sglang_lora import FakeLoRA
+
+            self.lora = FakeLoRA(model, lora_rank, lora_targets)
         self.engine = EmbeddedEngine(
             model,
             EmbeddedEngineConfig(
@@ -253,6 +263,8 @@ class FakeSGLangServer:
                 "/end_weight_update": self._end,
                 "/update_weights_from_tensor": self._update_from_tensor,
                 "/update_weights_from_disk": self._update_from_disk,
+                "/load_lora_adapter": lambda b: self._lora_route("load", b),
+                "/unload_lora_adapter": lambda b: self._lora_route("unload", b),
             }.get(path)
             if handler is None:
                 return 404, {"message": f"no route {path}"}
@@ -326,6 +338,8 @@ class FakeSGLangServer:
                 np.zeros(n, np.int32),
                 gen.max_response,
             )
+            gen.lora = body.get("lora_path")
+            self._lora_route("use", {"lora_path": gen.lora})
             try:
                 self.engine.submit([request])
             except ValueError as exc:
@@ -482,11 +496,21 @@ class FakeSGLangServer:
                 weights.update(load_file(str(file)))
             return self._apply(weights, body)
 
+    # -- LoRA (--enable-lora): tests/support/fake_sglang_lora.py --------------------------
+
+    def _lora_route(self, route: str, body: dict[str, Any]) -> Any:
+        from tests.support.fake_sglang_lora import lora_route
+
+        return lora_route(self, route, body)
+
     def _apply(self, weights: dict[str, torch.Tensor], body: dict[str, Any]) -> Any:
         label = body.get("weight_version")
         version = next(self._next_version)
         try:
-            self.engine.load_weights(weights, version)
+            if self.lora is not None:  # with adapters: the model's own weights, the base
+                self.engine.load_base_weights(weights)
+            else:
+                self.engine.load_weights(weights, version)
         except ValueError as exc:
             raise HTTPFailure(400, f"Failed to update weights: {exc}") from exc
         if label is not None:

@@ -124,3 +124,18 @@ def test_restore_refuses_other_settings_and_corrupt_states(response):
     ):
         with pytest.raises(CorruptState, match=match):
             TrajectoryServer.restore(ts.config, source, corrupt)
+
+
+def test_the_filtered_counts_survive_a_round_trip_and_older_states_read_as_zero(response):
+    ts = busy_server(response)
+    ts.route([9], 1, "b")
+    ts.complete(9, *response(1, 1), reward=0.0, finish_reason="stop")
+    ts.filter_group(4)  # trajectories 8 and 9: completed, both
+    state = unpack_plain(pack_plain(ts.export_state()))
+    restored = TrajectoryServer.restore(ts.config, positioned(state), state)
+    s = restored.stats()
+    assert (s.filtered_groups, s.filtered_trajectories) == (1, 2)
+    assert s.aborted_trajectories == ts.stats().aborted_trajectories
+    del state["counters"]["filtered_trajs"], state["counters"]["filtered_groups"]
+    older = TrajectoryServer.restore(ts.config, positioned(state), state)
+    assert older.stats().filtered_trajectories == 0

@@ -1,7 +1,7 @@
 """Property test: random interleavings of every TS call against a plain model.
 
 After each step: every trajectory id ever created is live in exactly one state (as the
-model says) or was consumed or aborted exactly once; the routing view is the model's MLQ
+model says) or was consumed, aborted or filtered exactly once; the routing view is the model's MLQ
 (smaller V_traj first, initial last, FIFO within a level); the counters agree.
 Invalid calls must raise and change nothing. The recovery calls (progress reports, a lost
 instance, a lost reward worker) and a checkpoint round trip may happen at any point.
@@ -73,6 +73,7 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
         self.fifo: dict[int | None, list[int]] = {None: []}
         self.consumed: set[int] = set()
         self.aborted: set[int] = set()
+        self.filtered: set[int] = set()  # dynamic sampling's drops (filter_group)
         self.known = 0
         self.incarnation = dict.fromkeys(INSTANCES, 0)  # a lost instance restarts as i.k+1
         self.lost: list[str] = []
@@ -98,7 +99,8 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
 
     def leave(self, tid: int, into: set[int]) -> None:
         m = self.live.pop(tid)
-        assert tid not in self.consumed and tid not in self.aborted, f"{tid} ended twice"
+        ended = self.consumed | self.aborted | self.filtered
+        assert tid not in ended, f"{tid} ended twice"
         into.add(tid)
         if m.state is Q:
             self.fifo[m.v].remove(tid)
@@ -199,6 +201,27 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
         assert sorted(a.traj_id for a in out) == expected
         for tid in expected:
             self.leave(tid, self.aborted)
+        self.absorb_new()
+
+    def completed_groups(self) -> list[int]:
+        """Groups whose live members are all COMPLETED (what dynamic sampling filters)."""
+        groups = {m.group for m in self.live.values()}
+        return sorted(
+            g for g in groups if all(m.state is C for m in self.live.values() if m.group == g)
+        )
+
+    @precondition(lambda self: self.completed_groups())
+    @rule(data=st.data())
+    def filter_group(self, data: st.DataObject) -> None:
+        gid = data.draw(st.sampled_from(self.completed_groups()))
+        ledger = {t.traj_id: t for t in self.ts.ledger()}
+        expected = sorted(t for t, m in self.live.items() if m.group == gid)
+        assert all(ledger[t].reward == 1.0 for t in expected)  # graded: the ledger has it
+        out = self.ts.filter_group(gid)
+        assert sorted(a.traj_id for a in out) == expected
+        assert all(a.state is C and a.instance_id is None for a in out)
+        for tid in expected:
+            self.leave(tid, self.filtered)
         self.absorb_new()
 
     @precondition(lambda self: self.ids_in(C))
@@ -345,10 +368,10 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
             lambda: self.ts.interrupt_return([PartialTrajectory(tid, *bad)]), InvalidPayload
         )
 
-    @precondition(lambda self: self.consumed | self.aborted)
+    @precondition(lambda self: self.consumed | self.aborted | self.filtered)
     @rule(data=st.data())
     def touch_gone(self, data: st.DataObject) -> None:
-        tid = data.draw(st.sampled_from(sorted(self.consumed | self.aborted)))
+        tid = data.draw(st.sampled_from(sorted(self.consumed | self.aborted | self.filtered)))
         self.expect_unchanged(lambda: self.ts.abort([tid]), TrajectoryGone)
         self.expect_unchanged(lambda: self.ts.route([tid], 0, 0), TrajectoryGone)
 
@@ -358,9 +381,12 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
     def every_id_accounted_once(self) -> None:
         created = self.ts.stats().created_trajectories
         assert created == self.known
-        assert not self.consumed & self.aborted
-        assert set(self.live) | self.consumed | self.aborted == set(range(created))
-        assert len(self.live) + len(self.consumed) + len(self.aborted) == created
+        ended = (self.consumed, self.aborted, self.filtered)
+        assert (
+            not self.consumed & self.aborted and not (self.consumed | self.aborted) & self.filtered
+        )
+        assert set(self.live).union(*ended) == set(range(created))
+        assert len(self.live) + sum(map(len, ended)) == created
         for tid, m in self.live.items():
             assert self.ts.state_of(tid) is m.state
         for instance in [self.holder(i) for i in INSTANCES] + self.lost:
@@ -377,6 +403,7 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
                 len(m.tokens),
             )
             assert e.holder == m.holder
+            assert e.reward == (1.0 if m.state is C else None)  # every completion gets 1.0
 
     @invariant()
     def view_is_the_mlq(self) -> None:
@@ -395,9 +422,13 @@ class TrajectoryServerMachine(RuleBasedStateMachine):
         got = (s.queued, s.routed, s.rewarding, s.completed)
         assert got == tuple(len(self.ids_in(x)) for x in (Q, R, W, C))
         assert s.initial == len(self.fifo[None])
-        assert (s.consumed_trajectories, s.aborted_trajectories) == (
+        assert (s.consumed_trajectories, s.aborted_trajectories, s.filtered_trajectories) == (
             len(self.consumed),
             len(self.aborted),
+            len(self.filtered),
+        )
+        assert s.created_trajectories == (
+            len(self.live) + len(self.consumed) + len(self.aborted) + len(self.filtered)
         )
         assert s.groups == s.capacity_groups == len({m.group for m in self.live.values()})
         for state, by_v in ((Q, s.queued_by_v), (R, s.routed_by_v), (C, s.completed_by_v)):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from trajectory_server import (
+    GroupGone,
     InvalidConfig,
     InvalidPayload,
     InvalidTransition,
@@ -322,6 +323,30 @@ def test_abort_in_any_state_and_group_removal(ts, response):
         ts.abort([0])
     assert [a.traj_id for a in ts.abort_group(1)] == [3]
     assert ts.stats().created_groups == 6
+
+
+def test_filter_group_drops_a_completed_group_counted_apart_and_refills(ts, response):
+    """Dynamic sampling's drop: the audit must tell it from an abort, and the ledger gives
+    the graded rewards it decided on (none for a reward function that failed)."""
+    ts.route([0, 1], 0, "i")
+    ts.complete(0, *response(2, 0), reward=1.0, finish_reason="stop")
+    ts.complete(1, *response(2, 0), reward=0.0, finish_reason="stop", info={"reward_error": "x"})
+    rewards = {e.traj_id: e.reward for e in ts.ledger() if e.group_id == 0}
+    assert rewards == {0: 1.0, 1: None}
+    assert {e.reward for e in ts.ledger() if e.group_id != 0} == {None}  # not completed
+    out = ts.filter_group(0)
+    assert [(a.traj_id, a.state) for a in out] == [
+        (0, TrajState.COMPLETED),
+        (1, TrajState.COMPLETED),
+    ]
+    s = ts.stats()
+    assert (s.filtered_groups, s.filtered_trajectories) == (1, 2)
+    assert (s.aborted_groups, s.aborted_trajectories, s.consumed_trajectories) == (0, 0, 0)
+    assert s.groups == 4 and s.created_groups == 5  # its slot refilled at once
+    assert s.created_trajectories == s.queued + s.filtered_trajectories
+    assert s.metrics()["ts/filtered_groups"] == 1.0
+    with pytest.raises(GroupGone):
+        ts.filter_group(0)
 
 
 def test_exhausted_source_stops_refilling(make_ts, response):

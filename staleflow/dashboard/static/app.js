@@ -92,6 +92,9 @@ function render() {
   drawFreshness($("freshness-chart"), o.run);
   drawThroughput($("throughput-chart"), o.run);
   drawReward($("reward-chart"));
+  drawEval($("eval-chart"));
+  drawSeries($("episodes-chart"), EPISODE_SERIES, { yLabel: "per episode", empty: EPISODES_EMPTY });
+  drawSeries($("tool-wait-chart"), TOOL_WAIT_SERIES, { yLabel: "seconds", empty: EPISODES_EMPTY });
   drawIdle($("idle-chart"));
   document.body.dataset.updates = String(state.updates);
 }
@@ -344,6 +347,47 @@ function drawReward(canvas) {
     : "no reward recorded yet";
   lineChart(canvas, [{ label: "mean reward", colour: "#2e7d32", points }],
     { xLabel: "step", yLabel: "reward", empty: note });
+}
+
+// the held-out evaluation (eval.every): only the steps evaluated carry these keys
+const EVAL_SERIES = [
+  { key: "eval/mean_at_k", label: "mean@k", colour: "#2e7d32" },
+  { key: "eval/pass_at_k", label: "pass@k", colour: "#6a1b9a" },
+];
+
+function drawEval(canvas) {
+  const series = EVAL_SERIES.map((s) => ({
+    label: s.label,
+    colour: s.colour,
+    points: state.records.filter((x) => x[s.key] !== undefined && x[s.key] !== null).map((x) => [x.step, x[s.key]]),
+  }));
+  lineChart(canvas, series, { xLabel: "step", yLabel: "held-out", yMax: 1, empty: "no evaluation yet (eval.every)" });
+}
+
+// multi-turn episodes (data.task=calculator or env): the step record's env/* keys, over
+// the episodes rewarded since the last step (rollout/rewarded of them); `per` divides a
+// step's sum by that count. Single-turn runs have no env/* key: the charts stay empty.
+const EPISODE_SERIES = [
+  { key: "env/turns_mean", label: "model turns", colour: "#1565c0" },
+  { key: "env/tool_calls", per: "rollout/rewarded", label: "tool calls", colour: "#2e7d32" },
+  { key: "env/errors", per: "rollout/rewarded", label: "environment errors", colour: "#c62828" },
+];
+const TOOL_WAIT_SERIES = [
+  { key: "env/tool_wait_s", label: "tool wait, all episodes", colour: "#ef6c00" },
+  { key: "env/tool_wait_s", per: "rollout/rewarded", label: "per episode", colour: "#6a1b9a" },
+];
+const EPISODES_EMPTY = "no multi-turn episode yet (data.task=calculator or env)";
+
+function seriesPoints(s) {
+  const has = (x, k) => x[k] !== undefined && x[k] !== null;
+  return state.records
+    .filter((x) => has(x, s.key) && (!s.per || x[s.per] > 0))
+    .map((x) => [x.step, s.per ? x[s.key] / x[s.per] : x[s.key]]);
+}
+
+function drawSeries(canvas, declared, opts) {
+  const series = declared.map((s) => ({ label: s.label, colour: s.colour, points: seriesPoints(s) }));
+  lineChart(canvas, series, { xLabel: "step", ...opts });
 }
 
 function drawIdle(canvas) {

@@ -28,6 +28,11 @@ Weight updates (:meth:`EmbeddedEngine.load_weights`) copy into the model in plac
 the KV cache of running requests (as SGLang's in-place update does): their past K/V came
 from older weights, and only tokens sampled after the load carry the new version.
 
+A model with LoRA adapters injected (``trainer.lora``, :mod:`staleflow.models.lora`) runs
+them unmerged, as the trainer does: a version is then the adapter alone (its
+:meth:`~EmbeddedEngine.weight_shapes` are the adapter's), loaded the same way, and the
+frozen base arrives once through :meth:`~EmbeddedEngine.load_base_weights`.
+
 The engine owns the model it is given (puts it in eval mode and overwrites its parameters
 on ``load_weights``) and is single-threaded: no internal threads, driven by its caller.
 """
@@ -61,6 +66,7 @@ from staleflow.engines.checks import (
 from staleflow.engines.embedded import sampling
 from staleflow.engines.embedded.config import EmbeddedEngineConfig
 from staleflow.engines.embedded.runner import ModelRunner
+from staleflow.models import lora
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +87,8 @@ class _Request(RequestRecord):
 class EmbeddedEngine:
     """A :class:`~staleflow.engines.base.RolloutEngine` running a ``transformers`` model on
     CPU (any device the model sits on works; CPU is what it is built and tested for)."""
+
+    loads_adapters = True  # a model with LoRA adapters: a version is the adapter
 
     def __init__(self, model: nn.Module, config: EmbeddedEngineConfig, *, version: int = 0) -> None:
         if not isinstance(config, EmbeddedEngineConfig):
@@ -108,8 +116,14 @@ class EmbeddedEngine:
         self._eos = frozenset(config.eos_ids)
         self._version = int(version)
         # Deduplicated (tied weights appear once), the same names a trainer's
-        # named_parameters() yields.
+        # named_parameters() yields; with adapters, a version's are the adapter's and the
+        # base's come once (staleflow.models.lora names both)
+        self.adapters = lora.has_adapters(model)
+        self._base: dict[str, nn.Parameter] = {}
         self._params: dict[str, nn.Parameter] = dict(model.named_parameters())
+        if self.adapters:
+            self._base = lora.base_parameters(model)
+            self._params = lora.adapter_parameters(model)
         with torch.inference_mode():
             self._cache = self._runner.new_cache(config.max_running, config.max_seq_len)
         self._rows: list[_Request] = []  # running; index == cache row
@@ -312,17 +326,30 @@ class EmbeddedEngine:
         of any float dtype, cast to the parameter's). Unknown, missing, misshapen or
         non-float entries raise ``ValueError`` naming the parameter before anything is
         copied. Running requests keep their KV cache, computed by the older weights."""
-        expected = {name: tuple(p.shape) for name, p in self._params.items()}
-        tensors = {
-            name: _as_tensor(value, name)
-            for name, value in check_weights(expected, weights).items()
-        }
-        # Everything is checked before the first copy, so a bad update changes nothing.
-        with torch.no_grad():
-            for name, t in tensors.items():
-                self._params[name].copy_(t)
+        _copy_checked(self._params, weights)
         self._version = int(version)
-        logger.info("loaded weights of version %d", version)
+        logger.info(
+            "loaded %s of version %d", "the adapter" if self.adapters else "weights", version
+        )
+
+    def base_weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """With adapters, the frozen base's parameters (the names of the model without
+        adapters); empty otherwise."""
+        return {
+            name: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
+            for name, p in self._base.items()
+        }
+
+    def load_base_weights(self, weights: Mapping[str, object]) -> None:
+        """Copy the frozen base under the adapters (once, before the first version), checked
+        as :meth:`load_weights` checks; the version stays."""
+        if not self.adapters:
+            raise ValueError(
+                "load_base_weights: this engine's model has no LoRA adapters; load_weights "
+                "takes all of its weights"
+            )
+        _copy_checked(self._base, weights)
+        logger.info("loaded the base weights (%d tensors)", len(self._base))
 
     # ------------------------------------------------------------------------ observation
 
@@ -357,6 +384,17 @@ class EmbeddedEngine:
     @property
     def version(self) -> int:
         return self._version
+
+
+def _copy_checked(params: Mapping[str, nn.Parameter], weights: Mapping[str, object]) -> None:
+    expected = {name: tuple(p.shape) for name, p in params.items()}
+    tensors = {
+        name: _as_tensor(value, name) for name, value in check_weights(expected, weights).items()
+    }
+    # Everything is checked before the first copy, so a bad update changes nothing.
+    with torch.no_grad():
+        for name, t in tensors.items():
+            params[name].copy_(t)
 
 
 def _as_tensor(value: object, name: str) -> torch.Tensor:

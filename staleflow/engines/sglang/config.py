@@ -25,6 +25,10 @@ class SGLangEngineConfig(EngineSettings):
     request_timeout_s: the longest one ``/generate`` call may take.
     poll_s: how long a ``step`` waits for a call to return before giving the instance
         back (commands wait at most this long for the engine).
+    lora_rank, lora_alpha, lora_targets: with ``lora_rank`` > 0 (``trainer.lora``) every
+        version is a LoRA adapter of that rank, alpha and target modules, loaded with
+        ``/load_lora_adapter`` from a folder under ``disk_dir``; the server must run with
+        ``--enable-lora`` (``ServerSpec.lora_rank``).
     """
 
     model_path: str = ""
@@ -33,6 +37,9 @@ class SGLangEngineConfig(EngineSettings):
     disk_dir: str = "/dev/shm"
     request_timeout_s: float = 3600.0
     poll_s: float = 0.02
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         EngineSettings.__post_init__(self)
@@ -46,3 +53,8 @@ class SGLangEngineConfig(EngineSettings):
             raise ValueError(f"weight_sync={self.weight_sync!r}: use tensor or disk")
         if not self.request_timeout_s > 0 or not self.poll_s > 0:
             raise ValueError("request_timeout_s and poll_s must be positive seconds")
+        if self.lora_rank and not (self.lora_alpha > 0 and self.lora_targets):
+            raise ValueError(
+                "lora_rank > 0 needs lora_alpha > 0 and lora_targets (the adapter's scale is "
+                "alpha / rank, over the named modules)"
+            )

@@ -31,6 +31,15 @@ Built on SGLang 0.5.23's HTTP API (paths under ``python/sglang/srt/``):
   ``/update_weights_from_disk`` from a RAM-backed folder. ``weight_version`` is set on the
   update, so the spans carry our version numbers; ``flush_cache=true`` drops the radix
   cache the old weights computed (a refused flush fails the update, ``:119``).
+* LoRA (``lora_rank``): each version is a new adapter, ``POST /load_lora_adapter
+  {lora_name, lora_path}`` from a folder under ``disk_dir``, and every ``/generate``
+  names it (``lora_path``, ``managers/io_struct.py:277``). SGLang unloads an adapter only
+  once no request uses it (``tokenizer_control_mixin.py:651``), so the engine interrupts
+  the requests in flight, resubmits them under the new adapter (their tokens so far
+  carry the old version), then ``POST /unload_lora_adapter {lora_name}`` the old one. A
+  version's tokens are those of the adapter a request was submitted under (no
+  ``weight_versions`` spans: the base never changes). The base loads once, by the disk
+  path.
 * load: ``GET /v1/loads?include=core`` (``entrypoints/v1_loads.py:96``,
   ``managers/load_snapshot.py:196``): ``num_running_reqs``, ``token_usage``.
 
@@ -55,6 +64,7 @@ from typing import Any
 
 import numpy as np
 
+from staleflow.engines.adapters import AdapterFolders, AdapterSpec
 from staleflow.engines.base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -78,6 +88,7 @@ _ABORT = "abort"
 class _Call:
     req: CheckedRequest
     rid: str
+    adapter: tuple[str, int] | None = None  # LoRA: (name, version) it was submitted under
     result: Any = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -139,10 +150,21 @@ class SGLangEngine:
         self._busy_s = 0.0
         self._prefill_tokens = self._decode_tokens = 0
         self._prefill_s = 0.0
+        self._lora: AdapterFolders | None = None
+        self._adapter: tuple[str, int, Path] | None = None  # (name, version, folder) in use
+        if config.lora_rank:
+            spec = AdapterSpec(config.lora_rank, config.lora_alpha, tuple(config.lora_targets))
+            self._adapter_shapes = spec.shapes(self._checkpoint)
+            root = Path(config.disk_dir) / f"staleflow-lora-{id(self):x}"
+            self._lora = AdapterFolders(spec, str(root))
+        self.adapters = self._lora is not None
+
+    loads_adapters = True  # with lora_rank: a version is a LoRA adapter (module doc)
 
     @property
     def pulls_from_parameter_server(self) -> bool:
-        return self._ps is not None and self.config.weight_sync == "tensor"
+        # with LoRA the instance hands it each adapter (load_weights)
+        return self._ps is not None and self.config.weight_sync == "tensor" and not self.adapters
 
     # ----------------------------------------------------------------- requests in / out
 
@@ -154,8 +176,9 @@ class SGLangEngine:
             for r in requests
         ]
         check_unique(checked, self._calls)
+        adapter = None if self._adapter is None else self._adapter[:2]
         for req in checked:
-            call = _Call(req, f"traj-{req.traj_id}-{next(self._rids)}")
+            call = _Call(req, f"traj-{req.traj_id}-{next(self._rids)}", adapter)
             self._calls[req.traj_id] = call
             threading.Thread(
                 target=self._generate, args=(call,), name=f"sglang-{call.rid}", daemon=True
@@ -186,6 +209,8 @@ class SGLangEngine:
             "logprob_start_len": -1,
             "stream": False,
         }
+        if call.adapter is not None:
+            body["lora_path"] = call.adapter[0]  # the name it was loaded under
         try:
             call.result = self._client.post("/generate", body, timeout_s=cfg.request_timeout_s)
         except BaseException as exc:  # reported by step() or interrupt()
@@ -283,7 +308,10 @@ class SGLangEngine:
                 f"request {call.rid}: output_token_logprobs do not match output_ids "
                 f"({len(triples)} logprobs for {len(ids)} tokens)"
             )
-        versions = self._token_versions(meta, len(ids))
+        if call.adapter is not None:  # LoRA: the adapter's version, the base never changes
+            versions = np.full(len(ids), call.adapter[1], dtype=np.int32)
+        else:
+            versions = self._token_versions(meta, len(ids))
         reason = (meta.get("finish_reason") or {}).get("type")
         self._retractions += int(meta.get("num_retractions") or 0)
         self._prefill_tokens += int(meta.get("prompt_tokens", 0)) - int(
@@ -348,11 +376,58 @@ class SGLangEngine:
     # ----------------------------------------------------------------------------- weights
 
     def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        if self._lora is not None:
+            return dict(self._adapter_shapes)
         return dict(self._checkpoint.shapes)
+
+    def base_weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """With LoRA, the model folder's weights (the base under the adapters); else empty."""
+        return dict(self._checkpoint.shapes) if self._lora is not None else {}
+
+    def load_base_weights(self, weights: Mapping[str, object]) -> None:
+        """With LoRA, load the frozen base (once) by the disk path; the version stays."""
+        if self._lora is None:
+            raise ValueError(
+                "load_base_weights: this SGLang engine serves full weights (lora_rank=0); "
+                "load_weights takes them"
+            )
+        self._load_from_disk(weights, self._version)
 
     def load_weights(self, weights: Mapping[str, object], version: int) -> None:
         """Write the weights to a RAM-backed folder and load them with
-        ``/update_weights_from_disk`` (the fallback Pull)."""
+        ``/update_weights_from_disk`` (the fallback Pull). With LoRA, ``weights`` is the
+        adapter: a new one per version, the requests in flight moved to it (module doc)."""
+        if self._lora is not None:
+            self._switch_adapter(weights, version)
+        else:
+            self._load_from_disk(weights, version)
+        self._version = int(version)
+
+    def _switch_adapter(self, weights: Mapping[str, object], version: int) -> None:
+        assert self._lora is not None
+        expected = {name: shape for name, (shape, _) in self._adapter_shapes.items()}
+        name, _, folder = self._lora.write(dict(check_weights(expected, weights)), version)
+        try:
+            self._client.post("/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)})
+        except BaseException:
+            self._lora.remove(folder)
+            raise
+        old, self._adapter = self._adapter, (name, int(version), folder)
+        reqs = {t: c.req for t, c in self._calls.items()}
+        moved = self.interrupt(list(reqs))  # their tokens so far: the old adapter's
+        self.submit(
+            [
+                GenerationRequest(
+                    t, reqs[t].prompt, o.tokens, o.logprobs, o.versions, reqs[t].max_response
+                )
+                for t, o in moved.items()
+            ]
+        )
+        if old is not None:
+            self._client.post("/unload_lora_adapter", {"lora_name": old[0]})
+            self._lora.remove(old[2])
+
+    def _load_from_disk(self, weights: Mapping[str, object], version: int) -> None:
         expected = {name: shape for name, (shape, _) in self._checkpoint.shapes.items()}
         folder = self._write_folder(check_weights(expected, weights), version)
         body = {
@@ -365,7 +440,6 @@ class SGLangEngine:
         old, self._disk_version = self._disk_version, folder
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-        self._version = int(version)
 
     def load_version(self, version: int) -> None:
         """Have every TP rank pull ``version`` from the parameter server (our custom weight
@@ -465,5 +539,7 @@ class SGLangEngine:
         finally:
             if self._disk_version is not None:
                 shutil.rmtree(self._disk_version.parent, ignore_errors=True)
+            if self._lora is not None:
+                self._lora.close()
             if self._on_close is not None:
                 self._on_close()

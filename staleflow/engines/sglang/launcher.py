@@ -51,6 +51,10 @@ class ServerSpec:
     # checkpoint in float16 (logprobs then differ from a float32 trainer's by ~3e-4 on the
     # tiny test model)
     dtype: str = ""
+    # LoRA (trainer.lora): adapters up to this rank on these modules, loaded per version
+    # with /load_lora_adapter; two at a time (the next one is loaded before the last goes)
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
 
     def on_cpu(self) -> bool:
         if self.device == "auto":
@@ -84,10 +88,16 @@ class ServerSpec:
             argv.append("--enable-deterministic-inference")  # arg_groups/fields/exec_.py:1153
         if self.dtype:
             argv += ["--dtype", self.dtype]
+        if self.lora_rank:  # arg_groups/fields/lora.py
+            argv += ["--enable-lora", "--max-lora-rank", str(self.lora_rank)]
+            argv += ["--lora-target-modules", *self.lora_targets]
+            argv += ["--max-loras-per-batch", "2", "--max-loaded-loras", "2"]
         if self.on_cpu():
             # torch_native: SDPA attention in plain PyTorch (no FlashInfer/Triton kernels)
             argv += ["--device", "cpu", "--attention-backend", "torch_native"]
             argv += ["--disable-cuda-graph"]
+            if self.lora_rank:  # the default csgmv LoRA kernels are Triton's
+                argv += ["--lora-backend", "torch_native"]
         return argv + shlex.split(self.extra_args)
 
 

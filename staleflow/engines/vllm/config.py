@@ -27,6 +27,10 @@ class VLLMEngineConfig(EngineSettings):
     enable_prefix_caching: reuse KV of shared prefixes (a group's prompt, a resumed
         response). The cache is reset at every weight load, so no stale entry is reused.
     extra_args: more ``vllm.EngineArgs`` fields, e.g. ``{"max_num_batched_tokens": 4096}``.
+    lora_rank, lora_alpha, lora_targets: with ``lora_rank`` > 0 (``trainer.lora``) every
+        version is a LoRA adapter of that rank, alpha and target modules over the model
+        folder's weights (:mod:`staleflow.engines.vllm.lora`); ``lora_dir`` is where the
+        adapter folders go (empty: a temporary folder).
     log_path: file that vLLM's own log (the ``vllm`` loggers, in every vLLM process, and
         the Python warnings raised while it starts) goes to, warnings and errors only;
         empty: vLLM's default, INFO and up on stdout. ``launch`` sets
@@ -41,6 +45,10 @@ class VLLMEngineConfig(EngineSettings):
     enable_prefix_caching: bool = True
     extra_args: dict[str, Any] = field(default_factory=dict)
     log_path: str = ""
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_targets: tuple[str, ...] = ()
+    lora_dir: str = ""
 
     def __post_init__(self) -> None:
         EngineSettings.__post_init__(self)
@@ -58,3 +66,8 @@ class VLLMEngineConfig(EngineSettings):
             )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype={self.dtype!r}: use auto, float32, bfloat16 or float16")
+        if self.lora_rank and not (self.lora_alpha > 0 and self.lora_targets):
+            raise ValueError(
+                "lora_rank > 0 needs lora_alpha > 0 and lora_targets (the adapter's scale is "
+                "alpha / rank, over the named modules)"
+            )

@@ -18,6 +18,11 @@ Weights load between steps through the workers' ``reload_weights`` (see
 recomputed under the new weights, and no request can reuse a block the old weights
 computed. Running requests are not dropped.
 
+With LoRA (``lora_rank``), a version is an adapter: vLLM gets a new one per version and
+every request is resubmitted under it (:mod:`staleflow.engines.vllm.lora`), so each token
+after the load comes from the new adapter, as after a weight load; the base loads once
+(:meth:`VLLMEngine.load_base_weights`).
+
 Snapshot fields: ``running`` are the requests that got a token in the last step (in the
 order they first did), ``waiting`` the rest (queued or preempted, in submission order);
 ``kv_usage`` and ``preemptions`` come from vLLM's own stats.
@@ -37,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from staleflow.engines.adapters import AdapterSpec
 from staleflow.engines.base import (
     FINISH_LENGTH,
     FINISH_STOP,
@@ -56,6 +62,7 @@ from staleflow.engines.checks import (
 from staleflow.engines.vllm import logs as vllm_logs
 from staleflow.engines.vllm import worker as vllm_worker
 from staleflow.engines.vllm.config import VLLMEngineConfig
+from staleflow.engines.vllm.lora import AdapterSlots, engine_args
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +88,8 @@ class VLLMEngine:
     # embedded engine's: a race copy may fork anywhere (runtime/controller/races.py), so this engine
     # does not declare ``samples_by_resume_point``.
 
+    loads_adapters = True  # with lora_rank: a version is a LoRA adapter (engines/vllm/lora.py)
+
     def __init__(self, config: VLLMEngineConfig, *, version: int = 0) -> None:
         if not isinstance(config, VLLMEngineConfig):
             raise TypeError(f"config must be a VLLMEngineConfig, got {type(config).__name__}")
@@ -92,7 +101,15 @@ class VLLMEngine:
                     f"eos_token_id {tok} is outside the model's vocabulary of "
                     f"{self._checkpoint.vocab_size}"
                 )
-        self._llm, self._pin_threads = _start_vllm(config, self._checkpoint)
+        self._adapters: AdapterSlots | None = None
+        extra: dict[str, Any] = {}
+        if config.lora_rank:
+            spec = AdapterSpec(config.lora_rank, config.lora_alpha, tuple(config.lora_targets))
+            self._adapter_shapes = spec.shapes(self._checkpoint)
+            self._adapters = AdapterSlots(spec, config.lora_dir)
+            extra = engine_args(spec)
+        self.adapters = self._adapters is not None
+        self._llm, self._pin_threads = _start_vllm(config, self._checkpoint, extra)
         self._pinned_thread: int | None = None
         self._version = int(version)
         self._requests: dict[int, _Request] = {}  # submission order
@@ -113,12 +130,17 @@ class VLLMEngine:
         check_unique(checked, self._requests)
         for c in checked:
             r = _Request(c)
-            self._llm.add_request(
-                _rid(r.traj_id),
-                {"prompt_token_ids": r.prompt.tolist() + r.tokens},
-                self._sampling_params(r),
-            )
+            self._add(r)
             self._requests[r.traj_id] = r
+
+    def _add(self, r: _Request) -> None:
+        lora = {} if self._adapters is None else {"lora_request": self._adapters.current}
+        self._llm.add_request(
+            _rid(r.traj_id),
+            {"prompt_token_ids": r.prompt.tolist() + r.tokens},
+            self._sampling_params(r),
+            **lora,
+        )
 
     def _sampling_params(self, r: _Request) -> Any:
         from vllm import SamplingParams
@@ -233,11 +255,59 @@ class VLLMEngine:
     # ----------------------------------------------------------------------------- weights
 
     def weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        if self._adapters is not None:
+            return dict(self._adapter_shapes)
         return dict(self._checkpoint.shapes)
+
+    def base_weight_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """With LoRA, the model folder's weights (the base under the adapters); else empty."""
+        return dict(self._checkpoint.shapes) if self._adapters is not None else {}
+
+    def load_base_weights(self, weights: Mapping[str, object]) -> None:
+        """With LoRA, load the frozen base (once), as :meth:`load_weights` loads weights."""
+        if self._adapters is None:
+            raise ValueError(
+                "load_base_weights: this vLLM engine serves full weights (lora_rank=0); "
+                "load_weights takes them"
+            )
+        self._reload(weights)
+        logger.info("loaded the base weights (%d tensors)", len(weights))
 
     def load_weights(self, weights: Mapping[str, object], version: int) -> None:
         """Load every parameter of :meth:`weight_shapes` (numpy arrays or tensors) in place
-        as ``version``; checked before anything is copied. Resets the prefix cache."""
+        as ``version``; checked before anything is copied. Resets the prefix cache. With
+        LoRA, ``weights`` is the adapter: vLLM gets it as a new adapter, every request moves
+        to it, and the previous one is removed."""
+        if self._adapters is not None:
+            self._switch_adapter(weights, version)
+        else:
+            self._reload(weights)
+        self._version = int(version)
+        logger.info("loaded weights of version %d", version)
+
+    def _switch_adapter(self, weights: Mapping[str, object], version: int) -> None:
+        assert self._adapters is not None
+        expected = {name: shape for name, (shape, _) in self._adapter_shapes.items()}
+        tensors = {n: _as_tensor(v) for n, v in check_weights(expected, weights).items()}
+        self._same_threads_here()
+        new = self._adapters.publish(tensors, version)
+        if not self._llm.add_lora(new):
+            self._adapters.release(new)
+            raise RuntimeError(f"vLLM refused the adapter of version {version} ({new.lora_path})")
+        old, self._adapters.current = self._adapters.current, new
+        # every request goes on under the new adapter, from the tokens it has (its draws
+        # are keyed by position, so resubmitting changes no sample)
+        if self._requests:
+            self._llm.abort_request([_rid(t) for t in self._requests])
+            for r in self._requests.values():
+                r.first_token = -1
+                self._add(r)
+        self._running = []
+        if old is not None:
+            self._llm.remove_lora(old.lora_int_id)
+            self._adapters.release(old)
+
+    def _reload(self, weights: Mapping[str, object]) -> None:
         expected = {name: shape for name, (shape, _) in self._checkpoint.shapes.items()}
         checked = check_weights(expected, weights)
         tensors = [(name, _as_tensor(value)) for name, value in checked.items()]
@@ -251,8 +321,6 @@ class VLLMEngine:
         self._running = []  # the reset preempted them: they recompute their prefix
         for r in self._requests.values():
             r.first_token = -1
-        self._version = int(version)
-        logger.info("loaded weights of version %d", version)
 
     # ------------------------------------------------------------------------ observation
 
@@ -302,6 +370,8 @@ class VLLMEngine:
         shutdown = getattr(self._llm.engine_core, "shutdown", None)
         if shutdown is not None:
             shutdown()
+        if self._adapters is not None:
+            self._adapters.close()
 
 
 def _rid(traj_id: int) -> str:
@@ -321,7 +391,7 @@ def _as_tensor(value: object) -> torch.Tensor:
 
 
 def _start_vllm(
-    config: VLLMEngineConfig, checkpoint: CheckpointInfo
+    config: VLLMEngineConfig, checkpoint: CheckpointInfo, extra: Mapping[str, Any]
 ) -> tuple[Any, Callable[[], None]]:
     """Build the ``LLMEngine`` (in process for one rank, KV cache sized to the budget), and
     a function that gives the calling thread the thread count it was built with."""
@@ -337,7 +407,7 @@ def _start_vllm(
         logs["logging_config_file"] = vllm_logs.route_vllm_logs(config.log_path)
         quiet = vllm_logs.warnings_to_log()
     with quiet:
-        llm = _build_llm(config, checkpoint, **logs)
+        llm = _build_llm(config, checkpoint, extra, **logs)
     # vllm/v1/worker/cpu_worker.py replaces torch.set_num_threads by a no-op for thread
     # binding; with binding off that only breaks the process's other torch users.
     if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") == "nobind":
@@ -350,7 +420,10 @@ def _start_vllm(
 
 
 def _build_llm(
-    config: VLLMEngineConfig, checkpoint: CheckpointInfo, logging_config_file: str = ""
+    config: VLLMEngineConfig,
+    checkpoint: CheckpointInfo,
+    extra: Mapping[str, Any],
+    logging_config_file: str = "",
 ) -> Any:
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
@@ -382,6 +455,7 @@ def _build_llm(
             configure_logging=True, pylogging_config_file=logging_config_file
         )
         kwargs["use_tqdm_on_load"] = False  # its progress bars go to stderr
+    kwargs.update(extra)  # the LoRA settings
     kwargs.update(config.extra_args)
     started = time.perf_counter()
     llm = LLMEngine.from_engine_args(EngineArgs(**kwargs))

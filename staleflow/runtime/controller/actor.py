@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator.types import InstanceSnapshot
 from staleflow.recovery.events import RecoveryEvent
+from staleflow.rewards.estimators import EvalScores
 from staleflow.runfolder.step_record import StepRecord
 from staleflow.runtime.controller.control_plane import ControlPlane
 from staleflow.runtime.interface import InstanceGone, Rewarded, StepReport, TrainerGroups
@@ -142,6 +143,12 @@ class ControlActor:
 
     def records(self, since: int = 0) -> list[StepRecord]:
         return self._plane.records(since)
+
+    def eval_due(self) -> int | None:
+        return self._plane.eval_due()
+
+    def eval_done(self, step: int, scores: EvalScores | None) -> None:
+        self._plane.eval_done(step, scores)
 
     def live(self) -> LiveState:
         return self._plane.live()

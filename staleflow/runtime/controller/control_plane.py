@@ -26,6 +26,9 @@ state, then the TS's, with nothing in between. Until the launcher has written it
 (:meth:`ControlPlane.release_cut`), no further Consume is served; instances keep
 generating. A stop first interrupts every instance, so that the partial responses are
 whole in the TS, and refuses Consumes from then on (``StopRequested``).
+
+Evaluation (``eval.every``, ``staleflow.runtime.controller.eval_hold``): the record of
+every N-th step is published once the driver has handed in its held-out scores.
 """
 
 from __future__ import annotations
@@ -41,9 +44,12 @@ from typing import Any, Protocol
 
 from coordinator.types import InstanceSnapshot
 from staleflow.control import ControlLoop, Decision
+from staleflow.control.dynamic_sampling import DynamicSampling
 from staleflow.recovery.events import RecoveryEvent, RecoveryLog
+from staleflow.rewards.estimators import EvalScores
 from staleflow.rollout.instance import InstanceTimes
-from staleflow.runfolder.step_record import StepRecord, freshness_keys
+from staleflow.runfolder.step_record import StepRecord, freshness_keys, sampling_keys
+from staleflow.runtime.controller.eval_hold import EvalHold
 from staleflow.runtime.controller.fleet import FleetOps, LostInstance, RecoverableStore
 from staleflow.runtime.controller.instances import Members
 from staleflow.runtime.controller.metrics import StepMetrics
@@ -121,12 +127,14 @@ class ControlPlane:
             run_round=run_round,
             on_decision=on_decision,
             manager=manager,
+            sampling=DynamicSampling(config.sampling) if config.sampling is not None else None,
         )
         self.manager = self.loop.manager
         self.coordinator = self.loop.coordinator
         self.executor = self.loop.executor
         self.metrics = StepMetrics(list(instances), clock())
         self.metrics.continue_from(records)
+        self.evals = EvalHold(config.eval_every)
         self.recovery = RecoveryLog(records[-1].extra if records else None)
         self.fleet = FleetOps(self.members, self.loop, self.planes, ts, self.recovery, self._event)
         self.races = _races(self, ts, records[-1].extra if records else {})
@@ -245,9 +253,20 @@ class ControlPlane:
             time.sleep(_STREAM_POLL_S)
 
     def records(self, since: int = 0) -> list[StepRecord]:
-        """Per-step metric records from index ``since`` on."""
+        """Per-step metric records from index ``since`` on, up to one waiting for its
+        evaluation."""
         self.check()
-        return self.metrics.records[since:]
+        records = self.metrics.records
+        return records[since : self.evals.published(len(records))]
+
+    def eval_due(self) -> int | None:
+        """The step whose record waits for its evaluation (None: none)."""
+        self.check()
+        return self.evals.due(len(self.metrics.records))
+
+    def eval_done(self, step: int, scores: EvalScores | None) -> None:
+        """The evaluation of ``step`` ended (None: it could not be taken)."""
+        self._post("eval", (step, scores))
 
     def events(self, since: int = 0) -> list[RecoveryEvent]:
         return self.recovery.since(since)
@@ -376,6 +395,8 @@ class ControlPlane:
                     self.races.instance_left(payload[0])
             elif kind == "stop":
                 self._begin_stop()
+            elif kind == "eval":
+                self.evals.done(self.metrics.records, *payload)
             elif kind == "release":
                 if self._cut is not None and self._cut.steps == payload and not self._cut.final:
                     self._cut = None
@@ -442,6 +463,7 @@ class ControlPlane:
 
     def _trained(self, report: StepReport) -> None:
         self._training = False
+        self.evals.before_step(len(self.metrics.records) + 1)  # held before it is readable
         self._record_step(report)
         steps = len(self.metrics.records)
         every = self.config.checkpoint_every
@@ -525,6 +547,8 @@ class ControlPlane:
         times = {i: t for i in list(self.members) if (t := self._times_of(i)) is not None}
         seer = self.coordinator.strategies.seer
         fresh = self.coordinator.strategies.freshness
+        # dynamic sampling's counts since the last step (None: off)
+        w = self.loop.sampling.take_window() if self.loop.sampling is not None else None
         self.metrics.on_step(
             report,
             now=self._clock(),
@@ -539,6 +563,7 @@ class ControlPlane:
                 **self.recovery.totals(),
                 **(self.races.totals() if self.races else {}),
                 **(freshness_keys(fresh.state) if fresh is not None else {}),
+                **(sampling_keys(w.completed, w.filtered, w.flat_kept) if w else {}),
             },
             probes=seer.accuracy() if seer is not None else None,
         )

@@ -46,6 +46,8 @@ class _Completed(NamedTuple):
     traj_id: int
     group_id: int
     response_len: int
+    reward: float | None  # None: its reward function failed (dynamic sampling skips it)
+    error: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +180,7 @@ class FleetOps:
         """Apply the completions the TS holds that the manager has not (their reward
         worker died before reporting them); returns how many."""
         completed = [
-            _Completed(t.traj_id, t.group_id, t.tokens)
+            _Completed(t.traj_id, t.group_id, t.tokens, t.reward)
             for t in self._ts.ledger()
             if t.state is TrajState.COMPLETED
         ]

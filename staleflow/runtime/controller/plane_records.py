@@ -10,6 +10,7 @@ from typing import Any
 
 from coordinator import CoordinatorConfig
 from coordinator.types import InstanceSnapshot
+from staleflow.control.dynamic_sampling import SamplingConfig
 from staleness import StalenessConfig
 from staleness.types import ManagerView
 from trajectory_server.types import TSStats
@@ -21,6 +22,8 @@ class ControlConfig:
     coordinator: CoordinatorConfig
     idle_wait_s: float = 0.05  # longest sleep between loop iterations
     checkpoint_every: int = 0  # take a cut after every N-th training step (0: never)
+    eval_every: int = 0  # hold every N-th step's record for its evaluation (0: never)
+    sampling: SamplingConfig | None = None  # dynamic sampling (trainer.dynamic_sampling)
 
 
 @dataclass(frozen=True, slots=True)

@@ -85,6 +85,7 @@ def summary_table(summary: dict[str, Any], eta: int) -> Table:
         )
         if summary.get("eval_problems")  # scored only for the built-in task
         else None,
+        _evaluation_row(summary.get("eval_last"), summary.get("eval_best")),
         (
             "staleness (V_buf - V_traj: trajectories)",
             " ".join(f"{k}:{v}" for k, v in summary.get("staleness_hist", {}).items()),
@@ -110,6 +111,20 @@ def summary_table(summary: dict[str, Any], eta: int) -> Table:
         if row is not None:
             table.add_row(*row)
     return table
+
+
+def _evaluation_row(
+    last: dict[str, Any] | None, best: dict[str, Any] | None
+) -> tuple[str, str] | None:
+    """The evaluation during training (eval.every), last and best: mean@k / pass@k."""
+    if not last or not best:
+        return None
+
+    def one(e: dict[str, Any]) -> str:
+        return f"{e['mean_at_k']:.3f} / {e['pass_at_k']:.3f} (step {e['step']})"
+
+    label = f"held-out mean@{last['samples']} / pass@{last['k']}, last; best"
+    return label, f"{one(last)}; {one(best)}"
 
 
 # -- the waits before training ---------------------------------------------------------------

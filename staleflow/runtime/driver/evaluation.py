@@ -1,9 +1,13 @@
-"""Held-out evaluation of the policy before and after a run (built-in task only).
+"""The run's held-out set (the ``eval`` section), and the score of the policy on it before
+and after the run (built-in task only).
 
 The per-step ``rollout/reward_mean`` mixes problems of different difficulty, 8 prompts at a
 time, and arrives in bursts; whether the policy improved is better answered on a fixed set
 of problems that neither the warm-up nor the run trains on, sampled the way the rollout
-samples. The driver runs it on the initial weights and on the final checkpoint.
+samples. The set is ``eval.path`` (read by the loaders and rules of ``data``), or the
+built-in task's own held-out stream; the evaluation during training samples it on the
+rollout engines (``staleflow.runtime.driver.eval_rounds``), and for the built-in task
+the driver also scores the initial weights and the final checkpoint on it, on a CPU copy.
 """
 
 from __future__ import annotations
@@ -11,33 +15,64 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from staleflow.data.datasets import PromptFormat
+from staleflow.data.heldout import (
+    EVAL_SEED_OFFSET,
+    builtin_heldout,
+    check_heldout_source,
+    load_heldout,
+)
 from staleflow.data.synthetic import ArithmeticConfig, ArithmeticTask
 from staleflow.progress import SILENT, Progress
 
 if TYPE_CHECKING:
     from staleflow.config import RunConfig
+    from staleflow.data import PromptDataset
+
+__all__ = ["EVAL_SEED_OFFSET", "check_heldout", "held_out_reward", "heldout_set"]
 
 logger = logging.getLogger(__name__)
 
-# Offset of the held-out problem stream from the run's seed; the warm-up uses seed and the
-# run's prompts seed + 1 (launch.build_dataset), so this stream shares neither prefix.
-EVAL_SEED_OFFSET = 1_000_003
+
+def check_heldout(cfg: RunConfig) -> None:
+    """``eval.path`` is there and has the prompt and answer columns (``DatasetError``
+    otherwise); nothing to check without it."""
+    if cfg.eval.path and cfg.eval.problems > 0:
+        check_heldout_source(cfg.eval.path, cfg.data.record_layout(), cfg.eval.split)
+
+
+def heldout_set(cfg: RunConfig, tokenizer: Any) -> PromptDataset | None:
+    """The first ``eval.problems`` problems of the held-out set as the rollout gets its
+    prompts (same layout and chat template); None when the run evaluates nothing during
+    training. Raises ``DatasetError`` naming what is wrong."""
+    ev = cfg.eval
+    if not ev.during_training:
+        return None
+    if not ev.path:  # only the built-in task gets here (RunConfig checks it)
+        return builtin_heldout(tokenizer, cfg.data.difficulty, cfg.seed, ev.problems)
+    fmt = PromptFormat(cfg.data.chat_template, cfg.data.system_prompt)
+    return load_heldout(
+        ev.path, tokenizer, cfg.data.record_layout(), fmt, ev.split, problems=ev.problems
+    )
 
 
 def held_out_reward(
     cfg: RunConfig, model: Any, tokenizer: Any, progress: Progress = SILENT, which: str = "initial"
 ) -> float | None:
-    """Mean reward of ``model`` on ``cfg.eval_problems`` held-out problems of the built-in
+    """Mean reward of ``model`` on ``cfg.eval.problems`` held-out problems of the built-in
     task, one response each at ``rollout.temperature``; None when there is nothing to
-    evaluate (``eval_problems=0`` or a dataset task, which has no held-out split here).
+    evaluate (``eval.problems=0``, or a task other than the built-in one, whose policy
+    would take too long on a CPU copy: evaluate it during training instead, ``eval.every``).
     ``progress`` gets a ``scoring`` phase counting problems; ``which`` names the policy
     in its label (initial, final)."""
-    if cfg.eval_problems <= 0 or cfg.data.task != "arithmetic":
+    problems = cfg.eval.problems
+    if problems <= 0 or cfg.data.task != "arithmetic" or cfg.eval.path:
         return None
     # torch: loaded only when the driver evaluates a model, not when launch imports this
     from staleflow.models.sampling import evaluate_accuracy
     from staleflow.models.threads import idle_cores, torch_threads
 
+    # the problems builtin_heldout tokenises for the evaluation during training
     task = ArithmeticTask(
         ArithmeticConfig.level(cfg.data.difficulty, seed=cfg.seed + EVAL_SEED_OFFSET)
     )
@@ -45,7 +80,7 @@ def held_out_reward(
         progress.phase(
             "scoring",
             f"scoring the {which} policy on held-out problems",
-            total=cfg.eval_problems,
+            total=problems,
             unit="problems",
         ) as phase,
         torch_threads(idle_cores()),
@@ -54,7 +89,7 @@ def held_out_reward(
             model,
             tokenizer,
             task,
-            cfg.eval_problems,
+            problems,
             cfg.rollout.temperature,
             seed=cfg.seed,
             max_new_tokens=cfg.rollout.max_response_tokens,

@@ -43,24 +43,25 @@ from staleflow.data.hf_datasets import (
     load_hf_dataset,
     open_hf_dataset,
 )
-from staleflow.data.layouts import DatasetError, RecordLayout
+from staleflow.data.layouts import DatasetError
 from staleflow.data.tokenizer import TokenizerError
-from staleflow.envs import make_environment
-from staleflow.envs.calculator import calculator_samples
-from staleflow.envs.formats import episode_dataset, turn_format
 from staleflow.models.errors import ModelError
+from staleflow.models.lora import with_adapters
 from staleflow.progress import SILENT, Progress
 from staleflow.runfolder.reader import SUMMARY
 from staleflow.runfolder.run_state import CRASHED, FINISHED, STOPPED, StateWriter
 from staleflow.runfolder.step_record import (
     CORRECTED,
     StepRecord,
+    evaluations,
+    filtered_share,
     reward_mean,
     trainer_idle_ratio,
 )
 from staleflow.runfolder.writer import RunOutput
 from staleflow.runtime.backends import check_backends
-from staleflow.runtime.driver.evaluation import held_out_reward
+from staleflow.runtime.driver.env_task import check_env_task, env_dataset
+from staleflow.runtime.driver.evaluation import check_heldout, held_out_reward, heldout_set
 from staleflow.runtime.driver.launch_progress import TrainingWaits, actors_phase
 from staleflow.runtime.driver.resume import restore_state
 from staleflow.runtime.driver.run import Run, cause
@@ -124,8 +125,8 @@ def preflight(cfg: RunConfig) -> None:
         check_installed(parse_trackers(cfg.tracking))
     except TrackerError as exc:
         raise LaunchError(str(exc)) from None
-    # data.task=hf reads a save_to_disk folder, or files (a glob)
-    hf_data = cfg.data.task == "hf"
+    # data.task=hf (and env) reads a save_to_disk folder, or files (a glob)
+    hf_data = cfg.data.task in ("hf", "env")
     for key, value, kind, what in (
         ("model.checkpoint", cfg.model.checkpoint, "dir", "cannot load the policy"),
         ("data.tokenizer", cfg.data.tokenizer, "any", "cannot load the policy"),
@@ -138,21 +139,21 @@ def preflight(cfg: RunConfig) -> None:
         if not ok:
             thing = {"dir": "checkpoint directory", "file": "file"}.get(kind, "file or directory")
             raise LaunchError(f"{what}: {path}: no such {thing} (set by {key})")
-    if hf_data:  # its columns: memory-mapped, read without the policy or its tokenizer
+    if cfg.data.task in ENV_TASKS:  # the environment builds, its problems read
+        check_env_task(cfg)
+    elif hf_data:  # its columns: memory-mapped, read without the policy or its tokenizer
         try:
             check_columns(
-                open_hf_dataset(cfg.data.path, cfg.data.split), _layout(cfg), cfg.data.path
+                open_hf_dataset(cfg.data.path, cfg.data.split),
+                cfg.data.record_layout(),
+                cfg.data.path,
             )
         except DatasetError as exc:
             raise LaunchError(f"cannot read the prompts: {exc}") from exc
-
-
-def _layout(cfg: RunConfig) -> RecordLayout | None:
-    """The fields data.prompt_column / data.answer_column name; None: detect a layout."""
-    data = cfg.data
-    if not data.prompt_column:
-        return None
-    return RecordLayout(data.prompt_column, data.answer_column, name="data.prompt_column")
+    try:  # eval.path: there, with the columns (one row read)
+        check_heldout(cfg)
+    except DatasetError as exc:
+        raise LaunchError(f"cannot read the held-out set (eval.path): {exc}") from exc
 
 
 def prepare_policy(
@@ -170,7 +171,7 @@ def prepare_policy(
         phase(f"loading the policy from {m.checkpoint}{tokenizer_note}")
         model, tokenizer = load_pretrained(m.checkpoint, tokenizer_path=cfg.data.tokenizer or None)
         return model, tokenizer, {"source": str(m.checkpoint)}
-    if cfg.data.task not in ("arithmetic", *ENV_TASKS):
+    if cfg.data.task not in ("arithmetic", "calculator"):
         raise LaunchError(
             f"data.task={cfg.data.task!r} needs model.checkpoint (a local Hugging Face "
             "checkpoint directory): the built-in model only knows the built-in tasks"
@@ -242,13 +243,9 @@ def build_dataset(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
     data = cfg.data
     fmt = PromptFormat(data.chat_template, data.system_prompt)
     check_chat_template(tokenizer, fmt, data.tokenizer or cfg.model.checkpoint)
-    layout = _layout(cfg)
-    if data.task == "calculator":
-        env = make_environment("calculator", **cfg.env.options("calculator"))
-        task = ArithmeticConfig.level(data.difficulty, seed=cfg.seed + 1)
-        dataset = episode_dataset(
-            env, calculator_samples(task, size=20_000), turn_format(tokenizer)
-        )
+    layout = cfg.data.record_layout()
+    if data.task in ENV_TASKS:
+        dataset = env_dataset(cfg, tokenizer)
     elif data.task == "arithmetic":
         # A seed apart from the warm-up's own problem stream (see models.warmup).
         task = ArithmeticConfig.level(data.difficulty, seed=cfg.seed + 1)
@@ -298,6 +295,9 @@ def summarise(records: list[StepRecord], facts: dict[str, Any]) -> dict[str, Any
             tokens.update(rec.token_staleness)
             token_steps += 1
     partial = {"token_staleness_steps": token_steps} if token_steps < len(records) else {}
+    sampled = filtered_share(records)  # dynamic sampling's drops (None: off)
+    if sampled is not None:
+        partial |= {"filtered_groups": sampled[0], "filtered_frac": sampled[1]}
     return {
         "steps": len(records),
         "elapsed_s": last.elapsed_s,
@@ -313,6 +313,7 @@ def summarise(records: list[StepRecord], facts: dict[str, Any]) -> dict[str, Any
         "trainer_idle_ratio": trainer_idle_ratio(records),
         "rollout_idle_ratio": last.rollout_idle_ratio,
         "time_share": last.time_shares(),
+        **evaluations(records),
         **partial,
         **facts,
     }
@@ -394,8 +395,9 @@ def launch(
 
 def _prepare(
     cfg: RunConfig, phase: Phase, resume: Checkpoint | None, progress: Progress
-) -> tuple[Any, Any, PromptDataset, dict[str, Any], ResumePoint | None]:
-    """The policy, tokenizer and prompts; a resumed run's from its checkpoint."""
+) -> tuple[Any, Any, PromptDataset, PromptDataset | None, dict[str, Any], ResumePoint | None]:
+    """The policy, tokenizer, prompts and held-out set (None: no evaluation during
+    training); a resumed run's from its checkpoint."""
 
     started = time.monotonic()
     try:
@@ -408,23 +410,34 @@ def _prepare(
             phase(f"resuming from {resume.path} (step {resume.steps}, version {resume.version})")
             model, tokenizer = load_pretrained(resume.trainer_dir)
             facts = {"source": str(resume.trainer_dir), "resumed_from": str(resume.path)}
+        if cfg.trainer.lora.enabled:  # the base frozen, an adapter trained (and resumed)
+            with_adapters(
+                model,
+                cfg.trainer.lora,
+                seed=cfg.seed,
+                checkpoint=None if resume is None else resume.trainer_dir,
+            )
     except ModelError as exc:  # a checkpoint that cannot be loaded: say so, no traceback
         raise LaunchError(f"cannot load the policy: {exc}") from exc
     try:
         dataset = build_dataset(cfg, tokenizer)
     except (DatasetError, TokenizerError) as exc:
         raise LaunchError(f"cannot read the prompts: {exc}") from exc
+    try:
+        heldout = heldout_set(cfg, tokenizer)
+    except (DatasetError, TokenizerError) as exc:
+        raise LaunchError(f"cannot read the held-out set (eval.path): {exc}") from exc
     if cfg.data.chat_template:
         # the template the prompts went through, with the run (summary.json, the trackers)
         facts["chat_template"] = chat_template_of(tokenizer)
     point = None
     if resume is not None:
         point = restore_state(cfg, resume, dataset)
-    elif cfg.eval_problems and cfg.data.task == "arithmetic":
-        facts["eval_problems"] = cfg.eval_problems
-        facts["eval_reward_start"] = held_out_reward(cfg, model, tokenizer, progress)
+    elif (start := held_out_reward(cfg, model, tokenizer, progress)) is not None:
+        facts["eval_problems"] = cfg.eval.problems
+        facts["eval_reward_start"] = start
     facts["prepare_s"] = time.monotonic() - started
-    return model, tokenizer, dataset, facts, point
+    return model, tokenizer, dataset, heldout, facts, point
 
 
 def _launch_on(
@@ -439,7 +452,7 @@ def _launch_on(
     resume: Checkpoint | None,
     stop: threading.Event,
 ) -> RunResult:
-    model, tokenizer, dataset, facts, point = _prepare(cfg, phase, resume, progress)
+    model, tokenizer, dataset, heldout, facts, point = _prepare(cfg, phase, resume, progress)
     if resume is None:
         out = RunOutput.create(cfg)
     else:  # the steps after the checkpoint are done again
@@ -448,7 +461,13 @@ def _launch_on(
     state = StateWriter(out.path, resumed=resume is not None)
     state.phase("starting")
     run = Run(
-        cfg, out.path, supervisor=Supervisor, cluster=cluster, placement=placement, phase=phase
+        cfg,
+        out.path,
+        supervisor=Supervisor,
+        cluster=cluster,
+        placement=placement,
+        phase=phase,
+        heldout=heldout,
     )
     records = [StepRecord.from_flat(r) for r in resume.metrics] if resume is not None else []
     waits = TrainingWaits(progress, cfg, on_tick)

@@ -127,7 +127,8 @@ def restore_state(cfg: RunConfig, ck: Checkpoint, dataset: PromptDataset) -> Res
     except ValueError as exc:
         raise ResumeError(f"cannot resume on these prompts: {exc}") from exc
     try:
-        manager, ts, rec = restore_run(ck, cfg.trajectory_server_config(), sampler)
+        sampling = cfg.sampling_config()
+        manager, ts, rec = restore_run(ck, cfg.trajectory_server_config(), sampler, sampling)
     except (CheckpointError, ValueError) as exc:
         raise ResumeError(f"cannot resume {ck.path}: {exc}") from exc
     if rec.replayed:

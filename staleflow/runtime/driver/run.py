@@ -14,20 +14,17 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from coordinator.config import CostModelConfig
 from parameter_server import Layout
-from parameter_server.torch_compat import state_dict_to_numpy
 from staleflow.config import RunConfig
 from staleflow.data import PromptSampler
-from staleflow.engines.factory import engine_options
 from staleflow.progress import SILENT_PHASE, Phase
 from staleflow.recovery import RunState, list_checkpoints, write_checkpoint
-from staleflow.runfolder.writer import AUDIT
-from staleflow.runtime.controller.plane_records import ControlConfig, Cut
+from staleflow.runtime.controller.plane_records import Cut
+from staleflow.runtime.driver.eval_rounds import EvalRounds
+from staleflow.runtime.driver.pool_specs import control_config, rollout_spec, trainer_spec
 from staleflow.runtime.driver.pools import PoolContext
 from staleflow.runtime.driver.pools.controller import ControlPool, build_control
 from staleflow.runtime.driver.pools.parameter_server import (
@@ -44,11 +41,9 @@ from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE
 from staleflow.runtime.workers.actors import InstanceRecovery, gone
 from staleflow.runtime.workers.ps_healing import ReplicaResolver
 from staleflow.runtime.workers.specs import (
-    ModelSpec,
     RewardSpec,
-    RolloutSpec,
-    TrainerSpec,
     env_spec,
+    initial_weights,
     model_spec,
 )
 
@@ -85,66 +80,6 @@ def cause(exc: BaseException) -> str:
     return " / ".join(tail) if tail else repr(exc)
 
 
-# -- each component's section ----------------------------------------------------------------
-
-
-def control_config(cfg: RunConfig) -> ControlConfig:
-    """The staleness manager's and the coordinator's sections; the coordinator plans with
-    the engines' real KV budget unless the config names one, and for the rollout's
-    response cap."""
-
-    coordinator = cfg.coordinator.for_responses(cfg.rollout.max_response_tokens)
-    cost = coordinator.cost_model
-    if isinstance(cost, CostModelConfig) and cost.kv_budget is None:
-        budget = float(cfg.rollout.kv_budget_tokens)
-        coordinator = replace(coordinator, cost_model=replace(cost, kv_budget=budget))
-    return ControlConfig(cfg.staleness_config(), coordinator, checkpoint_every=cfg.checkpoint_every)
-
-
-def rollout_spec(
-    cfg: RunConfig,
-    model: ModelSpec,
-    dataset: PromptDataset,
-    *,
-    run_dir: Path,
-    policy: Any = None,
-    tokenizer: Any = None,
-) -> RolloutSpec:
-    """The rollout pool's spec; for vLLM / SGLang it resolves their options once, here in
-    the driver (the model folder they load: ``model.checkpoint``, or ``policy`` saved into
-    the run folder; the folder for their logs)."""
-
-    r = cfg.rollout
-    longest = int(dataset.prompt_lengths.max()) + r.max_response_tokens
-    options = None
-    if r.backend != "embedded":
-        options = engine_options(
-            r, checkpoint=cfg.model.checkpoint, run_dir=run_dir, model=policy, tokenizer=tokenizer
-        )
-    return RolloutSpec(
-        model=model,
-        rollout=r,
-        max_seq_len=longest,
-        kv_budget_tokens=max(r.kv_budget_tokens, longest),
-        seed=cfg.seed,
-        engine_options=options,
-        chunk_tokens=cfg.coordinator.seer.chunk,
-    )
-
-
-def trainer_spec(
-    cfg: RunConfig, model: ModelSpec, run_dir: Path, resume_from: str = ""
-) -> TrainerSpec:
-
-    return TrainerSpec(
-        model=model,
-        trainer=cfg.trainer,
-        seed=cfg.seed,
-        resume_from=resume_from,
-        audit_path=str(run_dir / AUDIT) if cfg.recovery.audit_log else "",
-    )
-
-
 # -- the run -----------------------------------------------------------------------------------
 
 
@@ -164,8 +99,10 @@ class Run:
         cluster: RayCluster | None = None,
         placement: Placement | None = None,
         phase: Callable[[str], None] | None = None,
+        heldout: PromptDataset | None = None,
     ) -> None:
         self.cfg = cfg.resolved()
+        self.heldout = heldout  # the held-out set of eval.every (None: no evaluation)
         self.run_dir = run_dir
         self.cluster = cluster
         self.placement = placement
@@ -178,6 +115,7 @@ class Run:
         self.reward_pool: RewardPool | None = None
         self.rollout: RolloutPool | None = None
         self.trainer: TrainerPool | None = None
+        self.evals: EvalRounds | None = None
         self.placement_info: dict[str, Any] = {}
         self._supervise = supervisor
         self.supervisor: RunSupervisor | None = None
@@ -226,9 +164,6 @@ class Run:
         checkpoint: the TS and the manager as restored, the PS and the trainer at its
         version (the trainer's weights, optimizer and RNG), the instances Pulling that
         version first."""
-        # torch: imported once the run starts, not when `staleflow launch --check` loads this
-        from staleflow.models.state import policy_state
-
         cfg = self.cfg
         if self.cluster is None or self.placement is None:
             self.cluster, self.placement = place(cfg, self._phase)
@@ -251,7 +186,8 @@ class Run:
         )
         version = resume.version if resume is not None else 0
         self.steps_before = resume.steps if resume is not None else 0
-        spec = model_spec(model, tokenizer)
+        lora = cfg.trainer.lora if cfg.trainer.lora.enabled else None
+        spec = model_spec(model, tokenizer, lora)
         self.control = build_control(
             ctx,
             control_config(cfg),
@@ -263,9 +199,9 @@ class Run:
         )
         stages.advance(detail="control plane and TS up")
         # a resumed run's weights are the trainer checkpoint's, as its own version
-        weights = state_dict_to_numpy(policy_state(model))
+        weights, base = initial_weights(model, spec)
         self.ps = build_parameter_server(
-            ctx, cfg.parameter_server, Layout.from_dict(spec.layout), weights, version
+            ctx, cfg.parameter_server, Layout.from_dict(spec.layout), weights, version, base
         )
         stages.advance(detail="PS up")
         self.reward_pool = build_rewards(
@@ -275,7 +211,13 @@ class Run:
         self.rollout = build_rollout(
             ctx,
             rollout_spec(
-                cfg, spec, dataset, run_dir=self.run_dir, policy=model, tokenizer=tokenizer
+                cfg,
+                spec,
+                dataset,
+                run_dir=self.run_dir,
+                policy=model,
+                tokenizer=tokenizer,
+                heldout=self.heldout,
             ),
             self.ps,
             self.control,
@@ -298,6 +240,16 @@ class Run:
             )
         )
         stages.advance(detail="rollout instances up")
+        if self.heldout is not None and cfg.eval.during_training:
+            reward_pool = self.reward_pool
+            self.evals = EvalRounds(
+                ray,
+                self.control.control,
+                reward_pool.live,
+                self.heldout,
+                samples=cfg.eval.samples,
+                k=cfg.eval.k,
+            )
         resume_from = str(resume.checkpoint.trainer_dir) if resume is not None else ""
         self.trainer = build_trainer(
             ctx, trainer_spec(cfg, spec, self.run_dir, resume_from), self.ps, self.control, recovery
@@ -382,6 +334,8 @@ class Run:
                 on_tick(live)
             if cut is not None and not cut.final:
                 self._write(cut)
+            if self.evals is not None:
+                self.evals.poll()
             if stop is not None and stop.is_set() and not stopping:
                 self._phase("stopping: interrupting the rollouts, then checkpointing")
                 ray.get(control.request_stop.remote())
@@ -398,6 +352,9 @@ class Run:
         self.supervisor.heal_ps()  # the run ends with the last version on every replica
         ray.get(control.request_stop.remote())  # the end of the run is a stop, too
         self._write(self._final_cut())
+        if self.evals is not None and self.evals.pending():  # it holds the last records
+            self._phase("finishing the held-out evaluation (eval.every)")
+            self.evals.finish()
         for rec in ray.get(control.records.remote(seen)):
             on_record(rec)
         return reports
@@ -451,8 +408,8 @@ class Run:
     def audit(self) -> dict[str, Any]:
         """After training: stop routing, call every trajectory back to the TS and wait for
         the reward path, then count. Every trajectory ever created must be consumed,
-        aborted, queued or completed in the TS, none left routed, rewarding or on an
-        instance; and every PS replica must hold the trainer's last version
+        aborted, filtered (dynamic sampling), queued or completed in the TS, none left
+        routed, rewarding or on an instance; and every PS replica must hold the trainer's last version
         (``ps_latest``).
 
         An actor may die here as anywhere else, and is handled as the run handles it: the
@@ -474,6 +431,8 @@ class Run:
             "created": stats.created_trajectories,
             "consumed": stats.consumed_trajectories,
             "aborted": stats.aborted_trajectories,
+            "filtered": stats.filtered_trajectories,
+            "filtered_groups": stats.filtered_groups,
             "queued": stats.queued,
             "routed": stats.routed,
             "rewarding": stats.rewarding,

@@ -28,6 +28,9 @@ logger = logging.getLogger(__name__)
 
 ACTOR_NAMESPACE = "staleflow"  # staleflow.dashboard.ray_source finds runs here
 NODE_ID_LABEL = "ray.io/node-id"
+# Starts of a local Ray before a start-up time-out is the launch's error: Ray's wait is a
+# fixed 30 s, which two busy cores can miss once and rarely twice.
+LOCAL_START_TRIES = 3
 
 
 def actor_name(run: str, role: str) -> str:
@@ -46,7 +49,7 @@ def import_ray() -> Any:
     return ray
 
 
-def startup_error(address: str, exc: BaseException) -> str:
+def startup_error(address: str, exc: BaseException, tries: int = 1) -> str:
     """The one-line reason a Ray start or join failed, with what to do."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     why = lines[0] if lines else type(exc).__name__
@@ -57,9 +60,16 @@ def startup_error(address: str, exc: BaseException) -> str:
         )
     return (
         f"Ray did not start on this machine: {why}. Nothing of the run was changed: "
-        "retry (a loaded machine can miss Ray's 30 s start-up wait), or start Ray once "
+        f"{'started ' + str(tries) + ' times; ' if tries > 1 else ''}retry (a loaded machine "
+        "can miss Ray's 30 s start-up wait), or start Ray once "
         "with `ray start --head` and launch with address=auto"
     )
+
+
+def _timed_out(exc: BaseException) -> bool:
+    """Whether a failed ``ray.init`` is the raylet missing Ray's fixed 30 s start-up wait
+    (``ray/_private/node.py``), which a second start on a loaded machine usually makes."""
+    return "timed out during startup" in str(exc)
 
 
 def _children() -> set[int]:
@@ -114,12 +124,21 @@ class RayCluster:
                 check_reachable(address)
             except (ConnectionError, ValueError) as exc:
                 raise LaunchError(str(exc)) from None
-        before = _children()
-        try:
-            ray.init(**init_kwargs(address, local_cpus))
-        except Exception as exc:  # Ray raises a bare Exception when its start-up times out
-            _stop_started(ray, before)
-            raise LaunchError(startup_error(address, exc)) from None
+        for attempt in range(1, LOCAL_START_TRIES + 1):
+            before = _children()
+            try:
+                ray.init(**init_kwargs(address, local_cpus))
+                break
+            except Exception as exc:  # Ray raises a bare Exception when its start-up times out
+                _stop_started(ray, before)
+                if address or attempt == LOCAL_START_TRIES or not _timed_out(exc):
+                    raise LaunchError(startup_error(address, exc, attempt)) from None
+                logger.warning(
+                    "Ray's local start-up missed its 30 s wait (a loaded machine): "
+                    "starting it again (%d of %d)",
+                    attempt + 1,
+                    LOCAL_START_TRIES,
+                )
         return cls(ray, started=True, address=address or "local")
 
     def driver_node(self) -> str:

@@ -40,6 +40,7 @@ from parameter_server import BackgroundPusher, Layout
 from parameter_server.transport import connect
 from parameter_server.worker import PSWorker
 from staleflow.control.late import hand_live
+from staleflow.rollout.eval_lane import EvalOutput, EvalRequest
 from staleflow.rollout.instance import CopyEnd, Finished, InstanceTimes
 from staleflow.runtime.backends import load_hook
 from staleflow.runtime.interface import (
@@ -61,6 +62,8 @@ from trajectory_server.actor import TrajectoryServerClient
 from trajectory_server.types import AbortedTrajectory, FinishedTrajectory, InstanceId, RewardTask
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from parameter_server.replicas import ReplicaRoute
     from parameter_server.store import StoreInfo
     from parameter_server.transport.base import Endpoint
@@ -207,13 +210,25 @@ class ControlClient:
 
 class ParameterServerActor:
     """One PS replica: a worker process on this actor's node. With ``tcp`` it listens on
-    the node's address, so clients on other nodes reach it (else a Unix socket)."""
+    the node's address, so clients on other nodes reach it (else a Unix socket). With
+    ``base`` (``trainer.lora``) its versions are adapters and it holds that base once."""
 
-    def __init__(self, layout: dict[str, Any], num_slots: int, nixl: bool, tcp: bool) -> None:
+    def __init__(
+        self,
+        layout: dict[str, Any],
+        num_slots: int,
+        nixl: bool,
+        tcp: bool,
+        base: dict[str, Any] | None = None,
+    ) -> None:
 
         address = f"tcp:{import_ray().util.get_node_ip_address()}:0" if tcp else None
         self._worker = PSWorker.start(
-            Layout.from_dict(layout), num_slots, nixl=nixl, address=address
+            Layout.from_dict(layout),
+            num_slots,
+            nixl=nixl,
+            address=address,
+            base=None if base is None else Layout.from_dict(base),
         )
 
     def endpoint(self) -> Endpoint:
@@ -281,6 +296,7 @@ class RolloutActor:
             holder=self._holder,
             chunk_tokens=spec.chunk_tokens,
             on_copy_finished=self._dispatch_copies,
+            eval_running=spec.eval_running,
         )
         self._host.start(at_least, rec.progress_every_s)
 
@@ -373,6 +389,13 @@ class RolloutActor:
     def settle_won(self, traj_ids: list[int]) -> dict[int, int]:
         return self._host.settle_won(traj_ids)
 
+    def submit_eval(self, requests: list[EvalRequest]) -> int:
+        """Evaluation requests (not trajectories: never in the TS); returns how many."""
+        return self._host.submit_eval(requests)
+
+    def take_eval(self) -> list[EvalOutput]:
+        return self._host.take_eval()
+
     def version(self) -> int:
         """The version of the weights loaded (what a joining instance Pulled)."""
         return self._host.instance.version
@@ -423,6 +446,14 @@ class RewardActor:
     def process_tasks(self, tasks: list[RewardTask]) -> int:
         """Score trajectories handed to a worker that was lost (``reassign_rewards``)."""
         return self.process([finished_from_task(t) for t in tasks])
+
+    def score_eval(self, responses: list[tuple[np.ndarray, str]]) -> list[float]:
+        """Rewards of held-out evaluation responses (tokens, ground truth), by the run's
+        reward function; no trajectories: nothing goes to the TS or the control plane."""
+        score = getattr(self._stage, "score", None)
+        if score is None:  # the config refuses eval.every with an environment task
+            raise RuntimeError("an environment task's reward worker cannot score evaluations")
+        return score(responses)
 
     def ping(self) -> int:
         return os.getpid()
@@ -477,7 +508,13 @@ class TrainerActor(_TrainingHost):
         layout = Layout.from_dict(spec.layout)
         buffer = np.empty(layout.nbytes, dtype=np.uint8)
         self._replicas.pull(buffer, None)  # the first weights, from the nearest replica
-        self.trainer = build_embedded_trainer(spec, layout.views(buffer))
+        base = None
+        if spec.model.base_layout is not None:  # LoRA: the adapter's frozen base, once
+            base_layout = Layout.from_dict(spec.model.base_layout)
+            base_buffer = np.empty(base_layout.nbytes, dtype=np.uint8)
+            self._replicas.pull_base(base_buffer)
+            base = base_layout.views(base_buffer)
+        self.trainer = build_embedded_trainer(spec, layout.views(buffer), base)
         if resume_from:  # weights, optimizer, RNG and version of a run checkpoint
             self.trainer.load_checkpoint(resume_from)
         self._pusher = BackgroundPusher(self._replicas, name="trainer-push")
@@ -499,8 +536,9 @@ class TrainerActor(_TrainingHost):
 
     def refill_ps(self) -> int:
         """A PS replica was restarted: give it the newest weights (the trainer's own);
-        returns how many replicas took them."""
-        return self._replicas.refill(self.trainer.export_weights(), self.trainer.version)
+        returns how many replicas took them (with LoRA, the base first where it is missing)."""
+        base = self.trainer.export_base_weights() if self.trainer.lora else None
+        return self._replicas.refill(self.trainer.export_weights(), self.trainer.version, base)
 
     def stop(self) -> None:
         self._pusher.close(timeout=30)

@@ -1,6 +1,6 @@
 """The audit trail of a run (``recovery.audit_log``): every trajectory the trainer
-consumed, with its tokens, per-token versions and (multi-turn) loss mask, one JSON line
-each in ``RUN_DIR/audit.jsonl``. It lets a check (the chaos test, an operator) prove that no
+consumed, with its tokens, per-token versions, finish reason and (multi-turn) loss mask
+and episode record (turns, tool calls, errors), one JSON line each in ``RUN_DIR/audit.jsonl``. It lets a check (the chaos test, an operator) prove that no
 trajectory was trained on twice across restarts and that a resumed partial continued
 from its tokens. A resumed run drops the lines of the steps it does again."""
 
@@ -56,9 +56,12 @@ def _line(version: int, g: TrainingGroup, t: TrainingTrajectory) -> dict[str, An
         "v_traj": t.v_traj,
         "tokens": t.tokens.tolist(),
         "versions": t.versions.tolist(),
+        "finish_reason": t.finish_reason,
     }
     if t.mask is not None and not t.mask.all():  # a multi-turn response: its loss mask
         line["mask"] = t.mask.astype(int).tolist()
+    if "turns" in t.info:  # an episode's record (staleflow.runtime.workers.env_stage)
+        line["info"] = dict(t.info)
     return line
 
 

@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Protocol
@@ -148,27 +148,32 @@ class EnvironmentStage:
     def process(
         self, finished: Sequence[Finished], instance_id: InstanceId | None = None
     ) -> list[int]:
-        """Step every trajectory of ``finished``; queue the continuing ones and complete
-        the ended ones. Returns the ids completed."""
+        """Step every trajectory of ``finished``; queue each continuing one and complete
+        each ended one as soon as its own step returns. Returns the ids completed.
+
+        One trajectory's slow tool holds back none of the batch: a turn that came back
+        fast takes its next turn (or completes) while its neighbours still wait, so a
+        batch costs the wall time of its slowest tool once, not every trajectory."""
         if not finished:
             return []
         states = self._ts.env_states([f.traj_id for f in finished])
-        outcomes = list(
-            self._pool.map(lambda f: self._one(f, states.get(f.traj_id, b"")), finished)
-        )
-        going = [o.next for o in outcomes if o.next is not None]
-        if going:
-            self.continued += len(next_turn_live(self._ts, going, self._worker))
-        ended = [(f, o) for f, o in zip(finished, outcomes, strict=True) if o.next is None]
-        if not ended:
-            return []
-        return self._rewards.complete(
-            [f for f, _ in ended],
-            [_Scored(o.reward, o.error) for _, o in ended],
-            instance_id,
-            infos=[dict(o.info or {}) for _, o in ended],
-            finish_reasons=[o.finish for _, o in ended],
-        )
+        futures = {self._pool.submit(self._one, f, states.get(f.traj_id, b"")): f for f in finished}
+        completed: list[int] = []
+        for future in as_completed(futures):
+            f, o = futures[future], future.result()
+            if o.next is not None:
+                going = len(next_turn_live(self._ts, [o.next], self._worker))
+                with self._lock:
+                    self.continued += going
+                continue
+            completed += self._rewards.complete(
+                [f],
+                [_Scored(o.reward, o.error)],
+                instance_id,
+                infos=[dict(o.info or {})],
+                finish_reasons=[o.finish],
+            )
+        return completed
 
     def _one(self, f: Finished, packed: bytes) -> _Outcome:
         try:

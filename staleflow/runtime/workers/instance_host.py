@@ -23,6 +23,7 @@ from typing import Protocol
 from coordinator.types import InstanceSnapshot
 from staleflow.control.late import return_live
 from staleflow.engines.base import RolloutEngine
+from staleflow.rollout.eval_lane import EvalOutput, EvalRequest
 from staleflow.rollout.instance import CopyEnd, Finished, InstanceTimes, RolloutInstance
 from staleflow.runtime.interface import InstanceGone
 from staleflow.runtime.workers.weight_transfer import PullSource
@@ -69,6 +70,7 @@ class InstanceHost:
         chunk_tokens: int | None = None,
         on_copy_finished: Callable[[list[tuple[Finished, InstanceId]]], Collection[int]]
         | None = None,
+        eval_running: int = 16,
     ) -> None:
         self.inst = inst
         self.holder: InstanceId = inst if holder is None else holder
@@ -83,6 +85,7 @@ class InstanceHost:
             chunk_tokens=chunk_tokens,
             on_chunk=self._chunk_ends if chunk_tokens is not None else None,
             on_copy_finished=on_copy_finished,
+            eval_running=eval_running,
         )
         self._reported: dict[int, int] = {}  # trajectory -> tokens the TS has from us
         self._progress_stop = threading.Event()
@@ -97,7 +100,13 @@ class InstanceHost:
 
     def start(self, at_least: int = 0, progress_every_s: float = 0.0) -> int:
         """Load the first weights and start generating; returns their version. With
-        ``progress_every_s`` > 0, report progress to the TS that often."""
+        ``progress_every_s`` > 0, report progress to the TS that often. An engine with LoRA
+        adapters (``trainer.lora``) loads the frozen base first, once: every later Pull
+        moves the adapter alone."""
+        if getattr(self._engine, "adapters", False):
+            started = time.perf_counter()
+            self._engine.load_base_weights(self._weights.fetch_base())  # type: ignore[attr-defined]
+            self.instance.add_command_time("pull", time.perf_counter() - started)
         version = self.pull(at_least)
         self.instance.start()
         if progress_every_s > 0:
@@ -162,6 +171,19 @@ class InstanceHost:
 
     def abort(self, traj_ids: Sequence[int]) -> tuple[int, ...]:
         return tuple(self.instance.abort(traj_ids))
+
+    # -- evaluation (rollout/eval_lane.py): no trajectories, never in the TS -------------
+
+    def submit_eval(self, requests: Sequence[EvalRequest]) -> int:
+        """Queue evaluation requests on this instance; returns how many."""
+        self._check()
+        self.instance.submit_eval(requests)
+        return len(requests)
+
+    def take_eval(self) -> list[EvalOutput]:
+        """The evaluation responses finished since the last call."""
+        self._check()
+        return self.instance.take_eval()
 
     # -- race copies (runtime/races.py) -------------------------------------------------
 

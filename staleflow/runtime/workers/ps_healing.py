@@ -27,7 +27,12 @@ from typing import Any
 import numpy as np
 
 from parameter_server import Layout
-from parameter_server.errors import PushVersionError, TransportError, VersionNotHeldError
+from parameter_server.errors import (
+    BaseWeightsError,
+    PushVersionError,
+    TransportError,
+    VersionNotHeldError,
+)
 from parameter_server.replicas import ReplicaGroup, ReplicaRoute, connect_replica, replica_group
 from parameter_server.store import Weights
 from parameter_server.transport.base import ControlClient, Endpoint
@@ -106,6 +111,36 @@ class HealingPull:
         version = _retry(f"Pull of version >= {at_least}", self._patience, attempt)
         return version, self._layout.views(self._buffer)
 
+    def fetch_base(self) -> Mapping[str, np.ndarray]:
+        """The frozen base of adapter versions (``trainer.lora``), once per instance: views
+        of a buffer of its own, dropped once the engine has copied them. Waits, as
+        ``fetch`` does, for a restarted replica to be given it again."""
+        base = self._layout_of_base()
+        buffer = np.empty(base.nbytes, dtype=np.uint8)
+
+        def attempt() -> None:
+            if self._transport is None:
+                self._reconnect()
+            try:
+                self._transport.pull_base(buffer)
+            except LOST:
+                self._drop()
+                raise
+
+        _retry("Pull of the base weights", self._patience, attempt)
+        return base.views(buffer)
+
+    def _layout_of_base(self) -> Layout:
+        if self._transport is None:
+            _retry("reconnecting to the PS", self._patience, self._reconnect)
+        base = self._transport.base_layout
+        if base is None:
+            raise BaseWeightsError(
+                f"PS replica {self._route.replica} holds full-weight versions: an instance "
+                "with LoRA adapters needs the run's PS started with the base layout"
+            )
+        return base
+
     def latest_version(self, at_least: int) -> int:
         """The newest version the replica holds, for engines whose own workers pull it
         (SGLang's TP ranks: ``InstanceHost.pull``), with the same patience as ``fetch``."""
@@ -174,6 +209,14 @@ class HealingPush:
             "the trainer's first Pull", self._patience, lambda: self.group.pull(dest, version)
         )
 
+    @property
+    def base_layout(self) -> Layout | None:
+        return self.group.base_layout
+
+    def pull_base(self, dest: np.ndarray) -> None:
+        """The base of adapter versions (the trainer's first Pull, with ``pull``)."""
+        _retry("the trainer's Pull of the base", self._patience, lambda: self.group.pull_base(dest))
+
     def push(self, weights: Weights, version: int | None = None) -> int:
         with self._lock:
             try:
@@ -186,13 +229,23 @@ class HealingPush:
             )
             return self.group.common_version()
 
-    def refill(self, weights: Weights, version: int) -> int:
+    def refill(self, weights: Weights, version: int, base: Weights | None = None) -> int:
         """Give replicas that came back empty or behind ``version`` (the trainer's newest
-        weights); returns how many were refilled."""
+        weights; with ``base``, the base of adapter versions first, where it is missing);
+        returns how many were refilled."""
+
+        def fill() -> int:
+            if base is not None:
+                self._group = self._reconnect() if self._group is None else self._group
+                try:
+                    self._group.push_base(base)
+                except LOST:
+                    self._close_group()
+                    raise
+            return self._fill(weights, version)
+
         with self._lock:
-            return _retry(
-                f"refill of version {version}", self._patience, lambda: self._fill(weights, version)
-            )
+            return _retry(f"refill of version {version}", self._patience, fill)
 
     def _fill(self, weights: Weights, version: int | None) -> int:
         """Push to every replica not yet at ``version``, one by one (a fresh replica takes

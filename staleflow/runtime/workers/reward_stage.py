@@ -62,20 +62,33 @@ class RewardStage:
         completes in its holder's name, runtime/races.py)."""
         if not finished:
             return []
-        items = []
-        for f in finished:
+        results = self._scored([(f.traj_id, f.tokens, f.answer) for f in finished])
+        return self.complete(finished, results, instance_id)
+
+    def score(self, responses: Sequence[tuple[np.ndarray, str]]) -> list[float]:
+        """The rewards of responses (tokens, ground truth) that are no trajectories (the
+        held-out evaluation): decoded and scored as a trajectory is, stored and reported
+        nowhere; a response the function could not score gets 0.0, as in training."""
+        results = self._scored(
+            [(i, tokens, answer) for i, (tokens, answer) in enumerate(responses)]
+        )
+        return [r.reward for r in results]
+
+    def _scored(self, items: Sequence[tuple[int, np.ndarray, str]]) -> Sequence[ScoredLike]:
+        texts = []
+        for traj_id, tokens, answer in items:
             try:
-                text = self._decode(f.tokens)
+                text = self._decode(tokens)
             except Exception as exc:  # a bad token must not stop the pool
                 text = ""
-                logger.warning("trajectory %d: cannot decode its response: %s", f.traj_id, exc)
-            items.append((f.traj_id, text, f.answer))
-        results = self._score(items)
-        if len(results) != len(finished):
+                logger.warning("response %d: cannot be decoded: %s", traj_id, exc)
+            texts.append((traj_id, text, answer))
+        results = self._score(texts)
+        if len(results) != len(items):
             raise RuntimeError(
-                f"the reward function scored {len(results)} of {len(finished)} trajectories"
+                f"the reward function scored {len(results)} of {len(items)} responses"
             )
-        return self.complete(finished, results, instance_id)
+        return results
 
     def complete(
         self,

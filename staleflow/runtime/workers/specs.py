@@ -14,14 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from parameter_server.torch_compat import layout_of_state_dict
+from parameter_server.layout import Layout
+from parameter_server.torch_compat import layout_of_state_dict, state_dict_to_numpy
 from staleflow.config.env import ENV_TASKS
 from staleflow.data.tokenizer import CharTokenizer, HFTokenizer
 from staleflow.engines import engine_class
 from staleflow.engines.factory import build_engine
 from staleflow.engines.settings import EngineSettings
-from staleflow.envs import EpisodeLimits, make_environment
+from staleflow.envs import EpisodeLimits, environment_target, make_environment
 from staleflow.envs.formats import turn_format
+from staleflow.models import lora as lora_lib
 from staleflow.rewards import RewardItem, RewardWorker
 from staleflow.rewards.worker import build_reward_fn
 from staleflow.runtime.interface import Rewarded
@@ -31,19 +33,24 @@ from staleflow.trainers import trainer_class
 
 if TYPE_CHECKING:
     from staleflow.config import RewardConfig, RolloutConfig, RunConfig, TrainerConfig
+    from staleflow.config.lora import LoraConfig
     from staleflow.engines.factory import EngineOptions
 
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
     """The policy's architecture (``model.config.to_dict()``), its PS layout and its
-    tokenizer, as plain data."""
+    tokenizer, as plain data. With ``lora`` (``trainer.lora``), the policy has adapters:
+    ``layout`` is the adapter's (what every version carries) and ``base_layout`` the
+    frozen base's, which the PS and each instance hold once."""
 
     hf_config: dict[str, Any]
     layout: dict[str, Any]
     tokenizer: tuple[str, str]  # ("char", alphabet) or ("hf", local path)
     eos_token_id: int
     pad_token_id: int
+    lora: LoraConfig | None = None
+    base_layout: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +68,8 @@ class RolloutSpec:
     engine_options: EngineOptions | None = None
     # Divided rollout (coordinator.seer): response tokens one route may add; None: off.
     chunk_tokens: int | None = None
+    # eval.max_running: evaluation requests in the engine at once (rollout/eval_lane.py)
+    eval_running: int = 16
 
     @property
     def layout(self) -> dict[str, Any]:
@@ -85,7 +94,7 @@ class EnvSpec:
     """The environment of a multi-turn task (``staleflow.envs``), for the reward workers
     that run its steps."""
 
-    name: str
+    name: str  # "module:attribute" (staleflow.envs.environment_target)
     options: Mapping[str, Any]
     max_turns: int
     max_tokens: int  # the response budget, turns and observations together
@@ -99,8 +108,11 @@ def env_spec(cfg: RunConfig) -> EnvSpec | None:
     if task not in ENV_TASKS:
         return None
     e = cfg.env
+    name = e.environment(task)
     budget = cfg.rollout.max_response_tokens
-    return EnvSpec(task, e.options(task), e.max_turns, budget, e.threads, e.step_timeout_s)
+    return EnvSpec(
+        environment_target(name), e.options(name), e.max_turns, budget, e.threads, e.step_timeout_s
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,21 +157,43 @@ def tokenizer_from_spec(spec: tuple[str, str]) -> Any:
     return CharTokenizer(value) if kind == "char" else HFTokenizer(value)
 
 
-def model_spec(model: Any, tokenizer: Any) -> ModelSpec:
-    # torch: the control actor and the reward workers import this module and never load it
-    from staleflow.models.state import policy_state
-
+def model_spec(model: Any, tokenizer: Any, lora: LoraConfig | None = None) -> ModelSpec:
+    """The spec of ``model``; with ``lora``, of its adapters (injected already,
+    :func:`staleflow.models.lora.add_adapters`) over its base."""
+    base = None
+    if lora is not None:
+        layout = layout_of_state_dict(lora_lib.adapter_state(model))
+        base = layout_of_state_dict(lora_lib.base_state(model)).to_dict()
+    else:  # a model without adapters: its base state is its whole policy state
+        layout = layout_of_state_dict(lora_lib.base_state(model))
     return ModelSpec(
         hf_config=model.config.to_dict(),
-        layout=layout_of_state_dict(policy_state(model)).to_dict(),
+        layout=layout.to_dict(),
         tokenizer=tokenizer_spec(tokenizer),
         eos_token_id=int(tokenizer.eos_id),
         pad_token_id=int(tokenizer.pad_id),
+        lora=lora,
+        base_layout=base,
+    )
+
+
+def initial_weights(
+    model: Any, spec: ModelSpec
+) -> tuple[dict[str, np.ndarray], tuple[Layout, dict[str, np.ndarray]] | None]:
+    """What the driver publishes first: the policy's weights, or with LoRA its adapter and
+    (the PS holds it once) the base's layout and weights."""
+    if spec.lora is None or spec.base_layout is None:
+        return state_dict_to_numpy(lora_lib.base_state(model)), None  # the whole policy
+    base = state_dict_to_numpy(lora_lib.base_state(model))
+    return state_dict_to_numpy(lora_lib.adapter_state(model)), (
+        Layout.from_dict(spec.base_layout),
+        base,
     )
 
 
 def build_architecture(spec: ModelSpec, seed: int = 0) -> Any:
-    """The model with freshly initialised weights; the caller loads real ones."""
+    """The model with freshly initialised weights (and adapters, with ``spec.lora``); the
+    caller loads real ones."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -168,7 +202,10 @@ def build_architecture(spec: ModelSpec, seed: int = 0) -> Any:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    return model.to(torch.float32)
+    model = model.to(torch.float32)
+    if spec.lora is not None:
+        lora_lib.add_adapters(model, spec.lora, seed=seed)
+    return model
 
 
 # -- components --------------------------------------------------------------------------
@@ -217,15 +254,27 @@ def build_served_engine(spec: RolloutSpec, seed: int, placement: EnginePlacement
         ps_endpoint=None if pull is None else pull.endpoint,
         transport="auto" if pull is None else pull.intended,
         layout=spec.layout,
+        lora=spec.model.lora,
     )
 
 
-def build_embedded_trainer(spec: TrainerSpec, weights: Mapping[str, np.ndarray]) -> Any:
+def build_embedded_trainer(
+    spec: TrainerSpec,
+    weights: Mapping[str, np.ndarray],
+    base: Mapping[str, np.ndarray] | None = None,
+) -> Any:
+    """The embedded trainer over ``weights`` (with LoRA: the adapter, over ``base``)."""
     # torch, as above: only the trainer actor loads it
     from staleflow.models.state import load_policy_state
 
     model = build_architecture(spec.model)
-    load_policy_state(model, weights)
+    if spec.model.lora is not None:
+        if base is None:
+            raise ValueError("a LoRA trainer needs the base weights under its adapter")
+        lora_lib.load_base_state(model, base)
+        lora_lib.load_adapter_state(model, weights)
+    else:
+        load_policy_state(model, weights)
     # the tokenizer goes into every checkpoint, so that model.checkpoint=<it> can resume
     tokenizer = tokenizer_from_spec(spec.model.tokenizer)
     return trainer_class("embedded").from_section(

@@ -13,9 +13,13 @@ from parameter_server import Layout
 
 
 class PullSource(Protocol):
-    """Where an instance gets weights: ``fetch(at_least)`` -> (version, name -> array)."""
+    """Where an instance gets weights: ``fetch(at_least)`` -> (version, name -> array);
+    with LoRA adapters (``trainer.lora``) a version is the adapter, and ``fetch_base()`` the
+    frozen base under it, once."""
 
     def fetch(self, at_least: int) -> tuple[int, Mapping[str, np.ndarray]]: ...
+
+    def fetch_base(self) -> Mapping[str, np.ndarray]: ...
 
 
 class TransportPullSource:
@@ -34,6 +38,13 @@ class TransportPullSource:
         version = self._transport.pull(self._buffer)  # type: ignore[attr-defined]
         _check_at_least(version, at_least)
         return version, self._layout.views(self._buffer)
+
+    def fetch_base(self) -> Mapping[str, np.ndarray]:
+        """The base of adapter versions, into a buffer of its own (it moves once)."""
+        base = self._transport.base_layout  # type: ignore[attr-defined]
+        buffer = np.empty(base.nbytes, dtype=np.uint8)
+        self._transport.pull_base(buffer)  # type: ignore[attr-defined]
+        return base.views(buffer)
 
     def latest_version(self, at_least: int) -> int:
         """The newest version the PS holds, for engines that pull it themselves."""

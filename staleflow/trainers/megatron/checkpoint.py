@@ -24,22 +24,12 @@ import torch
 import torch.distributed as dist
 
 from parameter_server.torch_compat import from_numpy
+from staleflow.config.loss import SHAPE_KEYS  # the HF config keys that fix the weights' shapes
 
 logger = logging.getLogger(__name__)
 
-# Keys of the HF config that fix the shapes of the weights: a checkpoint whose values
-# differ holds another model.
-SHAPE_KEYS = (
-    "model_type",
-    "num_hidden_layers",
-    "hidden_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "intermediate_size",
-    "vocab_size",
-    "head_dim",
-    "tie_word_embeddings",
-)
+# the reference's tensors in the checkpoint: its own names, apart from the policy's
+REFERENCE_PREFIX = "reference."
 
 
 class CheckpointMismatch(ValueError):
@@ -102,6 +92,7 @@ def save_checkpoint(rank: Any, path: str | Path) -> None:
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
     dist.barrier()
+    rank.init_reference()  # before the first step: the reference is the policy now
     model_sd = rank.model.sharded_state_dict()
     state = {
         "model": model_sd,
@@ -111,25 +102,43 @@ def save_checkpoint(rank: Any, path: str | Path) -> None:
             "hf_config": rank.spec.hf_config,
             "tp": rank.spec.section.tp,
             "pp": rank.spec.section.pp,
+            "reference": rank.reference_model is not None,
         },
     }
+    if rank.reference_model is not None:
+        state["reference"] = rank.reference_model.sharded_state_dict(prefix=REFERENCE_PREFIX)
     dist_checkpointing.save(state, str(out))
     dist.barrier()
     logger.info("saved distributed checkpoint (version %d) to %s", rank.version, out)
 
 
 def load_checkpoint(rank: Any, path: str | Path) -> None:
-    """Every rank calls this: weights, optimizer state and version from ``path``, written
-    at any TP and PP size by a pool training the same model (Megatron's sharded state
-    dict names each layer by its global number)."""
+    """Every rank calls this: weights, optimizer state, version and (for a trainer with a
+    KL term) the reference policy from ``path``, written at any TP and PP size by a pool
+    training the same model (Megatron's sharded state dict names each layer by its global
+    number)."""
     from megatron.core import dist_checkpointing
 
     meta = read_meta(path)
     check_architecture(meta["hf_config"], rank.spec.hf_config, f"the checkpoint {path}")
     model_sd = rank.model.sharded_state_dict()
     template = {"model": model_sd, "optimizer": _optimizer_state(rank, model_sd)}
+    reference = None
+    if rank.spec.section.uses_reference:
+        if meta.get("reference"):
+            reference = rank.new_reference_model()
+            template["reference"] = reference.sharded_state_dict(prefix=REFERENCE_PREFIX)
+        else:
+            logger.warning(
+                "the checkpoint %s holds no reference policy (written without a KL term): "
+                "the KL is to the loaded policy (or trainer.ref.path)",
+                path,
+            )
     loaded = dist_checkpointing.load(template, str(path))
     rank.model.load_state_dict(loaded["model"], strict=False)
+    if reference is not None:
+        _load_exactly(reference, loaded["reference"], REFERENCE_PREFIX)
+        rank.use_reference(reference)
     if rank.cpu:
         optimizer = rank.update.optimizer
         sd = loaded["optimizer"]
@@ -148,6 +157,19 @@ def load_checkpoint(rank: Any, path: str | Path) -> None:
         meta.get("pp", 1),
         path,
     )
+
+
+def _load_exactly(model: torch.nn.Module, loaded: Mapping[str, Any], prefix: str) -> None:
+    """Load ``loaded`` (a sharded state dict read under ``prefix``) into ``model``: every
+    parameter must be there (only Megatron's ``_extra_state`` entries may be missing)."""
+    state = {k.removeprefix(prefix): v for k, v in loaded.items()}
+    result = model.load_state_dict(state, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise CheckpointMismatch(
+            f"the checkpoint's {prefix!r} tensors do not fit the model: missing {missing[:3]}, "
+            f"unexpected {result.unexpected_keys[:3]}; it was written by another StaleFlow version"
+        )
 
 
 def export_hf(

@@ -16,10 +16,12 @@ its TP and PP peers, so no rank ever holds another replica's trajectories.
 Reference policy (``trainer.kl_coef > 0``, ``trainer.ref``): each rank holds its own
 shard of a frozen second model, built like the policy's stage and loaded at the first
 step (:meth:`MegatronRank.init_reference`): a copy of the policy's weights then (the
-initial policy; after ``trainer.load``, the loaded one) or the shard of the
-``trainer.ref.path`` model folder. It scores each batch in one forward-only pass through
-the same backend code (and, with PP > 1, the same 1F1B schedule), so the reference costs
-each rank its shard of the weights and that pass.
+initial policy) or the shard of the ``trainer.ref.path`` model folder. A distributed
+checkpoint holds it (:mod:`staleflow.trainers.megatron.checkpoint`), so a resumed run (or
+``trainer.load``) keeps the KL to the run's reference, not to the weights it resumes
+from. It scores each batch in one forward-only pass through the same backend code (and,
+with PP > 1, the same 1F1B schedule), so the reference costs each rank its shard of the
+weights and that pass.
 
 Push: after each step every rank sends its own pieces of the new weights to every PS
 replica (:class:`~parameter_server.shard_push.ShardPushGroup`) in the background, reading the
@@ -186,18 +188,13 @@ class MegatronRank:
 
     def init_reference(self) -> None:
         """Build this rank's shard of the frozen reference policy (no-op without a KL term
-        or once built): ``trainer.ref.path``'s weights, else a copy of the policy's weights
-        now. Called by the first step, before any update."""
+        or once built, e.g. restored by ``load_checkpoint``): ``trainer.ref.path``'s
+        weights, else a copy of the policy's weights now. Called by the first step, before
+        any update, and by a checkpoint (whose reference a resumed run restores)."""
         s = self.spec.section
         if self.reference is not None or not s.uses_reference:
             return
-        with cpu_devices():
-            ref = build_gpt(
-                self.spec.hf_config, self.gpt, tp=s.tp, dtype=self.spec.dtype, cpu=self.cpu,
-                stage=self.stage,
-            )  # fmt: skip
-        if not self.cpu:
-            ref = ref.to(self.device)
+        ref = self.new_reference_model()
         if s.ref.path:
             hf = {k: _host_array(torch.from_numpy(v), self.spec.dtype)
                   for k, v in reference_weights(s.ref.path).items()}  # fmt: skip
@@ -208,6 +205,22 @@ class MegatronRank:
                     ref.named_parameters(), self.model.named_parameters(), strict=True
                 ):
                     q.copy_(p)
+        self.use_reference(ref)
+
+    def new_reference_model(self) -> Any:
+        """A model shaped like this rank's shard of the policy, for the reference's
+        weights (filled by :meth:`init_reference` or a checkpoint)."""
+        with cpu_devices():
+            ref = build_gpt(
+                self.spec.hf_config, self.gpt, tp=self.spec.section.tp, dtype=self.spec.dtype,
+                cpu=self.cpu, stage=self.stage,
+            )  # fmt: skip
+        return ref if self.cpu else ref.to(self.device)
+
+    def use_reference(self, ref: Any) -> None:
+        """Make ``ref`` (from :meth:`new_reference_model`, weights in place) the frozen
+        reference that scores each batch."""
+        s = self.spec.section
         ref.requires_grad_(False)
         ref.eval()
         self.reference_model = ref

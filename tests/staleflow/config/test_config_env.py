@@ -31,3 +31,38 @@ def test_an_environment_task_left_at_the_default_budget_gets_an_episodes_budget(
 def test_bad_env_values_are_refused_by_name(override, why):
     with pytest.raises(ConfigError, match=why):
         load_config(None, ["data.task=calculator", override])
+
+
+def test_data_task_env_takes_the_environment_from_env_name(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "data.task=env",
+            "env.name=mypkg.envs:MyEnv",
+            f"data.path={tmp_path / 'problems.jsonl'}",
+            f"model.checkpoint={tmp_path}",
+        ],
+    )
+    assert cfg.env.environment(cfg.data.task) == "mypkg.envs:MyEnv"
+    assert cfg.env.options("mypkg.envs:MyEnv") == {}  # built with its own defaults
+    assert cfg.env.environment("calculator") == "calculator"
+    resolved = cfg.resolved()
+    assert resolved.reward.kind == "exact" and resolved.rollout.max_response_tokens == 256
+
+
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        (["data.task=env", "data.path=p.jsonl", "model.checkpoint=m"], "env.name.*required"),
+        (["data.task=env", "env.name=a:B", "model.checkpoint=m"], "data.path.*required"),
+        (["data.task=env", "env.name=a:B", "data.path=p.jsonl"], "model.checkpoint.*required"),
+        (["data.task=calculator", "env.name=a:B"], "env.name.*data.task=env"),
+        (
+            ["data.task=env", "env.name=mypkg.envs:", "data.path=p", "model.checkpoint=m"],
+            "env.name",
+        ),
+    ],
+)
+def test_data_task_env_needs_its_environment_problems_and_policy(overrides, why):
+    with pytest.raises(ConfigError, match=why):
+        load_config(None, overrides)

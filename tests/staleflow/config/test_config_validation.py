@@ -34,7 +34,22 @@ from staleflow.config import (
         (["model.preset=huge"], "model.preset='huge' is unknown: use one of"),
         (["model.warmup_steps=-1"], "model.warmup_steps=-1"),
         (["model.warmup_target=1.5"], "model.warmup_target=1.5 is not a share"),
-        (["eval_problems=-1"], "eval_problems=-1 is too small"),
+        (["eval.problems=-1"], "eval.problems=-1 is too small"),
+        (["eval.every=-5"], "eval.every=-5 is negative: use N >= 1"),
+        (["eval.samples=0"], "eval.samples=0 is too small: use at least 1 response"),
+        (["eval.samples=2", "eval.pass_k=3"], "eval.pass_k=3 is out of range: use 1 to eval"),
+        (
+            ["eval.every=5", "eval.problems=0"],
+            "eval.problems=0 leaves nothing to evaluate every 5 steps: set eval.problems",
+        ),
+        (
+            ["data.task=jsonl", "data.path=/d/t.jsonl", "model.checkpoint=/m", "eval.every=5"],
+            "eval.path='' is required for eval.every=5 with data.task=jsonl",
+        ),
+        (
+            ["data.task=calculator", "eval.every=5"],
+            "eval.every=5 is not supported with data.task=calculator",
+        ),
         (["data.task=csv"], "data.task='csv' is unknown: use one of arithmetic | gsm8k"),
         (["data.difficulty=9"], "data.difficulty=9 is out of range"),
         (["data.max_prompt_tokens=0"], "data.max_prompt_tokens=0"),

@@ -47,3 +47,13 @@ def test_vllm_adapter_imports_vllm_only_when_an_engine_starts() -> None:
 def test_unknown_backend_lists_the_choices() -> None:
     with pytest.raises(ValueError, match="embedded"):
         engine_class("tgi")
+
+
+def test_the_lora_backends_of_the_config_are_the_engines_that_load_adapters() -> None:
+    """``trainer.lora`` refuses a rollout backend at start by LORA_ROLLOUT_BACKENDS (the
+    configuration imports no engine); each engine class says it with ``loads_adapters``."""
+    pytest.importorskip("torch")
+    from staleflow.config.rollout import LORA_ROLLOUT_BACKENDS
+
+    loads = {name for name in BACKENDS if getattr(engine_class(name), "loads_adapters", False)}
+    assert loads == set(LORA_ROLLOUT_BACKENDS)

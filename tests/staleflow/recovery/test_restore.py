@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from staleflow.control.dynamic_sampling import SamplingConfig
 from staleflow.recovery import CorruptCheckpoint, read_checkpoint, write_checkpoint
 from staleflow.recovery.restore import reconcile, restore_run
 from tests.staleflow.recovery.runs import Prompts, Run, busy_run, token
@@ -65,6 +66,24 @@ def test_a_completion_stored_between_the_two_exports_is_replayed(tmp_path):
     assert resumed.manager.is_ready()  # group 0 occupied by the replayed completion
     batch = resumed.manager.consume()
     assert [g.trajectories for g in batch.groups] == [(0, 1)] and batch.staleness == (0,)
+
+
+def test_a_replayed_completion_filters_a_uniform_group_as_the_loop_would(tmp_path):
+    """With dynamic sampling on, the group the replay completes has rewards 1.0 and 1.0
+    (the TS's): dropped as filtered, not occupied, as the control loop would have."""
+    run = Run.start(eta=1, batch=1, group=2)
+    run.route([0, 1], 0, "a")
+    run.finish(0, 2, 0)
+    staleness = run.manager.export_state()
+    run.finish(1, 3, 0, report=False)
+    write_checkpoint(tmp_path, replace(run.state(), staleness=staleness))
+    ck = read_checkpoint(tmp_path, protocol=run.protocol)
+    sampling = SamplingConfig(batch_size=1)
+    manager, ts, rec = restore_run(ck, run.ts.config, Prompts(ck.sampler["drawn"]), sampling)
+    assert rec.replayed == (1,) and rec.filtered == (0, 1)
+    assert not manager.is_ready() and manager.filtered_groups == 1
+    s = ts.stats()
+    assert (s.filtered_groups, s.filtered_trajectories, s.completed) == (1, 2, 0)
 
 
 def test_exports_taken_without_pausing_the_control_loop_are_refused(tmp_path):

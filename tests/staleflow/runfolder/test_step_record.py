@@ -16,10 +16,12 @@ from staleflow.rollout.instance import InstanceTimes
 from staleflow.runfolder.step_record import (
     RecordError,
     StepRecord,
+    filtered_share,
     idle_ratio,
     read_records,
     record_key,
     reward_mean,
+    sampling_keys,
     trainer_idle_ratio,
 )
 from staleflow.runtime.controller.metrics import StepMetrics
@@ -184,6 +186,23 @@ def test_reward_mean_weights_each_step_by_what_it_rewarded():
         StepRecord(step=3, version=2, elapsed_s=3.0, rewarded=0),
     ]
     assert reward_mean(steps) == 0.25 and reward_mean(steps[2:]) is None
+
+
+def test_dynamic_samplings_share_is_per_step_and_over_the_run():
+    """Each step's record says how many completed groups were dropped and their share; the
+    run's share weighs each step by its completed groups. Runs without it have no keys."""
+    steps = [
+        StepRecord(step=1, version=0, elapsed_s=1.0, extra=sampling_keys(4, 1, 0)),
+        StepRecord(step=2, version=1, elapsed_s=2.0, extra=sampling_keys(2, 2, 1)),
+        StepRecord(step=3, version=2, elapsed_s=3.0, extra=sampling_keys(0, 0, 0)),
+    ]
+    assert steps[0].extra["rollout/filtered_frac"] == 0.25
+    assert steps[1].extra["rollout/flat_kept_groups"] == 1.0
+    assert steps[2].extra["rollout/filtered_frac"] == 0.0  # nothing completed: no share
+    assert filtered_share(steps) == (3, 0.5)
+    back = [StepRecord.from_json(r.to_json()) for r in steps]  # metrics.jsonl keeps them
+    assert filtered_share(back) == (3, 0.5)
+    assert filtered_share([StepRecord(step=1, version=0, elapsed_s=1.0)]) is None
 
 
 # -- the schema is spelled once ----------------------------------------------------------

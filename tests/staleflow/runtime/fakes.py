@@ -4,7 +4,10 @@ Faked: the rollout engine (:class:`ScriptedEngine` emits token ``7`` each step u
 length fixed by the trajectory id, then EOS ``2``; trajectories it is told to ``hold``
 never advance, standing in for the long tail that redundant rollout cuts), the trainer (:class:`CountingTrainer`
 records batches and returns fixed weights), the PS (:class:`MemoryPS` holds versions in
-a dict) and the reward function (reward = response length parity). Everything else (the
+a dict), the reward function (reward = response length parity) and, for the driver's
+loops, Ray's calling convention (:class:`FakeRay`: ``handle.method.remote(...)`` runs the
+method at once and ``get`` returns what it returned or raises what it raised). Everything
+else (the
 trajectory server, the staleness manager, the coordinator, the executor, the instance
 wrapper, the reward stage and the training loop) is the real code.
 """
@@ -205,3 +208,51 @@ class Score:
 
 def parity_scorer(items: Sequence[tuple[int, str, str]]) -> list[Score]:
     return [Score(float(len(text) % 2)) for _, text, _ in items]
+
+
+# -- Ray's calling convention, for driver code that polls actors ------------------------------
+
+
+class ActorDied(Exception):
+    """Stands in for ``ray.exceptions.RayActorError``."""
+
+
+class _Ref:
+    def __init__(self, call: Callable[[], object]) -> None:
+        try:
+            self.value, self.error = call(), None
+        except Exception as exc:
+            self.value, self.error = None, exc
+
+
+class _Method:
+    def __init__(self, fn: Callable[..., object]) -> None:
+        self._fn = fn
+
+    def remote(self, *args: object, **kwargs: object) -> _Ref:
+        return _Ref(lambda: self._fn(*args, **kwargs))
+
+
+class Actor:
+    """``obj`` as an actor handle: every method gets a ``.remote``."""
+
+    def __init__(self, obj: object) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self._obj, name))
+
+
+class FakeRay:
+    """``get`` / ``wait`` over :class:`Actor` calls, which have run already."""
+
+    class exceptions:
+        RayActorError = ActorDied
+
+    def get(self, ref: _Ref, timeout: float | None = None) -> object:
+        if ref.error is not None:
+            raise ref.error
+        return ref.value
+
+    def wait(self, refs: list, num_returns: int = 1, timeout: float | None = None):
+        return list(refs), []

@@ -210,6 +210,59 @@ class _Stuck(CalculatorEnvironment):
         return super().step(state, turn)
 
 
+class _SlowFor(CalculatorEnvironment):
+    """Steps the turn ``slow`` only once the test lets it; any other turn at once."""
+
+    def __init__(self, slow: str) -> None:
+        super().__init__(latency_scale_s=0.0)
+        self.slow, self.release = slow, threading.Event()
+
+    def step(self, state, turn):
+        if turn.text == self.slow:
+            self.release.wait(30)
+        return super().step(state, turn)
+
+
+def _finished(routed: RoutedTrajectory, text: str) -> Finished:
+    new = np.append(TOK.encode(text), TOK.eos_id).astype(np.int32)
+    n = len(new)
+    return Finished(
+        routed.traj_id, routed.group_id, 0, routed.sample_id, routed.answer, routed.prompt,
+        np.concatenate([routed.tokens, new]),
+        np.concatenate([routed.logprobs, np.full(n, -0.5, np.float32)]),
+        np.concatenate([routed.versions, np.zeros(n, np.int32)]),
+        "stop", 0, np.concatenate([routed.mask, np.ones(n, bool)]),
+    )  # fmt: skip
+
+
+def test_a_fast_tool_takes_its_next_turn_while_a_slow_one_of_its_batch_still_waits() -> None:
+    h = Harness()
+    a, b = h.ts.route([0, 1], 0, "i0")
+    slow = _call(a)
+    env = _SlowFor(slow)
+    h.stage._env = env  # the harness's stage, stepping this environment
+    fast = format_tool_call("calculator", {"expression": "1+1"})
+    batch = [_finished(a, slow), _finished(b, fast)]
+    h.ts.hand_to_reward(
+        [FinishedTrajectory(f.traj_id, f.tokens, f.logprobs, f.versions, "stop", f.mask)
+         for f in batch],
+        "w",
+    )  # fmt: skip
+    done = threading.Thread(target=h.stage.process, args=(batch,))
+    done.start()
+    try:
+        for _ in range(3000):  # b's next turn is queued while a's tool still runs
+            if h.ts.state_of(1) is TrajState.QUEUED:
+                break
+            threading.Event().wait(0.01)
+        assert h.ts.state_of(1) is TrajState.QUEUED
+        assert h.ts.state_of(0) is TrajState.REWARDING and done.is_alive()
+    finally:
+        env.release.set()
+        done.join(30)
+    assert h.ts.state_of(0) is TrajState.QUEUED and h.stage.continued == 2
+
+
 class _Accented(CalculatorEnvironment):
     def step(self, state, turn):
         step = super().step(state, turn)
@@ -244,3 +297,21 @@ def test_an_observation_of_no_tokens_ends_the_episode_instead_of_merging_two_tur
     assert h.turn(a, _call(a), version=0) == [0]
     (r,) = h.rewarded
     assert r.finish_reason == "env_error" and "no tokens" in r.error
+
+
+def test_the_audit_trail_writes_down_each_episodes_mask_and_record(tmp_path) -> None:
+    from staleflow.runtime.workers.audit_trail import AuditedBatches, read_audit
+
+    h = Harness()
+    first, other = h.ts.route([0, 1], 0, "i0")
+    h.turn(first, _call(first), version=0)
+    (again,) = h.ts.route([0], None, "i0")
+    h.turn(again, EnvSample.from_json(again.answer).answer, version=0)
+    h.turn(other, "7", version=0)
+    AuditedBatches(h.ts, tmp_path / "audit.jsonl", lambda: 0).take_batch([first.group_id])
+    lines = {a["traj_id"]: a for a in read_audit(tmp_path / "audit.jsonl")}
+    two = lines[0]
+    assert two["info"]["turns"] == 2 and two["info"]["tool_calls"] == 1
+    assert len(turns_of(np.array(two["mask"], bool))) == 2
+    assert two["finish_reason"] == "done"
+    assert lines[1]["info"]["turns"] == 1 and "mask" not in lines[1]  # all the model's

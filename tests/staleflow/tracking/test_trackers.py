@@ -168,9 +168,17 @@ def test_tracker_names_are_parsed_and_an_unknown_one_is_refused_by_the_config():
     assert load_config(None, ["tracking=tensorboard,wandb,mlflow"]).tracking
 
 
-@pytest.mark.parametrize(("name", "package"), [("wandb", "wandb"), ("mlflow", "mlflow-skinny")])
+# each tracker missing, listed after one that is installed
+@pytest.mark.parametrize(
+    ("name", "package", "others"),
+    [
+        ("wandb", "wandb", "tensorboard"),
+        ("mlflow", "mlflow-skinny", "tensorboard"),
+        ("tensorboard", "tensorboard", "mlflow"),
+    ],
+)
 def test_a_tracker_not_installed_is_refused_before_anything_starts(
-    tmp_path, monkeypatch, name, package
+    tmp_path, monkeypatch, name, package, others
 ):
     import importlib.util
 
@@ -186,7 +194,7 @@ def test_a_tracker_not_installed_is_refused_before_anything_starts(
         raise AssertionError("the launch went on to join a cluster")
 
     monkeypatch.setattr(driver, "place", no_cluster)
-    cfg = load_config(None, [f"tracking=tensorboard,{name}", f"run_dir={tmp_path}"])
+    cfg = load_config(None, [f"tracking={others},{name}", f"run_dir={tmp_path}"])
     with pytest.raises(LaunchError) as err:
         driver.launch(cfg)
     message = str(err.value)

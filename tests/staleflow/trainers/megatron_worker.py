@@ -233,3 +233,69 @@ def consecutive_steps(rank: int, world: int, address: str, payload: Any) -> list
         part = split_batch(batch, spec.section.dp)[r.dp_rank] if r.is_data_leader else None
         metrics.append(r.train_step(part))
     return [metrics, r.gather_hf()]
+
+
+def resumed_reference(rank: int, world: int, address: str, payload: Any) -> dict[str, Any]:
+    """``payload = (spec, hf, batch, folder)``: a rank loaded from ``hf`` takes a step on
+    ``batch``, writes a distributed checkpoint to ``folder`` and takes a second step; a
+    second rank (a resumed run) loads the checkpoint and takes that second step. Rank 0
+    returns both second steps' metrics and whether the resumed ranks' reference holds
+    ``hf`` (the initial policy) while their policy does not, on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    from staleflow.trainers.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from staleflow.trainers.megatron.rank import MegatronRank, init_distributed
+    from staleflow.trainers.megatron.split import split_batch
+
+    spec, hf, batch, folder = payload
+    init_distributed(rank, world, address)
+    r = MegatronRank(spec)
+    r.load_hf(hf)
+    initial = {n: p.detach().clone() for n, p in r.model.named_parameters()}
+    part = split_batch(batch, spec.section.dp)[r.dp_rank] if r.is_data_leader else None
+    r.train_step(part)
+    save_checkpoint(r, folder)
+    straight = r.train_step(part)
+
+    resumed = MegatronRank(spec)
+    load_checkpoint(resumed, folder)
+    ref = dict(resumed.reference_model.named_parameters()) if resumed.reference_model else {}
+    mine = (  # this rank's shard
+        bool(ref) and all(torch.equal(ref[n], p) for n, p in initial.items()),
+        any(not torch.equal(q, initial[n]) for n, q in resumed.model.named_parameters()),
+    )
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    return {
+        "straight": straight,
+        "resumed": resumed.train_step(part),
+        "reference_is_initial": all(r for r, _ in every),  # on every rank
+        "policy_moved": all(m for _, m in every),
+    }
+
+
+def train_and_export(rank: int, world: int, address: str, payload: Any) -> list[int] | None:
+    """``payload = (spec, hf, batch, folder, prompt, n)``: a rank loaded from ``hf`` takes
+    a step on ``batch`` and writes the pool's checkpoint of it to ``folder`` (the code of
+    ``RankActor.save_checkpoint``: the distributed checkpoint, the RNG states and the HF
+    folder a run's ``checkpoint`` is); rank 0 returns the ``n`` tokens the trained model
+    decodes greedily after ``prompt`` (argmax of Megatron's own logits)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from staleflow.trainers.megatron.pool import RankActor
+    from staleflow.trainers.megatron.rank import MegatronRank, init_distributed
+    from staleflow.trainers.megatron.split import split_batch
+
+    spec, hf, batch, folder, prompt, n = payload
+    init_distributed(rank, world, address)
+    r = MegatronRank(spec)
+    r.load_hf(hf)
+    r.train_step(split_batch(batch, spec.section.dp)[r.dp_rank] if r.is_data_leader else None)
+    actor = RankActor(spec, rank)
+    actor._rank = r  # what RankActor.start builds; its save_checkpoint is the pool's
+    actor.save_checkpoint(folder)
+    tokens = _greedy(r, np.asarray(prompt), n)
+    return tokens if rank == 0 else None

@@ -1,7 +1,8 @@
 """The embedded trainer's checkpoint (what a run writes as ``<run>/checkpoint``, the
 final policy) is a Hugging Face folder: ``AutoModelForCausalLM.from_pretrained`` loads it
 and generates, greedily, the tokens the trainer's own model generates. (The Megatron
-trainer's export: tests/staleflow/trainers/test_megatron_equivalence.py.)"""
+trainer's export: tests/staleflow/trainers/test_megatron_equivalence.py; both loaded by
+vLLM: tests/staleflow/engines/test_vllm_export.py, in CI's vLLM stage.)"""
 
 from __future__ import annotations
 

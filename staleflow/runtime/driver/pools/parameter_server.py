@@ -51,10 +51,16 @@ class PSPool:
 
 
 def build_parameter_server(
-    ctx: PoolContext, config: PSConfig, layout: Layout, weights: Weights, version: int = 0
+    ctx: PoolContext,
+    config: PSConfig,
+    layout: Layout,
+    weights: Weights,
+    version: int = 0,
+    base: tuple[Layout, Weights] | None = None,
 ) -> PSPool:
     """Start the replicas and publish ``weights`` as ``version`` on all of them (0, or
-    a resumed run's trainer version)."""
+    a resumed run's trainer version). With ``base`` (its layout and weights:
+    ``trainer.lora``), ``weights`` is the adapter and the replicas hold that base once."""
 
     trainer_nodes = set(ctx.placement.gang("trainer").nodes)
     actors, nodes, args = {}, {}, {}
@@ -65,7 +71,13 @@ def build_parameter_server(
         nixl = config.transport == "nixl" or (
             config.push_transport != "socket" and bool(trainer_nodes - {node})
         )
-        args[role] = (layout.to_dict(), config.num_slots, nixl, ctx.multi_node)
+        args[role] = (
+            layout.to_dict(),
+            config.num_slots,
+            nixl,
+            ctx.multi_node,
+            None if base is None else base[0].to_dict(),
+        )
         actors[role] = ctx.spawn(ParameterServerActor, role, process_env(1)).remote(*args[role])
         nodes[role] = node
     endpoints = dict(
@@ -83,6 +95,8 @@ def build_parameter_server(
         for r in actors
     ]
     with replica_group(routes, receiver="driver") as group:
+        if base is not None:
+            group.push_base(base[1])
         group.push(weights, version)
     return pool
 

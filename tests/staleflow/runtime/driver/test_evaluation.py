@@ -1,4 +1,5 @@
-"""Held-out scoring before and after a run: its progress phase and its torch threads."""
+"""Held-out scoring before and after a run: its progress phase and its torch threads; the
+held-out set the evaluation during training samples is the same problem stream."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def test_scoring_reports_its_problems_and_reward_on_the_idle_cores(monkeypatch):
     monkeypatch.setattr(sampling, "evaluate_accuracy", spy)
     monkeypatch.setattr(threads, "idle_cores", lambda: 1)
     torch.set_num_threads(2)
-    cfg = load_config(None, ["eval_problems=24", "rollout.max_response_tokens=4"])
+    cfg = load_config(None, ["eval.problems=24", "rollout.max_response_tokens=4"])
     model, tokenizer = build_arithmetic_model("micro")
     progress = Progress()
     reward = held_out_reward(cfg, model, tokenizer, progress, "final")
@@ -40,7 +41,29 @@ def test_scoring_reports_its_problems_and_reward_on_the_idle_cores(monkeypatch):
 
 
 def test_nothing_to_score_is_no_phase():
-    cfg = load_config(None, ["eval_problems=0"])
-    progress = Progress()
-    assert held_out_reward(cfg, None, None, progress) is None
-    assert progress.snapshot() == []
+    for off in (["eval.problems=0"], ["eval.path=/data/test.jsonl"]):  # a user's set: no CPU score
+        cfg = load_config(None, off)
+        progress = Progress()
+        assert held_out_reward(cfg, None, None, progress) is None
+        assert progress.snapshot() == []
+
+
+def test_the_built_in_held_out_set_is_the_stream_the_start_and_end_scores_sample(monkeypatch):
+    from staleflow.runtime.driver.evaluation import heldout_set
+
+    cfg = load_config(None, ["eval.problems=5", "eval.every=2", "seed=3"])
+    _, tokenizer = build_arithmetic_model("micro")
+    seen: dict = {}
+
+    def spy(model, tok, task, n, *args, **kwargs):
+        seen["problems"] = task.problems(n)
+        return 0.5
+
+    monkeypatch.setattr(sampling, "evaluate_accuracy", spy)
+    assert held_out_reward(cfg, None, tokenizer) == 0.5
+    heldout = heldout_set(cfg, tokenizer)
+    assert heldout is not None and len(heldout) == 5
+    for sample, problem in zip(heldout, seen["problems"], strict=True):
+        assert tokenizer.decode(sample.prompt_ids) == problem.prompt
+        assert sample.answer == problem.answer
+    assert heldout_set(load_config(None, ["eval.every=0"]), tokenizer) is None  # off

@@ -3,8 +3,8 @@ than one model turn were trained, their observation tokens masked, every consume
 trajectory within eta, the audit balanced.
 
 The policy is the micro model after a few seconds of warm-up on tool-use demonstrations
-(built here with a learning rate suited to it), so that it writes tool calls: each call,
-well formed or not, makes the environment answer and the trajectory take another turn.
+(``launch_checks.warm_micro_calculator``), so that it writes tool calls: each call, well
+formed or not, makes the environment answer and the trajectory take another turn.
 """
 
 from __future__ import annotations
@@ -12,31 +12,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.staleflow.runtime.driver.launch_checks import check_run
+from tests.staleflow.runtime.driver.launch_checks import check_run, warm_micro_calculator
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(1800)]
 
 ETA, STEPS = 3, 3
-
-
-def _warm_micro(path) -> None:
-    from staleflow.data.synthetic import ArithmeticConfig
-    from staleflow.envs.calculator import calculator_samples, demonstration
-    from staleflow.envs.formats import PlainFormat
-    from staleflow.models.checkpoint import save_pretrained
-    from staleflow.models.tool_warmup import build_calculator_model, collate_demonstrations
-    from staleflow.models.warmup import warmup
-
-    model, tok = build_calculator_model("micro", seed=0)
-    fmt = PlainFormat(tok)
-    task = ArithmeticConfig.level(2, seed=7)
-
-    def batch(step: int):
-        samples = calculator_samples(task, 16, 16 * step)
-        return collate_demonstrations([demonstration(s, fmt, tok) for s in samples], tok.pad_id)
-
-    warmup(model, tok, None, steps=50, batch_size=16, lr=1e-2, batches=batch, log_every=0)
-    save_pretrained(model, tok, path)
 
 
 def test_the_calculator_task_trains_multi_turn_trajectories_within_eta(tmp_path):
@@ -46,7 +26,7 @@ def test_the_calculator_task_trains_multi_turn_trajectories_within_eta(tmp_path)
     from staleflow.runtime.workers.audit_trail import read_audit
     from staleflow.runtime.workers.env_stage import turns_of
 
-    _warm_micro(tmp_path / "policy")
+    warm_micro_calculator(tmp_path / "policy")
     cfg = load_config(
         None,
         [

@@ -51,6 +51,29 @@ def test_a_prompt_file_that_cannot_be_read_is_a_launch_error(tmp_path):
         launch(cfg)
 
 
+def test_a_held_out_set_that_cannot_be_read_is_refused_before_anything_starts(tmp_path):
+    rows = tmp_path / "test.jsonl"
+    rows.write_text('{"question": "1+1=", "solution": "2"}\n')
+    cases = (
+        (tmp_path / "absent.jsonl", r"held-out set \(eval.path\): .*absent\.jsonl: no such file"),
+        (rows, r"no such column \(the prompt column\); .*question, solution: set data.prompt"),
+    )
+    for path, message in cases:
+        cfg = load_config(
+            None,
+            [
+                "eval.every=5",
+                f"eval.path={path}",
+                "data.prompt_column=problem",
+                "data.answer_column=answer",
+                f"run_dir={tmp_path / 'runs'}",
+            ],
+        )
+        with pytest.raises(LaunchError, match=message):
+            launch(cfg)
+    assert not (tmp_path / "runs").exists(), "refused before the run folder is made"
+
+
 def test_the_cli_prints_the_refusal(tmp_path, capsys, monkeypatch):
     from staleflow.cli import main
 
@@ -162,6 +185,11 @@ def test_the_summary_shows_the_held_out_row_only_when_problems_were_scored():
         {**base, "eval_problems": 64, "eval_reward_start": 0.2, "eval_reward_end": 0.3}
     )
     assert "held-out reward (64 problems), start → end" in scored and "0.200 → 0.300" in scored
+    last = {"step": 10, "mean_at_k": 0.5, "pass_at_k": 0.75, "k": 2, "samples": 4}
+    best = {**last, "step": 5, "mean_at_k": 0.625}
+    during = rendered({**base, "eval_last": last, "eval_best": best})
+    assert "held-out mean@4 / pass@2, last; best" in during
+    assert "0.500 / 0.750 (step 10); 0.625 / 0.750 (step 5)" in during
 
 
 def test_paths_the_run_reads_are_checked_before_anything_starts(tmp_path):

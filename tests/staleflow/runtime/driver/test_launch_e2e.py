@@ -16,7 +16,12 @@ from typing import Any
 import pytest
 
 from tests.staleflow.runtime.driver.launch_checks import MICRO_RUN, check_run
-from tests.staleflow.runtime.driver.user_inputs import check_user_inputs, hf_policy_and_dataset
+from tests.staleflow.runtime.driver.user_inputs import (
+    check_evaluation,
+    check_user_inputs,
+    heldout_file,
+    hf_policy_and_dataset,
+)
 
 # A real run is a dozen processes: minutes on a loaded 2-core machine (over the suite's
 # 300 s once at load 24). The timeout only stops a hang; nothing here is timed.
@@ -37,7 +42,7 @@ def _launch(tmp_path, eta: int, *extra: str):
             f"run_dir={tmp_path}",
             *MICRO_RUN,
             "dashboard=false",  # tests/staleflow/dashboard/test_launch_dashboard.py has it on
-            "eval_problems=32",
+            "eval.problems=32",
             *extra,
         ],
     )
@@ -54,9 +59,28 @@ def _check_eval(result) -> None:
 
 def test_launch_eta1_bounded_and_conserving(tmp_path):
     """Also the algorithm options end to end: GSPO with the KL to the initial policy (a
-    second model in the trainer actor) holds the bound and the audit like the default."""
-    result = _launch(tmp_path, 1, "trainer.loss=gspo", "trainer.kl_coef=0.01")
-    check_run(result, 1, STEPS, 2 * 4)
+    second model in the trainer actor) and dynamic sampling hold the bound and the audit
+    like the default. The untrained micro model's groups are nearly all wrong (rewards all
+    0): dynamic sampling drops them up to its budget per step (max_drop 0.5: one batch of
+    2) and trains on the rest, so every batch is still full."""
+    result = _launch(
+        tmp_path,
+        1,
+        "trainer.loss=gspo",
+        "trainer.kl_coef=0.01",
+        "trainer.dynamic_sampling=true",
+        "trainer.dynamic_sampling_max_drop=0.5",
+    )
+    check_run(result, 1, STEPS, 2 * 4)  # full batches, the bound, the audit with filtered
+    audit, summary = result.summary["audit"], result.summary
+    assert audit["filtered_groups"] > 0 and audit["filtered"] == 4 * audit["filtered_groups"]
+    records = [r.extra for r in result.records]
+    assert all(0 <= e["rollout/filtered_groups"] <= e["rollout/sampled_groups"] for e in records)
+    assert all(0.0 <= e["rollout/filtered_frac"] <= 1.0 for e in records)
+    # the records count what the control plane filtered up to the last step; the audit
+    # also what it filtered between that step and the stop
+    assert 0 < summary["filtered_groups"] <= audit["filtered_groups"]
+    assert 0.0 < summary["filtered_frac"] < 1.0
     _check_eval(result)
     ref_kl = [r.extra["train/ref_kl"] for r in result.records]
     assert len(ref_kl) == STEPS and all(k >= 0 for k in ref_kl)
@@ -65,6 +89,38 @@ def test_launch_eta1_bounded_and_conserving(tmp_path):
     # often all wrong: no gradient, no move)
     moved = any(r.extra["train/grad_norm"] > 0 for r in result.records[:-1])
     assert (ref_kl[-1] > 0) == moved, (ref_kl, moved)
+
+
+# Each other loss variant launched once with the KL on (each with its own estimator): a
+# launch each (45-80 s on CI), so slow. In the default run, the eta = 1 launch above is
+# GSPO with the KL; each variant's maths against hand-computed numbers is
+# tests/staleflow/trainers/test_trainers_loss_variants.py, and the KL's
+# test_trainers_reference.py (unit level, both trainers' shared code).
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "variant",
+    [
+        pytest.param(("trainer.loss=ppo", "trainer.kl_estimator=k1"), id="ppo-k1"),
+        pytest.param(
+            ("trainer.loss=cispo", "trainer.eps_low=0.99", "trainer.kl_estimator=k2"),
+            id="cispo-k2",
+        ),
+        pytest.param(("trainer.advantage=drgrpo", "trainer.kl_estimator=k3"), id="drgrpo-k3"),
+    ],
+)
+def test_launch_each_loss_variant_with_the_kl_holds_the_bound_and_the_audit(tmp_path, variant):
+    import yaml
+
+    result = _launch(tmp_path, 1, "trainer.kl_coef=0.01", *variant)
+    check_run(result, 1, STEPS, 2 * 4)
+    ref_kl = [r.extra["train/ref_kl"] for r in result.records]
+    assert len(ref_kl) == STEPS and all(k >= 0 for k in ref_kl) and ref_kl[0] == 0.0
+    # the run trained what it was asked (config.yaml holds the resolved keys)
+    trainer = yaml.safe_load((result.run_dir / "config.yaml").read_text())["trainer"]
+    for key, value in (v.split("=") for v in variant):
+        assert str(trainer[key.removeprefix("trainer.")]) == value, key
+    if "trainer.advantage=drgrpo" in variant:  # Dr. GRPO's constant length L
+        assert trainer["loss_norm_len"] == 8  # rollout.max_response_tokens
 
 
 @pytest.mark.slow  # a launch (45-80 s on CI): CI's budget keeps two here; in-process tests cover it
@@ -89,13 +145,22 @@ def test_launch_with_streamed_training_is_exactly_on_policy_and_loses_nothing(tm
     covers it: its own Hugging Face checkpoint (the micro model with a character-level
     HF tokenizer carrying a chat template), a ``datasets`` save_to_disk folder with mapped
     columns rendered through the template with a system prompt, and all three trackers,
-    each holding every step and the summary when the run ends."""
+    each holding every step and the summary when the run ends. And its own held-out set
+    (a JSON Lines file, the same columns and template), evaluated every 5 steps on the
+    rollout engines: the record of step 5 holds it, the trackers and summary too, while
+    the bound and the audit hold as without it (docs/evaluation.md)."""
     for extra in ("datasets", "tensorboard", "wandb", "mlflow"):  # the dev install has them
         pytest.importorskip(extra, reason="needs the tracking and datasets extras")
     policy, data = hf_policy_and_dataset(tmp_path / "inputs")
+    steps = 5  # one evaluation, after the last step: the run waits for it
     result = _launch(
         tmp_path,
         0,
+        f"steps={steps}",
+        f"eval.path={heldout_file(tmp_path / 'inputs')}",
+        "eval.every=5",
+        "eval.samples=2",
+        "eval.problems=8",
         "trainer.stream=true",
         "recovery.audit_log=true",
         f"model.checkpoint={policy}",
@@ -107,14 +172,15 @@ def test_launch_with_streamed_training_is_exactly_on_policy_and_loses_nothing(tm
         "data.system_prompt=0",
         "tracking=tensorboard,wandb,mlflow",
     )
-    check_run(result, 0, STEPS, 2 * 4)
+    check_run(result, 0, steps, 2 * 4)
     for step in result.consumed:
         assert set(step["staleness"]) == {0} and set(step["token_staleness"]) == {0}
     assert all(rec.streamed_groups is not None for rec in result.records)
     assert all(0 <= rec.streamed_groups <= 2 for rec in result.records)
     audit = (result.run_dir / "audit.jsonl").read_text().splitlines()
-    assert len(audit) == STEPS * 2 * 4  # streamed groups are not written twice
-    check_user_inputs(result, STEPS)
+    assert len(audit) == steps * 2 * 4  # streamed groups are not written twice
+    check_user_inputs(result, steps)
+    check_evaluation(result, step=5, problems=8, samples=2)
 
 
 @pytest.mark.slow  # a launch (45-80 s on CI): CI's budget keeps two here; in-process tests cover it
@@ -260,7 +326,7 @@ def test_a_ps_worker_that_dies_under_its_live_actor_is_replaced(tmp_path):
                 killed.append(pid)
 
     steps = 8
-    settings = [f"steps={steps}", f"run_dir={tmp_path}", "dashboard=false", "eval_problems=0"]
+    settings = [f"steps={steps}", f"run_dir={tmp_path}", "dashboard=false", "eval.problems=0"]
     cfg = load_config(None, ["eta=1", *MICRO_RUN, *settings])
     result = launch(cfg, on_started=kill_worker)
     assert len(killed) == 1

@@ -54,6 +54,42 @@ def hf_policy_and_dataset(folder: Path) -> tuple[Path, Path]:
     return checkpoint, data
 
 
+def heldout_file(folder: Path, problems: int = 8) -> Path:
+    """A held-out set as a JSON Lines file with the dataset's columns (``problem``,
+    ``solution``): problems of another seed than the training prompts'."""
+    rows = ArithmeticTask(ArithmeticConfig.level(1, seed=6)).problems(problems, 0)
+    path = folder / "heldout.jsonl"
+    path.write_text(
+        "".join(json.dumps({"problem": p.prompt, "solution": p.answer}) + "\n" for p in rows)
+    )
+    return path
+
+
+def check_evaluation(result, step: int, problems: int, samples: int) -> None:
+    """One held-out evaluation, at ``step``: in its step record, the summary and each
+    tracker (read back with the library's reader)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.staleflow.tracking import wandb_records
+
+    (rec,) = [r for r in result.records if r.eval_mean_at_k is not None]
+    assert rec.step == step, rec
+    assert (rec.eval_problems, rec.eval_samples, rec.eval_k) == (problems, samples, samples)
+    # rewards are 0 or 1: a problem's share right is at most its pass@n
+    assert 0.0 <= rec.eval_mean_at_k <= rec.eval_pass_at_k <= 1.0, rec
+    assert 0 <= rec.eval_version <= rec.eval_version_max <= step, rec
+    flat = rec.to_flat()
+    for key in ("eval_last", "eval_best"):
+        assert result.summary[key]["step"] == step
+        assert result.summary[key]["mean_at_k"] == flat["eval/mean_at_k"]
+    run = result.run_dir
+    events = EventAccumulator(str(run / "tracking" / "tensorboard"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/pass_at_k")] == [step]
+    history = wandb_records.history(wandb_records.run_file(run / "tracking" / "wandb"))
+    assert [h["_step"] for h in history if "eval/mean_at_k" in h] == [step]
+
+
 def check_user_inputs(result, steps: int) -> None:
     """The template is recorded with the run; each tracker holds every step (read back
     with the library's reader) and the summary; the final policy loads with

@@ -1,7 +1,8 @@
 """A Ray that does not start (issue 31: its start-up timed out on a loaded machine during
 ``--resume`` and the launcher printed a raw traceback) ends the launch with the usual
 one-line error, fresh or resumed, leaves the run folder as it was, and takes away the
-processes ``ray.init`` started before it failed.
+processes ``ray.init`` started before it failed. A local start that times out is tried
+again (``LOCAL_START_TRIES``) before that error: a second start usually makes it.
 
 ``ray.init`` is replaced by one that raises what Ray 2.60 raises when its raylet misses
 the 30 s start-up wait (a bare ``Exception``, ``ray/_private/node.py``)."""
@@ -18,6 +19,8 @@ import pytest
 from staleflow.cli import main
 from staleflow.config import load_config, save_config
 from staleflow.recovery import write_checkpoint
+from staleflow.runtime.errors import LaunchError
+from staleflow.runtime.placement.ray_cluster import LOCAL_START_TRIES, RayCluster
 from tests.staleflow.recovery.runs import busy_run
 
 ray = pytest.importorskip("ray")
@@ -63,7 +66,9 @@ def _failed_cleanly(capsys, started: list[subprocess.Popen]) -> str:
     out = captured.out + captured.err
     assert "staleflow launch failed:" in out and "Ray did not start on this machine" in out, out
     assert "timed out during startup" in out and "retry" in out, out
+    assert f"started {LOCAL_START_TRIES} times" in out, out
     assert "Traceback" not in out, out
+    assert len(started) == LOCAL_START_TRIES, "a start-up time-out is tried again"
     assert started and all(p.wait(timeout=10) is not None for p in started), "left running"
     return out
 
@@ -105,3 +110,34 @@ def test_a_resume_whose_ray_times_out_fails_in_one_line_and_changes_nothing(
     assert code == 1
     _failed_cleanly(capsys, slow_ray)
     assert _files(folder) == before
+
+
+def test_a_local_start_that_times_out_once_is_started_again(monkeypatch, caplog):
+    calls: list[dict] = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        if len(calls) == 1:
+            raise Exception(TIMEOUT)
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    cluster = RayCluster.connect("", local_cpus=2)
+    assert cluster.started and len(calls) == 2 and calls[0] == calls[1]
+    assert "starting it again (2 of 3)" in caplog.text
+
+
+def test_a_start_that_fails_otherwise_is_not_tried_again(monkeypatch):
+    calls: list[dict] = []
+
+    def init(**kwargs):
+        calls.append(kwargs)
+        raise Exception("the object store needs 2 GB of /dev/shm")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(ray, "shutdown", lambda: None)
+    with pytest.raises(LaunchError, match="object store") as err:
+        RayCluster.connect("", local_cpus=2)
+    assert len(calls) == 1 and "started" not in str(err.value)

@@ -1,0 +1,103 @@
+"""An environment task's environment and problems, from the configuration.
+
+``data.task=calculator`` is the built-in environment with the built-in arithmetic
+problems. ``data.task=env`` is the environment ``env.name`` (registered, or
+``module:attribute``) with one problem per row of ``data.path``: a ``.jsonl`` or
+``.parquet`` file, or (any other path: a ``save_to_disk`` folder, ``.arrow`` / ``.csv``
+files, a glob) a Hugging Face ``datasets`` source read with ``data.split``. A row gives
+the prompt text (``data.prompt_column``, default ``prompt``), the ground truth
+(``data.answer_column``, default ``answer``) and every field the environment names in
+its ``columns``.
+
+:func:`check_env_task` runs in the launcher's preflight, before Ray or the policy: an
+environment that does not import, is not an :class:`~staleflow.envs.Environment` or
+cannot be built, and a file whose rows lack a field the environment needs, are refused
+there with a :class:`LaunchError` that says what to fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from staleflow.data import ArithmeticConfig, PromptDataset
+from staleflow.data.datasets import file_rows
+from staleflow.data.hf_datasets import open_hf_dataset
+from staleflow.data.layouts import DatasetError, RecordLayout
+from staleflow.envs import EnvContractError, Environment, EnvSample, make_environment
+from staleflow.envs.calculator import calculator_samples
+from staleflow.envs.formats import episode_dataset, turn_format
+from staleflow.envs.samples import env_samples, sample_columns
+from staleflow.runtime.errors import LaunchError
+
+if TYPE_CHECKING:
+    from staleflow.config import RunConfig
+
+CALCULATOR_PROBLEMS = 20_000  # the built-in task's problems per run (a stream, seeded)
+DEFAULT_LAYOUT = RecordLayout("prompt", "answer", name="environment")
+PLAIN_SUFFIXES = (".jsonl", ".json", ".parquet", ".pq")  # read without `datasets`
+
+
+def task_environment(cfg: RunConfig) -> Environment:
+    """The environment of ``cfg``'s task, built as the reward workers build it."""
+    name = cfg.env.environment(cfg.data.task)
+    key = "env.name" if cfg.data.task == "env" else "data.task"
+    try:
+        return make_environment(name, **cfg.env.options(name))
+    except (ValueError, ImportError, EnvContractError) as exc:
+        raise LaunchError(f"{key}={name}: {exc}") from exc
+
+
+def task_samples(cfg: RunConfig, env: Environment) -> list[EnvSample]:
+    """The problems of ``cfg``'s environment task. Raises :class:`DatasetError`, or
+    :class:`LaunchError` for an environment whose ``columns`` are malformed."""
+    if cfg.data.task == "calculator":
+        task = ArithmeticConfig.level(cfg.data.difficulty, seed=cfg.seed + 1)
+        return calculator_samples(task, size=CALCULATOR_PROBLEMS)
+    try:
+        columns = sample_columns(env)
+    except EnvContractError as exc:
+        raise LaunchError(f"env.name={cfg.env.name}: {exc}") from exc
+    layout = cfg.data.record_layout() or DEFAULT_LAYOUT
+    path = cfg.data.path
+    return env_samples(
+        _rows(path, cfg.data.split),
+        path,
+        prompt_field=layout.prompt_field,
+        answer_field=layout.answer_field,
+        columns=columns,
+    )
+
+
+def _rows(path: str, split: str) -> Any:
+    if Path(path).suffix in PLAIN_SUFFIXES:
+        return file_rows(path)
+    return enumerate(open_hf_dataset(path, split), start=1)
+
+
+def check_env_task(cfg: RunConfig) -> None:
+    """Refuse, before anything starts, an environment task that could not run: the
+    environment must build and every row of its problems must read."""
+    env = task_environment(cfg)
+    if cfg.data.task == "calculator":
+        return  # the built-in problems
+    try:
+        samples = task_samples(cfg, env)
+    except (DatasetError, ImportError) as exc:  # ImportError: `datasets`, for hf sources
+        raise LaunchError(f"cannot read the environment's problems: {exc}") from exc
+    first = samples[0]
+    try:  # the first episode: a start() that cannot run on the data is a bad match
+        env.start(first, seed=0)
+    except Exception as exc:
+        raise LaunchError(
+            f"env.name={cfg.env.name}: start() failed on the first row of {cfg.data.path} "
+            f"({first.to_json()[:200]}): {exc!r}; check that the rows hold what the "
+            "environment reads (prompt, answer and its columns)"
+        ) from exc
+
+
+def env_dataset(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
+    """The prompts of ``cfg``'s environment task: each sample's first messages through
+    the tokenizer's turn format, the sample itself as the ground truth (JSON)."""
+    env = task_environment(cfg)
+    return episode_dataset(env, task_samples(cfg, env), turn_format(tokenizer))

@@ -1,0 +1,174 @@
+"""A Pull issued while every trajectory waits on a tool completes without waiting for the
+tool (issue 34): the runtime wired in one process with threads (the real TS, staleness
+manager, coordinator, control plane, instance hosts and environment stage; the engine
+and PS are the runtime tests' fakes, ``fakes.py``).
+
+The environment, defined here, calls a tool on every turn that sleeps an hour: the stage
+really waits (on an event the test sets only at its end), so a Pull that waited for it
+would not come within the test's patience. The coordinator synchronises with ``drain``:
+it Pulls only once no instance runs or queues anything, so the Pull also shows that a
+trajectory inside its tool call is on no instance and holds no decode slot.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from coordinator import CoordinatorConfig
+from staleflow.control.late import hand_live
+from staleflow.envs import EnvSample, EnvState, Episode, EpisodeLimits, ModelTurn, Step
+from staleflow.envs.formats import PlainFormat, episode_dataset, tool_tokenizer
+from staleflow.rollout.instance import Finished
+from staleflow.runtime.controller.control_plane import ControlPlane
+from staleflow.runtime.controller.plane_records import ControlConfig
+from staleflow.runtime.in_process import Serialized
+from staleflow.runtime.workers.env_stage import EnvironmentStage
+from staleflow.runtime.workers.instance_host import InstanceHost
+from staleflow.runtime.workers.reward_stage import RewardStage
+from staleness import StalenessConfig
+from tests.staleflow.runtime.fakes import MemoryPS, ScriptedEngine
+from trajectory_server import FinishedTrajectory, TrajectoryServer, TrajectoryServerConfig
+
+HOUR_S = 3600.0
+PATIENCE_S = 60.0  # a liveness bound on a loaded machine; the tool would take an hour
+ETA, BATCH, GROUP = 1, 2, 2
+IN_FLIGHT = (ETA + 1) * BATCH * GROUP  # every trajectory the TS holds at version 0
+TOK = tool_tokenizer("lookup")
+
+
+class SlowToolEnv:
+    """Every model turn calls a tool that takes an hour; the answer is always 'ok'."""
+
+    name = "slow_tool"
+
+    def start(self, sample: EnvSample, seed: int) -> Episode:
+        return Episode(({"role": "user", "content": sample.prompt},), (), {"calls": 0})
+
+    def step(self, state: EnvState, turn: ModelTurn) -> Step:
+        calls = int(state["calls"]) + 1  # type: ignore[arg-type]
+        info = {"tool_calls": 1, "tool_latency_s": HOUR_S}
+        return Step({"calls": calls}, observation="ok", latency_s=HOUR_S, info=info)
+
+    def score(self, state: EnvState) -> float:
+        return 0.0
+
+
+class _Source:
+    def __init__(self) -> None:
+        samples = [EnvSample(i, f"look up item {i}", "ok") for i in range(64)]
+        self._left = list(episode_dataset(SlowToolEnv(), samples, PlainFormat(TOK)))
+
+    def next_sample(self):
+        return self._left.pop(0) if self._left else None
+
+
+def _until(cond, what: str) -> None:
+    deadline = time.monotonic() + PATIENCE_S
+    while not cond():
+        assert time.monotonic() < deadline, f"not within {PATIENCE_S:g} s: {what}"
+        time.sleep(0.01)
+
+
+def test_a_pull_while_every_trajectory_waits_on_its_tool_does_not_wait_for_the_tool() -> None:
+    released = threading.Event()  # the tool's hour ends when the test says so
+    tool_sleeps: list[float] = []
+
+    def tool_sleep(seconds: float) -> None:
+        tool_sleeps.append(seconds)
+        released.wait(seconds)
+
+    ts = Serialized(TrajectoryServer(TrajectoryServerConfig(ETA, BATCH, GROUP), _Source()))
+    control_box: list[ControlPlane] = []
+    rewards = RewardStage(
+        lambda items: [], TOK.decode, ts, lambda records: control_box[0].rewarded(records), "w"
+    )
+    stage = EnvironmentStage(
+        SlowToolEnv(),
+        PlainFormat(TOK),
+        EpisodeLimits(max_turns=2, max_tokens=64),
+        ts,
+        rewards,
+        worker_id="w",
+        threads=IN_FLIGHT,
+        sleep=tool_sleep,
+    )
+    # as many calls at once as the stage has threads, as a reward actor takes
+    # (max_concurrency=env.threads, driver/pools/rewards.py): with fewer, calls whose
+    # tools sleep hold every worker thread and a later turn never reaches its tool
+    worker = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="reward-worker")
+
+    def dispatch(finished: list[Finished], holder: int) -> None:
+        """What a rollout actor does with finished turns (RolloutActor._dispatch): hand
+        them to a worker in the TS, then send them to it without waiting (Ray's
+        ``.remote``)."""
+        items = [
+            FinishedTrajectory(f.traj_id, f.tokens, f.logprobs, f.versions, f.finish_reason, f.mask)
+            for f in finished
+        ]
+        kept = set(hand_live(ts, items, "w", instance_id=holder))
+        worker.submit(stage.process, [f for f in finished if f.traj_id in kept])
+
+    ps = MemoryPS()
+    engines = {i: ScriptedEngine(target=4, max_running=4) for i in range(2)}
+    hosts = {
+        i: InstanceHost(
+            i,
+            engines[i],
+            ts=ts,
+            weights=ps,
+            max_response=64,
+            on_finished=lambda fs, i=i: dispatch(fs, i),
+        )
+        for i in range(2)
+    }
+    rounds = ThreadPoolExecutor(4)
+    control = ControlPlane(
+        ControlConfig(
+            StalenessConfig(eta=ETA, batch_size=BATCH, group_size=GROUP),
+            CoordinatorConfig(period_s=0.005, synchronization="drain"),
+            idle_wait_s=0.002,
+        ),
+        ts=ts,
+        instances=hosts,
+        ps_version=ps.latest,
+        run_round=lambda actions: list(rounds.map(lambda a: a(), actions)),
+    )
+    control_box.append(control)
+    for h in hosts.values():
+        h.start()
+    control.start()
+    try:
+        # every trajectory of version 0 took its first turn and sits in its tool call:
+        # in the TS with its worker, on no instance
+        _until(
+            lambda: ts.stats().rewarding == IN_FLIGHT and len(tool_sleeps) == IN_FLIGHT,
+            f"{IN_FLIGHT} trajectories in their tool calls",
+        )
+        assert all(not h.held() for h in hosts.values())
+        assert [e.loads for e in engines.values()] == [[0], [0]]
+        ps.push({"w": np.ones(2, np.float32)}, version=1)  # the trainer's Push of version 1
+        # the coordinator Pulls every instance to version 1, the tools still asleep
+        _until(lambda: all(e.loads[-1] == 1 for e in engines.values()), "the Pull of version 1")
+        control.check()
+        assert not released.is_set() and stage.steps == 0  # no tool has answered
+        assert ts.stats().rewarding == IN_FLIGHT
+    finally:
+        released.set()
+        control.stop()
+        for h in hosts.values():
+            h.stop()
+        worker.shutdown(wait=True)
+        stage.close()
+        rounds.shutdown(wait=True)
+    # the tools' answers still reached the TS, once they came: every trajectory took
+    # its observation and a next turn (or ended), none was lost in the Pull
+    stats = ts.stats()
+    assert stage.steps >= IN_FLIGHT
+    assert stats.created_trajectories == (
+        stats.consumed_trajectories + stats.aborted_trajectories + stats.queued
+        + stats.routed + stats.completed
+    )  # fmt: skip
