@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from coordinator.config import CostModelConfig
 from staleflow.config import RunConfig
+from staleflow.config.env import ENV_TASKS
 from staleflow.engines.factory import engine_options
 from staleflow.runfolder.writer import AUDIT
 from staleflow.runtime.controller.plane_records import ControlConfig
@@ -35,6 +36,10 @@ def control_config(cfg: RunConfig) -> ControlConfig:
         checkpoint_every=cfg.checkpoint_every,
         eval_every=cfg.eval.every if cfg.eval.during_training else 0,
         sampling=cfg.sampling_config(),
+        tool_waits=cfg.data.task in ENV_TASKS,
+        # vLLM's prefix caching (rollout.vllm, on by default) and SGLang's radix cache
+        # keep a finished turn's KV; the embedded engine keeps none
+        prefix_cache=cfg.data.task in ENV_TASKS and cfg.rollout.backend in ("vllm", "sglang"),
     )
 
 
