@@ -231,7 +231,7 @@ def expected_returns(
     pos_l, len_l, waited_l = [], [], []
     for pos, trajs in enumerate(fleet.env):
         for t in trajs:
-            h = fleet.held.get(t.traj_id)
+            h = fleet.held_by(t.traj_id)
             if h is not None and h[0] == pos:
                 pos_l.append(pos)
                 len_l.append(t.length)

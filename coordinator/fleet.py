@@ -19,6 +19,7 @@ class Fleet:
     instance. The snapshot itself is never modified."""
 
     __slots__ = (
+        "cleared",
         "env",
         "held",
         "ids",
@@ -48,6 +49,9 @@ class Fleet:
     env: list[tuple[TrajectoryView, ...]]
     n_env: npt.NDArray[np.int64]
     held: dict[int, tuple[int, int]]
+    # positions Pulled in this cycle's decisions: their entries of ``held`` are gone
+    # (kept in the dict, shared with copies, and skipped: a Pull costs O(1), not O(held))
+    cleared: frozenset[int]
 
     def __init__(self, snapshot: Snapshot | None = None) -> None:
         insts = sorted(snapshot.instances, key=lambda s: s.inst) if snapshot else []
@@ -62,6 +66,7 @@ class Fleet:
         self.env = [s.env_trajs for s in insts]
         self.n_env = np.array([len(s.env_trajs) for s in insts], dtype=np.int64)
         self.held = {}
+        self.cleared = frozenset()
         for pos, s in enumerate(insts):
             for t, n in s.held:  # an instance left behind may cache a shorter, older prefix
                 if n > self.held.get(t, (-1, -1))[1]:
@@ -83,7 +88,8 @@ class Fleet:
         out.speed = self.speed
         out.env = self.env
         out.n_env = self.n_env
-        out.held = self.held  # copied on write (set_version)
+        out.held = self.held  # never written after construction
+        out.cleared = self.cleared
         return out
 
     def latencies(self, cost: CostModel) -> npt.NDArray[np.float64]:
@@ -128,10 +134,15 @@ class Fleet:
     def set_version(self, pos: int, version: int) -> None:
         """A Pull: new weights, so the prefixes the instance cached are gone."""
         if version != self.version[pos] and self.held:
-            self.held = {t: h for t, h in self.held.items() if h[0] != pos}
+            self.cleared = self.cleared | {pos}
         self.version[pos] = version
+
+    def held_by(self, traj_id: int) -> tuple[int, int] | None:
+        """(position, KV tokens) of the instance caching ``traj_id``'s prefix, if any."""
+        h = self.held.get(traj_id)
+        return None if h is None or h[0] in self.cleared else h
 
     def holder(self, traj_id: int) -> int:
         """Position of the instance caching ``traj_id``'s prefix, -1 if none does."""
-        h = self.held.get(traj_id)
+        h = self.held_by(traj_id)
         return -1 if h is None else h[0]

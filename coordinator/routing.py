@@ -323,7 +323,7 @@ class _Homes:
     ) -> tuple[int, int, float] | None:
         """(index, bucket, gain) of the instance caching ``t``'s prefix when ``t`` stays
         there (coordinator.agentic.stays_home), None to route it as any other."""
-        held = self.fleet.held.get(t.traj_id)
+        held = self.fleet.held_by(t.traj_id)
         if held is None:
             return None
         j = int(self.index[held[0]])
