@@ -168,3 +168,29 @@ def test_a_pull_drops_the_prefixes_of_the_pulled_instance() -> None:
     copy.set_version(0, 5)
     assert copy.holder(1) == -1 and copy.holder(2) == 1
     assert fleet.holder(1) == 0  # the working copy's Pull leaves the original alone
+
+
+def test_tool_pulls_count_the_prefixes_expected_back_as_kv_in_use() -> None:
+    """With ``tool_pulls`` the synchronisation weighs a Pull by the cached prefixes it
+    would discard that are expected back within a turn's time; off, by decoding KV only."""
+    from coordinator.routing import ThroughputRouting
+    from coordinator.sync import ThroughputSync
+
+    waits = ToolWaits(min_samples=4)
+    waits.learn([1.0, 1.0, 1.0, 1.0])  # every wait is short: all expected back soon
+    snap = Snapshot(
+        (
+            _inst(0, run=_waiting([3], 2_000), env=_waiting([1], 5_000), held=((1, 5_000),)),
+            _inst(1, run=_waiting([4], 2_000)),
+        ),
+        10.0,
+    )
+    waits.observe(snap, [])
+    routing = ThroughputRouting(COST, 0.5, waits=waits)
+    fleet = Fleet(snap)
+    on = ThroughputSync(routing, pull_kv=0.5, returns=True).kv_in_use(fleet)
+    off = ThroughputSync(routing, pull_kv=0.5).kv_in_use(fleet)
+    assert (off == fleet.kv).all()
+    assert on[1] == fleet.kv[1] and on[0] > fleet.kv[0]
+    with pytest.raises(ValueError, match="ToolWaits"):
+        ThroughputSync(ThroughputRouting(COST, 0.5), returns=True)
