@@ -266,7 +266,7 @@ class AgenticRulesConfig:
             "from their tools within a turn's time): deferred Pulls (pull_kv) count those "
             "prefixes, and a lagging instance under pull_kv is Pulled when new work waits "
             "(coordinator/sync.py kv_in_use); off by default: it did not raise throughput "
-            "in the simulator (docs/simulator.md, Agentic work)"
+            "in the simulator (docs/simulator_agentic.md)"
         },
     )
     prior_wait_s: float = field(

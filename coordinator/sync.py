@@ -167,8 +167,8 @@ class ThroughputSync:
         instance only once nothing in the TS is routable at its version, and with
         multi-turn work the TS always holds next turns of old trajectories (routable to
         any instance of their version or newer), so no lagging instance ever qualified:
-        the fleet drained before each version and then Pulled at once (docs/simulator.md,
-        Agentic work), while fresh admission kept new groups off every lagging instance.
+        the fleet drained before each version and then Pulled at once (the previous
+        helper's simulator runs; docs/simulator_agentic.md), while fresh admission kept new groups off every lagging instance.
         Cheap is what the deferral asks (``pull_kv``), on the KV a Pull discards and the
         fleet needs again soon (:meth:`kv_in_use`): an instance whose trajectories wait
         on long tool calls is cheap, one whose caches are about to be used is not."""

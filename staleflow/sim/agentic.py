@@ -12,7 +12,7 @@ The engine never sees a plan: the planes end each route at the current turn's en
 (:meth:`AgenticWorkload.turn_end`) and the cluster's environments
 (``staleflow.sim.env``) wait the turn's latency and append its observation.
 
-Where the numbers of the presets come from: ``docs/simulator.md`` (Agentic work).
+Where the numbers of the presets come from: ``docs/simulator_agentic.md``.
 """
 
 from __future__ import annotations

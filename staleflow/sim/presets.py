@@ -270,7 +270,7 @@ def system(name: str, config: ClusterConfig, layout: Layout | None = None) -> Cl
 
 # -- the workloads of the experiment matrix (experiments/sim_matrix.py) -------------------
 
-# Agentic work: where each number comes from is in docs/simulator.md (Agentic work).
+# Agentic work: where each number comes from is in docs/simulator_agentic.md.
 SEARCH_AGENT = AgenticConfig(
     turns_median=3.0,
     turns_sigma=0.3,
