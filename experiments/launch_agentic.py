@@ -73,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--out", default="results/launch_agentic", help="run folders go here")
     p.add_argument("--json", help="write the runs and medians to this JSON file")
+    p.add_argument(
+        "--report",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="launch nothing: report these finished runs (their folders) instead",
+    )
     return p.parse_args(argv)
 
 
@@ -121,8 +127,30 @@ def run_one(args: argparse.Namespace, variant: str, policy: Path) -> dict[str, A
     ]
     print(f"-- {variant} (eta={eta}): {args.steps} steps", file=sys.stderr, flush=True)
     result = launch(load_config(None, overrides))
-    s, records = result.summary, result.records
-    episodes = sum(s["staleness_hist"].values())
+    return summarise_run(variant, eta, result.summary, result.records, result.run_dir)
+
+
+def from_folder(run_dir: Path) -> dict[str, Any]:
+    """A finished run's row from its folder (``--report``): the variant from its config."""
+    import yaml
+
+    from staleflow.runfolder.step_record import StepRecord
+
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    eta = int(cfg["eta"])
+    variant = "eta0" if eta == 0 else cfg["coordinator"]["routing"]
+    variant = "staleflow" if variant == "throughput" else variant
+    summary = json.loads((run_dir / "summary.json").read_text())
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    records = [StepRecord.from_flat(json.loads(line)) for line in lines if line.strip()]
+    return summarise_run(variant, eta, summary, records, run_dir)
+
+
+def summarise_run(
+    variant: str, eta: int, s: dict[str, Any], records: list[Any], run_dir: Path
+) -> dict[str, Any]:
+    hist = {int(k): v for k, v in s["staleness_hist"].items()}
+    episodes = sum(hist.values())
     known = [r for r in records if r.turns_mean is not None]
     return {
         "variant": variant,
@@ -134,13 +162,13 @@ def run_one(args: argparse.Namespace, variant: str, policy: Path) -> dict[str, A
         "tool_calls": sum(r.tool_calls or 0 for r in known),
         "tool_wait_s": sum(r.tool_wait_s or 0.0 for r in known),
         "turns_mean": statistics.fmean(r.turns_mean for r in known) if known else None,
-        "staleness_hist": s["staleness_hist"],
+        "staleness_hist": hist,
         "staleness_max": s["staleness_max"],
         "within_eta": s["staleness_max"] <= eta,
         "reward_end": s["reward_end"],
         "trainer_idle_ratio": s["trainer_idle_ratio"],
         "rollout_idle_ratio": s["rollout_idle_ratio"],
-        "run_dir": str(result.run_dir),
+        "run_dir": str(run_dir),
     }
 
 
@@ -150,7 +178,12 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for v in dict.fromkeys(r["variant"] for r in runs):
         mine = [r for r in runs if r["variant"] == v]
-        out[v] = {k: statistics.median(float(r[k]) for r in mine) for k in keys}
+        out[v] = {
+            k: statistics.median(vals)
+            if (vals := [float(r[k]) for r in mine if r[k] is not None])
+            else float("nan")
+            for k in keys
+        }
         out[v]["repeats"] = len(mine)
     return out
 
@@ -160,9 +193,12 @@ def main(argv: list[str] | None = None) -> int:
 
     hf_logging.disable_progress_bar()
     args = parse_args(argv)
-    policy = Path(args.out) / "policy"
-    warm_policy(policy)
-    runs = [run_one(args, v, policy) for _ in range(args.repeats) for v in args.variants]
+    if args.report:
+        runs = [from_folder(Path(d)) for d in args.report]
+    else:
+        policy = Path(args.out) / "policy"
+        warm_policy(policy)
+        runs = [run_one(args, v, policy) for _ in range(args.repeats) for v in args.variants]
     med = medians(runs)
     print(f"{'run':<10} {'tok/s':>8} {'ep/s':>6} {'tool s':>7} {'calls':>5} {'turns':>5} "
           f"{'reward':>6} {'tr idle':>7} {'ro idle':>7}  staleness")  # fmt: skip
@@ -170,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r['variant']:<10} {r['tokens_per_s']:>8.1f} {r['episodes_per_s']:>6.2f} "
             f"{r['tool_wait_s']:>7.1f} {r['tool_calls']:>5} {r['turns_mean'] or 0:>5.2f} "
-            f"{r['reward_end']:>6.3f} {r['trainer_idle_ratio']:>7.1%} "
-            f"{r['rollout_idle_ratio']:>7.1%}  {r['staleness_hist']}"
+            f"{_f(r['reward_end'], '>6.3f')} {_f(r['trainer_idle_ratio'], '>7.1%')} "
+            f"{_f(r['rollout_idle_ratio'], '>7.1%')}  {r['staleness_hist']}"
             + ("" if r["within_eta"] else "  OVER ETA")
         )
     ratios: dict[str, float] = {}
@@ -191,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps({"runs": runs, "medians": med, "ratios": ratios}, indent=2) + "\n"
         )
     return 0
+
+
+def _f(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
 
 
 if __name__ == "__main__":
