@@ -85,6 +85,15 @@ class EnvConfig:
             WAIT_WHY,
         ),
     )
+    sandbox: bool = field(
+        default=False,
+        metadata=_help(
+            "run each environment step in a child process that is killed past "
+            "env.step_timeout_s (untrusted code tools, a step that may loop forever); "
+            "false: steps run on the worker's threads and one past its limit is abandoned, "
+            "still running"
+        ),
+    )
     threads: int = field(
         default=8,
         metadata=_help(
@@ -116,6 +125,13 @@ class EnvConfig:
             "env.step_timeout_s",
             self.step_timeout_s,
             "must be >= 0 seconds (0: no limit), e.g. 60",
+        )
+        require(
+            not self.sandbox or self.step_timeout_s > 0,
+            "env.step_timeout_s",
+            self.step_timeout_s,
+            "must be > 0 with env.sandbox=true: it is the limit past which a step's process "
+            "is killed, e.g. 60",
         )
         require(
             math.isfinite(self.latency_shape) and self.latency_shape > 0,

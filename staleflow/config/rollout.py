@@ -213,6 +213,15 @@ class RolloutConfig:
         default=1,
         metadata=_help("CPU threads of one embedded instance (torch)", MAX_THREADS, THREADS_WHY),
     )
+    prefix_cache_tokens: int = field(
+        default=8192,
+        metadata=_help(
+            "multi-turn tasks, embedded engine: KV tokens of finished turns an instance keeps "
+            "for their trajectory's next turn (0: re-prefill every turn)",
+            MAX_BATCH_TOKENS,
+            BATCH_TOKENS_WHY,
+        ),
+    )
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
     sglang: SGLangOptions = field(default_factory=SGLangOptions)
 
@@ -227,3 +236,4 @@ class RolloutConfig:
         require_at_least("rollout.kv_budget_tokens", self.kv_budget_tokens, 1, "token")
         require_at_least("rollout.max_running", self.max_running, 1, "trajectory")
         require_at_least("rollout.num_threads", self.num_threads, 1, "thread")
+        require_at_least("rollout.prefix_cache_tokens", self.prefix_cache_tokens, 0, "token")

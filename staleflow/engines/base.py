@@ -76,12 +76,20 @@ class EngineState:
 
 @dataclass(frozen=True, slots=True)
 class StepTimes:
-    """Cumulative seconds an engine spent in each phase (Table 3), and tokens produced."""
+    """Cumulative seconds an engine spent in each phase (Table 3), and tokens produced.
+
+    ``prefix_hits``: requests whose prefix KV was reused instead of prefilled (a turn
+    coming back to the instance that ran the one before, or vLLM's prefix cache);
+    ``prefix_tokens``: the tokens not prefilled thanks to that. An engine that cannot tell
+    reports 0; vLLM reports its cache's hit tokens (its hits per request are not known:
+    ``prefix_hits`` stays 0 there)."""
 
     prefill_s: float = 0.0
     decode_s: float = 0.0
     prefill_tokens: int = 0
     decode_tokens: int = 0
+    prefix_hits: int = 0
+    prefix_tokens: int = 0
 
 
 class RolloutEngine(Protocol):

@@ -28,6 +28,7 @@ from staleflow.envs.base import (
     check_plain,
     keyed_uniform,
 )
+from staleflow.envs.verifiers_env import VerifiersEnvironment, is_verifiers_taskset
 
 # name -> "module:attribute" of a class (or factory) called with the environment's options
 ENVIRONMENTS: dict[str, str] = {
@@ -67,7 +68,8 @@ def environment_target(name: str) -> str:
 def make_environment(name: str, **options: object) -> Environment:
     """The environment ``name`` (registered, or ``"module:attribute"``) built with
     ``options``; imported here. The attribute is a class or factory, called with
-    ``options``, or an :class:`Environment` object itself (then without options).
+    ``options``, or an :class:`Environment` object itself (then without options), or a
+    ``verifiers`` Taskset class or object, run by :mod:`staleflow.envs.verifiers_env`.
 
     Raises ValueError (an unknown name), ImportError (the module or attribute is not
     there) or :class:`EnvContractError` (what it names is not an environment, or its
@@ -82,6 +84,17 @@ def make_environment(name: str, **options: object) -> Environment:
             f"environment {shown} could not be loaded: {exc}; the module must be importable "
             "where the run starts and on every worker (installed, or on PYTHONPATH)"
         ) from exc
+    if is_verifiers_taskset(factory):  # a `verifiers` environment: its adapter runs it
+        if options:
+            raise EnvContractError(f"environment {shown} is a verifiers taskset: no options")
+        try:
+            return VerifiersEnvironment(factory)
+        except EnvContractError:
+            raise
+        except Exception as exc:
+            raise EnvContractError(
+                f"environment {shown} (a verifiers taskset) could not be adapted: {exc!r}"
+            ) from exc
     if isinstance(factory, Environment) and not isinstance(factory, type):
         if options:
             raise EnvContractError(

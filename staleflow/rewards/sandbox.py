@@ -1,10 +1,15 @@
-"""Runs a reward function in a child process, so that a time limit can be enforced.
+"""Runs a function in a child process, so that a time limit can be enforced.
 
 A thread cannot be stopped in Python, and ``signal.alarm`` works only in the main thread,
 while reward workers score from threads and Ray actors. A process can be killed: each
 call waits at most ``timeout_s`` for its answer, and past that the child is killed and
 a fresh one started for the next call. The child is spawned, not forked, because forking
 a process that runs threads (any Ray actor) can deadlock the child.
+
+:class:`TimeLimitedCall` is the mechanism, for any function that the child builds
+itself (a reward function here; an environment's step in
+:mod:`staleflow.runtime.workers.env_sandbox`); :class:`TimeLimitedRewardFn` is the
+reward function's.
 """
 
 from __future__ import annotations
@@ -15,21 +20,35 @@ import multiprocessing as mp
 import signal
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import Any
 
 from staleflow.rewards.base import RewardError, RewardTimeout, as_reward
 from staleflow.rewards.registry import load_factory
 
 logger = logging.getLogger(__name__)
 
+# What the child serves: ``build(*args)`` returns the function each call runs. ``build``
+# must be a module-level function (the spawned child imports it by name).
+Build = Callable[..., Callable[..., Any]]
 
-def _serve(conn: Connection, factory: str, options: Mapping[str, object]) -> None:
+
+class CallError(RuntimeError):
+    """The function raised in the child (the message is its error), or the child died."""
+
+
+class CallTimeout(RuntimeError):
+    """A call ran past its limit; its child was killed. (Not a TimeoutError: that is an
+    OSError, which the call takes for a dead pipe.)"""
+
+
+def _serve(conn: Connection, build: Build, args: tuple[Any, ...]) -> None:
     # Ctrl-C reaches the whole process group; the parent decides when the child stops
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        fn = load_factory(factory)(**options)
+        fn = build(*args)
     except BaseException as exc:
         conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
         return
@@ -42,7 +61,7 @@ def _serve(conn: Connection, factory: str, options: Mapping[str, object]) -> Non
         if request is None:
             return
         try:
-            reply = ("ok", as_reward(fn(*request)))
+            reply = ("ok", fn(*request))
         except Exception as exc:
             reply = ("error", str(exc) if isinstance(exc, RewardError) else repr(exc))
         conn.send(reply)
@@ -61,6 +80,118 @@ class _Child:
             self.process.kill()
         self.process.join(5.0)
         self.conn.close()
+
+
+class TimeLimitedCall:
+    """Calls of ``build(*args)``'s function in a child process, each at most
+    ``timeout_s`` seconds (0: no limit, the child still isolates a crash).
+
+    ``what`` names the function in messages. The child starts in the constructor (or on
+    the first call, ``lazy``), which waits up to ``start_timeout_s`` for it to be ready,
+    so a function that cannot be built (a missing package) fails there. Calls are
+    serialised: one child runs one call at a time. A call past the limit raises
+    :class:`CallTimeout` and kills the child; the next call waits for a new one. An
+    exception in the function, or a child that died, raises :class:`CallError`.
+    """
+
+    def __init__(
+        self,
+        build: Build,
+        args: tuple[Any, ...],
+        timeout_s: float,
+        *,
+        what: str,
+        start_timeout_s: float = 120.0,
+        lazy: bool = False,
+    ) -> None:
+        if not timeout_s >= 0:
+            raise ValueError(f"timeout_s={timeout_s}; it must be >= 0 seconds (0: no limit)")
+        self.what = what
+        self.timeout_s = float(timeout_s)
+        self.start_timeout_s = float(start_timeout_s)
+        self.restarts = 0
+        self._build, self._args = build, args
+        self._ctx = mp.get_context("spawn")
+        self._lock = threading.Lock()
+        self._child: _Child | None = None
+        self._finalizer: weakref.finalize | None = None
+        if not lazy:
+            with self._lock:
+                self._start()
+
+    def _start(self) -> _Child:
+        parent, child_end = self._ctx.Pipe()
+        process = self._ctx.Process(
+            target=_serve,
+            args=(child_end, self._build, self._args),
+            name=f"staleflow-sandbox({self.what})",
+            daemon=True,  # dies with this process
+        )
+        process.start()
+        child_end.close()
+        child = _Child(process, parent)
+        try:
+            ready = parent.poll(self.start_timeout_s)
+            status, text = parent.recv() if ready else ("fatal", "")
+        except (EOFError, OSError):
+            status, text = "fatal", f"the process exited with code {process.exitcode}"
+        if status != "ready":
+            child.stop(graceful=False)
+            if not text:
+                text = f"not ready after {self.start_timeout_s:g}s"
+            if text.startswith(("ImportError", "ModuleNotFoundError")):
+                raise ImportError(f"{self.what}: {text}")
+            raise CallError(f"cannot start {self.what}: {text}")
+        self._child = child
+        self._finalizer = weakref.finalize(self, child.stop, True)
+        return child
+
+    def _discard(self) -> None:
+        """Kill the current child (hung, or dead already); the next call starts another."""
+        if self._finalizer is not None:
+            self._finalizer.detach()
+        if self._child is not None:
+            self._child.stop(graceful=False)
+        self._child, self._finalizer = None, None
+        self.restarts += 1
+
+    def __call__(self, *request: Any) -> Any:
+        with self._lock:
+            child = self._child or self._start()
+            try:
+                child.conn.send(request)
+                # poll is also true when the child died: recv then raises EOFError
+                if not child.conn.poll(self.timeout_s or None):
+                    self._discard()
+                    logger.warning(
+                        "%s took over %gs; killed its process", self.what, self.timeout_s
+                    )
+                    raise CallTimeout(f"timed out after {self.timeout_s:g}s")
+                status, value = child.conn.recv()
+            except (EOFError, OSError):
+                self._discard()  # reaps it: its exit code is known only after that
+                code = child.process.exitcode
+                raise CallError(f"the {self.what} process died (exit code {code})") from None
+        if status != "ok":
+            raise CallError(value)
+        return value
+
+    def close(self) -> None:
+        """Stop the child (also done when this object is collected, or at exit)."""
+        with self._lock:
+            if self._finalizer is not None:
+                self._finalizer()
+            self._child, self._finalizer = None, None
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (None between a timeout and the next call)."""
+        return None if self._child is None else self._child.process.pid
+
+
+def _reward_fn(factory: str, options: Mapping[str, object]) -> Callable[[str, str], float]:
+    fn = load_factory(factory)(**options)
+    return lambda response_text, answer: as_reward(fn(response_text, answer))
 
 
 class TimeLimitedRewardFn:
@@ -85,84 +216,46 @@ class TimeLimitedRewardFn:
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s}; it must be > 0 seconds")
         self.factory = factory
-        self.timeout_s = float(timeout_s)
-        self.start_timeout_s = float(start_timeout_s)
-        self.restarts = 0
-        self._options = dict(options or {})
-        self._ctx = mp.get_context("spawn")
-        self._lock = threading.Lock()
-        self._child: _Child | None = None
-        self._finalizer: weakref.finalize | None = None
-        with self._lock:
-            self._start()
-
-    def _start(self) -> _Child:
-        parent, child_end = self._ctx.Pipe()
-        process = self._ctx.Process(
-            target=_serve,
-            args=(child_end, self.factory, self._options),
-            name=f"staleflow-reward({self.factory})",
-            daemon=True,  # dies with this process
-        )
-        process.start()
-        child_end.close()
-        child = _Child(process, parent)
         try:
-            ready = parent.poll(self.start_timeout_s)
-            status, text = parent.recv() if ready else ("fatal", "")
-        except (EOFError, OSError):
-            status, text = "fatal", f"the process exited with code {process.exitcode}"
-        if status != "ready":
-            child.stop(graceful=False)
-            if not text:
-                text = f"not ready after {self.start_timeout_s:g}s"
-            if text.startswith(("ImportError", "ModuleNotFoundError")):
-                raise ImportError(f"reward function {self.factory}: {text}")
-            raise RewardError(f"cannot start reward function {self.factory}: {text}")
-        self._child = child
-        self._finalizer = weakref.finalize(self, child.stop, True)
-        return child
+            self._call = TimeLimitedCall(
+                _reward_fn,
+                (factory, dict(options or {})),
+                timeout_s,
+                what=f"reward function {factory}",
+                start_timeout_s=start_timeout_s,
+            )
+        except CallError as exc:
+            raise RewardError(str(exc)) from None
 
-    def _discard(self) -> None:
-        """Kill the current child (hung, or dead already); the next call starts another."""
-        if self._finalizer is not None:
-            self._finalizer.detach()
-        if self._child is not None:
-            self._child.stop(graceful=False)
-        self._child, self._finalizer = None, None
-        self.restarts += 1
+    @property
+    def timeout_s(self) -> float:
+        return self._call.timeout_s
+
+    @property
+    def start_timeout_s(self) -> float:
+        return self._call.start_timeout_s
+
+    @property
+    def restarts(self) -> int:
+        return self._call.restarts
+
+    @property
+    def _child(self) -> _Child | None:
+        return self._call._child
 
     def __call__(self, response_text: str, answer: str) -> float:
-        with self._lock:
-            child = self._child or self._start()
-            try:
-                child.conn.send((response_text, answer))
-                # poll is also true when the child died: recv then raises EOFError
-                if not child.conn.poll(self.timeout_s):
-                    self._discard()
-                    logger.warning(
-                        "reward function %s took over %gs; restarted its process",
-                        self.factory,
-                        self.timeout_s,
-                    )
-                    raise RewardTimeout(f"timed out after {self.timeout_s:g}s")
-                status, value = child.conn.recv()
-            except (EOFError, OSError):
-                self._discard()  # reaps it: its exit code is known only after that
-                code = child.process.exitcode
-                raise RewardError(f"the reward process died (exit code {code})") from None
-        if status != "ok":
-            raise RewardError(value)
-        return value
+        try:
+            return self._call(response_text, answer)
+        except CallTimeout as exc:
+            raise RewardTimeout(str(exc)) from None
+        except CallError as exc:
+            raise RewardError(str(exc)) from None
 
     def close(self) -> None:
         """Stop the child (also done when this object is collected, or at exit)."""
-        with self._lock:
-            if self._finalizer is not None:
-                self._finalizer()
-            self._child, self._finalizer = None, None
+        self._call.close()
 
     @property
     def pid(self) -> int | None:
         """The child's process id (None between a timeout and the next call)."""
-        return None if self._child is None else self._child.process.pid
+        return self._call.pid

@@ -75,6 +75,10 @@ class InstanceTimes:
     command_s: dict[str, float] = field(default_factory=dict)
     # trajectories handed back to the TS at a chunk boundary (divided rollout)
     chunks: int = 0
+    # requests whose prefix KV the engine reused, and the tokens it did not prefill for
+    # them (staleflow.engines.base.StepTimes)
+    prefix_hits: int = 0
+    prefix_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,6 +421,8 @@ class RolloutInstance:
                 finished=self._finished,
                 command_s=dict(self._command_s),
                 chunks=self._chunks,
+                prefix_hits=t.prefix_hits,
+                prefix_tokens=t.prefix_tokens,
             )
 
     @property
@@ -434,6 +440,26 @@ class RolloutInstance:
         """Trajectories running or waiting here (not the race copies)."""
         with self._lock:
             return set(self._meta) - set(self._copies)
+
+    def held_prefixes(self) -> tuple[int, ...]:
+        """Trajectories whose KV the engine keeps for their next turn (the embedded
+        engine with ``prefix_cache_tokens``; empty for an engine without such a store),
+        least recently kept first. A next turn routed here prefills only what is new; the
+        store is emptied at every Pull."""
+        read = getattr(self._engine, "held_prefixes", None)
+        if read is None:
+            return ()
+        with self._lock:
+            return tuple(read())
+
+    def drop_prefixes(self, traj_ids: Iterable[int]) -> list[int]:
+        """Forget the kept prefixes of ``traj_ids`` (their episodes ended or were
+        aborted); returns those that were kept."""
+        drop = getattr(self._engine, "drop_prefixes", None)
+        if drop is None:
+            return []
+        with self._lock:
+            return list(drop(list(traj_ids)))
 
     def _own(self, engine_id: int) -> bool:
         """A trajectory of this instance: not a race copy, not an evaluation request."""

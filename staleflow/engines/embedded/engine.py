@@ -28,6 +28,15 @@ Weight updates (:meth:`EmbeddedEngine.load_weights`) copy into the model in plac
 the KV cache of running requests (as SGLang's in-place update does): their past K/V came
 from older weights, and only tokens sampled after the load carry the new version.
 
+Multi-turn (``prefix_cache_tokens`` > 0, :mod:`~staleflow.engines.embedded.prefix_store`):
+a request that finishes at its stop token leaves a copy of its cache row behind, keyed by
+trajectory; when the trajectory's next turn (``prompt + turns + observation``) is
+admitted, the longest common prefix is copied back and only the rest is prefilled, which
+computes what a full prefill would. The copies are dropped at every weight load (so the
+next turn is exactly that of the new weights), at an abort, and by :meth:`drop_prefixes`;
+:meth:`held_prefixes` lists the trajectories whose prefix is kept, for routing their next
+turn here.
+
 A model with LoRA adapters injected (``trainer.lora``, :mod:`staleflow.models.lora`) runs
 them unmerged, as the trainer does: a version is then the adapter alone (its
 :meth:`~EmbeddedEngine.weight_shapes` are the adapter's), loaded the same way, and the
@@ -65,6 +74,7 @@ from staleflow.engines.checks import (
 )
 from staleflow.engines.embedded import sampling
 from staleflow.engines.embedded.config import EmbeddedEngineConfig
+from staleflow.engines.embedded.prefix_store import HeldPrefix, PrefixStore, common_prefix
 from staleflow.engines.embedded.runner import ModelRunner
 from staleflow.models import lora
 
@@ -134,6 +144,9 @@ class EmbeddedEngine:
         self._decode_s = 0.0
         self._prefill_tokens = 0
         self._decode_tokens = 0
+        self._prefixes = PrefixStore(config.prefix_cache_tokens, config.prefix_cache_trajs)
+        self._prefix_hits = 0
+        self._prefix_tokens = 0
         self.preemptions = 0
         logger.info(
             "embedded engine: %d layers, %d/%d heads, KV cache %.1f MiB (%d slots x %d tokens), "
@@ -165,7 +178,20 @@ class EmbeddedEngine:
         return {r.traj_id: r.output(None) for r in self._remove(traj_ids)}
 
     def abort(self, traj_ids: Iterable[int]) -> list[int]:
-        return [r.traj_id for r in self._remove(traj_ids)]
+        """Drop requests for good, and the prefix kept for their next turn."""
+        ids = list(traj_ids)
+        self._prefixes.drop(ids)
+        return [r.traj_id for r in self._remove(ids)]
+
+    def held_prefixes(self) -> tuple[int, ...]:
+        """Trajectories whose KV this engine keeps for their next turn, least recently
+        kept first: a next turn routed here prefills only its observation."""
+        return self._prefixes.held()
+
+    def drop_prefixes(self, traj_ids: Iterable[int]) -> list[int]:
+        """Forget the kept prefixes of ``traj_ids`` (their episodes ended); returns those
+        that were kept."""
+        return self._prefixes.drop(traj_ids)
 
     def progress(self) -> dict[int, EngineOutput]:
         """``ReportsProgress``: a preempted request keeps its tokens (it is re-prefilled),
@@ -231,38 +257,59 @@ class EmbeddedEngine:
 
     def _prefill(self, first_row: int, admitted: list[_Request]) -> None:
         """Cache ``prompt + response[:-1]`` of each admitted request (its last token is the
-        next decode input), in right-padded batches of at most ``max_prefill_tokens``."""
+        next decode input), in right-padded batches of at most ``max_prefill_tokens``; a
+        request whose earlier turn left its prefix here gets that copied back and
+        prefills only the rest (a batch of its own kind)."""
         t0 = time.perf_counter()
         cap = self.config.max_prefill_tokens
-        batch: list[tuple[int, np.ndarray]] = []
-        longest = 0
+        fresh: list[tuple[int, int, np.ndarray]] = []  # (row, start, tokens to prefill)
+        extend: list[tuple[int, int, np.ndarray]] = []
         tokens = 0
         for i, r in enumerate(admitted):
             seq = r.sequence()[:-1]
-            if len(seq) == 0:
-                continue  # a one-token prompt: nothing to cache yet
-            tokens += len(seq)
-            if batch and (len(batch) + 1) * max(longest, len(seq)) > cap:
-                self._prefill_batch(batch, longest)
-                batch, longest = [], 0
-            batch.append((first_row + i, seq))
-            longest = max(longest, len(seq))
-        if batch:
-            self._prefill_batch(batch, longest)
+            row = first_row + i
+            start = self._reuse_prefix(r.traj_id, row, seq)
+            if start == len(seq):
+                continue  # nothing left to cache (a one-token prompt, or all of it kept)
+            tokens += len(seq) - start
+            (extend if start else fresh).append((row, start, seq[start:]))
+        for batch in _batches(fresh, cap):
+            self._prefill_batch(batch)
+        for batch in _batches(extend, cap):
+            self._prefill_batch(batch, extend=True)
         self._prefill_s += time.perf_counter() - t0
         self._prefill_tokens += tokens
 
-    def _prefill_batch(self, batch: list[tuple[int, np.ndarray]], longest: int) -> None:
+    def _reuse_prefix(self, traj_id: int, row: int, seq: np.ndarray) -> int:
+        """Copy the kept K/V of ``traj_id``'s longest common prefix with ``seq`` into
+        ``row``; returns its length (0: none kept, or nothing in common)."""
+        held = self._prefixes.take(traj_id)
+        if held is None:
+            return 0
+        n = common_prefix(held.tokens, seq)
+        if n:
+            with torch.inference_mode():
+                self._cache.write_row(row, held.k, held.v, n)
+            self._prefix_hits += 1
+            self._prefix_tokens += n
+        return n
+
+    def _prefill_batch(
+        self, batch: list[tuple[int, int, np.ndarray]], extend: bool = False
+    ) -> None:
+        longest = max(len(seq) for _, _, seq in batch)
         ids = np.zeros((len(batch), longest), dtype=np.int64)
-        for j, (_, seq) in enumerate(batch):
+        for j, (_, _, seq) in enumerate(batch):
             ids[j, : len(seq)] = seq
         device = self._runner.shape.device
-        self._runner.prefill(
-            self._cache,
-            torch.from_numpy(ids).to(device),
-            torch.tensor([len(s) for _, s in batch], device=device),
-            torch.tensor([row for row, _ in batch], device=device),
-        )
+        ids_t = torch.from_numpy(ids).to(device)
+        lengths = torch.tensor([len(s) for _, _, s in batch], device=device)
+        rows = torch.tensor([row for row, _, _ in batch], device=device)
+        if extend:
+            starts = torch.tensor([start for _, start, _ in batch], device=device)
+            self._runner.extend(self._cache, ids_t, starts, lengths, rows)
+        else:
+            self._runner.prefill(self._cache, ids_t, lengths, rows)
 
     def _decode(self) -> list[EngineOutput]:
         rows = self._rows
@@ -294,6 +341,8 @@ class EmbeddedEngine:
         # Highest rows first, so moving the last row into a hole never moves a finished one.
         for i, reason in reversed(finished):
             r = rows[i]
+            if reason == FINISH_STOP and self._prefixes.max_tokens:
+                self._keep_prefix(i, r)
             self._release_row(i)
             del self._known[r.traj_id]
             outputs.append(r.output(reason))
@@ -301,6 +350,16 @@ class EmbeddedEngine:
         self._decode_tokens += len(last)
         self._decode_s += time.perf_counter() - t0
         return outputs
+
+    def _keep_prefix(self, row: int, r: _Request) -> None:
+        """A turn ended at its stop token: keep its row's K/V (all but that token's, which
+        the next turn prefills) for the trajectory's next turn."""
+        n = r.length - 1
+        if n <= 0 or n > self._prefixes.max_tokens:
+            return
+        with torch.inference_mode():
+            k, v = self._cache.read_row(row, n)
+        self._prefixes.put(r.traj_id, HeldPrefix(r.sequence()[:n], k, v))
 
     def _release_row(self, row: int) -> None:
         """Free cache row ``row``, keeping rows dense by moving the last request into it."""
@@ -328,6 +387,8 @@ class EmbeddedEngine:
         copied. Running requests keep their KV cache, computed by the older weights."""
         _copy_checked(self._params, weights)
         self._version = int(version)
+        # kept prefixes were computed by the old weights: a next turn re-prefills
+        self._prefixes.clear()
         logger.info(
             "loaded %s of version %d", "the adapter" if self.adapters else "weights", version
         )
@@ -349,6 +410,7 @@ class EmbeddedEngine:
                 "takes all of its weights"
             )
         _copy_checked(self._base, weights)
+        self._prefixes.clear()
         logger.info("loaded the base weights (%d tensors)", len(self._base))
 
     # ------------------------------------------------------------------------ observation
@@ -375,6 +437,8 @@ class EmbeddedEngine:
             decode_s=self._decode_s,
             prefill_tokens=self._prefill_tokens,
             decode_tokens=self._decode_tokens,
+            prefix_hits=self._prefix_hits,
+            prefix_tokens=self._prefix_tokens,
         )
 
     @property
@@ -384,6 +448,24 @@ class EmbeddedEngine:
     @property
     def version(self) -> int:
         return self._version
+
+
+def _batches(
+    items: list[tuple[int, int, np.ndarray]], cap: int
+) -> Iterable[list[tuple[int, int, np.ndarray]]]:
+    """``items`` in order, cut so that each batch's padded size (requests x longest)
+    stays within ``cap`` (a longer single item runs alone)."""
+    batch: list[tuple[int, int, np.ndarray]] = []
+    longest = 0
+    for item in items:
+        n = len(item[2])
+        if batch and (len(batch) + 1) * max(longest, n) > cap:
+            yield batch
+            batch, longest = [], 0
+        batch.append(item)
+        longest = max(longest, n)
+    if batch:
+        yield batch
 
 
 def _copy_checked(params: Mapping[str, nn.Parameter], weights: Mapping[str, object]) -> None:

@@ -55,6 +55,35 @@ class SlotKVCache:
         self.k[layer][rows, :, positions] = k
         self.v[layer][rows, :, positions] = v
 
+    def write_at(
+        self,
+        layer: int,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> None:
+        """Write one token per entry (``k``/``v`` ``[N, kv_heads, head_dim]``) at
+        ``rows[j]``, ``positions[j]``: a batch of prefix extensions, each at its own offset."""
+        self.k[layer][rows, :, positions] = k
+        self.v[layer][rows, :, positions] = v
+
+    def read_row(self, row: int, length: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Copies of row ``row``'s first ``length`` positions, per layer
+        (``[kv_heads, length, head_dim]``): kept past the row's release."""
+        return (
+            [t[row, :, :length].clone() for t in self.k],
+            [t[row, :, :length].clone() for t in self.v],
+        )
+
+    def write_row(
+        self, row: int, k: list[torch.Tensor], v: list[torch.Tensor], length: int
+    ) -> None:
+        """Put the first ``length`` positions of per-layer copies (``read_row``'s) back
+        into row ``row`` at positions ``0..length-1``."""
+        for dst, src in zip((*self.k, *self.v), (*k, *v), strict=True):
+            dst[row, :, :length] = src[:, :length]
+
     def view(self, layer: int, n: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of rows ``0..n-1``, positions ``0..length-1`` (views, no copy)."""
         return self.k[layer][:n, :, :length], self.v[layer][:n, :, :length]

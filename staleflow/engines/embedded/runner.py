@@ -182,6 +182,60 @@ class ModelRunner:
         return self.lm_head(self.norm(h)).float()
 
     @torch.inference_mode()
+    def extend(
+        self,
+        cache: SlotKVCache,
+        ids: torch.Tensor,
+        starts: torch.Tensor,
+        lengths: torch.Tensor,
+        rows: torch.Tensor,
+        *,
+        want_logits: bool = False,
+    ) -> torch.Tensor | None:
+        """Prefill the continuation of prefixes already in the cache: row ``rows[i]`` holds
+        positions ``0..starts[i]-1``; ``ids`` ``[n, L]`` (right-padded, row ``i`` valid up
+        to ``lengths[i]``) go at positions ``starts[i]..`` and attend to the held prefix and
+        causally to each other. A prefix's K/V is a function of its tokens alone, so the
+        result is that of :meth:`prefill` over the whole sequence (up to float rounding).
+        Returns logits ``[n, L, vocab]`` if ``want_logits`` (tests), else None."""
+        n, length = ids.shape
+        nh, kvh, hd = self.shape.num_heads, self.shape.kv_heads, self.shape.head_dim
+        offsets = torch.arange(length, device=ids.device)
+        positions = starts[:, None] + offsets[None]  # [n, L]
+        valid = offsets[None] < lengths[:, None]
+        # only real tokens are written: a padded one could land on a valid position of a
+        # row whose continuation ends at max_seq_len
+        write_rows = rows[:, None].expand(n, length)[valid]
+        write_pos = positions[valid]
+        span = int((starts + lengths).max())
+        mask = (torch.arange(span, device=ids.device)[None, None, :] <= positions[:, :, None])[
+            :, None
+        ]  # [n, 1, L, span]
+        h = self.embed(ids)
+        cos, sin = self.rotary(h, positions)
+        cos, sin = cos[:, None], sin[:, None]  # [n, 1, L, D]
+        last = len(self.layers) - 1
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q, k, v = self._qkv(attn, x, (n, length, nh, hd), (n, length, kvh, hd))
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            cache.write_at(
+                i, write_rows, write_pos, k.transpose(1, 2)[valid], v.transpose(1, 2)[valid]
+            )
+            if i == last and not want_logits:
+                return None
+            keys, values = cache.k[i][rows, :, :span], cache.v[i][rows, :, :span]
+            if self._rep > 1:
+                keys = keys.repeat_interleave(self._rep, dim=1)
+                values = values.repeat_interleave(self._rep, dim=1)
+            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scaling)
+            h = h + attn.o_proj(a.transpose(1, 2).reshape(n, length, nh * hd))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.lm_head(self.norm(h)).float()
+
+    @torch.inference_mode()
     def decode(
         self, cache: SlotKVCache, ids: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:

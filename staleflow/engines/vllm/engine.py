@@ -117,6 +117,7 @@ class VLLMEngine:
         self._steps = 0
         self._prefill_s = self._decode_s = 0.0
         self._prefill_tokens = self._decode_tokens = 0
+        self._prefix_hits = self._prefix_tokens = 0
 
     # ----------------------------------------------------------------- requests in / out
 
@@ -209,7 +210,13 @@ class VLLMEngine:
                 r.versions.append(version)
             if completion.token_ids and r.first_token < 0:
                 r.first_token = self._steps
-                prefilled += r.length - len(completion.token_ids)
+                # the prefix vLLM's prefix cache held (a group's shared prompt, a
+                # resubmitted partial, a trajectory's earlier turns): not prefilled
+                cached = int(getattr(out, "num_cached_tokens", None) or 0)
+                if cached:
+                    self._prefix_hits += 1
+                    self._prefix_tokens += cached
+                prefilled += r.length - len(completion.token_ids) - cached
             self._decode_tokens += len(completion.token_ids)
             if out.finished:
                 del self._requests[r.traj_id]
@@ -352,6 +359,8 @@ class VLLMEngine:
             decode_s=self._decode_s,
             prefill_tokens=self._prefill_tokens,
             decode_tokens=self._decode_tokens,
+            prefix_hits=self._prefix_hits,
+            prefix_tokens=self._prefix_tokens,
         )
 
     @property

@@ -172,10 +172,22 @@ class StepMetrics:
             extra={
                 **{k: float(v) for k, v in report.metrics.items() if not record_key(k)},
                 **{k: float(v) for k, v in (totals or {}).items()},
+                **_prefix_reuse(instance_times),
             },
         )
         self.records.append(rec)
         return rec
+
+
+def _prefix_reuse(instance_times: Mapping[int, InstanceTimes]) -> dict[str, float]:
+    """KV reuse across turns, summed over the instances since they started: requests
+    that reused a kept prefix and the tokens not prefilled thanks to it. Absent while
+    none was reused (a single-turn run, or an engine that cannot tell)."""
+    hits = sum(t.prefix_hits for t in instance_times.values())
+    saved = sum(t.prefix_tokens for t in instance_times.values())
+    if not (hits or saved):
+        return {}
+    return {"rollout/prefix_hits": float(hits), "rollout/prefix_tokens_saved": float(saved)}
 
 
 def _seconds(t: InstanceTimes) -> dict[str, float]:

@@ -8,12 +8,12 @@ an engine cannot report, because a trajectory waiting on its tool is on no insta
   worker (REWARDING) with the instance it ended on (``TrajectoryServer.tool_waits``), and
   in a multi-turn task every REWARDING trajectory waits on its environment (a tool call,
   then its next turn or its score: ``runtime/workers/env_stage.py``).
-- ``held``: the prefixes the instance still caches. vLLM's prefix caching and SGLang's
-  radix cache keep a finished request's KV until decoding needs the room; a Pull empties
-  them (``reset_prefix_cache``). The engines do not list what they keep, so the view
-  assumes a prefix stays until the instance Pulls or the trajectory is routed again
-  (eviction under load is not seen; the routing's gain rule still weighs the prefill).
-  Off for the embedded engine, which keeps no cache across requests.
+- ``held``: the prefixes the instance still caches. vLLM's prefix caching, SGLang's
+  radix cache and the embedded engine's prefix store keep a finished turn's KV until
+  they need the room; a Pull empties them. The view assumes a prefix stays until the
+  instance Pulls or the trajectory is routed again (eviction is not seen; the routing's
+  gain rule still weighs the prefill). The instances' own ``held_prefixes`` would say
+  exactly; feeding them in is not done yet.
 
 The coordinator learns tool waits online from ``env_trajs`` (``ToolWaits.observe``);
 :meth:`ToolWaitView.learn` warm-starts that estimate from the episodes' own records

@@ -38,8 +38,9 @@ def control_config(cfg: RunConfig) -> ControlConfig:
         sampling=cfg.sampling_config(),
         tool_waits=cfg.data.task in ENV_TASKS,
         # vLLM's prefix caching (rollout.vllm, on by default) and SGLang's radix cache
-        # keep a finished turn's KV; the embedded engine keeps none
-        prefix_cache=cfg.data.task in ENV_TASKS and cfg.rollout.backend in ("vllm", "sglang"),
+        # keep a finished turn's KV; the embedded engine with its prefix store
+        prefix_cache=cfg.data.task in ENV_TASKS
+        and (cfg.rollout.backend in ("vllm", "sglang") or cfg.rollout.prefix_cache_tokens > 0),
     )
 
 
@@ -75,6 +76,7 @@ def rollout_spec(
         engine_options=options,
         chunk_tokens=cfg.coordinator.seer.chunk,
         eval_running=cfg.eval.max_running,
+        prefix_cache_tokens=r.prefix_cache_tokens if cfg.data.task in ENV_TASKS else 0,
     )
 
 

@@ -406,6 +406,12 @@ class RolloutActor:
     def held(self) -> set[int]:
         return self._host.held()
 
+    def held_prefixes(self) -> tuple[int, ...]:
+        return self._host.held_prefixes()
+
+    def drop_prefixes(self, traj_ids: list[int]) -> list[int]:
+        return self._host.drop_prefixes(traj_ids)
+
     def pid(self) -> int:
         return os.getpid()
 

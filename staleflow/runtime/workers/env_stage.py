@@ -13,7 +13,8 @@ the last turn, or the token limit) the environment scores it and it completes as
 single-turn response does.
 
 What can go wrong is one trajectory's: a step that raises, runs past its limit
-(``env.step_timeout_s``), returns a state that is not plain data, or an observation the
+(``env.step_timeout_s``: abandoned on its thread, or with ``env.sandbox`` killed with
+the child process it ran in, :mod:`staleflow.runtime.workers.env_sandbox`), returns a state that is not plain data, or an observation the
 tokenizer cannot encode ends that episode with
 ``env_error`` (scored 0, the reason in the record); a malformed tool call is the
 environment's to answer (the calculator answers ``error`` and goes on). A turn the engine
@@ -55,6 +56,7 @@ from staleflow.envs.base import (
 )
 from staleflow.envs.formats import TurnFormat
 from staleflow.rollout.instance import Finished
+from staleflow.runtime.workers.env_sandbox import SandboxedSteps, StepFailed, StepTimeout
 from staleflow.runtime.workers.reward_stage import RewardStage
 from trajectory_server.types import InfoValue, InstanceId, NextTurn
 
@@ -67,10 +69,6 @@ class EnvServer(Protocol):
     def env_states(self, traj_ids: Sequence[int]) -> dict[int, bytes]: ...
 
     def next_turn(self, turns: Sequence[NextTurn], *, worker_id: str | int) -> None: ...
-
-
-class StepTimeout(RuntimeError):
-    """An environment step ran past ``env.step_timeout_s``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +123,7 @@ class EnvironmentStage:
         worker_id: str | int,
         threads: int = 8,
         step_timeout_s: float = 0.0,
+        sandbox: SandboxedSteps | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self._env, self._fmt, self._limits = env, fmt, limits
@@ -134,10 +133,13 @@ class EnvironmentStage:
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="env-step")
         # with a limit, each step runs on a thread of its own that the stage stops waiting
         # for (Python cannot kill a thread: a step past its limit runs on, abandoned)
+        # ``sandbox`` (env.sandbox): each step runs in a child process, killed past its
+        # limit, instead
         self._timeout_s = step_timeout_s
+        self._sandbox = sandbox
         self._steps_pool = (
             ThreadPoolExecutor(max(1, threads), thread_name_prefix="env-step-limited")
-            if step_timeout_s > 0
+            if step_timeout_s > 0 and sandbox is None
             else None
         )
         self.steps = 0
@@ -182,7 +184,7 @@ class EnvironmentStage:
             with self._lock:
                 self.errors += 1
             logger.warning("trajectory %d: its environment failed: %r", f.traj_id, exc)
-            why = str(exc) if isinstance(exc, StepTimeout) else repr(exc)
+            why = str(exc) if isinstance(exc, StepTimeout | StepFailed) else repr(exc)
             return _Outcome(None, 0.0, FINISH_ERROR, f"environment: {why}"[:500])
 
     def _step(self, f: Finished, packed: bytes) -> _Outcome:
@@ -203,7 +205,9 @@ class EnvironmentStage:
         start, end = spans[-1]
         ids = f.tokens[start:end]
         turn = ModelTurn(turns - 1, self._fmt.turn_text(ids), ids)
-        if self._steps_pool is None:
+        if self._sandbox is not None:
+            step = self._sandbox(state, turn)
+        elif self._steps_pool is None:
             step = self._env.step(state, turn)
         else:
             try:
@@ -258,3 +262,5 @@ class EnvironmentStage:
         self._pool.shutdown(wait=False)
         if self._steps_pool is not None:
             self._steps_pool.shutdown(wait=False)
+        if self._sandbox is not None:
+            self._sandbox.close()

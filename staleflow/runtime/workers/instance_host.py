@@ -239,6 +239,16 @@ class InstanceHost:
     def held(self) -> set[int]:
         return self.instance.held()
 
+    def held_prefixes(self) -> tuple[int, ...]:
+        """Trajectories between turns whose KV this instance still holds (none after a
+        Pull): routing a trajectory's next turn here saves prefilling its prefix. For the
+        coordinator's routing preference (docs/agentic.md, "KV reuse across turns")."""
+        return self.instance.held_prefixes()
+
+    def drop_prefixes(self, traj_ids: Sequence[int]) -> list[int]:
+        """Free the KV kept for ``traj_ids``' next turns (their episodes ended)."""
+        return self.instance.drop_prefixes(traj_ids)
+
     # -- progress ------------------------------------------------------------------------
 
     def report_progress(self) -> int:

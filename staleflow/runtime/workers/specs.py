@@ -27,6 +27,7 @@ from staleflow.models import lora as lora_lib
 from staleflow.rewards import RewardItem, RewardWorker
 from staleflow.rewards.worker import build_reward_fn
 from staleflow.runtime.interface import Rewarded
+from staleflow.runtime.workers.env_sandbox import SandboxedSteps
 from staleflow.runtime.workers.env_stage import EnvironmentStage
 from staleflow.runtime.workers.reward_stage import CompletionSink, RewardStage
 from staleflow.trainers import trainer_class
@@ -70,6 +71,9 @@ class RolloutSpec:
     chunk_tokens: int | None = None
     # eval.max_running: evaluation requests in the engine at once (rollout/eval_lane.py)
     eval_running: int = 16
+    # KV tokens of finished turns the embedded engine keeps for their next turn
+    # (rollout.prefix_cache_tokens; 0 for a single-turn task, which has no next turn)
+    prefix_cache_tokens: int = 0
 
     @property
     def layout(self) -> dict[str, Any]:
@@ -100,6 +104,7 @@ class EnvSpec:
     max_tokens: int  # the response budget, turns and observations together
     threads: int
     step_timeout_s: float = 0.0  # 0: no limit
+    sandbox: bool = False  # steps in killable child processes (env_sandbox.py)
 
 
 def env_spec(cfg: RunConfig) -> EnvSpec | None:
@@ -111,7 +116,13 @@ def env_spec(cfg: RunConfig) -> EnvSpec | None:
     name = e.environment(task)
     budget = cfg.rollout.max_response_tokens
     return EnvSpec(
-        environment_target(name), e.options(name), e.max_turns, budget, e.threads, e.step_timeout_s
+        environment_target(name),
+        e.options(name),
+        e.max_turns,
+        budget,
+        e.threads,
+        e.step_timeout_s,
+        e.sandbox,
     )
 
 
@@ -234,7 +245,9 @@ def build_embedded_engine(spec: RolloutSpec, seed: int, placement: EnginePlaceme
     from staleflow.engines.embedded import EmbeddedEngineConfig
 
     config = EmbeddedEngineConfig(
-        **asdict(engine_settings(spec, seed)), num_threads=spec.rollout.num_threads
+        **asdict(engine_settings(spec, seed)),
+        num_threads=spec.rollout.num_threads,
+        prefix_cache_tokens=spec.prefix_cache_tokens,
     )
     return engine_class("embedded")(build_architecture(spec.model, seed), config)
 
@@ -316,4 +329,9 @@ def build_reward_stage(
         worker_id=worker_id or "reward",
         threads=e.threads,
         step_timeout_s=e.step_timeout_s,
+        sandbox=(
+            SandboxedSteps(e.name, e.options, e.step_timeout_s, processes=e.threads)
+            if e.sandbox
+            else None
+        ),
     )

@@ -33,6 +33,18 @@ def test_bad_env_values_are_refused_by_name(override, why):
         load_config(None, ["data.task=calculator", override])
 
 
+def test_a_sandbox_needs_a_step_limit_and_reaches_the_workers_spec():
+    from staleflow.runtime.workers.specs import env_spec
+
+    with pytest.raises(ConfigError, match=r"env.step_timeout_s=0.0 must be > 0 with env.sandbox"):
+        load_config(None, ["data.task=calculator", "env.sandbox=true", "env.step_timeout_s=0"])
+    cfg = load_config(None, ["data.task=calculator", "env.sandbox=true"]).resolved()
+    spec = env_spec(cfg)
+    assert spec is not None and spec.sandbox and spec.step_timeout_s == 60.0
+    spec = env_spec(load_config(None, ["data.task=calculator"]).resolved())
+    assert spec is not None and not spec.sandbox  # off by default
+
+
 def test_data_task_env_takes_the_environment_from_env_name(tmp_path):
     cfg = load_config(
         None,

@@ -191,7 +191,8 @@ def open_backend(
         engine_model = build_model(0)
         engine_model.load_state_dict(model.state_dict())
         budget = {} if prefill_budget is None else {"max_prefill_tokens": prefill_budget}
-        config = EmbeddedEngineConfig(**common, **budget)
+        # a turn's KV kept for its next turn (prefix_store): every case runs with it
+        config = EmbeddedEngineConfig(**common, **budget, prefix_cache_tokens=4096)
         return Backend(name, EmbeddedEngine(engine_model, config), reference, eos)
     if name == "vllm":
         from staleflow.engines.vllm import VLLMEngine, VLLMEngineConfig

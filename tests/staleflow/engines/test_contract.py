@@ -330,3 +330,158 @@ def test_a_race_copy_resumed_at_the_originals_point_samples_its_tokens(backend, 
     copy = drain(eng)[tid]
     assert copy.tokens.tolist() == held.tokens.tolist()
     np.testing.assert_allclose(copy.logprobs, held.logprobs, atol=TOL, rtol=0)
+
+
+# -- multi-turn (docs/agentic.md): a turn ends at the stop token, the environment's
+# observation is appended (logprob 0, the version of the token before it, mask False), and
+# the trajectory comes back for its next turn, to the engine that ran the turn before: the
+# embedded engine keeps that turn's KV (prefix_store), vLLM's prefix cache holds its blocks.
+
+TURN_PROMPT = 40  # with its first turn, more than one of vLLM's 32-token blocks: cacheable
+
+
+def first_turn(backend: Backend, eng) -> tuple[GenerationRequest, object]:
+    """A first turn that ended at the stop token: the first trajectory (of a fixed
+    sequence of ids and prompts) whose turn does, so the case is the same on every run;
+    draws are keyed by trajectory, so each try is a new id. Under the suite's first
+    weights, whose most frequent token is the stop token (earlier cases load others)."""
+    version = eng.state().version + next(_versions)
+    backend.load(build_model(0), version)
+    seen = []
+    for seed in range(40):
+        req = request(TURN_PROMPT, max_response=12, seed=seed)
+        eng.submit([req])
+        out = drain(eng)[req.traj_id]
+        seen.append((out.finish_reason, out.tokens.tolist()))
+        if out.finish_reason == FINISH_STOP:
+            check_output(out, req, backend.eos)
+            assert set(out.versions.tolist()) == {eng.state().version}
+            check_logprobs(backend.reference, req, out)
+            return req, out
+    raise AssertionError(f"no first turn ended at the stop token {backend.eos}: {seen[:3]}")
+
+
+def next_turn(first: GenerationRequest, out, max_new: int = 12):
+    """The next turn's request: the turn, then a four-token observation; and its mask."""
+    obs = np.random.default_rng(first.traj_id).integers(0, VOCAB, 4).astype(np.int32)
+    tokens = np.concatenate([out.tokens, obs])
+    logprobs = np.concatenate([out.logprobs, np.zeros(4, np.float32)])
+    versions = np.concatenate([out.versions, np.full(4, out.versions[-1], np.int32)])
+    mask = np.concatenate([np.ones(len(out.tokens), bool), np.zeros(4, bool)])
+    req = request(
+        max_response=len(tokens) + max_new,
+        traj_id=first.traj_id,
+        prompt=first.prompt,
+        prefix=(tokens, logprobs, versions),
+    )
+    return req, mask
+
+
+def check_turn(backend: Backend, req: GenerationRequest, mask, out, version: int) -> None:
+    """Exactly what the next turn must hold: the prefix as given (tokens, logprobs,
+    versions), the new tokens' logprobs a full forward's (teacher-forced over prompt,
+    turns and observation), their version the engine's; the mask the instance extends
+    (trajectory_server.types.extend_mask) trains exactly the engine's tokens."""
+    from trajectory_server.types import extend_mask
+
+    n = len(req.tokens)
+    np.testing.assert_array_equal(out.tokens[:n], req.tokens)
+    np.testing.assert_array_equal(out.logprobs[:n], req.logprobs)
+    assert out.versions[:n].tolist() == req.versions.tolist()
+    assert len(out.tokens) > n, "the stop token of the earlier turn ended the next one"
+    assert set(out.versions[n:].tolist()) == {version}
+    assert len(out.tokens) == len(out.logprobs) == len(out.versions) <= req.max_response
+    assert backend.eos not in out.tokens[n:-1].tolist(), "the turn went on past its stop token"
+    if out.finish_reason == FINISH_STOP:
+        assert out.tokens[-1] == backend.eos
+    else:
+        assert out.finish_reason == FINISH_LENGTH and len(out.tokens) == req.max_response
+    check_logprobs(backend.reference, req, out, start=n)
+    full = extend_mask(mask, len(out.tokens))
+    assert full.tolist() == [*mask.tolist(), *([True] * (len(out.tokens) - n))]
+    assert not out.logprobs[~full].any()  # observations: never the model's
+
+
+def test_a_turn_ends_at_its_stop_token_and_the_next_continues_after_the_observation(
+    backend, eng
+) -> None:
+    """A real turn of this engine, then its next turn on the same engine: the turn's KV
+    is reused where the engine keeps it (embedded: held_prefixes, then a prefix hit;
+    vLLM: its prefix cache's hit), and the next turn is exactly a full re-prefill's."""
+    if backend.eos is None:
+        pytest.skip("this backend's model has no stop token")
+    first, out = first_turn(backend, eng)
+    tid = first.traj_id
+    held = getattr(eng, "held_prefixes", None)
+    if held is not None:
+        assert tid in held()
+    before = eng.times()
+    req, mask = next_turn(first, out)
+    eng.submit([req])
+    second = drain(eng)[tid]
+    check_turn(backend, req, mask, second, eng.state().version)
+    after = eng.times()
+    if backend.name in ("embedded", "vllm"):  # both reuse the earlier turn's KV
+        assert after.prefix_tokens > before.prefix_tokens, (before, after)
+
+
+def test_an_interrupt_inside_a_later_turn_keeps_the_turns_and_resumes_exactly(backend, eng) -> None:
+    """Interrupted one step into its second turn, a trajectory returns its turns, the
+    observation and the new tokens exactly; resumed, it generates (with seeded draws)
+    exactly the turn it would have straight through."""
+    if backend.eos is None:
+        pytest.skip("this backend's model has no stop token")
+    first, out = first_turn(backend, eng)
+    tid = first.traj_id
+    req, mask = next_turn(first, out, max_new=24)
+    backend.hold()
+    eng.submit([req])
+    early = {o.traj_id: o for o in backend.advance(1)}
+    parts = eng.interrupt([tid])
+    backend.release()
+    version = eng.state().version
+    assert tid in parts or not backend.can_hold, "held one step in, the turn had finished"
+    if tid not in parts:  # it finished before the interrupt (a real SGLang server runs on)
+        check_turn(backend, req, mask, {**early, **drain(eng)}[tid], version)
+        return
+    part = parts[tid]
+    n = len(req.tokens)
+    assert part.finish_reason is None
+    np.testing.assert_array_equal(part.tokens[:n], req.tokens)
+    np.testing.assert_array_equal(part.logprobs[:n], req.logprobs)
+    assert part.versions[:n].tolist() == req.versions.tolist()
+    assert set(part.versions[n:].tolist()) <= {version}
+    check_logprobs(backend.reference, req, part, start=n)
+    resumed = request(
+        max_response=req.max_response,
+        traj_id=tid,
+        prompt=req.prompt,
+        prefix=(part.tokens, part.logprobs, part.versions),
+    )
+    eng.submit([resumed])
+    whole = drain(eng)[tid]
+    check_turn(backend, req, mask, whole, version)
+    np.testing.assert_array_equal(whole.tokens[: len(part.tokens)], part.tokens)
+    if backend.seeded_draws:
+        eng.submit([req])  # the same turn, straight through
+        straight = drain(eng)[tid]
+        assert whole.tokens.tolist() == straight.tokens.tolist()
+        np.testing.assert_allclose(whole.logprobs, straight.logprobs, atol=TOL, rtol=0)
+
+
+def test_a_next_turn_after_a_weight_load_is_the_new_weights_reprefill(backend, eng) -> None:
+    """A turn's KV kept under the old weights is not reused after a load: the next
+    turn's tokens carry the new version and the new weights' logprobs over the whole
+    prefix (docs/agentic.md: re-prefilling after a Pull)."""
+    if backend.eos is None:
+        pytest.skip("this backend's model has no stop token")
+    first, out = first_turn(backend, eng)
+    tid = first.traj_id
+    version = eng.state().version + next(_versions)
+    backend.load(build_model(version), version)
+    held = getattr(eng, "held_prefixes", None)
+    if held is not None:
+        assert held() == ()
+    req, mask = next_turn(first, out)
+    eng.submit([req])
+    check_turn(backend, req, mask, drain(eng)[tid], version)

@@ -52,12 +52,15 @@ def check_run(result, eta: int, steps: int, trajectories_per_step: int) -> None:
     assert audit["ps_latest"] and set(audit["ps_latest"].values()) == {steps}, audit
 
 
-def warm_micro_calculator(path, positions: int = 128) -> None:
+def warm_micro_calculator(
+    path, positions: int = 128, hidden_size: int = 0, lr: float = 1e-2, steps: int = 50
+) -> None:
     """Save at ``path`` the micro model for the calculator task after 50 steps of 16
     tool-use demonstrations at lr 1e-2 (about 6 s on one idle thread): a policy that
     writes tool calls, so that its trajectories take more than one turn. ``positions``:
     its context (micro's own is 128, in which a tool call, about 80 characters, and the
-    tool's answer rarely fit)."""
+    tool's answer rarely fit). ``hidden_size`` (0: micro's 32): 64 gives heads of 32, the
+    smallest vLLM's CPU attention takes."""
     from dataclasses import replace
 
     from staleflow.data.synthetic import ArithmeticConfig
@@ -69,6 +72,8 @@ def warm_micro_calculator(path, positions: int = 128) -> None:
     from staleflow.models.warmup import warmup
 
     preset = replace(PRESETS["micro"], max_position_embeddings=positions)
+    if hidden_size:
+        preset = replace(preset, hidden_size=hidden_size)
     model, tok = build_calculator_model(preset, seed=0)
     fmt = PlainFormat(tok)
     task = ArithmeticConfig.level(2, seed=7)
@@ -77,5 +82,5 @@ def warm_micro_calculator(path, positions: int = 128) -> None:
         samples = calculator_samples(task, 16, 16 * step)
         return collate_demonstrations([demonstration(s, fmt, tok) for s in samples], tok.pad_id)
 
-    warmup(model, tok, None, steps=50, batch_size=16, lr=1e-2, batches=batch, log_every=0)
+    warmup(model, tok, None, steps=steps, batch_size=16, lr=lr, batches=batch, log_every=0)
     save_pretrained(model, tok, path)

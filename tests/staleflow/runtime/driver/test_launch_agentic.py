@@ -66,3 +66,6 @@ def test_the_calculator_task_trains_multi_turn_trajectories_within_eta(tmp_path)
         assert spans[0][0] == 0 and not mask[spans[0][1]]
         # the bound covers every turn: no token older than the trajectory's V_traj
         assert min(a["versions"]) >= a["v_traj"]
+    # KV reuse across turns (docs/agentic.md): where a next turn came back to its instance
+    # before that instance's next Pull; reported, not required (routing decides it)
+    print("KV reuse:", {k: v for k, v in result.records[-1].extra.items() if "prefix" in k})

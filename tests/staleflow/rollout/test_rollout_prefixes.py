@@ -1,0 +1,109 @@
+"""What an instance tells of the KV it keeps between a trajectory's turns (the embedded
+engine's prefix store): which trajectories' prefixes it holds (for routing their next
+turn there), the reuse in its times and the step record, and that a Pull empties it."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from staleflow.engines.base import FINISH_STOP  # noqa: E402
+from staleflow.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig  # noqa: E402
+from staleflow.rollout.instance import Finished, RolloutInstance  # noqa: E402
+from staleflow.runtime.controller.metrics import _prefix_reuse  # noqa: E402
+from trajectory_server.types import RoutedTrajectory  # noqa: E402
+
+VOCAB = 48
+
+
+def _engine() -> EmbeddedEngine:
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=VOCAB,
+        max_position_embeddings=128,
+    )
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    config = EmbeddedEngineConfig(
+        kv_budget_tokens=512,
+        max_running=4,
+        max_seq_len=64,
+        temperature=0.0,
+        eos_token_id=tuple(range(0, VOCAB, 2)),  # half the vocabulary ends a turn
+        prefix_cache_tokens=1024,
+    )
+    return EmbeddedEngine(model, config)
+
+
+def _routed(traj_id: int, tokens: np.ndarray, mask: list[bool]) -> RoutedTrajectory:
+    n = len(tokens)
+    return RoutedTrajectory(
+        traj_id,
+        group_id=0,
+        v_traj=0,
+        sample_id=0,
+        answer="",
+        prompt=np.arange(1, 7, dtype=np.int32),
+        tokens=tokens.astype(np.int32),
+        logprobs=np.zeros(n, np.float32),
+        versions=np.zeros(n, np.int32),
+        mask=np.array(mask, bool),
+    )
+
+
+def test_an_instance_lists_held_prefixes_counts_reuse_and_a_pull_empties_it() -> None:
+    engine = _engine()
+    got: list[Finished] = []
+    arrived = threading.Semaphore(0)
+
+    def on_finished(fs: list[Finished]) -> None:
+        got.extend(fs)
+        for _ in fs:
+            arrived.release()
+
+    instance = RolloutInstance(0, engine, max_response=24, on_finished=on_finished)
+    instance.start()
+    try:
+        instance.submit([_routed(7, np.zeros(0), [])])
+        assert arrived.acquire(timeout=10)
+        first = got[-1]
+        assert first.finish_reason == FINISH_STOP, "the greedy turn did not stop"
+        assert instance.held_prefixes() == (7,)
+        # the next turn: the first turn, then a three-token observation (mask False)
+        tokens = np.concatenate([first.tokens, [3, 5, 9]])
+        mask = [*first.mask.tolist(), False, False, False]  # type: ignore[union-attr]
+        instance.submit([_routed(7, tokens, mask)])
+        assert arrived.acquire(timeout=10)
+        second = got[-1]
+        assert second.mask[: len(mask)].tolist() == mask  # type: ignore[index]
+        times = instance.times()
+        assert times.prefix_hits == 1
+        assert times.prefix_tokens == 6 + len(first.tokens) - 1  # all but the stop token
+        assert _prefix_reuse({0: times}) == {
+            "rollout/prefix_hits": 1.0,
+            "rollout/prefix_tokens_saved": float(times.prefix_tokens),
+        }
+        if second.finish_reason == FINISH_STOP:
+            assert instance.held_prefixes() == (7,)
+            weights = {n: p.detach().numpy().copy() for n, p in engine._model.named_parameters()}
+            instance.load_weights(weights, 1)
+            assert instance.held_prefixes() == ()  # computed by the old weights
+        assert instance.drop_prefixes([7]) == []
+    finally:
+        instance.stop()
+
+
+def test_no_reuse_leaves_the_step_record_as_it_was() -> None:
+    from staleflow.rollout.instance import InstanceTimes
+
+    idle = InstanceTimes(0.0, 0.0, 0.0, 0.0, 0, 0, 0.0, 0)
+    assert _prefix_reuse({0: idle, 1: idle}) == {}

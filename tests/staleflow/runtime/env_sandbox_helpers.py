@@ -1,0 +1,29 @@
+"""An environment for the sandbox test, imported by its spawned step processes (the test
+puts this folder on sys.path, which the children inherit)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from staleflow.envs import EnvSample, EnvState, Episode, ModelTurn, Step
+
+
+class Runaway:
+    """A turn that says ``loop`` runs a tool that never returns (it writes its process id
+    to ``$RUNAWAY_PIDFILE`` first); any other turn ends the episode, scored 1."""
+
+    name = "runaway"
+
+    def start(self, sample: EnvSample, seed: int) -> Episode:
+        return Episode(({"role": "user", "content": sample.prompt},), (), {"steps": 0})
+
+    def step(self, state: EnvState, turn: ModelTurn) -> Step:
+        if "loop" in turn.text:
+            Path(os.environ["RUNAWAY_PIDFILE"]).write_text(str(os.getpid()))
+            while True:  # an infinite loop: only a kill ends it
+                pass
+        return Step({"steps": 1}, done=True, info={"pid": os.getpid()})
+
+    def score(self, state: EnvState) -> float:
+        return float(state["steps"])  # type: ignore[arg-type]

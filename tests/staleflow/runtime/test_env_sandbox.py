@@ -1,0 +1,131 @@
+"""``env.sandbox``: environment steps in killable child processes. A step that loops
+forever is killed with its process at ``env.step_timeout_s``; its trajectory ends with a
+clear ``env_error`` in its record while the other trajectory of the same batch completes,
+and the next step gets a fresh process. (Without the sandbox such a step is abandoned on
+its thread and runs on: ``test_env_stage.py``.)"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from staleflow.envs import EnvSample, EpisodeLimits, make_environment
+from staleflow.envs.formats import PlainFormat, episode_dataset, tool_tokenizer
+from staleflow.rollout.instance import Finished
+from staleflow.runtime.interface import Rewarded
+from staleflow.runtime.workers.env_sandbox import SandboxedSteps
+from staleflow.runtime.workers.env_stage import EnvironmentStage
+from staleflow.runtime.workers.reward_stage import RewardStage
+from trajectory_server import (
+    FinishedTrajectory,
+    RoutedTrajectory,
+    TrajectoryServer,
+    TrajectoryServerConfig,
+)
+
+TOK = tool_tokenizer("runaway")
+FMT = PlainFormat(TOK)
+TARGET = "env_sandbox_helpers:Runaway"
+
+
+@pytest.fixture
+def helpers(tmp_path, monkeypatch) -> Path:
+    # the spawned children inherit sys.path and the environment variables
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+    pidfile = tmp_path / "runaway.pid"
+    monkeypatch.setenv("RUNAWAY_PIDFILE", str(pidfile))
+    return pidfile
+
+
+class _Source:
+    def __init__(self) -> None:
+        samples = [EnvSample(i, f"{i}+1=", str(i + 1)) for i in range(4)]
+        self._samples = list(episode_dataset(make_environment(TARGET), samples, FMT))
+
+    def next_sample(self):
+        return self._samples.pop(0) if self._samples else None
+
+
+def _never_scored(items: Sequence[tuple[int, str, str]]) -> list:
+    raise AssertionError("an environment task is scored by its environment")
+
+
+def _finished(ts: TrajectoryServer, routed: RoutedTrajectory, text: str) -> Finished:
+    new = np.append(TOK.encode(text), TOK.eos_id).astype(np.int32)
+    n = len(new)
+    f = Finished(
+        routed.traj_id, routed.group_id, routed.v_traj, routed.sample_id, routed.answer,
+        routed.prompt, np.concatenate([routed.tokens, new]),
+        np.concatenate([routed.logprobs, np.full(n, -0.5, np.float32)]),
+        np.concatenate([routed.versions, np.zeros(n, np.int32)]),
+        "stop", 0, np.concatenate([routed.mask, np.ones(n, bool)]),
+    )  # fmt: skip
+    ts.hand_to_reward(
+        [FinishedTrajectory(f.traj_id, f.tokens, f.logprobs, f.versions, "stop", f.mask)], "w"
+    )
+    return f
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_runaway_step_is_killed_and_ends_its_trajectory_while_the_other_goes_on(
+    helpers,
+) -> None:
+    ts = TrajectoryServer(TrajectoryServerConfig(eta=0, batch_size=1, group_size=2), _Source())
+    rewarded: list[Rewarded] = []
+    sandbox = SandboxedSteps(TARGET, {}, timeout_s=0.5, processes=2)
+    stage = EnvironmentStage(
+        make_environment(TARGET),
+        FMT,
+        EpisodeLimits(max_turns=2, max_tokens=64),
+        ts,
+        RewardStage(_never_scored, TOK.decode, ts, rewarded.extend, "w"),
+        worker_id="w",
+        threads=2,
+        step_timeout_s=0.5,
+        sandbox=sandbox,
+    )
+    try:
+        runaway, other = ts.route([0, 1], 0, "i0")
+        # both steps at once, on two children: one loops forever, one answers
+        done = stage.process([_finished(ts, runaway, "loop"), _finished(ts, other, "ok")])
+        assert sorted(done) == [0, 1]
+        records = {r.traj_id: r for r in rewarded}
+        assert records[0].finish_reason == "env_error" and records[0].reward == 0.0
+        assert "took over 0.5 s (env.step_timeout_s)" in records[0].error
+        assert "its process was killed (env.sandbox)" in records[0].error
+        assert records[1].finish_reason == "done" and records[1].reward == 1.0
+        killed = int(helpers.read_text())
+        assert not _alive(killed)  # killed and reaped, not abandoned and running on
+        assert sandbox.restarts == 1 and killed not in sandbox.pids
+        (group,) = ts.take_batch([runaway.group_id]).groups
+        kept = {t.traj_id: t for t in group.trajectories}
+        # the run's record of the trajectory says why it ended
+        assert kept[0].finish_reason == "env_error" and kept[0].reward == 0.0
+        assert "its process was killed (env.sandbox)" in str(kept[0].info["reward_error"])
+        answered = int(kept[1].info["pid"])
+        assert answered != os.getpid() and answered != killed  # stepped in a child
+        # the next group's steps run on the children that are left and a fresh one
+        third, fourth = ts.route([2, 3], 0, "i0")
+        assert sorted(stage.process([_finished(ts, t, "ok") for t in (third, fourth)])) == [2, 3]
+        assert {r.finish_reason for r in rewarded[2:]} == {"done"}
+        children = sandbox.pids
+        assert len(children) == 2 and all(_alive(pid) for pid in children)
+    finally:
+        stage.close()
+    assert not any(_alive(pid) for pid in children)  # close stops them
+
+
+def test_a_sandbox_needs_a_limit() -> None:
+    with pytest.raises(ValueError, match="needs a limit"):
+        SandboxedSteps(TARGET, {}, timeout_s=0, processes=1)
