@@ -11,6 +11,7 @@ from coordinator.commands import (
     Route,
 )
 from coordinator.config import (
+    AgenticRulesConfig,
     ConfigError,
     CoordinatorConfig,
     CostModelConfig,
@@ -41,6 +42,7 @@ __all__ = [
     "QWEN3_30B_A3B_H20",
     "Abort",
     "AdmissionSource",
+    "AgenticRulesConfig",
     "Command",
     "CommandDone",
     "CommandExecutor",

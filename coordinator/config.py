@@ -61,6 +61,22 @@ class CostModelConfig:
     kv_budget: float | None = field(
         default=None, metadata={"max": MAX_KV_TOKENS, "max_why": KV_WHY}
     )
+    prefill_s_per_token: float | None = field(
+        default=None,
+        metadata={
+            "help": "seconds per prefilled token (multi-turn KV-locality routing)",
+            "max": MAX_COEFFICIENT,
+            "max_why": COEFFICIENT_WHY,
+        },
+    )
+    prefill_s_per_token_sq: float | None = field(
+        default=None,
+        metadata={
+            "help": "seconds per squared prefilled length (causal attention)",
+            "max": MAX_COEFFICIENT,
+            "max_why": COEFFICIENT_WHY,
+        },
+    )
 
     def build(self) -> CostModel:
         if self.preset not in PRESETS:
@@ -214,6 +230,89 @@ class FreshnessConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class AgenticRulesConfig:
+    """Multi-turn (agentic) work: rules for trajectories that wait on their environment
+    between model turns (coordinator/agentic.py). They read the snapshots' ``env_trajs``
+    and ``held`` (types.InstanceSnapshot), so with single-turn work they change nothing;
+    each is switchable for the ablation. Throughput strategies only."""
+
+    kv_locality: bool = field(
+        default=True,
+        metadata={
+            "help": "a next turn goes back to the instance caching its prefix unless the "
+            "cost model says moving it is faster (prefill of the prefix against Eq. 3)"
+        },
+    )
+    expected_returns: bool = field(
+        default=True,
+        metadata={
+            "help": "new trajectories are admitted as if the waiting trajectories expected "
+            "back within a turn's time (learned online) were running already"
+        },
+    )
+    tool_critical: bool = field(
+        default=True,
+        metadata={
+            "help": "the critical-path rule and the synchronisation's holds count the "
+            "trajectories waiting on tools in the oldest version and its tail "
+            "(coordinator/critical.py oldest_tail)"
+        },
+    )
+    tool_pulls: bool = field(
+        default=False,
+        metadata={
+            "help": "synchronisation weighs a Pull by the KV it discards that the fleet needs "
+            "again soon (decoding, and the cached prefixes of trajectories expected back "
+            "from their tools within a turn's time): deferred Pulls (pull_kv) count those "
+            "prefixes, and a lagging instance under pull_kv is Pulled when new work waits "
+            "(coordinator/sync.py kv_in_use); off by default: it did not raise throughput "
+            "in the simulator (docs/simulator_agentic.md)"
+        },
+    )
+    prior_wait_s: float = field(
+        default=5.0,
+        metadata={
+            "help": "mean environment wait assumed until 16 waits were measured (seconds)",
+            "max": 86_400.0,
+            "max_why": "a tool call of more than a day",
+        },
+    )
+    prior_turn_tokens: int = field(
+        default=256,
+        metadata={
+            "help": "tokens a model turn decodes, assumed until 16 turns were measured",
+            "max": MAX_TOKENS,
+            "max_why": TOKENS_WHY,
+        },
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("kv_locality", "expected_returns", "tool_pulls", "tool_critical"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(
+                    f"coordinator.agentic.{name}={getattr(self, name)!r} must be true or false"
+                )
+        if isinstance(self.prior_wait_s, bool) or not self.prior_wait_s > 0:
+            raise ConfigError(
+                f"coordinator.agentic.prior_wait_s={self.prior_wait_s!r} must be > 0 seconds "
+                "(e.g. 5.0)"
+            )
+        if (
+            isinstance(self.prior_turn_tokens, bool)
+            or not isinstance(self.prior_turn_tokens, int)
+            or self.prior_turn_tokens < 1
+        ):
+            raise ConfigError(
+                f"coordinator.agentic.prior_turn_tokens={self.prior_turn_tokens!r} must be an "
+                "integer >= 1 (tokens of a model turn, e.g. 256)"
+            )
+
+    @property
+    def any(self) -> bool:
+        return self.kv_locality or self.expected_returns or self.tool_pulls
+
+
+@dataclass(frozen=True, slots=True)
 class CoordinatorConfig:
     """Strategies (§5.3 or their §6.5 vanilla counterparts), their hyper-parameters and the
     cycle period. Each strategy is chosen independently."""
@@ -344,6 +443,7 @@ class CoordinatorConfig:
     seer: SeerConfig = field(default_factory=SeerConfig)
     race: RaceConfig = field(default_factory=RaceConfig)
     freshness: FreshnessConfig = field(default_factory=FreshnessConfig)
+    agentic: AgenticRulesConfig = field(default_factory=AgenticRulesConfig)
 
     def __post_init__(self) -> None:
         for name in ("routing", "synchronization", "migration"):
@@ -429,6 +529,8 @@ class CoordinatorConfig:
             raise ConfigError("coordinator.race must be a RaceConfig")
         if not isinstance(self.freshness, FreshnessConfig):
             raise ConfigError("coordinator.freshness must be a FreshnessConfig")
+        if not isinstance(self.agentic, AgenticRulesConfig):
+            raise ConfigError("coordinator.agentic must be an AgenticRulesConfig")
         if not isinstance(self.cost_model, CostModelConfig):
             raise ConfigError("coordinator.cost_model must be a CostModelConfig")
         self.cost_model.build()  # fail now, not at the first cycle

@@ -8,6 +8,12 @@ Step latency of an instance with ``n`` running trajectories and ``kv`` cached to
 Units (see ``coordinator.types``): ``kv`` and the budget ``kv_budget`` (M) are KV tokens;
 ``k5`` is KV tokens per trajectory token; k1 is s/token, k2 and k4 are s, k3 is s per
 running trajectory.
+
+Prefill (beyond Eq. 2, for multi-turn work): a prefix of ``L`` tokens costs
+``p1 * L + p2 * L**2`` seconds to prefill, during which the instance's batch does not
+decode. Eq. 2 leaves it out (its trajectories are prefilled once); a next turn that
+leaves the instance caching its prefix pays it again, so KV-locality routing weighs it
+(``coordinator.agentic``). 0 (the default) makes every move free.
 """
 
 from __future__ import annotations
@@ -29,9 +35,11 @@ class CostModel:
     k4: float
     k5: float
     kv_budget: float  # M
+    prefill_s_per_token: float = 0.0  # p1
+    prefill_s_per_token_sq: float = 0.0  # p2
 
     def __post_init__(self) -> None:
-        for name in ("k1", "k2", "k3", "k4"):
+        for name in ("k1", "k2", "k3", "k4", "prefill_s_per_token", "prefill_s_per_token_sq"):
             if not getattr(self, name) >= 0.0:
                 raise ValueError(f"cost model {name} must be >= 0 (got {getattr(self, name)})")
         if not self.k2 + self.k4 > 0.0:
@@ -40,6 +48,15 @@ class CostModel:
             raise ValueError(f"cost model k5 must be > 0 KV tokens per token (got {self.k5})")
         if not self.kv_budget > 0.0:
             raise ValueError(f"cost model kv_budget must be > 0 tokens (got {self.kv_budget})")
+
+    def prefill_seconds(self, length: float, cached: float = 0.0) -> float:
+        """Seconds to prefill a prefix of ``length`` tokens of which the first ``cached``
+        are in the instance's KV cache already (only the rest is computed; each of its
+        tokens attends to everything before it)."""
+        new = max(0.0, length - cached)
+        return new * self.prefill_s_per_token + self.prefill_s_per_token_sq * (
+            length * length - cached * cached
+        )
 
     @property
     def knee(self) -> float:
@@ -103,8 +120,18 @@ class CostModel:
 # M: 48 layers x 4 KV heads x 128 head dim x (K, V) x 2 bytes = 96 KiB per token; with
 # SGLang's default static memory fraction (0.85 of ~95.6 GiB) minus ~57 GiB of weights
 # about 24 GiB remain for the KV pool, i.e. ~262K tokens.
+# Prefill: 2 x 3.3B active parameters per token and 2 x 48 layers x 4096 per token pair of
+# causal attention, at 47% of an H20's 148 dense bf16 TFLOP/s (the simulator's calibration
+# on Table 3, staleflow/sim/presets.py: qwen3_prefill).
 QWEN3_30B_A3B_H20 = CostModel(
-    k1=7.28e-8, k2=1.72e-3, k3=1.25e-4, k4=1.07e-2, k5=1.0, kv_budget=262_144.0
+    k1=7.28e-8,
+    k2=1.72e-3,
+    k3=1.25e-4,
+    k4=1.07e-2,
+    k5=1.0,
+    kv_budget=262_144.0,
+    prefill_s_per_token=6.6e9 / (0.47 * 148e12),
+    prefill_s_per_token_sq=2 * 48 * 4096 / (0.47 * 148e12),
 )
 
 PRESETS: dict[str, CostModel] = {"qwen3-30b-a3b-h20": QWEN3_30B_A3B_H20}

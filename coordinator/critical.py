@@ -63,6 +63,7 @@ class CriticalPath:
         fill_steps: int = 0,
         tail: int = 1,
         moved_at: dict[TrajId, int] | None = None,
+        waiting: bool = False,
     ) -> None:
         if not speedup > 1.0:
             raise ValueError(f"speedup must be > 1 (got {speedup})")
@@ -74,6 +75,7 @@ class CriticalPath:
         self.speedup = speedup
         self.fill_steps = fill_steps  # headroom a destination keeps (gains.spare)
         self.tail = tail
+        self.waiting = waiting  # count trajectories waiting on tools (oldest_tail)
         # traj_id -> its length when last moved; shared with the migration strategy
         # (build_strategies): a trajectory either moved is left alone until it decodes
         self._moved_at: dict[TrajId, int] = {} if moved_at is None else moved_at
@@ -88,7 +90,7 @@ class CriticalPath:
         one qualifies: nothing new is admissible at their version, so they drain, and a
         trajectory moved there stays in a light batch; an up-to-date instance is refilled
         by routing in the same cycle."""
-        oldest, on = oldest_tail(fleet, pool, self.tail)
+        oldest, on = oldest_tail(fleet, pool, self.tail, self.waiting)
         if not on:
             return []
         c = self.cost
@@ -149,15 +151,27 @@ class CriticalPath:
 
 
 def oldest_tail(
-    fleet: Fleet, pool: TrajectoryPool, per_instance: int = 1
+    fleet: Fleet, pool: TrajectoryPool, per_instance: int = 1, waiting: bool = False
 ) -> tuple[int, list[tuple[int, TrajectoryView]]]:
     """The lowest ``V_traj`` in flight (on an instance or partial in the TS) and the
     trajectories of that version on instances, with their positions, when they are the
     tail of their version (at most ``per_instance`` per instance, counting those in the
     TS); none otherwise. ``map`` over an attribute getter keeps the per-trajectory work in
-    C: this runs every cycle over every trajectory in flight."""
+    C: this runs every cycle over every trajectory in flight.
+
+    ``waiting`` (multi-turn work): trajectories waiting on their environment are in
+    flight too, and count for the oldest version and its tail (they cannot be moved, so
+    they are not in the list). Without it the rule sees a version whose trajectories are
+    all at their tools as finished, and takes the next one for the trainer's critical
+    path, or the tail as reached while most of it waits on tools."""
     partial = [v for v, _ in pool.levels() if v is not None]
     oldest = min(partial) if partial else None
+    away: list[int] = []
+    if waiting and fleet.n_env.any():
+        away = [v for trajs in fleet.env for v in map(_V_TRAJ, trajs)]
+        low = min(away)
+        if oldest is None or low < oldest:
+            oldest = low
     versions: list[list[int]] = []
     for pos in range(len(fleet)):
         vs = list(map(_V_TRAJ, fleet.run[pos]))
@@ -171,6 +185,7 @@ def oldest_tail(
         return 0, []
     counts = [vs.count(oldest) for vs in versions]
     count = sum(counts) + sum(len(ts) for v, ts in pool.levels() if v == oldest)
+    count += away.count(oldest)
     if count > per_instance * len(fleet):
         return oldest, []  # not the tail yet: moving thousands would cost more than it saves
     on = []

@@ -39,6 +39,8 @@ def plan_cycle(
 ) -> list[Command]:
     """Algorithm 1 on a validated snapshot. Routes are Reserved in ``sketch`` only."""
     S = Fleet(snapshot)
+    if strategies.waits is not None:  # environment waits (coordinator/agentic.py)
+        strategies.waits.observe(snapshot, ts_trajs)
     estimator, fresh = strategies.estimator, strategies.freshness
     if estimator is not None:
         estimator.observe(snapshot)

@@ -18,7 +18,20 @@ class Fleet:
     """``S`` of Algorithm 1 for one cycle: versions, loads and the trajectories on each
     instance. The snapshot itself is never modified."""
 
-    __slots__ = ("ids", "kv", "n_run", "n_wait", "run", "speed", "version", "wait")
+    __slots__ = (
+        "cleared",
+        "env",
+        "held",
+        "ids",
+        "kv",
+        "n_env",
+        "n_run",
+        "n_wait",
+        "run",
+        "speed",
+        "version",
+        "wait",
+    )
 
     ids: list[InstanceId]
     version: npt.NDArray[np.int64]
@@ -30,6 +43,15 @@ class Fleet:
     # Step-latency multiplier per instance (coordinator.estimation): the instance's cost
     # model is the profiled one times this. Ones unless an estimator sets it.
     speed: npt.NDArray[np.float64]
+    # Multi-turn work (types.InstanceSnapshot): trajectories waiting on an environment
+    # after a turn that ended on each instance, and the prefixes each instance caches,
+    # as trajectory -> (position, KV tokens). Neither is decoding work.
+    env: list[tuple[TrajectoryView, ...]]
+    n_env: npt.NDArray[np.int64]
+    held: dict[int, tuple[int, int]]
+    # positions Pulled in this cycle's decisions: their entries of ``held`` are gone
+    # (kept in the dict, shared with copies, and skipped: a Pull costs O(1), not O(held))
+    cleared: frozenset[int]
 
     def __init__(self, snapshot: Snapshot | None = None) -> None:
         insts = sorted(snapshot.instances, key=lambda s: s.inst) if snapshot else []
@@ -41,6 +63,14 @@ class Fleet:
         self.run = [s.run_trajs for s in insts]
         self.wait = [s.wait_trajs for s in insts]
         self.speed = np.ones(len(insts))
+        self.env = [s.env_trajs for s in insts]
+        self.n_env = np.array([len(s.env_trajs) for s in insts], dtype=np.int64)
+        self.held = {}
+        self.cleared = frozenset()
+        for pos, s in enumerate(insts):
+            for t, n in s.held:  # an instance left behind may cache a shorter, older prefix
+                if n > self.held.get(t, (-1, -1))[1]:
+                    self.held[t] = (pos, n)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -56,6 +86,10 @@ class Fleet:
         out.run = list(self.run)
         out.wait = list(self.wait)
         out.speed = self.speed
+        out.env = self.env
+        out.n_env = self.n_env
+        out.held = self.held  # never written after construction
+        out.cleared = self.cleared
         return out
 
     def latencies(self, cost: CostModel) -> npt.NDArray[np.float64]:
@@ -98,4 +132,17 @@ class Fleet:
         self.n_wait[pos] = len(wait)
 
     def set_version(self, pos: int, version: int) -> None:
+        """A Pull: new weights, so the prefixes the instance cached are gone."""
+        if version != self.version[pos] and self.held:
+            self.cleared = self.cleared | {pos}
         self.version[pos] = version
+
+    def held_by(self, traj_id: int) -> tuple[int, int] | None:
+        """(position, KV tokens) of the instance caching ``traj_id``'s prefix, if any."""
+        h = self.held.get(traj_id)
+        return None if h is None or h[0] in self.cleared else h
+
+    def holder(self, traj_id: int) -> int:
+        """Position of the instance caching ``traj_id``'s prefix, -1 if none does."""
+        h = self.held_by(traj_id)
+        return -1 if h is None else h[0]

@@ -148,6 +148,36 @@ class GainTable:
         j = s if e - s == 1 else s + int(g[s:e].argmax())
         return j, float(g[j])
 
+    def gain_at(self, j: int, length: float) -> float:
+        """The gain of instance ``j`` for a trajectory of ``length`` without the fill rule
+        (Eq. 3 over its speed; ``-inf`` where it would queue)."""
+        if self._headroom[j] < self.cost.k5 * length:
+            return -np.inf
+        n1 = float(self._np1[j])
+        return (n1 / (float(self._a1[j]) + self._k1k5 * length) - float(self._t0[j])) * float(
+            self._w[j]
+        )
+
+    def latency_with(self, j: int, length: float) -> float:
+        """Instance ``j``'s step latency, its speed included, with one more trajectory of
+        ``length`` tokens."""
+        return (float(self._a1[j]) + self._k1k5 * length) / float(self._w[j])
+
+    def load(self, dn: FloatArray, dkv: FloatArray) -> None:
+        """Add ``dn`` trajectories and ``dkv`` KV tokens to every instance (negative to
+        take them off again): load the decisions that follow must leave room for."""
+        k1, k2, k3, k4, _, budget = self._coeffs
+        self.n += dn
+        self.kv += dkv
+        n, kv = self.n, self.kv
+        self._np1 = n + 1.0
+        self._a1 = k1 * kv + np.maximum(k2, k3 * self._np1) + k4
+        self._t0 = n / (k1 * kv + np.maximum(k2, k3 * n) + k4)
+        queued = self._headroom == -np.inf
+        self._headroom = budget - kv
+        self._headroom[queued] = -np.inf
+        self._length = -1.0  # cached gains were for the old loads
+
     def place(self, j: int, length: float) -> None:
         """Eq. 3's update of ``S`` after routing a trajectory of ``length`` to ``j``."""
         k1, k2, k3, k4, k5, budget = self._coeffs

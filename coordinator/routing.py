@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
+from coordinator.agentic import ToolWaits, expected_returns, stays_home
 from coordinator.cost_model import CostModel
 from coordinator.fleet import Fleet
 from coordinator.gains import GainTable
@@ -122,6 +124,16 @@ class ThroughputRouting:
       waiting for it. The simulator measured six members of a version-0 group left in
       the TS at t = 0, started at t = 530 s, gating buffer 3 until 1,167 s on
       `heavy-tail` (docs/simulator.md).
+    - multi-turn work (``waits``, a :class:`~coordinator.agentic.ToolWaits`): with
+      ``locality`` a next turn goes back to the instance caching its prefix, whatever the
+      threshold, unless the cost model says moving it is faster
+      (:func:`~coordinator.agentic.stays_home`); with ``returns`` new trajectories are
+      admitted on each instance as if the trajectories expected back from their
+      environments within a turn's time were running there already
+      (:func:`~coordinator.agentic.expected_returns`), so that a return finds its cache
+      and a batch it fits in. Next turns that stay with their cache are placed before
+      the waterfall: Algorithm 3 stops at the first trajectory it withholds, and a next
+      turn kept in the TS behind one without a cache loses its own to eviction meanwhile.
     """
 
     def __init__(
@@ -132,6 +144,9 @@ class ThroughputRouting:
         *,
         fresh: bool = False,
         whole_groups: bool = False,
+        waits: ToolWaits | None = None,
+        locality: bool = False,
+        returns: bool = False,
     ) -> None:
         if not 0.0 < mu <= 1.0:
             raise ValueError(f"mu must be in (0, 1] (got {mu})")
@@ -142,6 +157,11 @@ class ThroughputRouting:
         self.fill_steps = fill_steps
         self.fresh = fresh
         self.whole_groups = whole_groups
+        if (locality or returns) and waits is None:
+            raise ValueError("KV locality and expected returns need the ToolWaits estimate")
+        self.waits = waits
+        self.locality = locality
+        self.returns = returns
 
     def route(
         self,
@@ -185,9 +205,46 @@ class ThroughputRouting:
         verify, reserve = sketch.verify, sketch.reserve
         out: list[Placement] = []
         started: set[GroupId] = set()  # groups with a member placed in this pass
+        home_of = _Homes(fleet, order, bk) if self.locality and fleet.held else None
+        reserved: tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]] | None = None
         try:
+            if home_of is not None:
+                # Next turns that stay with their cache go first, whatever the MLQ order
+                # below would withhold: Algorithm 3 stops at the first trajectory it
+                # withholds, and a next turn kept waiting in the TS behind one that has
+                # no cache loses its own cache to eviction meanwhile.
+                rest: list[Level] = []
+                table.fill_for(False)  # the fill rule admits new trajectories only
+                for v_level, trajs in levels:
+                    if v_level is None:
+                        rest.append((v_level, trajs))
+                        continue
+                    first = bisect_left(bver, v_level)
+                    left = []
+                    for t in trajs:
+                        length = t.length
+                        thr = mu * ideal_gain(length)
+                        home = home_of.choose(t, length, table, thr, first, self)
+                        if home is None:
+                            left.append(t)
+                            continue
+                        j, b_home, g_home = home
+                        if probe is not None and probe(
+                            t, length, thr, bver[b_home], g_home, order[j]
+                        ):
+                            return out
+                        out.append(Placement(order[j], t, v_level, False))
+                        place(j, length)
+                    if left:
+                        rest.append((v_level, left))
+                levels = rest
             for v_level, trajs in levels:
                 initial = v_level is None
+                if initial and self.returns and reserved is None and self.waits is not None:
+                    n_ret, kv_ret = expected_returns(fleet, self.waits, self.cost)
+                    if n_ret.any():
+                        reserved = (n_ret[order], kv_ret[order])
+                        table.load(*reserved)
                 # Algorithm 2 for partial trajectories: instances of version >= V_traj.
                 if v_level is not None:
                     first = bisect_left(bver, v_level)
@@ -235,8 +292,68 @@ class ThroughputRouting:
                         place(sel, length)
             return out
         finally:
+            if reserved is not None:  # the expected returns were no routes
+                table.load(-reserved[0], -reserved[1])
             fleet.n_run[order] = table.n
             fleet.kv[order] = table.kv
+
+
+class _Homes:
+    """KV locality for one routing pass: where each cached prefix is, in the pass's
+    bucket order (module-level, not a closure: it runs once per next turn)."""
+
+    __slots__ = ("bucket", "fleet", "index")
+
+    def __init__(self, fleet: Fleet, order: list[int], bk: VersionBuckets) -> None:
+        self.fleet = fleet
+        self.index = np.empty(len(order), dtype=np.int64)
+        self.index[order] = np.arange(len(order))
+        self.bucket = np.empty(len(order), dtype=np.int64)
+        for b, (s, e) in enumerate(zip(bk.starts, bk.ends, strict=True)):
+            self.bucket[s:e] = b
+
+    def choose(
+        self,
+        t: TrajectoryView,
+        length: int,
+        table: GainTable,
+        thr: float,
+        first: int,
+        routing: ThroughputRouting,
+    ) -> tuple[int, int, float] | None:
+        """(index, bucket, gain) of the instance caching ``t``'s prefix when ``t`` stays
+        there (coordinator.agentic.stays_home), None to route it as any other."""
+        held = self.fleet.held_by(t.traj_id)
+        if held is None:
+            return None
+        j = int(self.index[held[0]])
+        b_home = int(self.bucket[j])
+        if b_home < first:
+            return None  # older than V_traj: its cache is of other weights (not reported)
+        g_home = table.gain_at(j, length)
+        if g_home == -np.inf:
+            return None
+        # the best elsewhere, as the waterfall would see it (clearing the threshold)
+        sel, g_best = -1, -np.inf
+        for b in range(first, len(table.starts)):
+            k, g = table.best(b, length)
+            if g >= thr and g > g_best:
+                sel, g_best = k, g
+        if sel < 0 or sel == j:
+            return j, b_home, g_home
+        assert routing.waits is not None
+        if stays_home(
+            routing.cost,
+            gain_home=g_home,
+            gain_best=g_best,
+            length=length,
+            cached=held[1],
+            n_best=float(table.n[sel]),
+            latency_best=table.latency_with(sel, length),
+            turn_tokens=routing.waits.turn_tokens(),
+        ):
+            return j, b_home, g_home
+        return None
 
 
 def _with_room(

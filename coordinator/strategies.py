@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from coordinator.agentic import ToolWaits
 from coordinator.config import CoordinatorConfig
 from coordinator.cost_model import CostModel
 from coordinator.critical import CriticalPath
@@ -67,6 +68,9 @@ class Strategies:
     # eta as a ceiling (coordinator/freshness.py): new groups held back until they must
     # start; fed by the control loop; None when off.
     freshness: FreshnessRule | None = None
+    # Environment waits of multi-turn work, learned from the snapshots (coordinator/
+    # agentic.py); None when no rule of coordinator.agentic uses them.
+    waits: ToolWaits | None = None
 
 
 def build_strategies(config: CoordinatorConfig) -> Strategies:
@@ -74,8 +78,24 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
     # Fresh admission is a rule of the throughput routing; Algorithm 4's tentative pass
     # must admit as the real routing does, so behind least-loaded routing it is off.
     fresh = config.fresh_admission and config.routing == "throughput"
+    agentic = config.agentic
+    uses_waits = agentic.any and "throughput" in (config.routing, config.synchronization)
+    waits = (
+        ToolWaits(
+            prior_wait_s=agentic.prior_wait_s, prior_turn_tokens=float(agentic.prior_turn_tokens)
+        )
+        if uses_waits
+        else None
+    )
     throughput_routing = ThroughputRouting(
-        cost, config.mu, config.fill_steps, fresh=fresh, whole_groups=config.whole_groups
+        cost,
+        config.mu,
+        config.fill_steps,
+        fresh=fresh,
+        whole_groups=config.whole_groups,
+        waits=waits,
+        locality=waits is not None and agentic.kv_locality,
+        returns=waits is not None and agentic.expected_returns,
     )
     routing: RoutingStrategy = (
         throughput_routing
@@ -98,7 +118,14 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
         pull_kv = config.pull_kv if config.routing == "throughput" else None
         # Holding the instances that run the critical tail is a deferred Pull too.
         held_tail = config.critical_tail if pull_kv is not None else None
-        sync = ThroughputSync(throughput_routing, release, pull_kv, held_tail)
+        sync = ThroughputSync(
+            throughput_routing,
+            release,
+            pull_kv,
+            held_tail,
+            config.agentic.tool_critical,
+            waits is not None and config.agentic.tool_pulls,
+        )
     elif config.synchronization == "drain":
         drain = DrainGlobalSync()  # it also holds routing until the fleet has drained
         sync, hold = drain, drain
@@ -130,6 +157,7 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
             fill_steps=config.fill_steps or 0,
             tail=config.critical_tail,
             moved_at=moved_at,
+            waiting=config.agentic.tool_critical,
         )
         if config.critical_speedup is not None and config.migration == "throughput"
         else None
@@ -159,4 +187,5 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
         seer=seer,
         race=race,
         freshness=freshness,
+        waits=waits,
     )

@@ -5,7 +5,9 @@ from __future__ import annotations
 from operator import attrgetter
 
 import numpy as np
+import numpy.typing as npt
 
+from coordinator.agentic import expected_returns
 from coordinator.critical import oldest_tail
 from coordinator.fleet import Fleet
 from coordinator.gains import routing_gains
@@ -99,6 +101,8 @@ class ThroughputSync:
         phi_wait: int | None = None,
         pull_kv: float | None = None,
         hold_tail: int | None = None,
+        tail_waiting: bool = False,
+        returns: bool = False,
     ) -> None:
         if phi_wait is not None and phi_wait < 0:
             raise ValueError(f"phi_wait must be >= 0 or None (got {phi_wait})")
@@ -114,6 +118,12 @@ class ThroughputSync:
         if hold_tail is not None and hold_tail < 1:
             raise ValueError(f"hold_tail must be >= 1 trajectory per instance (got {hold_tail})")
         self.hold_tail = hold_tail  # None: no critical holds
+        self.tail_waiting = tail_waiting  # the critical tail counts tool waits (critical.py)
+        if returns and routing.waits is None:
+            raise ValueError("counting expected returns needs the routing's ToolWaits")
+        # Deferred Pulls count, as KV in use, the cached prefixes expected back from
+        # their tools within a turn's time (coordinator/agentic.py expected_returns)
+        self.returns = returns
 
     def select(
         self, fleet: Fleet, pool: TrajectoryPool, ps_version: int, sketch: AdmissionSketch
@@ -122,13 +132,16 @@ class ThroughputSync:
         if not lagging:
             return []
         levels = pool.ts_levels()
-        max_kv = self.max_kv if self.max_kv is not None and self.loaded(fleet) else None
+        kv = self.kv_in_use(fleet)
+        max_kv = self.max_kv if self.max_kv is not None and self.loaded(fleet, kv) else None
         # Algorithm 4 keeps these; the queue release below may still Pull one.
         held: set[int] = set()
         if max_kv is not None and self.hold_tail is not None:
-            held = _running_tail(fleet, pool, self.hold_tail, ps_version)
+            held = _running_tail(fleet, pool, self.hold_tail, ps_version, self.tail_waiting)
         candidates = [p for p in lagging if p not in held]
-        chosen = self._algorithm4(fleet, levels, candidates, ps_version, sketch, max_kv)
+        chosen = self._algorithm4(fleet, levels, candidates, ps_version, sketch, max_kv, kv)
+        if self.returns and self.max_kv is not None and fleet.n_env.any():
+            chosen = self._cheap_pulls(fleet, levels, candidates, chosen, ps_version, sketch, kv)
         if self.phi_wait is None:
             return chosen
         taken = set(chosen)
@@ -139,10 +152,55 @@ class ThroughputSync:
             )
         return chosen
 
-    def loaded(self, fleet: Fleet) -> bool:
+    def _cheap_pulls(
+        self,
+        fleet: Fleet,
+        levels: list[Level],
+        candidates: list[int],
+        chosen: list[int],
+        ps_version: int,
+        sketch: AdmissionSketch,
+        kv: npt.NDArray[np.float64],
+    ) -> list[int]:
+        """Multi-turn work: also Pull the lagging instances that a Pull costs little, when
+        new trajectories wait for an instance at the PS's version. Algorithm 4 Pulls an
+        instance only once nothing in the TS is routable at its version, and with
+        multi-turn work the TS always holds next turns of old trajectories (routable to
+        any instance of their version or newer), so no lagging instance ever qualified:
+        the fleet drained before each version and then Pulled at once (the previous
+        helper's simulator runs; docs/simulator_agentic.md), while fresh admission kept new groups off every lagging instance.
+        Cheap is what the deferral asks (``pull_kv``), on the KV a Pull discards and the
+        fleet needs again soon (:meth:`kv_in_use`): an instance whose trajectories wait
+        on long tool calls is cheap, one whose caches are about to be used is not."""
+        assert self.max_kv is not None
+        initial = [ts for v, ts in levels if v is None]
+        groups = dict.fromkeys(map(_GROUP_ID, initial[0])) if initial else {}
+        if not any(sketch.verify(ps_version, g) for g in groups):
+            return chosen
+        taken = set(chosen)
+        cheap = [p for p in candidates if p not in taken and kv[p] <= self.max_kv]
+        return sorted(chosen + cheap) if cheap else chosen
+
+    def kv_in_use(self, fleet: Fleet) -> npt.NDArray[np.float64]:
+        """Per instance, the KV a Pull would discard and the fleet needs again soon: what
+        decodes, and (``returns``) the cached prefixes of the trajectories expected back
+        from their tools within a turn's time. A Pull empties the prefix cache, so each of
+        those is prefilled again on its next turn; one that waits on a long tool call,
+        likely to outlast the cache's eviction anyway, counts little (heavy tails make a
+        long wait likelier to go on)."""
+        if not self.returns or not fleet.held:
+            return fleet.kv
+        assert self.routing.waits is not None
+        _, back = expected_returns(fleet, self.routing.waits, self.routing.cost)
+        out: npt.NDArray[np.float64] = fleet.kv + back
+        return out
+
+    def loaded(self, fleet: Fleet, kv: npt.NDArray[np.float64] | None = None) -> bool:
         """Does a drained instance step faster than the fleet's, and would a Pull's
-        trajectories land in heavy batches? Only then are Pulls deferred (class doc)."""
-        kv_loaded = self.max_kv is not None and float(fleet.kv.mean()) >= self.max_kv
+        trajectories land in heavy batches? Only then are Pulls deferred (class doc).
+        ``kv``: the KV in use per instance (:meth:`kv_in_use`; default the fleet's)."""
+        kv = fleet.kv if kv is None else kv
+        kv_loaded = self.max_kv is not None and float(kv.mean()) >= self.max_kv
         return kv_loaded or float(fleet.n_run.mean()) >= self.routing.cost.knee
 
     def _algorithm4(
@@ -153,6 +211,7 @@ class ThroughputSync:
         ps_version: int,
         sketch: AdmissionSketch,
         max_kv: float | None,
+        kv: npt.NDArray[np.float64],
     ) -> list[int]:
         partial = [v for v, _ in levels if v is not None]
         initial = [ts for v, ts in levels if v is None]
@@ -167,7 +226,7 @@ class ThroughputSync:
                 routable[v] = (bool(partial) and partial[0] <= v) or (
                     not self.routing.fresh and any(sketch.verify(v, g) for g in groups)
                 )
-            if not routable[v] and (max_kv is None or fleet.kv[pos] <= max_kv):
+            if not routable[v] and (max_kv is None or kv[pos] <= max_kv):
                 candidates.append(pos)
         candidates = self._could_win(fleet, levels, candidates)
         if not candidates:
@@ -262,11 +321,11 @@ class ThroughputSync:
 
 
 def _running_tail(
-    fleet: Fleet, pool: TrajectoryPool, per_instance: int, ps_version: int
+    fleet: Fleet, pool: TrajectoryPool, per_instance: int, ps_version: int, waiting: bool
 ) -> set[int]:
     """Positions running a trajectory of the oldest version's tail (a queued one makes no
     progress where it is: no reason to keep its instance's version)."""
-    oldest, on = oldest_tail(fleet, pool, per_instance)
+    oldest, on = oldest_tail(fleet, pool, per_instance, waiting)
     if oldest >= ps_version - 1:
         return set()  # one version behind: the hold would starve the next buffer (class doc)
     return {pos for pos, t in on if t not in fleet.wait[pos]}  # queues are short; runs not

@@ -54,12 +54,22 @@ class TrajRecord:
 
 @dataclass(frozen=True, slots=True)
 class InstanceSnapshot:
-    """The five fields of §5.2 for one rollout instance.
+    """The five fields of §5.2 for one rollout instance, and what multi-turn work adds.
 
     ``run_trajs``, ``wait_trajs`` and ``complete_trajs`` are disjoint (a trajectory is in
     at most one of them); ``wait_trajs`` is in the engine's queue order, head first, and
     its members hold no KV cache. ``complete_trajs`` lists what finished on this instance
-    since its last Pull.
+    since its last Pull, a model turn that ended here included.
+
+    Multi-turn (agentic) work separates **decoding** from **waiting on an environment**:
+    ``run_trajs`` and ``kv_cache`` are the decoding work only, the cost model's ``n`` and
+    ``kv``. ``env_trajs`` are trajectories whose last model turn ended on this instance
+    and which now wait on their environment (a tool call): they hold no decode slot and
+    are in no command's way; their ``length`` is the response at the turn's end. ``held``
+    lists ``(trajectory, KV tokens)`` of prefixes this instance still caches after a turn
+    ended or an interrupt (a prefix cache, evicted when decoding needs the room; dropped
+    by a Pull): a next turn routed here reuses them instead of prefilling. Both are empty
+    for single-turn work and for engines that report neither; neither counts in Eq. 1.
     """
 
     inst: InstanceId
@@ -68,6 +78,8 @@ class InstanceSnapshot:
     wait_trajs: tuple[TrajectoryView, ...]
     complete_trajs: tuple[TrajId, ...]
     inst_version: int
+    env_trajs: tuple[TrajectoryView, ...] = ()
+    held: tuple[tuple[TrajId, int], ...] = ()
 
     @property
     def accum_traj_num(self) -> int:

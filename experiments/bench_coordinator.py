@@ -8,6 +8,12 @@ with the throughput-oriented strategies (or any other combination).
 
     python experiments/bench_coordinator.py
     python experiments/bench_coordinator.py --sizes 128:2048 512:4096 1024:8192 --json out.json
+    python experiments/bench_coordinator.py --scenarios agentic --sizes 128:2048
+
+``agentic``: the steady load of multi-turn work, a third of the trajectories in flight
+waiting on tools (``env_trajs``, their prefixes cached where their last turn ran), and
+half of the TS's partials next turns whose prefix an instance caches; the estimate of
+tool waits and turn sizes starts from 1,024 of each, as after a while of a run.
 """
 
 from __future__ import annotations
@@ -54,7 +60,8 @@ def build_scene(instances: int, ts_trajs: int, scenario: str, seed: int) -> Scen
     """``steady``: mid-run load; ``cold``: idle instances and a TS of initial trajectories;
     ``tail``: the steady load with the oldest version down to about 6 trajectories per
     instance, inside the critical tail (``coordinator.critical_tail``, 8), where the
-    critical-path rule and the synchronisation's holds weigh every one of them.
+    critical-path rule and the synchronisation's holds weigh every one of them;
+    ``agentic``: the steady load, a third of it waiting on tools (module docstring).
 
     Steady state, as in §6.5: in-flight groups fill 95% of the manager's capacity (so the
     oldest versions admit no new group); members run on instances no older than their
@@ -77,6 +84,9 @@ def build_scene(instances: int, ts_trajs: int, scenario: str, seed: int) -> Scen
     drained = set(rng.choice(lagging, min(len(lagging), instances // 20), replace=False).tolist())
     run: list[list[TrajRecord]] = [[] for _ in range(instances)]
     wait: list[list[TrajRecord]] = [[] for _ in range(instances)]
+    env: list[list[TrajRecord]] = [[] for _ in range(instances)]  # waiting on tools
+    held: list[list[tuple[int, int]]] = [[] for _ in range(instances)]  # cached prefixes
+    agentic = scenario == "agentic"
     kv = np.zeros(instances)
     partial: list[TrajRecord] = []
     next_traj = next_group = 0
@@ -96,6 +106,10 @@ def build_scene(instances: int, ts_trajs: int, scenario: str, seed: int) -> Scen
                 continue
             a, b = rng.choice(hosts, 2)
             i = int(a if kv[a] <= kv[b] else b)
+            if agentic and rng.random() < 1 / 3:  # at its tool: off the batch, prefix cached
+                env[i].append(t)
+                held[i].append((t.traj_id, length))
+                continue
             if kv[i] + length <= budget and not wait[i]:
                 run[i].append(t)
                 kv[i] += length
@@ -115,10 +129,20 @@ def build_scene(instances: int, ts_trajs: int, scenario: str, seed: int) -> Scen
                 wait_trajs=tuple(wait[i]),
                 complete_trajs=(),
                 inst_version=int(versions[i]),
+                env_trajs=tuple(env[i]),
+                held=tuple(held[i]),
             )
             for i in range(instances)
         )
     )
+    if agentic:  # half the TS's partials are next turns whose prefix an instance caches
+        extra: list[list[tuple[int, int]]] = [[] for _ in range(instances)]
+        for t in partial[: ts_trajs // 20]:
+            hosts = np.flatnonzero(versions >= (t.v_traj or 0))
+            extra[int(rng.choice(hosts))].append((t.traj_id, t.length - 300))
+        snap = Snapshot(
+            tuple(replace(s, held=s.held + tuple(extra[s.inst])) for s in snap.instances)
+        )
     ts: list[TrajRecord] = partial[:ts_trajs]
     while len(ts) < ts_trajs:
         gid, next_group = next_group, next_group + 1
@@ -155,6 +179,12 @@ def time_cycle(scene: Scene, config: CoordinatorConfig, repeats: int) -> dict[st
     Each cycle sees the snapshot one period later, so the estimator times every instance
     it may, as in a run."""
     strategies = build_strategies(config)
+    if strategies.waits is not None:  # as after a while of a run: waits and turns measured
+        rng = np.random.default_rng(1)
+        strategies.waits.learn(
+            rng.lognormal(np.log(2.0), 1.5, 1024).tolist(),
+            rng.lognormal(np.log(250), 0.7, 1024).astype(int).clip(1).tolist(),
+        )
 
     def cycle(snap: Snapshot) -> list[Command]:
         assert scene.speculative.validate(snap)
@@ -198,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         "--scenarios",
         nargs="+",
         default=["steady", "cold", "tail"],
-        choices=["steady", "cold", "tail"],
+        choices=["steady", "cold", "tail", "agentic"],
     )
     parser.add_argument(
         "--strategies",
@@ -218,12 +248,14 @@ def main(argv: list[str] | None = None) -> int:
         for n, trajs in sizes:
             scene = build_scene(n, trajs, scenario, args.seed)
             in_flight = sum(len(s.run_trajs) + len(s.wait_trajs) for s in scene.snapshot.instances)
+            tools = sum(len(s.env_trajs) for s in scene.snapshot.instances)
             rows.append(
                 {
                     "scenario": scenario,
                     "instances": n,
                     "ts_trajectories": len(scene.ts),
                     "on_instances": in_flight,
+                    "waiting_on_tools": tools,
                 }
                 | time_cycle(scene, config, args.repeats)
             )

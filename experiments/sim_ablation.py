@@ -14,7 +14,13 @@ on) and the ``sticky`` baseline.
     python experiments/sim_ablation.py --workload hetero-0.2 --rollout-gpus 48 --rules
 
 ``--workload`` takes a workload of the experiment matrix (``presets.WORKLOADS``) instead
-of ``--preset``. Writes ablation.csv / ablation.json (one row per combination, over the
+of ``--preset``. ``--agentic`` (an agentic workload) runs R0S0M0, StaleFlow, StaleFlow
+without each rule for multi-turn work (``presets.AGENTIC_RULES``: KV locality, and each
+rule that uses the learned tool waits, and all of those at once) and ``sticky``::
+
+    python experiments/sim_ablation.py --workload swe-agent --rollout-gpus 32 --eta 3 \
+        --steps 11 --seeds 3 --agentic
+ Writes ablation.csv / ablation.json (one row per combination, over the
 seeds), ablation_runs.csv / ablation_runs.json (one row per run) and ablation.png into
 --out.
 """
@@ -28,7 +34,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from staleflow.sim import SimCluster, system
-from staleflow.sim.presets import FRESH, RULES, WORKLOADS
+from staleflow.sim.presets import AGENTIC, AGENTIC_RULES, FRESH, RULES, WORKLOADS
 from staleflow.sim.report import (
     add_seed_options,
     parser,
@@ -51,6 +57,12 @@ RULE_ROWS = [
     "staleflow-paper",
     *(f"staleflow-no-{rule}" for rule in RULES),
     f"staleflow{FRESH}",
+    "sticky",
+]
+AGENTIC_ROWS = [
+    "R0S0M0",
+    "staleflow",
+    *(f"staleflow-no-{rule}" for rule in AGENTIC_RULES),
     "sticky",
 ]
 
@@ -114,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also run staleflow-paper, staleflow without each rule, and sticky",
     )
+    p.add_argument(
+        "--agentic",
+        action="store_true",
+        help="with an agentic --workload: R0S0M0, staleflow, staleflow without each rule "
+        "for multi-turn work, and sticky (instead of the eight combinations)",
+    )
     add_seed_options(p)
     args = p.parse_args(argv)
     try:
@@ -126,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.workload is not None and args.max_response is not None:
         p.error("--max-response applies to --preset; a --workload has its own cap")
-    names = COMBOS + (RULE_ROWS if args.rules else [])
+    if args.agentic and args.workload not in AGENTIC:
+        p.error(f"--agentic needs an agentic --workload: one of {list(AGENTIC)}")
+    names = AGENTIC_ROWS if args.agentic else COMBOS + (RULE_ROWS if args.rules else [])
     tasks = [
         Run(
             name,

@@ -67,6 +67,7 @@ from staleflow.sim.freshness import (
 from staleflow.sim.presets import WORKLOADS, Layout
 from staleflow.sim.report import (
     add_seed_options,
+    agentic_verdicts,
     progress,
     results_dir,
     run_each,
@@ -290,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
     verdicts += freshness_verdicts(fresh_cells)
     if same := same_split_line([done[r] for r in dict.fromkeys(search + runs)]):
         verdicts.append(same)
+    verdicts += agentic_verdicts(
+        cells, [done[r] for r in dict.fromkeys(search + runs)], workloads, etas
+    )
     print_cells(cells, main_rows)
     if fresh_cells:
         print_freshness(fresh_cells)

@@ -101,6 +101,9 @@ class TrajectoryServerService:
     def routed_to(self, instance_id: InstanceId) -> tuple[int, ...]:
         return self._ts.routed_to(instance_id)
 
+    def tool_waits(self) -> tuple[tuple[tuple[int, int, int | None, int, int], InstanceId], ...]:
+        return tuple((tuple(r), i) for r, i in self._ts.tool_waits())
+
     def fork(self, traj_id: int, instance_id: InstanceId) -> bytes:
         routed = self._ts.fork(traj_id, instance_id)
         return wire.pack(wire.RouteReply(() if routed is None else (routed,)))
@@ -277,6 +280,10 @@ class TrajectoryServerClient:
 
     def routed_to(self, instance_id: InstanceId) -> tuple[int, ...]:
         return self._call("routed_to", instance_id)
+
+    def tool_waits(self) -> tuple[tuple[RoutableTrajectory, InstanceId], ...]:
+        """See ``TrajectoryServer.tool_waits``."""
+        return tuple((RoutableTrajectory(*r), i) for r, i in self._call("tool_waits"))
 
     def fork(self, traj_id: int, instance_id: InstanceId) -> RoutedTrajectory | None:
         reply = wire.unpack(self._call("fork", traj_id, instance_id), wire.RouteReply)

@@ -67,6 +67,7 @@ class TrajRecord:
         "state",
         "tokens",
         "traj_id",
+        "turned_on",
         "v_traj",
         "versions",
     )
@@ -87,6 +88,9 @@ class TrajRecord:
         # a multi-turn trajectory's environment, packed plain data (b"": not started); the
         # TS keeps it opaque, so that it survives instances, workers and restarts
         self.env_state = b""
+        # the instance its last model turn ended on (hand_to_reward), for the coordinator's
+        # view of tool waits (TrajectoryServer.tool_waits); not persisted
+        self.turned_on: InstanceId | None = None
 
     def record(self) -> RoutableTrajectory:
         prompt_len = len(self.group.prompt)

@@ -123,6 +123,17 @@ class TrajectoryServer:
         """Ids of the trajectories ROUTED to ``instance_id`` (for audits and recovery)."""
         return self._s.routed_to(instance_id)
 
+    def tool_waits(self) -> tuple[tuple[RoutableTrajectory, InstanceId], ...]:
+        """Every REWARDING trajectory whose last model turn ended on a known instance,
+        with that instance: in a multi-turn task each of them waits on its environment
+        (a tool call, then its next turn or its score). The coordinator lists them in the
+        snapshot of that instance (``InstanceSnapshot.env_trajs``)."""
+        return tuple(
+            (t.record(), t.turned_on)
+            for t in self._s.trajs.values()
+            if t.state is REWARDING and t.turned_on is not None
+        )
+
     def stats(self) -> TSStats:
         return self._s.stats(self._capacity)
 
@@ -300,7 +311,7 @@ class TrajectoryServer:
         for traj, response, f in plan:
             self._store(traj, response)
             traj.finish_reason = f.finish_reason
-            traj.holder = worker_id
+            traj.holder, traj.turned_on = worker_id, instance_id
             self._s.set_state(traj, REWARDING, traj.v_traj)
 
     def next_turn(self, turns: Iterable[NextTurn], *, worker_id: WorkerId) -> None:

@@ -35,7 +35,9 @@ from coordinator import CoordinatorConfig, Snapshot
 from staleflow.control import ControlLoop
 from staleflow.control.dynamic_sampling import DynamicSampling, SamplingConfig
 from staleflow.control.late import complete_live, return_live
+from staleflow.sim.agentic import AgenticConfig, AgenticWorkload
 from staleflow.sim.engine import EngineCosts, SimInstance, SimTrajectory
+from staleflow.sim.env import SimEnvironments
 from staleflow.sim.planes import SimPlanes
 from staleflow.sim.race import SimRaces
 from staleflow.sim.summary import Summary, summarise
@@ -50,7 +52,7 @@ from trajectory_server.types import Completion, RoutableTrajectory, TrainingGrou
 logger = logging.getLogger(__name__)
 
 REWARD, TRAIN_DONE, PUSH_DONE = "reward", "train_done", "push_done"
-STREAM_DONE = "stream_done"
+STREAM_DONE, TOOL_DONE = "stream_done", "tool_done"
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +85,10 @@ class ClusterConfig:
     # the step at Consume pays only for the rest. The version moves at the step as
     # before, so staleness is unchanged; off, the trainer waits for a Ready buffer.
     stream_training: bool = False
+    # Multi-turn, tool-using trajectories (staleflow/sim/agentic.py): turns, tokens per
+    # turn, observations and tool latencies; ``workload`` then only says the cap (use
+    # ``AgenticConfig.as_workload()``). None: single-turn responses.
+    agentic: AgenticConfig | None = None
     # Dynamic sampling (staleflow/control/dynamic_sampling.py): the simulator grades no
     # rewards, so each completed group is drawn uniform (and filtered out) with this
     # probability, seeded by (seed, group); at most the share ``max_drop`` of a step's
@@ -115,9 +121,12 @@ class SimCluster:
             group_redundancy=config.group_redundancy,
             batch_redundancy=config.batch_redundancy,
         )
-        self.workload = workload or SyntheticWorkload(
-            config.workload, ts_config.trajectories_per_group, config.seed
-        )
+        members = ts_config.trajectories_per_group
+        self.workload: SyntheticWorkload | TraceWorkload | AgenticWorkload
+        if config.agentic is not None:
+            self.workload = AgenticWorkload(config.agentic, members, config.seed)
+        else:
+            self.workload = workload or SyntheticWorkload(config.workload, members, config.seed)
         self.ts = TrajectoryServer(ts_config, self.workload)
         cost = config.coordinator.cost_model.build()
         # What each engine really does (speed, estimate error, ...; sim/truth.py).
@@ -139,6 +148,15 @@ class SimCluster:
             lambda: self.now,
             config.coordinator.seer.chunk,
         )
+        # the environment pool of multi-turn work (sim/env.py): tool calls wait there
+        self.envs: SimEnvironments | None = None
+        if isinstance(self.workload, AgenticWorkload):
+            self.envs = SimEnvironments(
+                self.ts, self.workload, lambda when, tid: self._push(when, TOOL_DONE, tid)
+            )
+            self.planes.turn_end = self.workload.turn_end
+            for inst in self.instances.values():
+                inst.turned = self.envs.turned
         self.loop = ControlLoop(
             StalenessConfig(
                 eta=config.eta,
@@ -272,6 +290,9 @@ class SimCluster:
                 self._push(self.trainer.finish_step(t), PUSH_DONE, None)
             elif kind == STREAM_DONE:
                 self.trainer.stream_done()
+            elif kind == TOOL_DONE:
+                assert self.envs is not None
+                self.envs.answer(t, data)
             else:
                 self.trainer.push_landed(t)
             self._maybe_train(t)
@@ -284,7 +305,9 @@ class SimCluster:
         tokens, logprobs, versions = traj.response(version)
         capped = traj.target - traj.prompt_len >= self.config.workload.max_response
         reason = "length" if capped else "stop"
-        completion = Completion(traj.traj_id, tokens, logprobs, versions, 1.0, reason, {})
+        completion = Completion(
+            traj.traj_id, tokens, logprobs, versions, 1.0, reason, {}, traj.mask()
+        )
         if complete_live(self.ts, [completion]):
             self._occupy(traj)
         else:  # aborted while it finished: its tokens were generated for nothing
@@ -369,7 +392,17 @@ class SimCluster:
             if tid in seen:
                 problems.append(f"trajectory {tid} rewarding and on {seen[tid]}")
             seen[tid] = "reward"
-        routed = 0
+        tools = self.envs.waiting if self.envs is not None else {}
+        for tid in tools:
+            if tid in seen:
+                problems.append(f"trajectory {tid} waits on a tool and is on {seen[tid]}")
+        routed = rewarding = 0
+        for tid in tools:
+            state = _state(self.ts, tid)
+            if state is TrajState.REWARDING:
+                rewarding += 1
+            elif state is not None:
+                problems.append(f"trajectory {tid} waits on a tool but is {state} in the TS")
         for tid, where in seen.items():
             state = _state(self.ts, tid)
             if state is TrajState.ROUTED:
@@ -382,7 +415,9 @@ class SimCluster:
         s = self.ts.stats()
         if s.routed != routed:
             problems.append(f"TS has {s.routed} ROUTED but instances + reward hold {routed}")
-        total = s.queued + s.routed + s.completed + s.consumed_trajectories
+        if s.rewarding != rewarding:
+            problems.append(f"TS has {s.rewarding} REWARDING but {rewarding} wait on tools")
+        total = s.queued + s.routed + s.rewarding + s.completed + s.consumed_trajectories
         if total + s.aborted_trajectories + s.filtered_trajectories != s.created_trajectories:
             problems.append(f"TS counts do not add up: {s}")
         if s.consumed_trajectories != len(self.consumed):

@@ -49,6 +49,12 @@ class EngineCosts:
     kv_pool: the KV cache of a trajectory whose chunk ended (divided rollout) stays in a
     pool every instance reads, as Seer's Mooncake-based global KV cache (seer.md §4.2):
     re-placing it costs no prefill. Off: it is prefilled again, as on the engines here.
+    keep_kv: a trajectory that leaves the batch without finishing (its model turn ended
+    at a tool call, or an Interrupt took it) leaves its KV in the instance's prefix cache
+    (SGLang's radix cache, vLLM's prefix caching): routed back here before it is evicted,
+    only its new tokens (the observation) are prefilled. The cache takes only what
+    decoding does not need, least recently used out first, and a Pull empties it. Off:
+    the KV is freed, and every route prefills the whole prefix.
     """
 
     prefill_s_per_token: float = 6.0e-5
@@ -57,15 +63,20 @@ class EngineCosts:
     prefill_s_per_token_sq: float = 0.0
     truth: EngineTruth = field(default_factory=EngineTruth)
     kv_pool: bool = False
+    keep_kv: bool = False
 
     def __post_init__(self) -> None:
         for name in ("prefill_s_per_token", "prefill_s_per_token_sq", "pull_s", "noise"):
             if not getattr(self, name) >= 0.0:
                 raise ValueError(f"EngineCosts.{name} must be >= 0 (got {getattr(self, name)})")
 
-    def prefill_seconds(self, length: int) -> float:
-        """Time to (re-)prefill a prefix of ``length`` tokens."""
-        return (self.prefill_s_per_token + self.prefill_s_per_token_sq * length) * length
+    def prefill_seconds(self, length: int, cached: int = 0) -> float:
+        """Time to (re-)prefill a prefix of ``length`` tokens whose first ``cached`` are in
+        the KV cache already (only the rest is computed, attending to all before it)."""
+        new = length - cached
+        return self.prefill_s_per_token * new + self.prefill_s_per_token_sq * (
+            length * length - cached * cached
+        )
 
 
 class SimTrajectory:
@@ -82,11 +93,17 @@ class SimTrajectory:
         "start",
         "target",
         "traj_id",
+        "turn_end",
         "v_traj",
     )
 
     def __init__(
-        self, payload: RoutedTrajectory, target: int, inst: SimInstance, end: int | None = None
+        self,
+        payload: RoutedTrajectory,
+        target: int,
+        inst: SimInstance,
+        end: int | None = None,
+        turn_end: bool = False,
     ) -> None:
         self.payload = payload
         self.traj_id = payload.traj_id
@@ -98,6 +115,9 @@ class SimTrajectory:
         # Where this route stops: the target, or the end of its chunk (divided rollout,
         # coordinator/seer.py), after which the trajectory goes back to the TS.
         self.end = target if end is None else min(end, target)
+        # ``end`` is where a model turn ends at a tool call (multi-turn work): the
+        # trajectory then goes to its environment, not back to the TS (staleflow.sim.env)
+        self.turn_end = turn_end and self.end < target
         self.inst = inst
         self.start = -1  # instance step at which it started running; -1 while waiting
 
@@ -116,15 +136,25 @@ class SimTrajectory:
         # Token ids and logprobs are constants; read-only broadcast views cost no memory
         # and the TS keeps read-only arrays as they are. Versions stay real per token.
         n = self.length - self.prompt_len
-        tokens = np.broadcast_to(np.int32(1), (n,))
-        logprobs = np.broadcast_to(np.float32(0.0), (n,))
+        tokens = constant(np.int32, 1, n)
+        logprobs = constant(np.float32, 0.0, n)
         prefix = self.payload.versions
-        if len(prefix) == 0 or (prefix.strides == (0,) and prefix[0] == version):
-            return tokens, logprobs, np.broadcast_to(np.int32(version), (n,))
+        if len(prefix) == 0 or is_constant(prefix, np.int32, version):
+            return tokens, logprobs, constant(np.int32, version, n)
         new = np.full(n - len(prefix), version, np.int32)
         versions = np.concatenate([prefix, new])
         versions.flags.writeable = False
         return tokens, logprobs, versions
+
+    def mask(self) -> np.ndarray | None:
+        """The loss mask of :meth:`response`: the routed prefix's (observations False),
+        then True for what this instance generated; None when all True."""
+        prefix = self.payload.mask
+        if prefix is None or len(prefix) == 0 or prefix.all():
+            return None
+        out = np.ones(self.length - self.prompt_len, dtype=np.bool_)
+        out[: len(prefix)] = prefix
+        return out
 
 
 @dataclass(slots=True)
@@ -139,6 +169,8 @@ class InstanceTimes:
     preemptions: int = 0
     chunks: int = 0  # trajectories returned to the TS at a chunk boundary (divided rollout)
     reprefill_tokens: int = 0  # prefix tokens prefilled again (resumed partials, preemptions)
+    prefix_hits: int = 0  # prefix tokens a route found in this instance's cache (keep_kv)
+    turns: int = 0  # model turns that ended here at a tool call (multi-turn work)
     wasted_tokens: int = 0  # response tokens of trajectories aborted here
     # Appendix B.2's figure: mean over periods with decoding of |estimated - actual| /
     # actual throughput, the estimate being the coordinator's model on the same steps.
@@ -186,6 +218,16 @@ class SimInstance:
         self._finish: list[tuple[int, int]] = []  # (step it completes at, traj_id)
         self._debt = 0.0  # prefill time owed before the next decode step
         self.times = InstanceTimes()
+        # the prefix cache (EngineCosts.keep_kv): trajectory -> KV tokens, least recently
+        # used first; only what decoding leaves free (_trim)
+        self.held: dict[int, int] = {}
+        self._held_total = 0
+        # trajectories whose last turn ended here and that wait on their environment;
+        # kept by the cluster's environments (sim/env.py), reported in snapshots
+        self.env: dict[int, SimTrajectory] = {}
+        # called when a model turn ends at a tool call (multi-turn work); None: no such
+        # turns (every route ends at its target or a chunk boundary)
+        self.turned: Finished | None = None
 
     # -- state ------------------------------------------------------------------------
 
@@ -205,6 +247,8 @@ class SimInstance:
             wait_trajs=wait,
             complete_trajs=tuple(self.completed),
             inst_version=self.version,
+            env_trajs=tuple(self.env.values()),
+            held=tuple(self.held.items()),
         )
 
     def take_returned(self) -> list[PartialTrajectory]:
@@ -256,6 +300,7 @@ class SimInstance:
             if t is not None:
                 out[tid] = self._partial(t)
                 self._stop(t)
+                self._hold(t)
         if any(t.traj_id in wanted for t in self.waiting):
             kept = []
             for t in self.waiting:
@@ -272,6 +317,8 @@ class SimInstance:
         """Drop trajectories for good; their response tokens were generated for nothing."""
         removed = self.remove(ids, now)
         self.times.wasted_tokens += sum(len(p.tokens) for p in removed.values())
+        for tid in ids:
+            self._release(tid)
         return list(removed)
 
     def pull(self, version: int, now: float) -> None:
@@ -285,6 +332,8 @@ class SimInstance:
         self.times.pull += self.costs.pull_s
         self.version = version
         self.completed = []
+        self.held.clear()  # KV computed by the old weights
+        self._held_total = 0
 
     # -- time -------------------------------------------------------------------------
 
@@ -294,6 +343,8 @@ class SimInstance:
         step, slow = self.truth.step, self.truth.slowdowns
         actual = estimated = 0.0  # decode seconds this call, and the estimate's for them
         while self.clock < horizon:
+            if self._held_total:
+                self._trim()
             if self._debt > 0.0:
                 self.clock += self._debt
                 times.prefill += self._debt
@@ -340,7 +391,12 @@ class SimInstance:
                 self.copies.discard(tid)
             else:
                 self.completed.append(tid)
-            if t.end < t.target:  # a chunk boundary: back to the TS, to be re-placed
+            if t.turn_end:  # a tool call: to its environment (sim/env.py), KV cached
+                assert self.turned is not None, "a turn ended with no environment to take it"
+                self.times.turns += 1
+                self._hold(t)
+                self.turned(self.clock, self, t)
+            elif t.end < t.target:  # a chunk boundary: back to the TS, to be re-placed
                 self.times.chunks += 1
                 self.returned.append(self._partial(t))
                 if self.pool is not None:
@@ -363,9 +419,14 @@ class SimInstance:
             if self.pool is not None and t.traj_id in self.pool:
                 self.pool.discard(t.traj_id)  # its KV cache comes from the pool
             else:
-                self._debt += self.costs.prefill_seconds(t.length)
-                if t.length > t.prompt_len:
-                    self.times.reprefill_tokens += t.length
+                cached = min(self._release(t.traj_id), t.length)
+                self._debt += self.costs.prefill_seconds(t.length, cached)
+                self.times.prefix_hits += cached
+                # computed before and again now: all but the cache's and the tokens the
+                # environment appended since (an observation is prefilled once anyway)
+                again = t.length - cached - _observation_tail(t.payload.mask)
+                if t.length > t.prompt_len and again > 0:
+                    self.times.reprefill_tokens += again
             t.base, t.start = t.length, self.steps
             self.running[t.traj_id] = t
             self._sum_base += t.base - t.start
@@ -377,6 +438,29 @@ class SimInstance:
         self._sum_base -= t.base - t.start
         t.base, t.start = t.length, -1
 
+    def _hold(self, t: SimTrajectory) -> None:
+        """Cache the KV of a trajectory that left the batch unfinished (keep_kv)."""
+        if not self.costs.keep_kv or t.traj_id in self.copies:
+            return
+        self._release(t.traj_id)
+        self.held[t.traj_id] = t.length
+        self._held_total += t.length
+        self._trim()
+
+    def _release(self, tid: int) -> int:
+        """Take ``tid``'s prefix out of the cache; its KV tokens (0 if not cached)."""
+        n = self.held.pop(tid, 0)
+        self._held_total -= n
+        return n
+
+    def _trim(self) -> None:
+        """Evict cached prefixes, least recently used first, until the cache and the
+        decoding batch (with a step of headroom) fit the KV budget."""
+        c = self.cost
+        room = c.kv_budget - self.kv - c.k5 * len(self.running)
+        while self.held and c.k5 * self._held_total > room:
+            self._release(next(iter(self.held)))
+
     def _preempt(self) -> None:
         victim = next(reversed(self.running.values()))
         self._stop(victim)
@@ -385,7 +469,38 @@ class SimInstance:
 
     def _partial(self, t: SimTrajectory) -> PartialTrajectory:
         tokens, logprobs, versions = t.response(self.version)
-        return PartialTrajectory(t.traj_id, tokens, logprobs, versions)
+        return PartialTrajectory(t.traj_id, tokens, logprobs, versions, t.mask())
+
+
+def _observation_tail(mask: np.ndarray | None) -> int:
+    """Tokens at the end of a routed response that the model did not generate (the
+    observation appended after its last turn)."""
+    if mask is None or len(mask) == 0 or mask[-1]:
+        return 0
+    model = np.flatnonzero(mask)
+    return len(mask) - (int(model[-1]) + 1 if len(model) else 0)
+
+
+_CONSTANTS: dict[tuple[type, float], np.ndarray] = {}
+
+
+def constant(dtype: type, value: float, n: int) -> np.ndarray:
+    """``n`` copies of ``value``, read-only: a view of one cached array per value (token
+    ids and logprobs are constants here, and so are a trajectory's versions while one
+    policy generates it; the TS keeps read-only arrays as they are, so the runs share
+    them instead of holding a copy per trajectory)."""
+    key = (dtype, value)
+    arr = _CONSTANTS.get(key)
+    if arr is None or len(arr) < n:
+        arr = np.full(max(n, 1 << 16, 2 * len(arr) if arr is not None else 0), value, dtype)
+        arr.flags.writeable = False
+        _CONSTANTS[key] = arr
+    return arr[:n]
+
+
+def is_constant(arr: np.ndarray, dtype: type, value: float) -> bool:
+    """Is ``arr`` a view that :func:`constant` made for ``value``?"""
+    return arr.base is not None and arr.base is _CONSTANTS.get((dtype, value))
 
 
 def _steps_within(budget: float, first: float, growth: float) -> int:

@@ -50,6 +50,9 @@ class SimPlanes:
         self.claimed: set[TrajId] = set()
         self.commands = {"route": 0, "interrupt": 0, "abort": 0, "pull": 0}
         self.races: SimRaces | None = None  # the tail race's copies (sim/race.py), if on
+        # multi-turn work: (sample, trajectory, response tokens) -> the response length at
+        # which its current model turn ends (sim/agentic.py); None: single-turn work
+        self.turn_end: Callable[[int, int, int], int] | None = None
 
     # -- TrajectoryPlane --------------------------------------------------------------
 
@@ -94,7 +97,12 @@ class SimPlanes:
         for r in routed:
             response = self._target(r.sample_id, r.traj_id)
             end = len(r.prompt) + chunk_cap(len(r.tokens), response, self.chunk_tokens)
-            sims.append(SimTrajectory(r, len(r.prompt) + response, target, end))
+            turn = False
+            if self.turn_end is not None:  # the route stops where the model calls a tool
+                stop = len(r.prompt) + self.turn_end(r.sample_id, r.traj_id, len(r.tokens))
+                if stop <= end:
+                    end, turn = stop, True
+            sims.append(SimTrajectory(r, len(r.prompt) + response, target, end, turn))
         target.submit(sims, self._now())
         self.commands["route"] += 1
         if len(routed) == len(ids):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from coordinator import CoordinatorConfig, CostModelConfig, FreshnessConfig
+from staleflow.sim.agentic import AgenticConfig
 from staleflow.sim.cluster import ClusterConfig
 from staleflow.sim.engine import EngineCosts
 from staleflow.sim.trainer import TrainerCosts
@@ -169,9 +170,23 @@ RULES: dict[str, dict[str, Any]] = {
     # off by default so far: ``staleflow-no-freshness`` is ``staleflow`` until it is on
     "freshness": {"freshness": FreshnessConfig()},
 }
+# The rules for multi-turn work (coordinator.agentic: AgenticRulesConfig), likewise:
+# ``staleflow-no-locality`` etc.; ``tool-waits`` turns off every rule that uses the
+# learned tool waits (all but KV locality).
+AGENTIC_RULES: dict[str, dict[str, Any]] = {
+    "locality": {"kv_locality": False},
+    "returns": {"expected_returns": False},
+    # off by default (config.py): ``staleflow-no-tool-pulls`` is ``staleflow``
+    "tool-pulls": {"tool_pulls": False},
+    "tool-critical": {"tool_critical": False},
+}
+AGENTIC_RULES["tool-waits"] = {
+    k: v for rule, off in AGENTIC_RULES.items() if rule != "locality" for k, v in off.items()
+}
 # ``<system>+fresh``: that system with the freshness rule on (coordinator/freshness.py).
 FRESH = "+fresh"
 PAPER_RULES: dict[str, Any] = {k: v for off in RULES.values() for k, v in off.items()}
+PAPER_AGENTIC: dict[str, Any] = {k: v for off in AGENTIC_RULES.values() for k, v in off.items()}
 
 
 def _strategies(config: ClusterConfig, routing: str, sync: str, migration: str) -> ClusterConfig:
@@ -217,11 +232,15 @@ def system(name: str, config: ClusterConfig, layout: Layout | None = None) -> Cl
         return replace(_strategies(config, "throughput", "throughput", "throughput"), name=name)
     if name == "staleflow-paper" or name.startswith("staleflow-no-"):
         rule = name.removeprefix("staleflow-no-")
-        if name != "staleflow-paper" and rule not in RULES:
-            raise ValueError(f"unknown rule {rule!r} in {name!r}: use one of {sorted(RULES)}")
-        off = PAPER_RULES if name == "staleflow-paper" else RULES[rule]
+        if name != "staleflow-paper" and rule not in RULES and rule not in AGENTIC_RULES:
+            known = sorted(RULES) + sorted(AGENTIC_RULES)
+            raise ValueError(f"unknown rule {rule!r} in {name!r}: use one of {known}")
+        off = PAPER_RULES if name == "staleflow-paper" else RULES.get(rule, {})
+        agentic = PAPER_AGENTIC if name == "staleflow-paper" else AGENTIC_RULES.get(rule, {})
         out = _strategies(config, "throughput", "throughput", "throughput")
-        return replace(out, coordinator=replace(out.coordinator, **off), name=name)
+        coord = replace(out.coordinator, **off)
+        coord = replace(coord, agentic=replace(coord.agentic, **agentic))
+        return replace(out, coordinator=coord, name=name)
     if name == "vanilla":
         return replace(_strategies(config, "vanilla", "vanilla", "vanilla"), name=name)
     if name == "sticky":
@@ -251,6 +270,67 @@ def system(name: str, config: ClusterConfig, layout: Layout | None = None) -> Cl
 
 # -- the workloads of the experiment matrix (experiments/sim_matrix.py) -------------------
 
+# Agentic work: where each number comes from is in docs/simulator_agentic.md.
+SEARCH_AGENT = AgenticConfig(
+    turns_median=3.0,
+    turns_sigma=0.3,
+    group_turns_sigma=0.4,
+    max_turns=5,
+    turn_tokens_median=250.0,
+    turn_tokens_sigma=0.6,
+    max_turn_tokens=500,
+    obs_tokens_median=400.0,
+    obs_tokens_sigma=0.3,
+    max_obs_tokens=500,
+    max_context=4608,
+    latency_median_s=0.5,
+    latency_sigma=1.0,
+    latency_timeout_s=10.0,
+    fail_prob=0.02,
+    max_retries=1,
+    prompt_median=150.0,
+    prompt_sigma=0.5,
+    max_prompt=2048,
+)
+SWE_AGENT = AgenticConfig(
+    turns_median=25.0,
+    turns_sigma=0.3,
+    group_turns_sigma=0.5,
+    max_turns=50,
+    turn_tokens_median=250.0,
+    turn_tokens_sigma=0.7,
+    max_turn_tokens=4096,
+    obs_tokens_median=400.0,
+    obs_tokens_sigma=1.0,
+    max_obs_tokens=2800,
+    max_context=30_720,
+    latency_median_s=2.0,
+    latency_sigma=1.5,
+    latency_timeout_s=60.0,
+    fail_prob=0.02,
+    max_retries=1,
+    prompt_median=2000.0,
+    prompt_sigma=0.3,
+    max_prompt=4096,
+)
+
+
+def small_agentic(c: AgenticConfig) -> AgenticConfig:
+    """``c`` at the ``tiny`` preset's scale (contexts of at most 2K tokens, a sixth of
+    the turns), for tests and smoke runs: the same shape of waits, not a measurement."""
+    return replace(
+        c,
+        turns_median=max(1.0, c.turns_median / 6.0),
+        max_turns=max(2, c.max_turns // 6),
+        turn_tokens_median=max(1.0, c.turn_tokens_median / 8.0),
+        max_turn_tokens=max(8, c.max_turn_tokens // 8),
+        obs_tokens_median=max(1.0, c.obs_tokens_median / 8.0),
+        max_obs_tokens=max(8, c.max_obs_tokens // 8),
+        max_context=2048,
+        prompt_median=min(50.0, c.prompt_median),
+        max_prompt=200,
+    )
+
 
 @dataclass(frozen=True, slots=True)
 class Workload:
@@ -268,6 +348,13 @@ class Workload:
     workload: WorkloadConfig | None = None
     speed_sigma: float = 0.0
     skewed: bool = False
+    # Agentic work (sim/agentic.py): multi-turn trajectories and their tools, in groups of
+    # ``group`` x ``batch`` per step; ``keep_kv``: the engines cache a prefix across a
+    # tool wait (EngineCosts.keep_kv). None: the §6.5 single-turn workload.
+    agentic: AgenticConfig | None = None
+    batch: int = 128
+    group: int = 16
+    keep_kv: bool = False
 
     def config(
         self,
@@ -287,6 +374,8 @@ class Workload:
         if not 0 < rollout < gpus:
             raise ValueError(f"{self.name}: rollout_gpus={rollout} must be in (0, {gpus})")
         truth = EngineTruth(coef_sigma=COEF_SIGMA, speed_sigma=self.speed_sigma)
+        if self.agentic is not None:
+            return self._agentic(eta, steps, seed, rollout, gpus, truth, small)
         if small:
             base = tiny(eta, steps=steps, seed=seed)
             shape = replace(
@@ -310,6 +399,39 @@ class Workload:
             layout=Layout(rollout, gpus - rollout),
             truth=truth,
             workload=self.workload,
+        )
+
+    def _agentic(
+        self,
+        eta: int,
+        steps: int,
+        seed: int,
+        rollout: int,
+        gpus: int,
+        truth: EngineTruth,
+        small: bool,
+    ) -> ClusterConfig:
+        agentic = self.agentic
+        assert agentic is not None
+        if small:  # the tiny preset's cache holds 12K tokens: contexts of at most 2K
+            base = tiny(eta, steps=steps, seed=seed)
+            agentic = small_agentic(agentic)
+            base = replace(
+                base,
+                instances=rollout,
+                trainer=base.trainer.sped_up((gpus - rollout) / 4),
+                engine=replace(base.engine, truth=truth),
+            )
+        else:
+            base = paper_6_5(
+                eta, steps=steps, seed=seed, layout=Layout(rollout, gpus - rollout), truth=truth
+            )
+            base = replace(base, batch_size=self.batch, group_size=self.group)
+        return replace(
+            base,
+            agentic=agentic,
+            workload=agentic.as_workload(),
+            engine=replace(base.engine, keep_kv=self.keep_kv),
         )
 
     def total_gpus(self, small: bool = False) -> int:
@@ -358,5 +480,26 @@ WORKLOADS: dict[str, Workload] = {
             skewed=True,
         ),
         Workload("gpus-512", "512 GPUs, batch 128 (§6.4's GPU scaling)", gpus=512),
+        Workload(
+            "search-agent",
+            "a search agent: up to 5 turns (4 searches), short turns and passages, "
+            "sub-second retrieval; batch 512 x 5 (Search-R1's train_grpo.sh)",
+            agentic=SEARCH_AGENT,
+            batch=512,
+            group=5,
+            keep_kv=True,
+            skewed=True,
+        ),
+        Workload(
+            "swe-agent",
+            "a software-engineering agent: ~25 turns (at most 50) in a 30K context, "
+            "shell commands of heavy-tailed latency up to a 60 s timeout; batch 64 x 8",
+            agentic=SWE_AGENT,
+            batch=64,
+            group=8,
+            keep_kv=True,
+            skewed=True,
+        ),
     )
 }
+AGENTIC = tuple(name for name, w in WORKLOADS.items() if w.agentic is not None)

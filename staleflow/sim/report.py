@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
+from operator import itemgetter
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -24,7 +25,7 @@ from rich.table import Table
 
 from staleflow.runfolder.reader import RunFolder, RunFolderError, read_run_folder
 from staleflow.sim.cluster import ClusterConfig
-from staleflow.sim.presets import PRESETS
+from staleflow.sim.presets import AGENTIC, PRESETS
 
 Row = dict[str, Any]
 T = TypeVar("T")
@@ -274,3 +275,47 @@ def save_figure(fig: Any, out: Path, stem: str) -> Path:
     fig.savefig(path, dpi=120)
     pyplot().close(fig)
     return path
+
+
+def agentic_verdicts(
+    cells: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    workloads: list[str],
+    etas: list[int],
+) -> list[str]:
+    """One line per requirement of issue #35 on the agentic workloads of the matrix:
+    at eta = 3, StaleFlow >= 1.3x sticky and >= 2x sync (mean over seeds, per workload),
+    and no seed below 1.0 against sticky on the same split."""
+    agentic = [w for w in workloads if w in AGENTIC]
+    if not agentic:
+        return []
+    lines = []
+    for base, target in (("sticky", 1.3), ("sync", 2.0)):
+        got = [
+            c for c in cells if c["workload"] in agentic and c["eta"] == 3 and c["baseline"] == base
+        ]
+        if got:
+            low = [c for c in got if c["ratio"] < target]
+            lines.append(
+                f"verdict (#35): StaleFlow >= {target}x {base} at eta=3 on the agentic "
+                "workloads (mean over seeds): "
+                + ", ".join(f"{c['workload']} {c['ratio_text']}" for c in got)
+                + (": PASS" if not low else ": FAIL")
+            )
+    key = itemgetter("workload", "eta", "seed", "rollout_gpus", "steps")
+    sticky = {key(r): r for r in rows if r["system"] == "sticky" and r["workload"] in agentic}
+    pairs = [
+        (r["tokens_per_s"] / sticky[key(r)]["tokens_per_s"], r)
+        for r in rows
+        if r["system"] == "staleflow" and key(r) in sticky
+    ]
+    if pairs:
+        worst, r = min(pairs, key=itemgetter(0))
+        below = sum(p < 1.0 for p, _ in pairs)
+        lines.append(
+            f"verdict (#35): StaleFlow >= 1.0x sticky on the same split and seed, agentic "
+            f"workloads, eta in {etas}: {len(pairs)} pairs, worst {worst:.3f} ({r['workload']} "
+            f"eta={r['eta']} seed={r['seed']} {r['rollout_gpus']} rollout GPUs): "
+            + ("PASS" if not below else f"FAIL ({below} below)")
+        )
+    return lines

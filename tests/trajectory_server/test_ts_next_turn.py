@@ -45,6 +45,23 @@ def test_next_turn_queues_the_trajectory_with_its_observation_and_state() -> Non
     assert again.mask.tolist() == [True] * 3 + [False] * 2
 
 
+def test_tool_waits_lists_a_trajectory_with_the_instance_its_turn_ended_on() -> None:
+    ts = server()
+    assert ts.tool_waits() == ()
+    _first_turn_with_worker(ts)
+    ((record, inst),) = ts.tool_waits()
+    assert inst == "a" and record.traj_id == 0 and record.v_traj == 2
+    assert record.length == record.prompt_len + 3  # the response at the turn's end
+    after = turns(("model", 3, 2), ("obs", 2, 2))
+    ts.next_turn([NextTurn(0, *after, env_state=b"")], worker_id="w")
+    assert ts.tool_waits() == ()  # back in the queue: no longer waiting
+    # a hand-off without an instance (a replayed completion) is not listed
+    ts.route([0], None, "b")
+    again = turns(("model", 3, 2), ("obs", 2, 2), ("model", 1, 2))
+    ts.hand_to_reward([FinishedTrajectory(0, *again[:3], "stop", again[3])], "w")
+    assert ts.tool_waits() == ()
+
+
 def test_next_turn_refuses_a_late_or_wrong_message_and_changes_nothing() -> None:
     ts = server()
     turn = _first_turn_with_worker(ts)

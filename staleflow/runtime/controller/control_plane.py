@@ -56,6 +56,7 @@ from staleflow.runtime.controller.metrics import StepMetrics
 from staleflow.runtime.controller.plane_records import ControlConfig, Cut, LiveState
 from staleflow.runtime.controller.planes import RuntimePlanes
 from staleflow.runtime.controller.races import RuntimeRaces
+from staleflow.runtime.controller.tool_view import tool_view
 from staleflow.runtime.interface import (
     InstanceGone,
     InstanceHandle,
@@ -114,6 +115,7 @@ class ControlPlane:
         self._gather = gather or self.members.snapshots
         self._clock = clock
         self.planes = RuntimePlanes(self.members, on_gone=self._on_gone)
+        self.tool_view = tool_view(config, ts, self.members)
         self.loop = ControlLoop(
             config.staleness,
             config.coordinator,
@@ -382,6 +384,8 @@ class ControlPlane:
             if kind == "rewarded":
                 for r in self.loop.occupy(payload):
                     self.metrics.on_rewarded(r)
+                if self.tool_view is not None:
+                    self.tool_view.learn(payload, self.coordinator.strategies.waits)
             elif kind == "dropped":
                 self.loop.forget(payload)
             elif kind == "trained":
@@ -514,13 +518,14 @@ class ControlPlane:
     # -- instances -----------------------------------------------------------------------
 
     def _snapshots(self) -> list[InstanceSnapshot]:
+        waiting = self.tool_view.waiting() if self.tool_view is not None else ()
         out = []
         for s in self._gather(list(self.members)):
             if isinstance(s, InstanceGone):
                 self._post_lost(s, ())
             else:
                 out.append(s)
-        return out
+        return out if self.tool_view is None else self.tool_view.merge(out, waiting)
 
     def _on_gone(self, exc: InstanceGone, reserved: Sequence[TrajId]) -> None:
         self._post_lost(exc, reserved)

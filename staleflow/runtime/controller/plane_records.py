@@ -24,6 +24,10 @@ class ControlConfig:
     checkpoint_every: int = 0  # take a cut after every N-th training step (0: never)
     eval_every: int = 0  # hold every N-th step's record for its evaluation (0: never)
     sampling: SamplingConfig | None = None  # dynamic sampling (trainer.dynamic_sampling)
+    # a multi-turn task: snapshots list the trajectories waiting on their tools
+    # (runtime/controller/tool_view.py); ``prefix_cache``: and the prefixes engines keep
+    tool_waits: bool = False
+    prefix_cache: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,11 @@ def control_config(cfg: RunConfig) -> ControlConfig:
         checkpoint_every=cfg.checkpoint_every,
         eval_every=cfg.eval.every if cfg.eval.during_training else 0,
         sampling=cfg.sampling_config(),
+        tool_waits=cfg.data.task in ENV_TASKS,
+        # vLLM's prefix caching (rollout.vllm, on by default) and SGLang's radix cache
+        # keep a finished turn's KV; the embedded engine with its prefix store
+        prefix_cache=cfg.data.task in ENV_TASKS
+        and (cfg.rollout.backend in ("vllm", "sglang") or cfg.rollout.prefix_cache_tokens > 0),
     )
 
 

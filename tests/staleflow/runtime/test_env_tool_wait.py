@@ -8,6 +8,11 @@ really waits (on an event the test sets only at its end), so a Pull that waited 
 would not come within the test's patience. The coordinator synchronises with ``drain``:
 it Pulls only once no instance runs or queues anything, so the Pull also shows that a
 trajectory inside its tool call is on no instance and holds no decode slot.
+
+The same run shows the coordinator's rules for multi-turn work fed from the real control
+plane (``ControlConfig.tool_waits``, runtime/controller/tool_view.py): the snapshots it
+decides on list each waiting trajectory on the instance its turn ended on, and its
+learned tool waits count them as waiting.
 """
 
 from __future__ import annotations
@@ -131,6 +136,7 @@ def test_a_pull_while_every_trajectory_waits_on_its_tool_does_not_wait_for_the_t
             StalenessConfig(eta=ETA, batch_size=BATCH, group_size=GROUP),
             CoordinatorConfig(period_s=0.005, synchronization="drain"),
             idle_wait_s=0.002,
+            tool_waits=True,
         ),
         ts=ts,
         instances=hosts,
@@ -149,6 +155,17 @@ def test_a_pull_while_every_trajectory_waits_on_its_tool_does_not_wait_for_the_t
             f"{IN_FLIGHT} trajectories in their tool calls",
         )
         assert all(not h.held() for h in hosts.values())
+        # the coordinator sees them, each on the instance its turn ended on
+        _until(
+            lambda: sum(len(s.env_trajs) for s in control.loop.last_snapshot) == IN_FLIGHT,
+            "every waiting trajectory in the coordinator's snapshot",
+        )
+        turned = {t.traj_id: s.inst for s in control.loop.last_snapshot for t in s.env_trajs}
+        assert turned == {r.traj_id: i for r, i in ts.tool_waits()}
+        assert all(not s.held for s in control.loop.last_snapshot)  # no prefix cache here
+        waits = control.coordinator.strategies.waits
+        assert waits is not None
+        _until(lambda: all(waits.waited(t) > 0.0 for t in turned), "their waits measured")
         assert [e.loads for e in engines.values()] == [[0], [0]]
         ps.push({"w": np.ones(2, np.float32)}, version=1)  # the trainer's Push of version 1
         # the coordinator Pulls every instance to version 1, the tools still asleep

@@ -41,3 +41,24 @@ def test_the_tail_scene_is_inside_the_critical_tail_and_the_rule_acts_there(
     assert bench.main(args) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert row["scenario"] == "tail" and row["median_cpu_ms"] > 0
+
+
+def test_the_agentic_scene_has_a_third_of_its_trajectories_at_their_tools(
+    tmp_path: Path,
+) -> None:
+    bench = _bench()
+    scene = bench.build_scene(64, 1024, "agentic", 0)
+    insts = scene.snapshot.instances
+    tools = sum(len(s.env_trajs) for s in insts)
+    on = sum(len(s.run_trajs) + len(s.wait_trajs) for s in insts)
+    assert 0.28 < tools / (tools + on + len(scene.ts)) < 0.38
+    # every waiting trajectory's prefix is cached where it waits; some TS partials have one
+    held = {t: s.inst for s in insts for t, _ in s.held}
+    assert all(held.get(t.traj_id) == s.inst for s in insts for t in s.env_trajs)
+    assert any(t.traj_id in held for t in scene.ts)
+    out = tmp_path / "bench.json"
+    args = ["--sizes", "64:1024", "--scenarios", "agentic", "--repeats", "3", "--json", str(out)]
+    assert bench.main(args) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["scenario"] == "agentic" and row["waiting_on_tools"] == tools
+    assert row["routed"] > 0

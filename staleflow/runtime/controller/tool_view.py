@@ -1,0 +1,146 @@
+"""What the coordinator's rules for multi-turn work read in a real run: tool waits.
+
+The rules (``coordinator/agentic.py``) read two fields of each instance's snapshot that
+an engine cannot report, because a trajectory waiting on its tool is on no instance:
+
+- ``env_trajs``: the trajectories whose last model turn ended on the instance and which
+  wait on their environment now. The TS knows them: a finished turn is handed to a reward
+  worker (REWARDING) with the instance it ended on (``TrajectoryServer.tool_waits``), and
+  in a multi-turn task every REWARDING trajectory waits on its environment (a tool call,
+  then its next turn or its score: ``runtime/workers/env_stage.py``).
+- ``held``: the prefixes the instance still caches. vLLM's prefix caching, SGLang's
+  radix cache and the embedded engine's prefix store keep a finished turn's KV until
+  they need the room; a Pull empties them. The view assumes a prefix stays until the
+  instance Pulls or the trajectory is routed again (eviction is not seen; the routing's
+  gain rule still weighs the prefill). The instances' own ``held_prefixes`` would say
+  exactly; feeding them in is not done yet.
+
+The coordinator learns tool waits online from ``env_trajs`` (``ToolWaits.observe``);
+:meth:`ToolWaitView.learn` warm-starts that estimate from the episodes' own records
+(``Rewarded.tool_wait_s`` over ``tool_calls``) until the snapshots have measured enough.
+
+Pure: fed the TS's list and the instances' snapshots, it returns snapshots; no Ray.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any, Protocol, cast
+
+from coordinator.agentic import ToolWaits
+from coordinator.types import InstanceSnapshot, TrajRecord
+from staleflow.runtime.interface import Rewarded
+from trajectory_server.types import InstanceId, RoutableTrajectory
+
+logger = logging.getLogger(__name__)
+
+ToolWaitList = Sequence[tuple[RoutableTrajectory, InstanceId]]
+
+
+class ToolWaitSource(Protocol):
+    """The part of the TS the view reads (the TS client serves it)."""
+
+    def tool_waits(self) -> ToolWaitList: ...
+
+
+class ToolWaitView:
+    """See the module docstring. ``holders()``: each member instance's TS holder id (the
+    id its turns are handed over with). ``prefix_cache``: the engines keep a finished
+    request's KV (vLLM, SGLang), so ``held`` is reported."""
+
+    # prefixes remembered for next turns not routed yet; beyond this the oldest go (a
+    # trajectory that ended its episode is never routed again)
+    MAX_HELD = 65_536
+
+    def __init__(
+        self,
+        source: ToolWaitSource,
+        holders: Callable[[], Mapping[int, InstanceId]],
+        *,
+        prefix_cache: bool,
+    ) -> None:
+        self._source = source
+        self._holders = holders
+        self.prefix_cache = prefix_cache
+        # trajectory -> (instance, its version when the turn ended there, KV tokens)
+        self._held: dict[int, tuple[int, int, int]] = {}
+        self.learned = 0  # waits taken from records
+
+    def waiting(self) -> ToolWaitList:
+        """The TS's list; ask it before gathering the snapshots (:meth:`merge`)."""
+        return self._source.tool_waits()
+
+    def merge(
+        self, snapshots: Sequence[InstanceSnapshot], waiting: ToolWaitList
+    ) -> list[InstanceSnapshot]:
+        """``snapshots`` with ``env_trajs`` (and ``held``) filled in from ``waiting``.
+        The TS was asked first, and routes are decided on this thread after both, so a
+        trajectory it lists is on no instance; one that is anyway (a list older than the
+        snapshot) is left out."""
+        inst_of = {h: i for i, h in self._holders().items()}
+        on = {t.traj_id for s in snapshots for t in (*s.run_trajs, *s.wait_trajs)}
+        versions = {s.inst: s.inst_version for s in snapshots}
+        env: dict[int, list[TrajRecord]] = {}
+        for r, holder in waiting:
+            inst = inst_of.get(holder)
+            if inst is None or inst not in versions or r.traj_id in on:
+                continue  # the instance left the run, or the list is older than the snapshot
+            env.setdefault(inst, []).append(TrajRecord(*r))
+            if self.prefix_cache and r.traj_id not in self._held:
+                self._held[r.traj_id] = (inst, versions[inst], r.length)
+        held: dict[int, list[tuple[int, int]]] = {}
+        if self.prefix_cache:
+            self._forget(on, versions)
+            for tid, (inst, _, length) in self._held.items():
+                held.setdefault(inst, []).append((tid, length))
+        return [
+            replace(
+                s,
+                env_trajs=tuple(env.get(s.inst, ())),
+                held=tuple(held.get(s.inst, ())),
+            )
+            if s.inst in env or s.inst in held
+            else s
+            for s in snapshots
+        ]
+
+    def _forget(self, on: set[int], versions: Mapping[int, int]) -> None:
+        """Drop the prefixes a Pull emptied (the instance's version moved), those of
+        trajectories routed again (the engine holds them as running work now) and those
+        of instances gone."""
+        drop = [
+            tid
+            for tid, (inst, version, _) in self._held.items()
+            if tid in on or versions.get(inst) != version
+        ]
+        for tid in drop:
+            del self._held[tid]
+        while len(self._held) > self.MAX_HELD:
+            del self._held[next(iter(self._held))]
+
+    def learn(self, records: Sequence[Rewarded], waits: ToolWaits | None) -> None:
+        """Warm-start ``waits`` from finished episodes' records (the mean of each episode's
+        tool calls, once per call) until the snapshots have measured ``min_samples``
+        waits of their own: those include the time a finished turn queues for a worker,
+        which the records do not."""
+        if waits is None or waits.samples >= waits.min_samples:
+            return
+        got = [
+            r.tool_wait_s / r.tool_calls
+            for r in records
+            if r.tool_calls > 0 and r.tool_wait_s >= 0
+            for _ in range(r.tool_calls)
+        ]
+        if got:
+            waits.learn(got)
+            self.learned += len(got)
+
+
+def tool_view(config: Any, ts: object, members: Any) -> ToolWaitView | None:
+    """The control plane's view (``ControlConfig.tool_waits``; the TS client serves
+    ``tool_waits``), or None for a single-turn task."""
+    if not config.tool_waits:
+        return None
+    return ToolWaitView(cast(ToolWaitSource, ts), members.holders, prefix_cache=config.prefix_cache)

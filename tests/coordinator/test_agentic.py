@@ -1,0 +1,196 @@
+"""Multi-turn work in the coordinator (coordinator/agentic.py): the online tool-wait
+estimate, KV locality and the expected returns, each as a pure function; and that the
+cost model and the speed estimate see decoding only."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from coordinator import InstanceSnapshot, Snapshot, TrajRecord
+from coordinator.agentic import ToolWaits, expected_returns, move_penalty, stays_home
+from coordinator.estimation import SpeedEstimator
+from coordinator.fleet import Fleet
+from tests.coordinator.builders import COST
+
+
+def _inst(
+    inst: int,
+    run: tuple[TrajRecord, ...] = (),
+    env: tuple[TrajRecord, ...] = (),
+    held: tuple[tuple[int, int], ...] = (),
+) -> InstanceSnapshot:
+    return InstanceSnapshot(inst, sum(t.length for t in run), run, (), (), 0, env, held)
+
+
+def _waiting(ids: list[int], length: int = 1_000) -> tuple[TrajRecord, ...]:
+    return tuple(TrajRecord(i, 0, 0, length, 50) for i in ids)
+
+
+def _feed(waits: ToolWaits, durations: list[float], period: float = 1.0) -> float:
+    """Trajectories that wait the given seconds, each listed in env_trajs from t to t+d,
+    observed every ``period``. Returns the clock at the end."""
+    starts = {i: 10.0 * i for i in range(len(durations))}
+    ends = {i: starts[i] + d for i, d in enumerate(durations)}
+    now, last = 0.0, max(ends.values()) + 2 * period
+    while now <= last:
+        listed = [i for i in starts if starts[i] <= now < ends[i]]
+        snap = Snapshot((_inst(0, env=_waiting(listed)),), now)
+        back = [TrajRecord(i, 0, 0, 1_400, 50) for i in starts if now >= ends[i]]
+        waits.observe(snap, back)
+        now += period
+    return now
+
+
+def test_waits_are_measured_from_the_listings() -> None:
+    waits = ToolWaits(min_samples=4)
+    _feed(waits, [3.0, 5.0, 8.0, 20.0], period=1.0)
+    assert waits.samples == 4
+    # each wait is seen to within one period
+    assert waits.quantile(0.0) == pytest.approx(3.0, abs=1.0)
+    assert waits.quantile(1.0) == pytest.approx(20.0, abs=1.0)
+
+
+def test_the_prior_answers_until_enough_waits() -> None:
+    waits = ToolWaits(min_samples=16, prior_wait_s=10.0)
+    _feed(waits, [1.0] * 4)
+    # memoryless exponential of the prior's mean, whatever the waited time
+    p0 = waits.p_return(0.0, 10.0)
+    p100 = waits.p_return(100.0, 10.0)
+    assert float(p0) == pytest.approx(1 - math.exp(-1.0))
+    assert float(p100) == pytest.approx(float(p0))
+    assert waits.residual(50.0) == 10.0
+
+
+def test_a_heavy_tail_makes_a_long_wait_longer_still() -> None:
+    """Conditional on having waited long, the remaining wait grows and the chance of a
+    return within the next seconds falls: the property the rules rely on."""
+    rng = np.random.default_rng(0)
+    waits = ToolWaits(min_samples=16, window=4096)
+    waits._waits.extend(np.exp(rng.normal(np.log(2.0), 1.5, 4000)).tolist())  # no snapshots needed
+    assert waits.residual(30.0) > waits.residual(1.0) > 0
+    assert float(waits.p_return(30.0, 5.0)) < float(waits.p_return(0.5, 5.0))
+    # an exponential (no tail) would keep both flat
+    flat = ToolWaits(min_samples=16, window=4096)
+    flat._waits.extend(rng.exponential(5.0, 4000).tolist())
+    assert flat.residual(10.0) == pytest.approx(flat.residual(0.0), rel=0.15)
+
+
+def test_turn_tokens_are_learned_from_back_to_next_wait() -> None:
+    waits = ToolWaits(min_samples=1, prior_turn_tokens=999.0)
+    assert waits.turn_tokens() == 999.0
+    t = 0.0
+    waits.observe(Snapshot((_inst(0, env=_waiting([7], 1_000)),), t), [])
+    # back in the TS with its observation (1,400 tokens), then decodes 300 and waits again
+    waits.observe(Snapshot((_inst(0),), t + 1), [TrajRecord(7, 0, 0, 1_400, 50)])
+    waits.observe(Snapshot((_inst(0),), t + 2), [])
+    waits.observe(Snapshot((_inst(0, env=_waiting([7], 1_700)),), t + 3), [])
+    assert waits.turn_tokens() == 300.0
+
+
+def test_move_penalty_is_the_prefill_the_cache_saves() -> None:
+    no_cache = move_penalty(COST, 20_000, 0, 10, 0.03)
+    assert no_cache == 0.0  # nothing cached: moving costs what staying costs
+    cached = move_penalty(COST, 20_000, 19_000, 10, 0.03)
+    extra = COST.prefill_seconds(20_000) - COST.prefill_seconds(20_000, 19_000)
+    assert cached == pytest.approx(extra * 11 / 0.03)
+
+
+def test_a_next_turn_stays_where_its_prefix_is_cached() -> None:
+    kw = dict(length=20_000, cached=19_500, n_best=10.0, latency_best=0.03, turn_tokens=256.0)
+    # a slightly better instance elsewhere does not pay for re-prefilling 19.5K tokens
+    assert stays_home(COST, gain_home=20.0, gain_best=22.0, **kw)
+    # home cannot run it now: it moves, whatever the cache
+    assert not stays_home(COST, gain_home=-math.inf, gain_best=1.0, **kw)
+    # nothing cached: any better instance wins
+    assert not stays_home(COST, gain_home=20.0, gain_best=22.0, **{**kw, "cached": 0})
+    # a much better instance elsewhere over a long turn does pay for it
+    long_turn = {**kw, "turn_tokens": 1e6}
+    assert not stays_home(COST, gain_home=1.0, gain_best=30.0, **long_turn)
+
+
+def test_expected_returns_load_the_instance_caching_each_prefix() -> None:
+    waits = ToolWaits(min_samples=4)
+    waits._waits.extend([1.0, 1.0, 1.0, 100.0])  # most waits are short, one very long
+    env0 = _waiting([1, 2], 5_000)
+    snap = Snapshot(
+        (
+            _inst(0, env=env0, held=((1, 5_000), (2, 5_000))),
+            _inst(1, run=_waiting([3], 2_000)),
+            # listed here but cached nowhere: it loads no one in particular
+            _inst(2, env=_waiting([4], 5_000)),
+        ),
+        10.0,
+    )
+    waits.observe(snap, [])
+    n, kv = expected_returns(Fleet(snap), waits, COST)
+    assert n[1] == n[2] == 0.0 and kv[1] == kv[2] == 0.0
+    assert 0.0 < n[0] <= 2.0
+    assert kv[0] == pytest.approx(n[0] * 5_000)
+
+
+def test_waiting_trajectories_are_no_decoding_work() -> None:
+    """The cost model's n and kv, and the speed estimate, see run_trajs only: adding
+    trajectories that wait on tools to a snapshot changes none of them."""
+    run = _waiting([10, 11, 12], 3_000)
+    plain = Snapshot((_inst(0, run=run),), 0.0)
+    agentic = Snapshot(
+        (_inst(0, run=run, env=_waiting([20, 21, 22, 23], 9_000), held=((20, 9_000),)),), 0.0
+    )
+    a, b = Fleet(plain), Fleet(agentic)
+    assert (a.n_run == b.n_run).all() and (a.kv == b.kv).all()
+    assert (a.throughputs(COST) == b.throughputs(COST)).all()
+    assert b.n_env[0] == 4 and b.holder(20) == 0 and b.holder(21) == -1
+
+    def later(snap: Snapshot, dt: float, tokens: int) -> Snapshot:
+        s = snap.instances[0]
+        grown = tuple(TrajRecord(t.traj_id, 0, 0, t.length + tokens, 50) for t in s.run_trajs)
+        return Snapshot(
+            (InstanceSnapshot(0, s.kv_cache + 3 * tokens, grown, (), (), 0, s.env_trajs, s.held),),
+            dt,
+        )
+
+    factors = []
+    for snap in (plain, agentic):
+        est = SpeedEstimator(COST, min_steps=1)
+        est.observe(snap)
+        est.observe(later(snap, 10.0, 100))
+        factors.append(est.factor(0))
+    assert factors[0] == factors[1]
+
+
+def test_a_pull_drops_the_prefixes_of_the_pulled_instance() -> None:
+    snap = Snapshot((_inst(0, held=((1, 100),)), _inst(1, held=((2, 100),))), 0.0)
+    fleet = Fleet(snap)
+    copy = fleet.copy()
+    copy.set_version(0, 5)
+    assert copy.holder(1) == -1 and copy.holder(2) == 1
+    assert fleet.holder(1) == 0  # the working copy's Pull leaves the original alone
+
+
+def test_tool_pulls_count_the_prefixes_expected_back_as_kv_in_use() -> None:
+    """With ``tool_pulls`` the synchronisation weighs a Pull by the cached prefixes it
+    would discard that are expected back within a turn's time; off, by decoding KV only."""
+    from coordinator.routing import ThroughputRouting
+    from coordinator.sync import ThroughputSync
+
+    waits = ToolWaits(min_samples=4)
+    waits.learn([1.0, 1.0, 1.0, 1.0])  # every wait is short: all expected back soon
+    snap = Snapshot(
+        (
+            _inst(0, run=_waiting([3], 2_000), env=_waiting([1], 5_000), held=((1, 5_000),)),
+            _inst(1, run=_waiting([4], 2_000)),
+        ),
+        10.0,
+    )
+    waits.observe(snap, [])
+    routing = ThroughputRouting(COST, 0.5, waits=waits)
+    fleet = Fleet(snap)
+    on = ThroughputSync(routing, pull_kv=0.5, returns=True).kv_in_use(fleet)
+    off = ThroughputSync(routing, pull_kv=0.5).kv_in_use(fleet)
+    assert (off == fleet.kv).all()
+    assert on[1] == fleet.kv[1] and on[0] > fleet.kv[0]
+    with pytest.raises(ValueError, match="ToolWaits"):
+        ThroughputSync(ThroughputRouting(COST, 0.5), returns=True)
