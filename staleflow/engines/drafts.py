@@ -315,3 +315,23 @@ class GroupedDraftSource:
 
     def __contains__(self, traj_id: int) -> bool:
         return traj_id in self._members
+
+
+def accepted(
+    drafts: list[list[int]], tokens: list[int], logprobs: list[float]
+) -> list[list[tuple[int, float]]]:
+    """Per request, the (token, logprob) pairs a verification keeps: ``tokens`` holds, for
+    each request in turn, the ``1 + len(draft)`` tokens sampled after its last token and
+    each draft token; a request keeps them up to and including the first that differs from
+    its draft, or all of them after a draft accepted whole."""
+    out: list[list[tuple[int, float]]] = []
+    at = 0
+    for d in drafts:
+        pairs = []
+        for j in range(1 + len(d)):
+            pairs.append((tokens[at + j], logprobs[at + j]))
+            if j == len(d) or tokens[at + j] != d[j]:
+                break
+        at += 1 + len(d)
+        out.append(pairs)
+    return out

@@ -70,13 +70,13 @@ from staleflow.engines.checks import (
     RequestRecord,
     check_request,
     check_unique,
-    check_weights,
 )
-from staleflow.engines.drafts import GroupedDraftSource, SpeculationStats
+from staleflow.engines.drafts import GroupedDraftSource, SpeculationStats, accepted
 from staleflow.engines.embedded import sampling
 from staleflow.engines.embedded.config import EmbeddedEngineConfig
 from staleflow.engines.embedded.prefix_store import HeldPrefix, PrefixStore, common_prefix
 from staleflow.engines.embedded.runner import ModelRunner
+from staleflow.engines.embedded.weights import copy_checked
 from staleflow.models import lora
 
 logger = logging.getLogger(__name__)
@@ -445,21 +445,12 @@ class EmbeddedEngine:
         toks, lps = self._sample(
             flat, [rows[i].traj_id for i, _ in keep], [len(rows[i].tokens) + j for i, j in keep]
         )
-        out: list[list[tuple[int, float]]] = []
-        at = 0
-        stats = self._spec_stats
-        for d, n in zip(drafts, lengths, strict=True):
-            pairs = []
-            for j in range(n):
-                pairs.append((toks[at + j], lps[at + j]))
-                if j == len(d) or toks[at + j] != d[j]:
-                    break
-            at += n
-            out.append(pairs)
+        out = accepted(drafts, toks, lps)
+        for d, pairs in zip(drafts, out, strict=True):
             if d:
-                stats[0] += 1
-                stats[1] += len(d)
-                stats[2] += len(pairs) - 1
+                self._spec_stats[0] += 1
+                self._spec_stats[1] += len(d)
+                self._spec_stats[2] += len(pairs) - 1
         return out
 
     def _release_row(self, row: int) -> None:
@@ -486,7 +477,7 @@ class EmbeddedEngine:
         of any float dtype, cast to the parameter's). Unknown, missing, misshapen or
         non-float entries raise ``ValueError`` naming the parameter before anything is
         copied. Running requests keep their KV cache, computed by the older weights."""
-        _copy_checked(self._params, weights)
+        copy_checked(self._params, weights)
         self._version = int(version)
         # kept prefixes were computed by the old weights: a next turn re-prefills
         self._prefixes.clear()
@@ -510,7 +501,7 @@ class EmbeddedEngine:
                 "load_base_weights: this engine's model has no LoRA adapters; load_weights "
                 "takes all of its weights"
             )
-        _copy_checked(self._base, weights)
+        copy_checked(self._base, weights)
         self._prefixes.clear()
         logger.info("loaded the base weights (%d tensors)", len(self._base))
 
@@ -587,29 +578,3 @@ def _batches(
         longest = max(longest, n)
     if batch:
         yield batch
-
-
-def _copy_checked(params: Mapping[str, nn.Parameter], weights: Mapping[str, object]) -> None:
-    expected = {name: tuple(p.shape) for name, p in params.items()}
-    tensors = {
-        name: _as_tensor(value, name) for name, value in check_weights(expected, weights).items()
-    }
-    # Everything is checked before the first copy, so a bad update changes nothing.
-    with torch.no_grad():
-        for name, t in tensors.items():
-            params[name].copy_(t)
-
-
-def _as_tensor(value: object, name: str) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        t = value.detach()
-    elif isinstance(value, np.ndarray):
-        arr = value if value.flags.writeable else value.copy()  # from_numpy wants writable
-        t = torch.from_numpy(arr)
-    else:
-        raise ValueError(
-            f"parameter {name!r}: expected a numpy array or tensor, got {type(value).__name__}"
-        )
-    if not t.is_floating_point():
-        raise ValueError(f"parameter {name!r}: dtype {t.dtype} is not a floating type")
-    return t
