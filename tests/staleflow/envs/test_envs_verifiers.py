@@ -28,6 +28,7 @@ from staleflow.envs import EnvSample, ModelTurn, make_environment  # noqa: E402
 from staleflow.envs.base import EnvContractError  # noqa: E402
 from staleflow.envs.formats import tool_tokenizer  # noqa: E402
 from staleflow.envs.verifiers_env import VerifiersEnvironment  # noqa: E402
+from tests.staleflow.runtime.env_turns import model_turn  # noqa: E402
 
 
 class CalcConfig(vf.ToolsetConfig):
@@ -179,11 +180,9 @@ class _Source:
 
 def test_env_name_runs_the_taskset_on_a_local_file_through_the_ts(tmp_path: Path) -> None:
     from staleflow.config import load_config
-    from staleflow.rollout.instance import Finished
     from staleflow.runtime.driver.launch import build_dataset, preflight
     from staleflow.runtime.workers.specs import RewardSpec, build_reward_stage, env_spec
     from trajectory_server import (
-        FinishedTrajectory,
         TrajectoryServer,
         TrajectoryServerConfig,
     )
@@ -214,20 +213,7 @@ def test_env_name_runs_the_taskset_on_a_local_file_through_the_ts(tmp_path: Path
     )
 
     def turn(routed, text: str) -> list[int]:
-        new = np.append(tok.encode(text), tok.eos_id).astype(np.int32)
-        n = len(new)
-        f = Finished(
-            routed.traj_id, routed.group_id, routed.v_traj, routed.sample_id, routed.answer,
-            routed.prompt, np.concatenate([routed.tokens, new]),
-            np.concatenate([routed.logprobs, np.full(n, -0.5, np.float32)]),
-            np.concatenate([routed.versions, np.zeros(n, np.int32)]),
-            "stop", 0, np.concatenate([routed.mask, np.ones(n, bool)]),
-        )  # fmt: skip
-        ts.hand_to_reward(
-            [FinishedTrajectory(f.traj_id, f.tokens, f.logprobs, f.versions, "stop", f.mask)],
-            "w",
-        )
-        return stage.process([f])
+        return stage.process([model_turn(ts, routed, tok, text)])
 
     (first,) = ts.route([0], 0, "i0")
     assert turn(first, CALL % "12+30") == []

@@ -10,7 +10,6 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from staleflow.envs import EnvSample, EpisodeLimits, make_environment
@@ -20,8 +19,8 @@ from staleflow.runtime.interface import Rewarded
 from staleflow.runtime.workers.env_sandbox import SandboxedSteps
 from staleflow.runtime.workers.env_stage import EnvironmentStage
 from staleflow.runtime.workers.reward_stage import RewardStage
+from tests.staleflow.runtime.env_turns import model_turn
 from trajectory_server import (
-    FinishedTrajectory,
     RoutedTrajectory,
     TrajectoryServer,
     TrajectoryServerConfig,
@@ -55,19 +54,7 @@ def _never_scored(items: Sequence[tuple[int, str, str]]) -> list:
 
 
 def _finished(ts: TrajectoryServer, routed: RoutedTrajectory, text: str) -> Finished:
-    new = np.append(TOK.encode(text), TOK.eos_id).astype(np.int32)
-    n = len(new)
-    f = Finished(
-        routed.traj_id, routed.group_id, routed.v_traj, routed.sample_id, routed.answer,
-        routed.prompt, np.concatenate([routed.tokens, new]),
-        np.concatenate([routed.logprobs, np.full(n, -0.5, np.float32)]),
-        np.concatenate([routed.versions, np.zeros(n, np.int32)]),
-        "stop", 0, np.concatenate([routed.mask, np.ones(n, bool)]),
-    )  # fmt: skip
-    ts.hand_to_reward(
-        [FinishedTrajectory(f.traj_id, f.tokens, f.logprobs, f.versions, "stop", f.mask)], "w"
-    )
-    return f
+    return model_turn(ts, routed, TOK, text)
 
 
 def _alive(pid: int) -> bool:

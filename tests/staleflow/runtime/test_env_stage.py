@@ -24,6 +24,7 @@ from staleflow.rollout.instance import Finished
 from staleflow.runtime.interface import Rewarded
 from staleflow.runtime.workers.env_stage import EnvironmentStage, turns_of
 from staleflow.runtime.workers.reward_stage import RewardStage
+from tests.staleflow.runtime.env_turns import model_turn
 from trajectory_server import (
     FinishedTrajectory,
     RoutedTrajectory,
@@ -80,19 +81,7 @@ class Harness:
         self, routed: RoutedTrajectory, text: str, version: int, reason: str = "stop"
     ) -> list[int]:
         """The instance generated ``text`` and eos after what it was routed with."""
-        new = np.append(TOK.encode(text), TOK.eos_id).astype(np.int32)
-        n = len(new)
-        f = Finished(
-            routed.traj_id, routed.group_id, routed.v_traj, routed.sample_id, routed.answer,
-            routed.prompt, np.concatenate([routed.tokens, new]),
-            np.concatenate([routed.logprobs, np.full(n, -0.5, np.float32)]),
-            np.concatenate([routed.versions, np.full(n, version, np.int32)]),
-            reason, 0, np.concatenate([routed.mask, np.ones(n, bool)]),
-        )  # fmt: skip
-        self.ts.hand_to_reward(
-            [FinishedTrajectory(f.traj_id, f.tokens, f.logprobs, f.versions, reason, f.mask)], "w"
-        )
-        return self.stage.process([f])
+        return self.stage.process([model_turn(self.ts, routed, TOK, text, version, reason)])
 
 
 def _call(routed: RoutedTrajectory) -> str:
@@ -223,18 +212,6 @@ class _SlowFor(CalculatorEnvironment):
         return super().step(state, turn)
 
 
-def _finished(routed: RoutedTrajectory, text: str) -> Finished:
-    new = np.append(TOK.encode(text), TOK.eos_id).astype(np.int32)
-    n = len(new)
-    return Finished(
-        routed.traj_id, routed.group_id, 0, routed.sample_id, routed.answer, routed.prompt,
-        np.concatenate([routed.tokens, new]),
-        np.concatenate([routed.logprobs, np.full(n, -0.5, np.float32)]),
-        np.concatenate([routed.versions, np.zeros(n, np.int32)]),
-        "stop", 0, np.concatenate([routed.mask, np.ones(n, bool)]),
-    )  # fmt: skip
-
-
 def test_a_fast_tool_takes_its_next_turn_while_a_slow_one_of_its_batch_still_waits() -> None:
     h = Harness()
     a, b = h.ts.route([0, 1], 0, "i0")
@@ -242,12 +219,7 @@ def test_a_fast_tool_takes_its_next_turn_while_a_slow_one_of_its_batch_still_wai
     env = _SlowFor(slow)
     h.stage._env = env  # the harness's stage, stepping this environment
     fast = format_tool_call("calculator", {"expression": "1+1"})
-    batch = [_finished(a, slow), _finished(b, fast)]
-    h.ts.hand_to_reward(
-        [FinishedTrajectory(f.traj_id, f.tokens, f.logprobs, f.versions, "stop", f.mask)
-         for f in batch],
-        "w",
-    )  # fmt: skip
+    batch = [model_turn(h.ts, a, TOK, slow), model_turn(h.ts, b, TOK, fast)]
     done = threading.Thread(target=h.stage.process, args=(batch,))
     done.start()
     try:

@@ -11,15 +11,13 @@ import json
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from staleflow.envs import EnvSample, EnvState, Episode, ModelTurn, Step
 from staleflow.envs.formats import tool_tokenizer
-from staleflow.rollout.instance import Finished
 from staleflow.runtime.errors import LaunchError
+from tests.staleflow.runtime.env_turns import model_turn
 from trajectory_server import (
-    FinishedTrajectory,
     RoutedTrajectory,
     TrajectoryServer,
     TrajectoryServerConfig,
@@ -119,19 +117,7 @@ class _Source:
 
 def _turn(ts, stage, routed: RoutedTrajectory, text: str) -> list[int]:
     """The instance generated ``text`` and the end of the turn; the stage steps it."""
-    new = np.append(TOK.encode(text), TOK.eos_id).astype(np.int32)
-    n = len(new)
-    f = Finished(
-        routed.traj_id, routed.group_id, routed.v_traj, routed.sample_id, routed.answer,
-        routed.prompt, np.concatenate([routed.tokens, new]),
-        np.concatenate([routed.logprobs, np.full(n, -0.5, np.float32)]),
-        np.concatenate([routed.versions, np.zeros(n, np.int32)]),
-        "stop", 0, np.concatenate([routed.mask, np.ones(n, bool)]),
-    )  # fmt: skip
-    ts.hand_to_reward(
-        [FinishedTrajectory(f.traj_id, f.tokens, f.logprobs, f.versions, "stop", f.mask)], "w"
-    )
-    return stage.process([f])
+    return stage.process([model_turn(ts, routed, TOK, text)])
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet", "hf"])
