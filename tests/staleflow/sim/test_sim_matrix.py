@@ -213,7 +213,10 @@ def test_the_audit_measures_against_the_first_and_the_oldest_token() -> None:
 
 def test_workloads_are_defined_before_any_run() -> None:
     skewed = {name for name, w in WORKLOADS.items() if w.skewed}
-    assert skewed == {"heavy-tail", "bimodal", "hetero-0.1", "hetero-0.2", "outliers"}
+    assert skewed == {
+        "heavy-tail", "bimodal", "hetero-0.1", "hetero-0.2", "outliers",
+        "search-agent", "swe-agent",  # skewed by their turns and tool waits (issue 35)
+    }  # fmt: skip
     cfg: Any = WORKLOADS["gpus-512"].config(3, steps=4)
     assert cfg.instances == 256
     assert WORKLOADS["gpus-512"].config(3, steps=4, rollout_gpus=192).instances == 192
