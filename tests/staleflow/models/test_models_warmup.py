@@ -129,6 +129,7 @@ def test_a_target_accuracy_stops_the_warm_up_and_keys_the_cache(tmp_path, monkey
     monkeypatch.setattr(
         warmup_module, "evaluate_accuracy", lambda *a, **k: round(0.1 * next(calls), 3)
     )
+    monkeypatch.setattr(warmup_module, "CHECK_EVERY", 3)  # checks 3 steps apart, not 25
     every = warmup_module.CHECK_EVERY
     kwargs = dict(steps=10 * every, batch_size=2, lr=1e-2, cache_dir=tmp_path, eval_problems=0)
     path = ensure_warm_checkpoint("micro", LEVEL1, target_accuracy=0.3, **kwargs)
@@ -281,6 +282,7 @@ def test_the_warm_up_follows_the_free_cores_as_other_jobs_come(tmp_path, monkeyp
 
     monkeypatch.setattr(warmup_module, "idle_cores", lambda: 2)
     monkeypatch.setattr(warmup_module, "FreeCores", Share)
+    monkeypatch.setattr(warmup_module, "CHECK_EVERY", 3)  # 6 steps, not 50
     every = warmup_module.CHECK_EVERY
     seen = _Phases()
     ensure_warm_checkpoint(
