@@ -196,11 +196,8 @@ class AgenticWorkload(_Source):
     """Endless prompts whose trajectories follow drawn :class:`TurnPlan` s."""
 
     def __init__(self, config: AgenticConfig, members: int, seed: int = 0) -> None:
-        super().__init__()
-        if members < 1:
-            raise ValueError(f"members={members}; a group has at least one trajectory")
+        super().__init__(members)
         self.config = config
-        self.members = members
         self._rng = np.random.default_rng([seed, 0xA6E])
         self._next_id = 0
         self._plans: dict[int, tuple[TurnPlan, ...]] = {}  # sample -> its members' plans

@@ -112,7 +112,10 @@ class WorkloadConfig:
 class _Source:
     """Shared bookkeeping: samples handed out and their members' target lengths."""
 
-    def __init__(self) -> None:
+    def __init__(self, members: int) -> None:
+        if members < 1:
+            raise ValueError(f"members={members}; a group has at least one trajectory")
+        self.members = members
         self._by_sample: dict[int, tuple[int, ...]] = {}
         self._next_member: dict[int, int] = {}
         self._assigned: dict[int, int] = {}
@@ -146,11 +149,8 @@ class SyntheticWorkload(_Source):
     """Endless prompts with correlated, heavy-tailed, capped response lengths."""
 
     def __init__(self, config: WorkloadConfig, members: int, seed: int = 0) -> None:
-        super().__init__()
-        if members < 1:
-            raise ValueError(f"members={members}; a group has at least one trajectory")
+        super().__init__(members)
         self.config = config
-        self.members = members
         self._rng = np.random.default_rng(seed)
         self._next_id = 0
 
@@ -272,11 +272,10 @@ class TraceWorkload(_Source):
     """
 
     def __init__(self, groups: Sequence[TraceGroup], members: int, *, cycle: bool = True) -> None:
-        super().__init__()
+        super().__init__(members)
         if not groups:
             raise TraceError("a trace workload needs at least one group")
         self.groups = list(groups)
-        self.members = members
         self.cycle = cycle
         self._next_id = 0
         if any(len(g.response_lengths) < members for g in self.groups):
