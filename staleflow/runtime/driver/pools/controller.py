@@ -1,5 +1,6 @@
 """The control pool: the trajectory server and the control actor (staleness manager and
-coordinator on one loop), both on one node (they talk on every cycle)."""
+coordinator on one loop), both on one node (they talk on every cycle), with the control
+actor's clients for the driver's two audiences (the run, the supervisor)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from staleflow.runtime.controller.actor import ControlActor
+from staleflow.runtime.controller.clients import DriverControl, SupervisorControl
 from staleflow.runtime.driver.pools import PoolContext
 from staleflow.runtime.workers.actors import process_env
 from trajectory_server.actor import spawn_trajectory_server
 
 if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
     from staleflow.data import PromptSampler
     from staleflow.runtime.controller.plane_records import ControlConfig
     from trajectory_server import TrajectoryServerConfig
@@ -20,8 +24,10 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ControlPool:
-    control: Any  # ControlActor handle
+    control: ActorHandle[ControlActor]  # the Ray handle, which the worker actors are given
     ts: TrajectoryServerClient
+    driver: DriverControl  # the run's client of it
+    supervisor: SupervisorControl  # the supervisor's
 
 
 def build_control(
@@ -41,4 +47,6 @@ def build_control(
     control = ctx.spawn(ControlActor, "control", process_env(1), max_concurrency=16).remote(
         config, ts.handle, resolver, snapshot_timeout_s
     )
-    return ControlPool(control, ts)
+    return ControlPool(
+        control, ts, DriverControl(control, ctx.ray), SupervisorControl(control, ctx.ray)
+    )
