@@ -29,9 +29,9 @@ fails on a ``.remote()`` to the control actor anywhere else in the library.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
-from staleflow.runtime.placement.ray_cluster import import_ray
+from staleflow.runtime.placement.ray_cluster import RayApi, import_ray
 
 if TYPE_CHECKING:
     from ray import ObjectRef
@@ -49,16 +49,6 @@ if TYPE_CHECKING:
     RolloutHandle = ActorHandle[RolloutActor]
 
 T = TypeVar("T")
-
-
-class RayApi(Protocol):
-    """What the clients use of the ``ray`` module (tests pass a fake)."""
-
-    def get(self, refs: object, timeout: float | None = None) -> Any: ...
-
-    def wait(
-        self, refs: list[object], num_returns: int = 1, timeout: float | None = None
-    ) -> tuple[list[object], list[object]]: ...
 
 
 class Reply(Generic[T]):
