@@ -45,7 +45,7 @@ from staleflow.runfolder.layout import RunLayout
 from staleflow.runfolder.step_record import StepRecord, idle_ratio
 from staleflow.runtime.controller.clients import ScalingControl
 from staleflow.runtime.placement.ray_address import check_reachable
-from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE, actor_name
+from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE, RayApi, actor_name
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class RaySource:
         timeout_s: float = 10.0,
         notes: tuple[str, ...] = (),
         placement: Mapping[str, Any] | None = None,
-        ray: Any = None,  # the ray module; tests pass a fake
+        ray: RayApi | None = None,  # the ray module; tests pass a fake
     ) -> None:
         if ray is None:
             import ray

@@ -4,8 +4,9 @@ actor's clients for the driver's two audiences (the run, the supervisor)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from staleflow.runtime.controller.actor import ControlActor
 from staleflow.runtime.controller.clients import DriverControl, SupervisorControl
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 
     from staleflow.data import PromptSampler
     from staleflow.runtime.controller.plane_records import ControlConfig
+    from staleflow.runtime.workers.ps_healing import ReplicaResolver
     from trajectory_server import TrajectoryServerConfig
     from trajectory_server.actor import TrajectoryServerClient
 
@@ -36,8 +38,8 @@ def build_control(
     ts_config: TrajectoryServerConfig,
     sampler: PromptSampler,
     *,
-    ts_state: Any = None,
-    resolver: Any = None,
+    ts_state: Mapping[str, object] | None = None,
+    resolver: ReplicaResolver | None = None,
     snapshot_timeout_s: float = 60.0,
 ) -> ControlPool:
     """``ts_state``: a resumed run's trajectories (``sampler`` at the saved position)."""
