@@ -110,6 +110,14 @@ class SpeculationStats:
     def accepted_per_verification(self) -> float:
         return self.accepted / self.verifications if self.verifications else 0.0
 
+    def __add__(self, other: SpeculationStats) -> SpeculationStats:
+        """Counts of two engines (or two lifetimes of one) together."""
+        return SpeculationStats(
+            self.verifications + other.verifications,
+            self.drafted + other.drafted,
+            self.accepted + other.accepted,
+        )
+
 
 class _Group:
     """The sequences of one group and the n-gram index over them."""

@@ -22,6 +22,7 @@ import numpy as np
 from coordinator.seer import chunk_cap
 from coordinator.types import InstanceSnapshot, TrajRecord
 from staleflow.engines.base import FINISH_LENGTH, EngineOutput, GenerationRequest, RolloutEngine
+from staleflow.engines.drafts import SpeculationStats
 from staleflow.rollout.eval_lane import EvalLane, EvalOutput, EvalRequest
 from trajectory_server.types import (
     InstanceId,
@@ -79,6 +80,8 @@ class InstanceTimes:
     # them (staleflow.engines.base.StepTimes)
     prefix_hits: int = 0
     prefix_tokens: int = 0
+    # the engine's verified drafts (docs/speculation.md); None: speculation off
+    speculation: SpeculationStats | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -426,6 +429,7 @@ class RolloutInstance:
                 chunks=self._chunks,
                 prefix_hits=t.prefix_hits,
                 prefix_tokens=t.prefix_tokens,
+                speculation=getattr(self._engine, "speculation_stats", lambda: None)(),
             )
 
     @property

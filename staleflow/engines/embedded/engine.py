@@ -523,7 +523,10 @@ class EmbeddedEngine:
     def _rows_by_admission(self) -> list[_Request]:
         return sorted(self._rows, key=lambda r: r.admitted)
 
-    def speculation_stats(self) -> SpeculationStats:
+    def speculation_stats(self) -> SpeculationStats | None:
+        """Counters of verified drafts since the engine started (None: speculation off)."""
+        if self._draft_source is None:
+            return None
         v, d, a = self._spec_stats
         return SpeculationStats(verifications=v, drafted=d, accepted=a)
 
