@@ -16,6 +16,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from trajectory_server.types import (
 )
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -368,6 +370,15 @@ class RolloutInstance:
                 if tid in self._meta and tid not in self._copies
             }
         return outs
+
+    def between_steps(
+        self, call: Callable[[RolloutEngine, dict[int, tuple[int, np.ndarray]]], T]
+    ) -> T:
+        """``call(engine, {trajectory here: (group, prompt)})`` between two engine steps, for
+        calls into the engine that are no commands (handing it siblings' responses to draft
+        from: staleflow/runtime/workers/sibling_drafts.py)."""
+        with self._lock:
+            return call(self._engine, {t: (m.group_id, m.prompt) for t, m in self._meta.items()})
 
     def load_weights(self, weights: Mapping[str, object], version: int) -> None:
         """Load pulled weights; the completed list restarts (the coordinator's Pull)."""
