@@ -6,6 +6,7 @@ instances' times carry their engines' speculation counters (the step record's so
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -63,6 +64,17 @@ def _engine(method: str | None) -> EmbeddedEngine:
     return EmbeddedEngine(model, config)
 
 
+class _OwnWeights:
+    """A Pull that hands the engine its own weights back (version 0)."""
+
+    def __init__(self, engine: EmbeddedEngine) -> None:
+        self._engine = engine
+
+    def fetch(self, at_least: int) -> tuple[int, dict[str, np.ndarray]]:
+        params = self._engine._model.named_parameters()
+        return 0, {n: p.detach().numpy().copy() for n, p in params}
+
+
 class _Host:
     """An instance host whose finished trajectories the test collects."""
 
@@ -74,7 +86,7 @@ class _Host:
             inst,
             self.engine,
             ts=ts,
-            weights=None,  # type: ignore[arg-type]  # no Pull here: the engines have theirs
+            weights=_OwnWeights(self.engine),  # type: ignore[arg-type]
             max_response=RESPONSE,
             on_finished=self._on_finished,
         )
@@ -140,6 +152,16 @@ def test_the_groups_that_left_the_ts_are_forgotten_and_off_means_no_fetch() -> N
     ts.abort_group(0)
     assert b.host.fetch_siblings() == 0
     assert b.host.siblings.groups == 0 and b.engine._draft_source.groups == 0  # type: ignore[union-attr]
+    # the progress thread fetches after each report (what a fetch hands over is above)
+    c = _Host(3, ts, "group")
+    c.host.start(progress_every_s=0.01)
+    try:
+        deadline = time.monotonic() + 30
+        while c.host.siblings.fetches < 2 and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.01)
+        assert c.host.siblings.fetches >= 2  # type: ignore[union-attr]
+    finally:
+        c.host.stop()
     # own-history drafts and no speculation: no sibling is fetched, and no counters
     for method in ("own", None):
         host = _Host(2, ts, method).host
