@@ -58,7 +58,7 @@ class SiblingDrafts:
     def fetch(self) -> int:
         """Hand the engine what is new of its running groups' members elsewhere, and have it
         forget the groups gone from the TS; returns the tokens handed over."""
-        prompts: dict[int, np.ndarray] = self._instance.between_steps(_group_prompts)
+        prompts, here = self._instance.between_steps(_groups_here)
         for g in prompts:
             self._have.setdefault(g, {})
         known = {g: dict(self._have[g]) for g in prompts}
@@ -66,7 +66,8 @@ class SiblingDrafts:
         reply = self._ts.group_responses(known, self._holder, watch)
         by_group: dict[int, list[SiblingTokens]] = defaultdict(list)
         for r in reply.responses:
-            if r.group_id in prompts:
+            # a race copy runs here of a member held elsewhere: the engine has it already
+            if r.group_id in prompts and r.traj_id not in here:
                 by_group[r.group_id].append(r)
 
         def feed(engine: Any, _: object) -> None:
@@ -99,5 +100,8 @@ class SiblingDrafts:
         return len(self._have)
 
 
-def _group_prompts(_: object, held: dict[int, tuple[int, np.ndarray]]) -> dict[int, np.ndarray]:
-    return {group: prompt for group, prompt in held.values()}
+def _groups_here(
+    _: object, held: dict[int, tuple[int, np.ndarray]]
+) -> tuple[dict[int, np.ndarray], set[int]]:
+    """The groups of the trajectories here with their prompts, and those trajectories."""
+    return {group: prompt for group, prompt in held.values()}, set(held)
