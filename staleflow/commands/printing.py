@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
-def print_text(console: Any, text: str, *, style: str = "", label: str = "") -> None:
+def print_text(console: Console, text: str, *, style: str = "", label: str = "") -> None:
     """Print ``text`` verbatim, after ``label`` in ``style`` when given. Messages are never
     read as rich markup: "pip install -e '.[megatron]'" printed as markup loses its extra
     (rich takes ``[megatron]`` for a style tag), and a path may hold brackets too."""

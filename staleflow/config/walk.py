@@ -17,9 +17,13 @@ import types
 import typing
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias
 
 from coordinator.config import ConfigError
+
+# A field's type as typing.get_type_hints returns it: a class (a section or a scalar) or
+# an ``X | None`` union. Only compared and split here, so plain ``object``.
+Hint: TypeAlias = object
 
 _SCALARS: tuple[type, ...] = (bool, int, float, str)
 # PyYAML (YAML 1.1) reads "1e-7" as a string: it wants a dot in a float. Numbers written
@@ -32,10 +36,10 @@ def is_section(tp: object) -> bool:
 
 
 @functools.cache
-def field_types(cls: type) -> dict[str, Any]:
+def field_types(cls: type) -> dict[str, Hint]:
     """Resolved annotations of a dataclass's fields, in declaration order."""
     hints = typing.get_type_hints(cls)
-    out: dict[str, Any] = {}
+    out: dict[str, Hint] = {}
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         base, _ = split_optional(tp)
@@ -45,7 +49,7 @@ def field_types(cls: type) -> dict[str, Any]:
     return out
 
 
-def split_optional(tp: Any) -> tuple[Any, bool]:
+def split_optional(tp: Hint) -> tuple[Hint, bool]:
     """``X | None`` -> ``(X, True)``; ``X`` -> ``(X, False)``."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -56,7 +60,7 @@ def split_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def type_name(tp: Any) -> str:
+def type_name(tp: Hint) -> str:
     base, optional = split_optional(tp)
     names = {bool: "bool", int: "int", float: "float", str: "str"}
     name = names.get(base, "section")
@@ -88,7 +92,7 @@ def _describe_value(value: object) -> str:
     return f"{value!r} ({kinds.get(type(value), 'a ' + type(value).__name__)})"
 
 
-def matches(value: object, tp: Any) -> bool:
+def matches(value: object, tp: Hint) -> bool:
     """Whether ``value`` is already a valid value of ``tp`` (no conversion)."""
     base, optional = split_optional(tp)
     if value is None:
@@ -175,7 +179,7 @@ def check_tree_bounds(obj: object, prefix: str = "") -> None:
             check_tree_bounds(value, _join(prefix, name))
 
 
-def coerce(value: object, tp: Any, key: str, raw: str | None = None) -> object:
+def coerce(value: object, tp: Hint, key: str, raw: str | None = None) -> object:
     """A parsed (YAML) value as a value of the leaf type ``tp``, or a :class:`ConfigError`.
 
     ``raw`` is the text of a ``key=value`` override: a string field takes it verbatim when
@@ -214,7 +218,7 @@ def to_dict(obj: object) -> dict[str, Any]:
     return out
 
 
-def iter_keys(cls: type, prefix: str = "") -> Iterator[tuple[str, Any, dataclasses.Field]]:
+def iter_keys(cls: type, prefix: str = "") -> Iterator[tuple[str, Hint, dataclasses.Field]]:
     """Every leaf key under ``cls`` as ``(dotted key, annotation, field)``, depth first."""
     fmap = {f.name: f for f in dataclasses.fields(cls)}
     for name, tp in field_types(cls).items():

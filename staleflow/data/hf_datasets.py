@@ -14,12 +14,15 @@ from __future__ import annotations
 import glob
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from staleflow.data.datasets import AS_WRITTEN, PromptDataset, PromptFormat, from_rows
 from staleflow.data.layouts import DatasetError, RecordLayout, detect_layout
 from staleflow.data.tokenizer import Tokenizer
 from staleflow.install import missing
+
+if TYPE_CHECKING:
+    from datasets import Dataset
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +118,7 @@ def open_hf_dataset(path: str | Path, split: str = "train") -> Any:
         raise DatasetError(p, None, None, f"cannot be read as {builder}: {exc}") from None
 
 
-def check_columns(ds: Any, layout: RecordLayout | None, path: str | Path) -> RecordLayout:
+def check_columns(ds: Dataset, layout: RecordLayout | None, path: str | Path) -> RecordLayout:
     """``layout``, or the built-in layout the first row matches, once the dataset is
     known to have its columns (a dotted field needs its first part as a column)."""
     columns = list(ds.column_names)

@@ -19,7 +19,11 @@ from staleflow.engines.settings import EngineSettings
 from staleflow.models import lora as lora_lib
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from parameter_server.transport.base import Endpoint
     from staleflow.config.lora import LoraConfig
+    from staleflow.data.tokenizer import Tokenizer
 
 ENGINE_MODEL_DIR = "engine_model"  # the built-in policy, saved for the engines to load
 
@@ -38,8 +42,8 @@ def engine_options(
     *,
     checkpoint: str,
     run_dir: Path,
-    model: Any = None,
-    tokenizer: Any = None,
+    model: PreTrainedModel | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> EngineOptions:
     """``rollout.<backend>`` with ``model_path`` resolved (the backend's own setting, else
     ``model.checkpoint``, else ``model`` saved under the run folder), logging into the run
@@ -69,7 +73,7 @@ def build_engine(
     options: EngineOptions,
     *,
     inst: int,
-    ps_endpoint: Any = None,
+    ps_endpoint: Endpoint | None = None,
     transport: str = "auto",
     layout: dict[str, Any] | None = None,
     lora: LoraConfig | None = None,

@@ -13,9 +13,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from staleflow.models.presets import get_preset
+
+if TYPE_CHECKING:
+    from staleflow.config.run import RunConfig
 
 # vLLM 0.32's CPU attention (vllm/v1/attention/backends/cpu_attn.py:69)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -25,7 +28,7 @@ class BackendSettingError(ValueError):
     """A rollout backend setting that cannot work; the message says which key and why."""
 
 
-def check_rollout_backend(cfg: Any, *, gpus: int | None = None) -> None:
+def check_rollout_backend(cfg: RunConfig, *, gpus: int | None = None) -> None:
     """Raise :class:`BackendSettingError` for a ``rollout.backend`` that cannot start.
 
     ``gpus``: GPUs visible to this process (None: count them). A run on an existing Ray
@@ -108,7 +111,7 @@ def _model_config(model_path: str, checkpoint: str, key: str) -> dict[str, Any] 
         raise BackendSettingError(f"{which}={path}: config.json is not JSON ({exc})") from None
 
 
-def _head_size(config: dict[str, Any] | None, cfg: Any) -> int:
+def _head_size(config: dict[str, Any] | None, cfg: RunConfig) -> int:
     if config is None:
         return get_preset(cfg.model.preset).head_dim
     config = config.get("text_config", config)

@@ -185,7 +185,7 @@ def overrides(result: ProfileResult) -> list[str]:
     """The same as ``key=value`` overrides for ``staleflow launch``."""
     out: list[str] = []
 
-    def walk(prefix: str, value: Any) -> None:
+    def walk(prefix: str, value: object) -> None:
         if isinstance(value, dict):
             for k, v in value.items():
                 walk(f"{prefix}.{k}" if prefix else k, v)

@@ -44,11 +44,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from staleflow.envs.base import EnvContractError, EnvSample, EnvState, Episode, ModelTurn, Step
-from staleflow.envs.tool_calls import ToolCallError, parse_tool_calls
+from staleflow.envs.tool_calls import ToolCall, ToolCallError, parse_tool_calls
+
+if TYPE_CHECKING:
+    from verifiers.v1 import Task, TaskData, Taskset
+
+T = TypeVar("T")
 
 INSTALL_HINT = "pip install 'staleflow[envs]' (verifiers 0.4)"
 _ROW_FIELDS = ("prompt", "answer", "idx")  # filled from the sample, never a column
@@ -77,7 +82,7 @@ def is_verifiers_taskset(obj: object) -> bool:
     return isinstance(obj, taskset) or (isinstance(obj, type) and issubclass(obj, taskset))
 
 
-def _run(coro: Any) -> Any:
+def _run(coro: Coroutine[object, object, T]) -> T:
     """Run a coroutine of the library from a worker thread (each has no loop running)."""
     return asyncio.run(coro)
 
@@ -90,7 +95,9 @@ class VerifiersEnvironment:
     configured ``Taskset`` object. ``columns`` (the dataset fields each row must hold)
     defaults to the task data's required fields besides the prompt and the answer."""
 
-    def __init__(self, taskset: Any, *, columns: Sequence[str] | None = None) -> None:
+    def __init__(
+        self, taskset: Taskset | type[Taskset], *, columns: Sequence[str] | None = None
+    ) -> None:
         vf = require_verifiers()
         from verifiers.v1.utils.generic import concrete_type
 
@@ -204,7 +211,7 @@ class VerifiersEnvironment:
 
     # --- the library's pieces ----------------------------------------------------
 
-    def _data(self, sample: EnvSample) -> Any:
+    def _data(self, sample: EnvSample) -> TaskData:
         row: dict[str, Any] = {"prompt": sample.prompt, "idx": sample.sample_id}
         if self._has_answer:
             row["answer"] = sample.answer
@@ -219,11 +226,11 @@ class VerifiersEnvironment:
         override = self.taskset.system_prompt
         return data if override is None else data.model_copy(update={"system_prompt": override})
 
-    def _task(self, state: EnvState) -> Any:
+    def _task(self, state: EnvState) -> Task:
         data = self.data_type.model_validate(state["data"])
         return self.task_type(data, self.taskset.config.task)
 
-    def _trace(self, task: Any, state: EnvState) -> Any:
+    def _trace(self, task: Task, state: EnvState) -> Any:
         from verifiers.v1.graph import MessageNode
         from verifiers.v1.trace import AgentInfo, TraceTask
         from verifiers.v1.types import AssistantMessage, SystemMessage, ToolMessage, UserMessage
@@ -294,7 +301,7 @@ class VerifiersEnvironment:
         stopped = self._stopped(state)
         return {"stop": stopped} if stopped else {}
 
-    async def _servers(self, toolsets: Sequence[Any], data: Any | None) -> dict[str, Any]:
+    async def _servers(self, toolsets: Sequence[Any], data: TaskData | None) -> dict[str, Any]:
         """Each toolset registered on an in-process MCP server, as ``verifiers`` serves it:
         ``setup()``, then (per-task toolsets) ``setup_task(data)``, then ``register``."""
         from mcp.server.mcpserver import MCPServer
@@ -335,7 +342,9 @@ class VerifiersEnvironment:
                     )
         return schemas, owner
 
-    async def _call_tools(self, data: Any, calls: Sequence[Any]) -> tuple[list[str], list[str]]:
+    async def _call_tools(
+        self, data: TaskData, calls: Sequence[ToolCall]
+    ) -> tuple[list[str], list[str]]:
         """Each call's result text, and the errors (an unknown tool, a tool that raised
         or refused its arguments): the model reads them as the result, as it would from
         the harness."""
@@ -365,7 +374,7 @@ class VerifiersEnvironment:
         return results, errors
 
 
-def _result_text(result: Any) -> str:
+def _result_text(result: object) -> str:
     """An MCP tool result as the text the model reads (text blocks joined by newlines,
     as the harness joins them; other blocks as their repr)."""
     blocks = getattr(result, "content", None) or []
@@ -374,7 +383,7 @@ def _result_text(result: Any) -> str:
 
 
 def verifiers_environment(
-    taskset: Any, *, columns: Sequence[str] | None = None
+    taskset: Taskset | type[Taskset], *, columns: Sequence[str] | None = None
 ) -> VerifiersEnvironment:
     """A factory for ``env.name=module:attribute``: ``taskset`` as an environment."""
     return VerifiersEnvironment(taskset, columns=columns)

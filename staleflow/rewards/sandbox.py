@@ -155,7 +155,7 @@ class TimeLimitedCall:
         self._child, self._finalizer = None, None
         self.restarts += 1
 
-    def __call__(self, *request: Any) -> Any:
+    def __call__(self, *request: object) -> Any:  # the child function's result, as is
         with self._lock:
             child = self._child or self._start()
             try:

@@ -196,7 +196,7 @@ def read_run_folder(path: str | Path, *, need_steps: bool = True) -> RunFolder:
     return RunFolder(folder, folder.name, config, records, read_summary(folder))
 
 
-def optional_int(value: Any) -> int | None:
+def optional_int(value: object) -> int | None:
     """``value`` as an int, or None when it is missing, a boolean or not a number."""
     if isinstance(value, bool) or value is None:
         return None

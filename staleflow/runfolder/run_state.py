@@ -187,7 +187,7 @@ def _inferred(folder: Path) -> RunState:
     )
 
 
-def _alive(pid: Any, host: Any, start: Any) -> bool | None:
+def _alive(pid: object, host: object, start: object) -> bool | None:
     """Whether process ``pid`` of ``host`` is still the one that wrote the state (None:
     another host's). A recorded start time tells a reused pid apart."""
     if not isinstance(pid, int) or pid <= 0:

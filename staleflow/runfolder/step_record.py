@@ -30,7 +30,10 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from coordinator.freshness import FreshnessState
 
 TABLE3 = ("pull", "route", "interrupt", "prefill", "decode")  # rollout time shares
 COMMAND_SHARES = ("pull", "route", "interrupt")  # Table 3's command columns
@@ -243,7 +246,7 @@ STALENESS_MEAN, STALENESS_MAX = "staleness/mean", "staleness/max"
 CORRECTED = "train/corrected_frac"
 
 
-def freshness_keys(state: Any) -> dict[str, float]:
+def freshness_keys(state: FreshnessState) -> dict[str, float]:
     """The freshness rule at the step (``coordinator.freshness.FreshnessState``), for
     ``extra``: seconds a new group needs (estimate + margin), the margin, the trainer's
     measured step, the groups held back at the last cycle, and 1 while it gives way."""
@@ -326,7 +329,7 @@ def record_key(key: str) -> bool:
     )
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: object) -> bool:
     try:
         float(value)
     except (TypeError, ValueError):

@@ -19,10 +19,12 @@ trajectories. Nothing here reads the manager, the TS's ``V_traj`` or the coordin
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from staleflow.sim.cluster import SimCluster
+    from trajectory_server.types import TrainingBatch
 
 
 class StalenessAudit:
@@ -42,15 +44,19 @@ class StalenessAudit:
         take = cluster.ts.take_batch
         trainer = cluster.trainer
 
-        def recording(*args: Any, **kwargs: Any) -> Any:
-            taken = take(*args, **kwargs)
+        def recording(
+            group_ids: Iterable[int],
+            select: Mapping[int, Sequence[int]] | None = None,
+            read: Iterable[int] = (),
+        ) -> TrainingBatch:
+            taken = take(group_ids, select, read)
             self._record(trainer.steps, taken)
             return taken
 
         cluster.ts.take_batch = recording  # type: ignore[method-assign]
         return self
 
-    def _record(self, version: int, taken: Any) -> None:
+    def _record(self, version: int, taken: TrainingBatch) -> None:
         self.batches += 1
         for group in taken.groups:
             for tr in group.trajectories:

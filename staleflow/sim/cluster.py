@@ -25,9 +25,8 @@ from __future__ import annotations
 import heapq
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import numpy as np
 
@@ -47,7 +46,12 @@ from staleflow.sim.workload import SyntheticWorkload, TraceWorkload, WorkloadCon
 from staleness import ConsumedBatch, StalenessConfig
 from trajectory_server import TrajectoryServer, TrajectoryServerConfig, TrajState
 from trajectory_server.errors import TrajectoryServerError
-from trajectory_server.types import Completion, RoutableTrajectory, TrainingGroup
+from trajectory_server.types import (
+    AbortedTrajectory,
+    Completion,
+    RoutableTrajectory,
+    TrainingGroup,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +108,7 @@ class ClusterConfig:
         if self.reward_latency_s < 0:
             raise ValueError(f"reward_latency_s={self.reward_latency_s} must be >= 0")
 
-    def with_(self, **changes: Any) -> ClusterConfig:
+    def with_(self, **changes: object) -> ClusterConfig:
         return replace(self, **changes)
 
 
@@ -180,7 +184,7 @@ class SimCluster:
         self.planes.races = self.races
         self.coordinator = self.loop.coordinator
         self.executor = self.loop.executor
-        self._events: list[tuple[float, int, str, Any]] = []
+        self._events: list[tuple[float, int, str, object]] = []
         self.stalled = False
         # Called once per cycle, after the commands were applied (state at ``now``): lets
         # an optional recorder (``timeline.Timeline``) sample instances without a copy of
@@ -260,7 +264,7 @@ class SimCluster:
         self.loop.cycle()
         self._maybe_train(self.now)
 
-    def _push(self, t: float, kind: str, data: Any) -> None:
+    def _push(self, t: float, kind: str, data: object) -> None:
         heapq.heappush(self._events, (t, self._seq, kind, data))
         self._seq += 1
 
@@ -373,7 +377,7 @@ class SimCluster:
         end = self.trainer.start_step(t, tokens, squares, (ahead_groups, ahead_tokens))
         self._push(end, TRAIN_DONE, None)
 
-    def _forget(self, dropped: Any) -> None:
+    def _forget(self, dropped: Iterable[AbortedTrajectory]) -> None:
         self.loop.forget(dropped)
 
     # -- invariants -------------------------------------------------------------------

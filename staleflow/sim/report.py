@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from operator import itemgetter
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -26,6 +26,9 @@ from rich.table import Table
 from staleflow.runfolder.reader import RunFolder, RunFolderError, read_run_folder
 from staleflow.sim.cluster import ClusterConfig
 from staleflow.sim.presets import AGENTIC, PRESETS
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 Row = dict[str, Any]
 T = TypeVar("T")
@@ -204,7 +207,7 @@ def write_rows(out: Path, stem: str, rows: Sequence[Row]) -> list[Path]:
     return [csv_path, json_path]
 
 
-def _cell(value: Any) -> Any:
+def _cell(value: object) -> object:
     if isinstance(value, float):
         return f"{value:.6g}"
     if isinstance(value, dict | list | tuple):
@@ -226,7 +229,7 @@ def print_table(title: str, rows: Sequence[Row], columns: Sequence[str]) -> None
     Console(width=160).print(table)
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     if value is None:
         return "n/a"
     if isinstance(value, float):
@@ -269,7 +272,7 @@ def pyplot() -> Any:
     return plt
 
 
-def save_figure(fig: Any, out: Path, stem: str) -> Path:
+def save_figure(fig: Figure, out: Path, stem: str) -> Path:
     path = out / f"{stem}.png"
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -8,7 +8,6 @@ import torch or megatron-core; :func:`create_trainer` imports the chosen backend
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 from staleflow.trainers.interface import METRIC_KEYS, StreamingTrainer, Trainer
 
@@ -28,7 +27,7 @@ def trainer_class(name: str) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
-def create_trainer(name: str, *args: Any, **kwargs: Any) -> Trainer:
+def create_trainer(name: str, *args: object, **kwargs: object) -> Trainer:
     return trainer_class(name)(*args, **kwargs)
 
 

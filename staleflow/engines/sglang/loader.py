@@ -23,11 +23,21 @@ import dataclasses
 import io
 import json
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from parameter_server import Layout
 from parameter_server.transport import connect
 from parameter_server.transport.base import Endpoint
+
+if TYPE_CHECKING:
+    import torch
+
+
+class LoadsWeights(Protocol):
+    """What the loader needs of SGLang's model: its Hugging Face-named ``load_weights``."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> object: ...
+
 
 TICKET_PREFIX = "staleflow-ps-ticket:"
 LOADER_PATH = "staleflow.engines.sglang.loader.load_from_parameter_server"
@@ -67,7 +77,9 @@ def ticket_payloads(ticket: PullTicket, tp_size: int) -> list[str]:
     return [text] * tp_size
 
 
-def load_from_parameter_server(model: Any, named_tensors: Iterable[tuple[str, Any]]) -> None:
+def load_from_parameter_server(
+    model: LoadsWeights, named_tensors: Iterable[tuple[str, Any]]
+) -> None:
     """SGLang custom weight loader: pull the ticket's version and load it into ``model``."""
     tickets = [PullTicket.decode(name) for name, _ in named_tensors]
     if len(tickets) != 1:

@@ -15,9 +15,12 @@ the model folder, and what the PS holds of it is loaded once over it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from staleflow.engines.adapters import AdapterFolders, AdapterSpec
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
 
 # vLLM's LoRAConfig accepts these max_lora_rank values (vllm/config/lora.py MaxLoRARanks)
 _VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -40,14 +43,14 @@ class AdapterSlots(AdapterFolders):
 
     def __init__(self, spec: AdapterSpec, root: str = "") -> None:
         super().__init__(spec, root)
-        self.current: Any = None
+        self.current: LoRARequest | None = None
 
-    def publish(self, tensors: dict[str, Any], version: int) -> Any:
+    def publish(self, tensors: dict[str, Any], version: int) -> LoRARequest:
         """Write ``tensors`` as an adapter folder and return its ``LoRARequest``."""
         from vllm.lora.request import LoRARequest
 
         name, lora_id, folder = self.write(tensors, version)
         return LoRARequest(name, lora_id, str(folder))
 
-    def release(self, request: Any) -> None:
+    def release(self, request: LoRARequest) -> None:
         self.remove(request.lora_path)

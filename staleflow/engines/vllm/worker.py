@@ -7,9 +7,13 @@ Module-level functions, so a multiprocess executor (TP > 1) can pickle them by r
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
 
 SEED_KEY = "staleflow_seed"  # SamplingParams.extra_args: the request's draw key
 
@@ -56,7 +60,7 @@ class KeyedSampler(torch.nn.Module):
     ``T == 0``.
     """
 
-    def __init__(self, inner: torch.nn.Module, runner: Any, *, tempered: bool) -> None:
+    def __init__(self, inner: torch.nn.Module, runner: GPUModelRunner, *, tempered: bool) -> None:
         super().__init__()
         self.inner = inner
         self.tempered = tempered
@@ -64,7 +68,11 @@ class KeyedSampler(torch.nn.Module):
         self._pool: list[torch.Generator] = []  # one per row, reseeded every step
 
     def forward(
-        self, logits: torch.Tensor, generators: dict[int, torch.Generator], k: Any, p: Any
+        self,
+        logits: torch.Tensor,
+        generators: dict[int, torch.Generator],
+        k: torch.Tensor | None,
+        p: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         logprobs = logits.log_softmax(dim=-1, dtype=torch.float32) if self.tempered else None
         sampled, processed = self.inner(logits, self.keyed(logits, generators), k, p)
@@ -95,7 +103,7 @@ class KeyedSampler(torch.nn.Module):
         return out
 
 
-def install_keyed_sampler(worker: Any, tempered: bool) -> bool:
+def install_keyed_sampler(worker: Worker, tempered: bool) -> bool:
     """Put :class:`KeyedSampler` in front of the worker's top-k/top-p sampler (once)."""
     runner = worker.model_runner
     sampler = runner.sampler  # v1/worker/gpu_model_runner.py: self.sampler
@@ -105,7 +113,7 @@ def install_keyed_sampler(worker: Any, tempered: bool) -> bool:
     return True
 
 
-def reload_weights(worker: Any, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
+def reload_weights(worker: Worker, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
     """Load Hugging Face-named weights in place, between engine steps.
 
     ``Worker.reload_weights(weights_iterator=..., is_checkpoint_format=True)``
@@ -117,7 +125,7 @@ def reload_weights(worker: Any, named_tensors: Sequence[tuple[str, torch.Tensor]
     _refresh_tied_lm_head(worker.model_runner.model)
 
 
-def _refresh_tied_lm_head(model: Any) -> None:
+def _refresh_tied_lm_head(model: torch.nn.Module) -> None:
     """Work around a CPU-only staleness in vLLM 0.32's layerwise reload with tied embeddings.
 
     On CPU, ``UnquantizedEmbeddingMethod.process_weights_after_loading``

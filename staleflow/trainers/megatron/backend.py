@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import nullcontext
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -27,6 +27,9 @@ import torch.distributed as dist
 
 from staleflow.trainers.megatron.cpu_patches import cpu_devices
 from staleflow.trainers.rl import MicroBatch, MicroFn, ReduceOp, SingleStage
+
+if TYPE_CHECKING:
+    from staleflow.trainers.megatron.optim import CpuUpdate, MegatronUpdate
 
 _T = TypeVar("_T")
 
@@ -50,12 +53,12 @@ class VocabParallelBackend(SingleStage):
         padded_vocab: int,
         tp_rank: int,
         tp_size: int,
-        tp_group: Any,
-        dp_group: Any,
+        tp_group: dist.ProcessGroup,
+        dp_group: dist.ProcessGroup,
         device: torch.device,
-        update: Any,
-        pipeline: Any = None,
-        pp_group: Any = None,
+        update: CpuUpdate | MegatronUpdate,
+        pipeline: torch.nn.Module | None = None,
+        pp_group: dist.ProcessGroup | None = None,
     ) -> None:
         self._forward = forward
         self.vocab_size = vocab_size  # the HF vocabulary: what token ids may be
@@ -86,7 +89,9 @@ class VocabParallelBackend(SingleStage):
 
         model = self._pipeline
 
-        def forward_step(data: Iterator[int], stage_model: Any) -> tuple[torch.Tensor, Any]:
+        def forward_step(
+            data: Iterator[int], stage_model: torch.nn.Module
+        ) -> tuple[torch.Tensor, Any]:
             i = next(data)
             ids = mbs[i].ids.to(self._device)
             # a stage after the first takes its input from the previous stage (the

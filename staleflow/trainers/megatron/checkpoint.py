@@ -17,7 +17,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,6 +25,9 @@ import torch.distributed as dist
 
 from parameter_server.torch_compat import from_numpy
 from staleflow.config.loss import SHAPE_KEYS  # the HF config keys that fix the weights' shapes
+
+if TYPE_CHECKING:
+    from staleflow.trainers.megatron.rank import MegatronRank
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return dict(common["staleflow"])
 
 
-def _optimizer_state(rank: Any, model_sd: dict[str, Any]) -> dict[str, Any]:
+def _optimizer_state(rank: MegatronRank, model_sd: dict[str, Any]) -> dict[str, Any]:
     from megatron.core.dist_checkpointing.optimizer import (
         get_param_id_to_sharded_param_map,
         optim_state_to_sharding_state,
@@ -84,7 +87,7 @@ def _optimizer_state(rank: Any, model_sd: dict[str, Any]) -> dict[str, Any]:
     return sd
 
 
-def save_checkpoint(rank: Any, path: str | Path) -> None:
+def save_checkpoint(rank: MegatronRank, path: str | Path) -> None:
     """Every rank of the pool calls this: a distributed checkpoint in folder ``path``."""
     from megatron.core import dist_checkpointing
 
@@ -112,7 +115,7 @@ def save_checkpoint(rank: Any, path: str | Path) -> None:
     logger.info("saved distributed checkpoint (version %d) to %s", rank.version, out)
 
 
-def load_checkpoint(rank: Any, path: str | Path) -> None:
+def load_checkpoint(rank: MegatronRank, path: str | Path) -> None:
     """Every rank calls this: weights, optimizer state, version and (for a trainer with a
     KL term) the reference policy from ``path``, written at any TP and PP size by a pool
     training the same model (Megatron's sharded state dict names each layer by its global

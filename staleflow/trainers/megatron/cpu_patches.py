@@ -64,7 +64,7 @@ def apply_cpu_patches() -> bool:
     return True
 
 
-def _is_cuda(device: Any) -> bool:
+def _is_cuda(device: object) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"
     return isinstance(device, str) and device.split(":")[0] == "cuda"

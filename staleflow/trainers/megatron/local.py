@@ -22,7 +22,10 @@ import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
+
+_P = TypeVar("_P")  # the payload, handed to every rank as is
+_R = TypeVar("_R")  # rank 0's result
 
 
 class LocalRunError(RuntimeError):
@@ -37,11 +40,11 @@ def _free_port() -> int:
 
 def run_local(
     world: int,
-    fn: Callable[[int, int, str, Any], Any],
-    payload: Any,
+    fn: Callable[[int, int, str, _P], _R],
+    payload: _P,
     *,
     timeout_s: float = 600.0,
-) -> Any:
+) -> _R:
     """``fn(rank, world, address, payload)`` on ``world`` spawned processes (``fn`` must be
     importable by name); returns rank 0's result."""
     address = f"127.0.0.1:{_free_port()}"
@@ -88,11 +91,11 @@ def _ended(exitcode: int) -> str:
 
 
 def _child(
-    fn: Callable[[int, int, str, Any], Any],
+    fn: Callable[[int, int, str, _P], _R],
     rank: int,
     world: int,
     address: str,
-    payload: Any,
+    payload: _P,
     out: str,
 ) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")

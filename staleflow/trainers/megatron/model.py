@@ -12,13 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from parameter_server.convert_megatron import GPTConfig, pipeline_stage
 from parameter_server.torch_compat import from_numpy
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
@@ -89,7 +92,7 @@ def build_gpt(
     dtype: str,
     cpu: bool,
     stage: Stage | None = None,
-) -> Any:
+) -> GPTModel:
     """The model of this rank (its TP shard of its pipeline ``stage``'s layers),
     uninitialised: the weights are loaded next.
 
@@ -158,7 +161,9 @@ def build_gpt(
     )
 
 
-def parameters_by_name(model: Any, stage: Stage | None = None) -> dict[str, torch.nn.Parameter]:
+def parameters_by_name(
+    model: torch.nn.Module, stage: Stage | None = None
+) -> dict[str, torch.nn.Parameter]:
     """The model's own parameters by global state-dict name (what the converter calls
     them); a last stage's copy of tied embeddings is left out (the first stage holds them)."""
     stage = stage or Stage()
@@ -169,7 +174,9 @@ def parameters_by_name(model: Any, stage: Stage | None = None) -> dict[str, torc
     }
 
 
-def load_shard(model: Any, shard: Mapping[str, Any], stage: Stage | None = None) -> None:
+def load_shard(
+    model: torch.nn.Module, shard: Mapping[str, Any], stage: Stage | None = None
+) -> None:
     """Copy this rank's converted shard (numpy arrays or tensors by global Megatron name,
     the whole model's or the stage's) into the stage's model; every parameter must be
     given, with its shape."""

@@ -26,13 +26,16 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from staleflow.config.sections import TrainerConfig
 from staleflow.trainers.rl import adamw
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +47,12 @@ class CpuUpdate:
 
     def __init__(
         self,
-        model: Any,
+        model: torch.nn.Module,
         section: TrainerConfig,
         *,
-        dp_group: Any,
-        mp_group: Any,
-        embedding_group: Any = None,
+        dp_group: dist.ProcessGroup,
+        mp_group: dist.ProcessGroup,
+        embedding_group: dist.ProcessGroup | None = None,
         before_update: Callable[[], None],
     ) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -121,7 +124,7 @@ class MegatronUpdate:
     """Megatron's DDP and optimizer (GPU only)."""
 
     def __init__(
-        self, model: Any, section: TrainerConfig, *, before_update: Callable[[], None]
+        self, model: GPTModel, section: TrainerConfig, *, before_update: Callable[[], None]
     ) -> None:
         from megatron.core.distributed import (
             DistributedDataParallel,

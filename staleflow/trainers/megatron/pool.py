@@ -38,7 +38,12 @@ from trajectory_server.actor import TrajectoryServerClient
 from trajectory_server.types import TrainingBatch
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
+    from ray.actor import ActorHandle
+
     from parameter_server.replicas import ReplicaRoute
+    from staleflow.data.tokenizer import Tokenizer
     from staleflow.trainers.megatron.rank import RankSpec
 
 logger = logging.getLogger(__name__)
@@ -54,8 +59,8 @@ class RankActor:
 
         torch.set_num_threads(spec.section.num_threads)
         self._spec, self._rank_id = spec, rank
-        self._rank: Any = None
-        self._ts: Any = None
+        self._rank: MegatronRank | None = None
+        self._ts: TrajectoryServerClient | None = None
         self._read = StreamedGroups()  # a data leader's streamed groups until the Consume
 
     def rendezvous(self) -> str:
@@ -67,7 +72,7 @@ class RankActor:
         self,
         address: str,
         routes: Mapping[int, Sequence[ReplicaRoute]],
-        ts_handle: Any,
+        ts_handle: ActorHandle | None,
         load: str,
     ) -> int:
         """Join the group, build the model, load the weights (version 0 from the PS, or the
@@ -101,7 +106,7 @@ class RankActor:
         if file.is_file():
             set_rng_state(torch.load(file, weights_only=True))
 
-    def _load_from_ps(self, rank: Any, routes: Sequence[ReplicaRoute]) -> int:
+    def _load_from_ps(self, rank: MegatronRank, routes: Sequence[ReplicaRoute]) -> int:
         """The newest version all replicas hold, pulled from the nearest ones."""
         import numpy as np
 
@@ -201,10 +206,10 @@ def _ps_version(routes: Sequence[ReplicaRoute]) -> int:
 
 
 def start_ranks(
-    ray: Any,
-    ranks: Sequence[Any],
+    ray: ModuleType,  # the ray module, imported by the caller
+    ranks: Sequence[ActorHandle],
     routes: Mapping[int, Sequence[ReplicaRoute]],
-    ts_handle: Any,
+    ts_handle: ActorHandle | None,
     load: str,
 ) -> int:
     """Join the started :class:`RankActor` handles ``ranks`` (global rank order) in one
@@ -216,7 +221,7 @@ def start_ranks(
     return int(versions[0])
 
 
-def _tokenizer_saver(tokenizer: Any) -> Any:
+def _tokenizer_saver(tokenizer: Tokenizer | None) -> Callable[[Path], None] | None:
     if tokenizer is None:
         return None
 

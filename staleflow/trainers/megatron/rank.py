@@ -34,9 +34,9 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -59,6 +59,11 @@ from staleflow.trainers.rl import train_step
 from staleflow.trainers.streamed import StreamedStep
 from trajectory_server.types import TrainingBatch
 
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+
+    from staleflow.data.tokenizer import Tokenizer
+
 logger = logging.getLogger(__name__)
 _R = TypeVar("_R")
 
@@ -72,7 +77,7 @@ class RankSpec:
     pad_id: int = 0
     seed: int = 0
     dtype: str = "float32"  # of the weights the PS serves (and the rank trains, on CPU)
-    tokenizer: Any = None  # saved into HF exports, so that they load as a policy
+    tokenizer: Tokenizer | None = None  # saved into HF exports, so that they load as a policy
 
     @property
     def world(self) -> int:
@@ -153,7 +158,7 @@ class MegatronRank:
             self.model = self.model.to(self.device)
         self.version = int(version)
         self.reference: VocabParallelBackend | None = None  # init_reference()
-        self.reference_model: Any = None
+        self.reference_model: GPTModel | None = None
         self._pending: Any = None  # the background Push in flight
         self._stream: StreamedStep | None = None  # parts of the next step seen so far
         self._pusher: Any = None
@@ -207,7 +212,7 @@ class MegatronRank:
                     q.copy_(p)
         self.use_reference(ref)
 
-    def new_reference_model(self) -> Any:
+    def new_reference_model(self) -> GPTModel:
         """A model shaped like this rank's shard of the policy, for the reference's
         weights (filled by :meth:`init_reference` or a checkpoint)."""
         with cpu_devices():
@@ -217,7 +222,7 @@ class MegatronRank:
             )  # fmt: skip
         return ref if self.cpu else ref.to(self.device)
 
-    def use_reference(self, ref: Any) -> None:
+    def use_reference(self, ref: GPTModel) -> None:
         """Make ``ref`` (from :meth:`new_reference_model`, weights in place) the frozen
         reference that scores each batch."""
         s = self.spec.section
@@ -361,7 +366,7 @@ class MegatronRank:
 
     # -- Push ---------------------------------------------------------------------------
 
-    def attach_push(self, target: Any) -> int:
+    def attach_push(self, target: Endpoint | Mapping[int, Sequence[ReplicaRoute]]) -> int:
         """Connect for sharded Pushes: ``target`` is one PS worker's endpoint, or every
         rank's routes to the PS replicas (``{global rank: [ReplicaRoute, ...]}``, the same
         on every rank), each of which then receives the whole model. Returns the bytes this
