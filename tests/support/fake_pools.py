@@ -40,9 +40,9 @@ class Call:
     def done(self) -> bool:
         return self._error is not None or self._value is not _UNSET
 
-    def result(self, timeout: float | None = None) -> Any:
+    def result(self, timeout_s: float | None = None) -> Any:
         if not self.done():
-            raise TimeoutError(f"not done within {timeout} s")
+            raise TimeoutError(f"not done within {timeout_s} s")
         if self._error is not None:
             raise self._error
         return self._value
@@ -279,11 +279,11 @@ class FakeControl:
         out, self.lost_queue = self.lost_queue, []
         return out
 
-    def live(self) -> SimpleNamespace:
+    def live(self, timeout_s: float | None = None) -> SimpleNamespace:
         return SimpleNamespace(ps_version=self.ps_version)
 
-    def join(self, inst: int, handle: Any, holder: str, version: int, kind: str) -> Call:
-        self.joins.append((inst, handle, holder, version, kind))
+    def submit_join(self, inst: int, actor: Any, holder: str, version: int, kind: str) -> Call:
+        self.joins.append((inst, actor, holder, version, kind))
         call = Call(None) if self.join_done else Call()
         self.join_calls.append(call)
         if self.join_done:
@@ -295,10 +295,10 @@ class FakeControl:
         self.member_ids.discard(inst)
         return 0
 
-    def members(self) -> dict[int, Any]:
+    def members(self, timeout_s: float | None = None) -> dict[int, Any]:
         return dict.fromkeys(self.member_ids)
 
-    def replay_completions(self) -> Call:
+    def submit_replay_completions(self) -> Call:
         self.replays.append(Call(error=self.replay_error) if self.replay_error else Call(0))
         return self.replays[-1]
 

@@ -47,9 +47,10 @@ class Pending(Protocol[T_co]):
         """Whether :meth:`result` would return (or raise) at once."""
         ...
 
-    def result(self, timeout: float | None = None) -> T_co:
+    def result(self, timeout_s: float | None = None) -> T_co:
         """The call's answer; raises what it raised (:class:`ActorGone` when its actor
-        died), or ``TimeoutError`` when it is not done within ``timeout`` seconds."""
+        died, where the face says so), or ``TimeoutError`` when it is not done within
+        ``timeout_s``."""
         ...
 
 
@@ -159,27 +160,28 @@ class TrainerFace(Protocol):
 
 
 class SupervisorControl(Protocol):
-    """The control actor, as the supervisor uses it. ``join`` and
-    ``replay_completions`` go through the control loop, which may itself wait for what
-    the supervisor restarts: they return at once, and the supervisor looks again."""
+    """The control actor, as the supervisor uses it (the names and signatures of the
+    control actor's typed ``SupervisorControl`` client). A join and a replay go through
+    the control loop, which may itself wait for what the supervisor restarts: they are
+    submitted, and the supervisor looks at their replies again later."""
 
     def take_lost(self) -> list[LostInstance]: ...
 
-    def live(self) -> LiveState:
+    def live(self, timeout_s: float | None = None) -> LiveState:
         """The run now; its ``ps_version`` is what a new instance Pulls first."""
         ...
 
-    def join(
-        self, inst: int, handle: Handle, holder: str, version: int, kind: str
+    def submit_join(
+        self, inst: int, actor: Handle, holder: str, version: int, kind: str
     ) -> Pending[None]: ...
 
     def remove(self, inst: int) -> int: ...
 
-    def members(self) -> Mapping[int, object]:
+    def members(self, timeout_s: float | None = None) -> Mapping[int, object]:
         """The instances in the run now (by id)."""
         ...
 
-    def replay_completions(self) -> Pending[int]: ...
+    def submit_replay_completions(self) -> Pending[int]: ...
 
     def take_scale(self) -> int | None: ...
 

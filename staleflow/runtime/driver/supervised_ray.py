@@ -43,10 +43,10 @@ class RayPending(Generic[T]):
         ready, _ = self._ray.wait([self._ref], timeout=0)
         return bool(ready)
 
-    def result(self, timeout: float | None = None) -> T:
+    def result(self, timeout_s: float | None = None) -> T:
         exceptions = self._ray.exceptions
         try:
-            return self._ray.get(self._ref, timeout=timeout)
+            return self._ray.get(self._ref, timeout=timeout_s)
         except exceptions.GetTimeoutError as exc:
             raise TimeoutError(str(exc)) from exc
         except exceptions.RayActorError as exc:
@@ -175,8 +175,10 @@ class RayTrainer:
 
 
 class RaySupervisorControl:
-    """The control actor's supervisor face over its raw handle (until the typed
-    control clients of issue 33 replace it)."""
+    """The control actor's supervisor face over its raw handle. Stands in for the typed
+    client ``staleflow.runtime.controller.clients.SupervisorControl`` (branch
+    ``clients``), whose methods it has: once that is merged, this class goes and
+    :func:`supervised_pools` passes ``control.supervisor``."""
 
     def __init__(self, ray: Any, handle: Any) -> None:  # the ray module, a ControlActor
         self._ray, self._handle = ray, handle
@@ -184,21 +186,21 @@ class RaySupervisorControl:
     def take_lost(self) -> list[LostInstance]:
         return self._ray.get(self._handle.take_lost.remote())
 
-    def live(self) -> LiveState:
-        return self._ray.get(self._handle.live.remote())
+    def live(self, timeout_s: float | None = None) -> LiveState:
+        return self._ray.get(self._handle.live.remote(), timeout=timeout_s)
 
-    def join(
-        self, inst: int, handle: Handle, holder: str, version: int, kind: str
+    def submit_join(
+        self, inst: int, actor: Handle, holder: str, version: int, kind: str
     ) -> RayPending[None]:
-        return RayPending(self._ray, self._handle.join.remote(inst, handle, holder, version, kind))
+        return RayPending(self._ray, self._handle.join.remote(inst, actor, holder, version, kind))
 
     def remove(self, inst: int) -> int:
         return self._ray.get(self._handle.remove.remote(inst))
 
-    def members(self) -> Mapping[int, object]:
-        return self._ray.get(self._handle.members.remote())
+    def members(self, timeout_s: float | None = None) -> Mapping[int, object]:
+        return self._ray.get(self._handle.members.remote(), timeout=timeout_s)
 
-    def replay_completions(self) -> RayPending[int]:
+    def submit_replay_completions(self) -> RayPending[int]:
         return RayPending(self._ray, self._handle.replay_completions.remote())
 
     def take_scale(self) -> int | None:

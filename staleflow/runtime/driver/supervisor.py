@@ -109,7 +109,7 @@ class Supervisor:
             except Exception as exc:  # it died while starting: try again
                 self._restart(inst, f"died while starting: {_first_line(exc)}")
                 continue
-            ref = self.control.join(
+            ref = self.control.submit_join(
                 inst, self.rollout.handle(inst), self.rollout.holder(inst), version, p.kind
             )
             self._asked.append((f"instance/{inst} to join", ref))
@@ -149,7 +149,7 @@ class Supervisor:
             if error is not None:
                 self._lose_worker(wid, error)
                 # the completions it stored but never reported are applied on the loop
-                self._asked.append(("a replay", self.control.replay_completions()))
+                self._asked.append(("a replay", self.control.submit_replay_completions()))
 
     def _lose_worker(self, wid: str, error: str) -> int:
         """Replace a dead reward worker; what it held goes to a live one (returns how
@@ -212,7 +212,7 @@ class Supervisor:
         while self.clock() < deadline:
             for wid in list(self.rewards.live()):
                 try:
-                    self.rewards.ping(wid).result(timeout=60)
+                    self.rewards.ping(wid).result(timeout_s=60)
                 except TimeoutError:
                     continue  # still starting, or busy scoring: asked again next round
                 except Exception as exc:
@@ -229,7 +229,7 @@ class Supervisor:
                     scoring.append(self.rewards.score(dst, tasks))
             try:
                 for call in scoring:
-                    call.result(timeout=max(deadline - self.clock(), 1.0))
+                    call.result(timeout_s=max(deadline - self.clock(), 1.0))
             except Exception as exc:  # it died too: the next round replaces it
                 logger.warning("scoring at the end of the run failed: %s", _first_line(exc))
         logger.warning("trajectories still rewarding after %g s at the end of the run", timeout_s)
@@ -285,7 +285,7 @@ class Supervisor:
             work.result()
         for role in list(self.ps.handles()):
             try:
-                alive = self.ps.alive(role).result(timeout=timeout_s)
+                alive = self.ps.alive(role).result(timeout_s=timeout_s)
             except ActorGone as exc:
                 self._restart_replica(role, _first_line(exc))
                 continue
