@@ -15,7 +15,10 @@ run cannot do for itself when an actor dies (``docs/recovery.md``).
   keeps their partial responses whole.
 
 Every recovery is an event of the control plane's recovery log (the dashboard shows them)
-and a ``recovery/*`` total in the step records. The supervisor also keeps
+and a ``recovery/*`` total in the step records. The supervisor sees the run only through
+the faces of :mod:`staleflow.runtime.driver.supervised` (Ray's are
+:mod:`staleflow.runtime.driver.supervised_ray`), so its decisions are unit-tested over
+fakes (``tests/staleflow/runtime/driver/test_supervisor.py``). The supervisor also keeps
 ``RUN_DIR/live.json`` up to date: the Ray address and every actor's process id, for
 ``staleflow scale`` and for tests that kill processes.
 """
