@@ -44,7 +44,7 @@ import torch
 import transformers
 
 from staleflow.engines.base import GenerationRequest
-from staleflow.engines.drafts import DraftSettings, SpeculationSettings
+from staleflow.engines.drafts import DraftSettings, SpeculationSettings, SpeculationStats
 from staleflow.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
 SIDES = ("none", "own", "group", "group-k8")
@@ -170,7 +170,7 @@ def run_side(
     done = drain(engine)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     t = engine.times()
-    stats = engine.speculation_stats()
+    stats = engine.speculation_stats() or SpeculationStats()  # None: speculation off
     return {
         "decode_tokens_per_s": t.decode_tokens / t.decode_s,
         "cpu_tokens_per_s": t.decode_tokens / cpu,

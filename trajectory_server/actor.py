@@ -1,9 +1,10 @@
 """The trajectory server over Ray: a service class the actor wraps, and a client.
 
-Array-heavy calls (route, interrupt_return, complete, take_batch, the routing view) pass
-packed wire messages (``wire.py``) as bytes; the small ones pass typed frozen records by
-Ray's own serialisation. Ray is imported only inside :func:`spawn_trajectory_server`, so
-importing this module (or ``trajectory_server``) never imports ray.
+Array-heavy calls (route, interrupt_return, complete, take_batch, the routing view,
+group_responses) pass packed wire messages (``wire.py``) as bytes; the small ones pass
+typed frozen records by Ray's own serialisation. Ray is imported only inside
+:func:`spawn_trajectory_server`, so importing this module (or ``trajectory_server``) never
+imports ray.
 
 The actor runs one call at a time (Ray's default ``max_concurrency=1``), which is what the
 single-threaded core needs. Errors raised by the core reach the caller as the same typed
@@ -33,6 +34,7 @@ from trajectory_server.types import (
     RewardTask,
     RoutableTrajectory,
     RoutedTrajectory,
+    SiblingResponses,
     TrainingBatch,
     TrajectoryServerConfig,
     TrajState,
@@ -77,6 +79,10 @@ class TrajectoryServerService:
     def report_progress(self, message: bytes) -> tuple[int, ...]:
         msg = wire.unpack(message, wire.ProgressReport)
         return self._ts.report_progress(msg.partials, msg.instance_id)
+
+    def group_responses(self, message: bytes) -> bytes:
+        req = wire.unpack(message, wire.SiblingRequest)
+        return wire.pack(self._ts.group_responses(req.known, req.instance_id, req.watch))
 
     def hand_to_reward(self, message: bytes) -> None:
         msg = wire.unpack(message, wire.HandToReward)
@@ -249,6 +255,17 @@ class TrajectoryServerClient:
     ) -> tuple[int, ...]:
         msg = wire.ProgressReport(tuple(partials), instance_id)
         return self._call("report_progress", wire.pack(msg))
+
+    def group_responses(
+        self,
+        known: Mapping[int, Mapping[int, int]],
+        instance_id: InstanceId | None = None,
+        watch: Iterable[int] = (),
+    ) -> SiblingResponses:
+        """See ``TrajectoryServer.group_responses``; only new tokens travel, packed."""
+        plain = {g: dict(h) if isinstance(h, Mapping) else h for g, h in known.items()}
+        req = wire.SiblingRequest(plain, instance_id, tuple(watch))  # checked by the server
+        return wire.unpack(self._call("group_responses", wire.pack(req)), SiblingResponses)
 
     def hand_to_reward(
         self,

@@ -54,6 +54,12 @@ def _concat(parts: list[np.ndarray], dtype: type) -> tuple[np.ndarray, np.ndarra
     return data, offsets
 
 
+def source_state(source: object) -> Any:
+    """The prompt source's position (``ResumableSource.state()``), None if it has none."""
+    state = getattr(source, "state", None)
+    return state() if callable(state) else None
+
+
 def export_state(
     store: TrajectoryStore, config: TrajectoryServerConfig, source: Any
 ) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from trajectory_server import payloads, persist, validate
+from trajectory_server import payloads, persist, siblings, validate
 from trajectory_server.errors import InvalidPayload, InvalidTransition, NotHolder, VersionConflict
 from trajectory_server.interface import PromptSource
 from trajectory_server.records import (
@@ -54,6 +54,7 @@ from trajectory_server.types import (
     RewardTask,
     RoutableTrajectory,
     RoutedTrajectory,
+    SiblingResponses,
     TrainingBatch,
     TrajectoryServerConfig,
     TrajState,
@@ -62,16 +63,6 @@ from trajectory_server.types import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def _source_state(source: PromptSource) -> Any:
-    state = getattr(source, "state", None)
-    return state() if callable(state) else None
-
-
-def _check_holder_id(value: object, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise InvalidPayload(f"{name} must be an int or a str, got {value!r}")
 
 
 class TrajectoryServer:
@@ -122,6 +113,16 @@ class TrajectoryServer:
     def routed_to(self, instance_id: InstanceId) -> tuple[int, ...]:
         """Ids of the trajectories ROUTED to ``instance_id`` (for audits and recovery)."""
         return self._s.routed_to(instance_id)
+
+    def group_responses(
+        self,
+        known: Mapping[int, Mapping[int, int]],
+        instance_id: InstanceId | None = None,
+        watch: Iterable[int] = (),
+    ) -> SiblingResponses:
+        """The responses of ``known``'s groups past the lengths given, but those ROUTED to
+        ``instance_id``, and the asked groups that are gone (grouped drafts: siblings.py)."""
+        return siblings.group_responses(self._s, known, instance_id, watch)
 
     def tool_waits(self) -> tuple[tuple[RoutableTrajectory, InstanceId], ...]:
         """Every REWARDING trajectory whose last model turn ended on a known instance,
@@ -178,7 +179,7 @@ class TrajectoryServer:
         or no longer QUEUED) instead of raising; a router whose view of the queue is a
         moment old uses it, and learns what it missed from the ids absent from the result.
         """
-        _check_holder_id(instance_id, "instance_id")
+        validate.holder_id(instance_id, "instance_id")
         if instance_id in self._s.lost:
             raise NotHolder(
                 f"instance {instance_id!r} was declared lost: route to its successor (a "
@@ -277,7 +278,7 @@ class TrajectoryServer:
         ``requeue``). Returns their ids. Later messages from that instance about them
         raise ``NotHolder`` when they name it (``instance_id=``), and a Route to it is
         refused (``NotHolder``): give each incarnation of an instance its own id."""
-        _check_holder_id(instance_id, "instance_id")
+        validate.holder_id(instance_id, "instance_id")
         ids = self.routed_to(instance_id)
         self.requeue(ids)
         self._s.lost.add(instance_id)
@@ -297,7 +298,7 @@ class TrajectoryServer:
         """ROUTED trajectories finished generating and go to reward worker ``worker_id``:
         the TS stores their whole response, so that another worker can score them if this
         one is lost (``reassign_rewards``). The completion must carry the same response."""
-        _check_holder_id(worker_id, "worker_id")
+        validate.holder_id(worker_id, "worker_id")
         items = list(finished)
         unique((f.traj_id for f in items), "hand_to_reward")
         plan = []
@@ -353,7 +354,7 @@ class TrajectoryServer:
         return what a worker needs to score them. A lost worker's trajectories are
         scored again elsewhere this way; nothing is regenerated."""
         if to_worker is not None:
-            _check_holder_id(to_worker, "to_worker")
+            validate.holder_id(to_worker, "to_worker")
         moved = [
             t for t in self._s.trajs.values() if t.state is REWARDING and t.holder == from_worker
         ]
@@ -531,7 +532,7 @@ class TrajectoryServer:
         """Every live trajectory with its response, the group and id bookkeeping and the
         prompt source's position (if it has ``state()``), as plain data with 1-D arrays
         (see ``persist.py``). Consistent by construction: the server is single-threaded."""
-        return persist.export_state(self._s, self._config, _source_state(self._source))
+        return persist.export_state(self._s, self._config, persist.source_state(self._source))
 
     @classmethod
     def restore(
@@ -542,7 +543,7 @@ class TrajectoryServer:
         wait for ``reassign_rewards(None, worker)``. ``source`` must be at the saved
         position. Refills nothing: call ``refill()`` to top up to a larger capacity."""
         server = cls(config, source, fill=False)
-        requeued = persist.load(server._s, config, state, _source_state(source))
+        requeued = persist.load(server._s, config, state, persist.source_state(source))
         if requeued:
             logger.info("restored: %d routed trajectories are queued again", len(requeued))
         return server

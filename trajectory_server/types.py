@@ -342,6 +342,26 @@ class TrainingBatch:
     temperature: float = 1.0
 
 
+@dataclass(frozen=True, slots=True, eq=False)
+class SiblingTokens:
+    """Tokens of one trajectory's response from index ``start`` on (``group_responses``)."""
+
+    group_id: int
+    traj_id: int
+    start: int
+    tokens: np.ndarray  # int32
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class SiblingResponses:
+    """What ``group_responses`` hands an instance: the responses of the asked groups'
+    members beyond the lengths it has of them, and the asked groups that are gone
+    (consumed, aborted or filtered)."""
+
+    responses: tuple[SiblingTokens, ...]
+    gone: tuple[int, ...]
+
+
 @dataclass(frozen=True, slots=True)
 class TSStats:
     """Counts for the dashboard. ``*_by_v`` map ``V_traj`` to a count; initial

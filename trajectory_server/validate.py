@@ -22,6 +22,12 @@ def frozen(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
+def holder_id(value: object, name: str) -> None:
+    """An instance or reward worker id is an int or a str."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise InvalidPayload(f"{name} must be an int or a str, got {value!r}")
+
+
 def _as_int32(values: object, what: str) -> np.ndarray:
     arr = np.asarray(values)
     if arr.ndim != 1:

@@ -32,6 +32,8 @@ from trajectory_server.types import (
     RewardTask,
     RoutableTrajectory,
     RoutedTrajectory,
+    SiblingResponses,
+    SiblingTokens,
     TrainingBatch,
     TrainingGroup,
     TrainingTrajectory,
@@ -157,6 +159,15 @@ class HandToReward:
 class NextTurnBatch:
     turns: tuple[NextTurn, ...]
     worker_id: int | str
+
+
+@dataclass(frozen=True, slots=True)
+class SiblingRequest:
+    """``group_responses``: per group, the tokens the caller has of each member."""
+
+    known: dict[int, dict[int, int]]
+    instance_id: int | str | None = None
+    watch: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -331,6 +342,9 @@ MESSAGES: dict[str, type] = {
     "aborted_trajectory": AbortedTrajectory,
     "training_group": TrainingGroup,
     "training_trajectory": TrainingTrajectory,
+    "sibling_request": SiblingRequest,
+    "sibling_responses": SiblingResponses,
+    "sibling_tokens": SiblingTokens,
 }
 for _tag, _cls in MESSAGES.items():
     _CODEC.register(_cls, _tag)

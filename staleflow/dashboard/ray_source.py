@@ -43,8 +43,9 @@ from staleflow.dashboard.runconfig import cost_model_of, read_run_config
 from staleflow.dashboard.timeline import InstanceObservation, Recorder, SeqLog
 from staleflow.runfolder.layout import RunLayout
 from staleflow.runfolder.step_record import StepRecord, idle_ratio
+from staleflow.runtime.controller.clients import ScalingControl
 from staleflow.runtime.placement.ray_address import check_reachable
-from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE, actor_name
+from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE, RayApi, actor_name
 
 logger = logging.getLogger(__name__)
 
@@ -94,13 +95,14 @@ class RaySource:
         timeout_s: float = 10.0,
         notes: tuple[str, ...] = (),
         placement: Mapping[str, Any] | None = None,
-        ray: Any = None,  # the ray module; tests pass a fake
+        ray: RayApi | None = None,  # the ray module; tests pass a fake
     ) -> None:
         if ray is None:
             import ray
 
         self._ray = ray
         self.handles = handles
+        self._control = ScalingControl(handles.control, ray)
         self.name = name
         self._config = dict(config or {})
         self._cost = cost_model
@@ -193,7 +195,7 @@ class RaySource:
         ps = get("ps/0") or get("ps")
         handles = RayHandles(get("control"), get("ts"), ps, dict(sorted(instances.items())))
         try:
-            placement = ray.get(handles.control.placement.remote(), timeout=10)
+            placement = ScalingControl(handles.control, ray).placement(timeout_s=10)
         except Exception:  # a run of an older staleflow, or one that is ending
             placement = {}
         folder = Path(run_dir) if run_dir else Path("runs") / run
@@ -236,11 +238,11 @@ class RaySource:
         """One round of questions; False once the run is gone for good."""
         ray, h = self._ray, self.handles
         try:
-            live_ref = h.control.live.remote()
-            records_ref = h.control.records.remote(len(self._records))
+            live_reply = self._control.submit_live()
+            records_reply = self._control.submit_records(len(self._records))
             ts_ref = h.ts.stats.remote() if h.ts is not None else None
-            live = ray.get(live_ref, timeout=self.timeout_s)
-            records = ray.get(records_ref, timeout=self.timeout_s)
+            live = live_reply.result(self.timeout_s)
+            records = records_reply.result(self.timeout_s)
             ts = ray.get(ts_ref, timeout=self.timeout_s) if ts_ref is not None else None
         except Exception as exc:  # which one decides whether to go on
             return self._failed(exc)
@@ -272,10 +274,9 @@ class RaySource:
     def _follow_recoveries(self) -> None:
         """The instances in the run now, and the recovery events since the last poll
         (a run of a staleflow without them answers neither: nothing changes)."""
-        h, ray = self.handles, self._ray
         try:
-            members = ray.get(h.control.members.remote(), timeout=self.timeout_s)
-            events = ray.get(h.control.events.remote(self._recovery_seen), timeout=self.timeout_s)
+            members = self._control.members(timeout_s=self.timeout_s)
+            events = self._control.events(self._recovery_seen, timeout_s=self.timeout_s)
         except Exception as exc:
             logger.debug("no membership or recovery events: %s", exc)
             return
@@ -444,13 +445,13 @@ class RaySource:
             raise ActionNotSupported(f"a live run takes {list(ACTIONS)}, not {action!r}")
         if self._snapshot().finished:
             raise ActionNotSupported("the run has ended")
-        ray, control = self._ray, self.handles.control
+        control = self._control
         try:
-            now = len(ray.get(control.members.remote(), timeout=self.timeout_s))
+            now = len(control.members(timeout_s=self.timeout_s))
             target = now + 1 if action == "add_instance" else now - 1
             if target < 1:
                 raise ActionNotSupported(f"the run has {now} instance: it needs at least one")
-            return str(ray.get(control.request_scale.remote(target), timeout=self.timeout_s))
+            return control.request_scale(target, timeout_s=self.timeout_s)
         except ActionNotSupported:
             raise
         except Exception as exc:

@@ -110,14 +110,25 @@ class SpeculationStats:
     def accepted_per_verification(self) -> float:
         return self.accepted / self.verifications if self.verifications else 0.0
 
+    def __add__(self, other: SpeculationStats) -> SpeculationStats:
+        """Counts of two engines (or two lifetimes of one) together."""
+        return SpeculationStats(
+            self.verifications + other.verifications,
+            self.drafted + other.drafted,
+            self.accepted + other.accepted,
+        )
+
 
 class _Group:
     """The sequences of one group and the n-gram index over them."""
 
-    __slots__ = ("index", "indexed", "prompt_seq", "seqs")
+    __slots__ = ("by_traj", "index", "indexed", "prompt_seq", "seqs")
 
     def __init__(self) -> None:
         self.seqs: list[list[int]] = []
+        # trajectory -> its response's sequence (a member's, or a sibling's from elsewhere),
+        # so that a sibling handed over in pieces, or a member coming back, goes on in one
+        self.by_traj: dict[int, int] = {}
         # n-gram -> [(sequence, index of the token that followed it)], oldest first
         self.index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
         self.prompt_seq = -1
@@ -150,9 +161,10 @@ class GroupedDraftSource:
         self, traj_id: int, group_id: int | None, prompt: Sequence[int], tokens: Sequence[int]
     ) -> None:
         """Start following ``traj_id`` (a member of ``group_id``; None: a group of its own)
-        whose response so far is ``tokens``. Adding a trajectory again (resumed after an
-        interrupt) extends its response when the old one is a prefix of ``tokens``, else
-        starts a new one; the old tokens stay as a reference of the group either way."""
+        whose response so far is ``tokens``. A trajectory the group holds already (resumed
+        after an interrupt, or a sibling handed over from elsewhere before it came here)
+        goes on from the tokens held when they are a prefix of ``tokens``, else starts a new
+        response; the old tokens stay as a reference of the group either way."""
         s = self.settings
         if group_id is not None and group_id < 0:
             raise ValueError(f"trajectory {traj_id}: group_id {group_id} is negative")
@@ -161,19 +173,15 @@ class GroupedDraftSource:
         key = -1 - traj_id if group_id is None or s.scope == "own" else group_id
         prompt_list = [int(t) for t in np.asarray(prompt).tolist()]
         token_list = [int(t) for t in np.asarray(tokens).tolist()]
-        old = self._members.get(traj_id)
-        if old is not None and old.key == key and key in self._groups:
-            seq = old.group.seqs[old.resp_seq]
-            if len(seq) <= len(token_list) and seq == token_list[: len(seq)]:
-                self._touch(key)
-                self.extend(traj_id, token_list[len(seq) :])
-                return
         group = self._group(key)
         if group.prompt_seq < 0:
             group.prompt_seq = self._new_seq(group, prompt_list)
-        resp = self._new_seq(group, [])
+        resp = group.by_traj.get(traj_id, -1)
+        seq = group.seqs[resp] if resp >= 0 else []
+        if resp < 0 or len(seq) > len(token_list) or seq != token_list[: len(seq)]:
+            resp = group.by_traj[traj_id] = self._new_seq(group, [])
         self._members[traj_id] = _Member(key, group, resp)
-        self.extend(traj_id, token_list)
+        self.extend(traj_id, token_list[len(group.seqs[resp]) :])
 
     def extend(self, traj_id: int, tokens: Sequence[int]) -> None:
         """Append newly sampled ``tokens`` to ``traj_id``'s response (unknown ids: no-op)."""
@@ -181,18 +189,47 @@ class GroupedDraftSource:
         if m is not None and len(tokens):
             self._append(m.group, m.resp_seq, tokens)
 
-    def add_reference(self, group_id: int, prompt: Sequence[int], tokens: Sequence[int]) -> None:
+    def add_reference(
+        self,
+        group_id: int,
+        prompt: Sequence[int],
+        tokens: Sequence[int],
+        traj_id: int | None = None,
+        start: int = 0,
+    ) -> None:
         """Add a response of ``group_id`` generated elsewhere (a sibling that ran on another
         instance, reported by the TS): it drafts for the group's members here. Ignored in
-        ``own`` scope."""
+        ``own`` scope.
+
+        With ``traj_id``, ``tokens`` are that sibling's response from index ``start`` on:
+        they go on the sequence held for it (one sequence per sibling, however many pieces
+        it arrives in; a member that ran here before is continued, not copied). A piece that
+        does not fit what is held (a gap before ``start``, or other tokens) starts the
+        sibling afresh if ``start`` is 0 and is dropped otherwise. A trajectory this source
+        follows now is never written from elsewhere."""
         if self.settings.scope == "own":
             return
         if group_id < 0:
             raise ValueError(f"group_id {group_id} is negative")
+        if traj_id is not None and traj_id in self._members:
+            return
         g = self._group(group_id)
         if g.prompt_seq < 0:
             g.prompt_seq = self._new_seq(g, [int(t) for t in np.asarray(prompt).tolist()])
-        self._append(g, self._new_seq(g, []), np.asarray(tokens).tolist())
+        new = [int(t) for t in np.asarray(tokens).tolist()]
+        held = g.by_traj.get(traj_id, -1) if traj_id is not None else -1
+        if held >= 0:
+            seq = g.seqs[held]
+            overlap = len(seq) - start  # tokens of the piece held already
+            if overlap >= 0 and seq[start : start + len(new)] == new[:overlap]:
+                self._append(g, held, new[overlap:])
+                return
+        if start != 0:
+            return
+        seq_id = self._new_seq(g, [])
+        if traj_id is not None:
+            g.by_traj[traj_id] = seq_id
+        self._append(g, seq_id, new)
 
     def _append(self, g: _Group, seq_id: int, tokens: Sequence[int]) -> None:
         g.seqs[seq_id].extend(int(t) for t in tokens)
@@ -243,9 +280,6 @@ class GroupedDraftSource:
         else:
             self._groups.move_to_end(key)
         return g
-
-    def _touch(self, key: int) -> None:
-        self._groups.move_to_end(key)
 
     def _drop_members(self, g: _Group) -> None:
         for tid in [t for t, m in self._members.items() if m.group is g]:

@@ -16,12 +16,14 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
 from coordinator.seer import chunk_cap
 from coordinator.types import InstanceSnapshot, TrajRecord
 from staleflow.engines.base import FINISH_LENGTH, EngineOutput, GenerationRequest, RolloutEngine
+from staleflow.engines.drafts import SpeculationStats
 from staleflow.rollout.eval_lane import EvalLane, EvalOutput, EvalRequest
 from trajectory_server.types import (
     InstanceId,
@@ -32,6 +34,7 @@ from trajectory_server.types import (
 )
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -79,6 +82,8 @@ class InstanceTimes:
     # them (staleflow.engines.base.StepTimes)
     prefix_hits: int = 0
     prefix_tokens: int = 0
+    # the engine's verified drafts (docs/speculation.md); None: speculation off
+    speculation: SpeculationStats | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -366,6 +371,15 @@ class RolloutInstance:
             }
         return outs
 
+    def between_steps(
+        self, call: Callable[[RolloutEngine, dict[int, tuple[int, np.ndarray]]], T]
+    ) -> T:
+        """``call(engine, {trajectory here: (group, prompt)})`` between two engine steps, for
+        calls into the engine that are no commands (handing it siblings' responses to draft
+        from: staleflow/runtime/workers/sibling_drafts.py)."""
+        with self._lock:
+            return call(self._engine, {t: (m.group_id, m.prompt) for t, m in self._meta.items()})
+
     def load_weights(self, weights: Mapping[str, object], version: int) -> None:
         """Load pulled weights; the completed list restarts (the coordinator's Pull)."""
         self._pull(version, lambda: self._engine.load_weights(weights, version))
@@ -426,6 +440,7 @@ class RolloutInstance:
                 chunks=self._chunks,
                 prefix_hits=t.prefix_hits,
                 prefix_tokens=t.prefix_tokens,
+                speculation=getattr(self._engine, "speculation_stats", lambda: None)(),
             )
 
     @property

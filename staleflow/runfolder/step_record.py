@@ -256,6 +256,31 @@ def freshness_keys(state: Any) -> dict[str, float]:
     }
 
 
+SPECULATION = ("verifications", "drafted", "accepted")  # the counters, summed
+
+
+def speculation_keys(verifications: int, drafted: int, accepted: int) -> dict[str, float]:
+    """Speculative decoding's counters (docs/speculation.md), summed over the instances
+    since the run started, for ``extra``: drafts verified, draft tokens, accepted ones,
+    the rejected ones (``wasted``) and the accepted tokens per verification."""
+    return {
+        "speculation/verifications": float(verifications),
+        "speculation/drafted": float(drafted),
+        "speculation/accepted": float(accepted),
+        "speculation/wasted": float(drafted - accepted),
+        "speculation/accepted_per_verification": accepted / verifications if verifications else 0.0,
+    }
+
+
+def speculation_counts(extra: Mapping[str, float]) -> tuple[int, int, int] | None:
+    """The counters :func:`speculation_keys` wrote into a record's ``extra`` (None: none)."""
+    keys = [f"speculation/{name}" for name in SPECULATION]
+    if not all(k in extra for k in keys):
+        return None
+    v, d, a = (int(extra[k]) for k in keys)
+    return v, d, a
+
+
 FILTERED_GROUPS = "rollout/filtered_groups"
 FILTERED_FRAC = "rollout/filtered_frac"
 SAMPLED_GROUPS = "rollout/sampled_groups"

@@ -30,6 +30,7 @@ import numpy as np
 
 from coordinator.cost_model import CostModel
 from coordinator.types import InstanceSnapshot
+from staleflow.sim.speculation import SpeculationProfile, speculative
 from staleflow.sim.truth import EngineTruth, InstanceTruth, ScaledCost
 from trajectory_server.types import PartialTrajectory, RoutedTrajectory
 
@@ -55,6 +56,8 @@ class EngineCosts:
     only its new tokens (the observation) are prefilled. The cache takes only what
     decoding does not need, least recently used out first, and a Pull empties it. Off:
     the KV is freed, and every route prefills the whole prefix.
+    speculation: the engines verify drafts (``rollout.speculation``): each decode step
+    follows ``sim/speculation.py``'s model on top of the truth. None: off.
     """
 
     prefill_s_per_token: float = 6.0e-5
@@ -64,6 +67,7 @@ class EngineCosts:
     truth: EngineTruth = field(default_factory=EngineTruth)
     kv_pool: bool = False
     keep_kv: bool = False
+    speculation: SpeculationProfile | None = None
 
     def __post_init__(self) -> None:
         for name in ("prefill_s_per_token", "prefill_s_per_token_sq", "pull_s", "noise"):
@@ -202,7 +206,7 @@ class SimInstance:
         # ids whose KV cache a chunk end left in the shared pool (EngineCosts.kv_pool)
         self.pool = pool
         self.cost, self.costs, self.rng = cost, costs, rng
-        self.truth = truth or InstanceTruth(ScaledCost(cost))
+        self.truth = speculative(truth or InstanceTruth(ScaledCost(cost)), costs.speculation)
         self.version = 0
         self.clock = 0.0
         self.steps = 0

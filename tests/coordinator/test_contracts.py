@@ -40,8 +40,9 @@ from staleflow.runtime.controller.actor import ControlActor
 from staleflow.runtime.controller.control_plane import ControlPlane
 from staleflow.runtime.controller.planes import RuntimePlanes
 from staleflow.runtime.interface import ControlHandle, InstanceHandle
-from staleflow.runtime.workers.actors import ControlClient, InstanceClient, RolloutActor
-from staleflow.runtime.workers.instance_host import InstanceHost
+from staleflow.runtime.workers.actors import InstanceClient, RolloutActor
+from staleflow.runtime.workers.control_client import WorkerControl
+from staleflow.runtime.workers.instance_host import InstanceHost, RoutingServer
 from staleflow.sim import SimCluster, tiny
 from staleflow.sim.planes import SimPlanes
 from staleness import StalenessManager
@@ -60,11 +61,13 @@ CASES = [
     *[(p, impl) for p in PLANES for impl in (RuntimePlanes, SimPlanes, FakeCluster)],
     (TrajectoryStore, TrajectoryServer),
     (TrajectoryStore, TrajectoryServerClient),
+    (RoutingServer, TrajectoryServer),
+    (RoutingServer, TrajectoryServerClient),
     (InstanceHandle, InstanceHost),
     (InstanceHandle, InstanceClient),
     (InstanceHandle, RolloutActor),
     (ControlHandle, ControlPlane),
-    (ControlHandle, ControlClient),
+    (ControlHandle, WorkerControl),
     (ControlHandle, ControlActor),
     (AdmissionSource, StalenessManager),
     (AdmissionControl, StalenessManager),

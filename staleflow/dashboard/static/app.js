@@ -95,6 +95,7 @@ function render() {
   drawEval($("eval-chart"));
   drawSeries($("episodes-chart"), EPISODE_SERIES, { yLabel: "per episode", empty: EPISODES_EMPTY });
   drawSeries($("tool-wait-chart"), TOOL_WAIT_SERIES, { yLabel: "seconds", empty: EPISODES_EMPTY });
+  drawSeries($("speculation-chart"), SPECULATION_SERIES, { yLabel: "tokens", empty: SPECULATION_EMPTY });
   drawIdle($("idle-chart"));
   document.body.dataset.updates = String(state.updates);
 }
@@ -377,6 +378,12 @@ const TOOL_WAIT_SERIES = [
   { key: "env/tool_wait_s", per: "rollout/rewarded", label: "per episode", colour: "#6a1b9a" },
 ];
 const EPISODES_EMPTY = "no multi-turn episode yet (data.task=calculator or env)";
+// counters summed over the instances since the run started (docs/speculation.md)
+const SPECULATION_SERIES = [
+  { key: "speculation/accepted", per: "speculation/verifications", label: "accepted per verification", colour: "#2e7d32" },
+  { key: "speculation/wasted", per: "speculation/verifications", label: "rejected per verification", colour: "#c62828" },
+];
+const SPECULATION_EMPTY = "no draft verified yet (rollout.speculation.method: off, or a full batch)";
 
 function seriesPoints(s) {
   const has = (x, k) => x[k] !== undefined && x[k] !== null;

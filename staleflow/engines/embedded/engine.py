@@ -523,18 +523,35 @@ class EmbeddedEngine:
     def _rows_by_admission(self) -> list[_Request]:
         return sorted(self._rows, key=lambda r: r.admitted)
 
-    def speculation_stats(self) -> SpeculationStats:
+    def speculation_stats(self) -> SpeculationStats | None:
+        """Counters of verified drafts since the engine started (None: speculation off)."""
+        if self._draft_source is None:
+            return None
         v, d, a = self._spec_stats
         return SpeculationStats(verifications=v, drafted=d, accepted=a)
 
+    @property
+    def drafts_from_siblings(self) -> bool:
+        """Grouped drafts: siblings on other instances help (``add_group_responses``)."""
+        return self._draft_source is not None and self._draft_source.settings.scope == "group"
+
     def add_group_responses(
-        self, group_id: int, prompt: np.ndarray, responses: Iterable[np.ndarray]
+        self,
+        group_id: int,
+        prompt: np.ndarray,
+        responses: Iterable[np.ndarray],
+        traj_ids: Sequence[int] | None = None,
+        starts: Sequence[int] | None = None,
     ) -> None:
         """Responses of ``group_id`` generated elsewhere (siblings on other instances),
-        for its members here to draft from (no-op without grouped speculation)."""
+        for its members here to draft from (no-op without grouped speculation). With
+        ``traj_ids``, response ``i`` is sibling ``traj_ids[i]``'s from index ``starts[i]``
+        (0 if not given) on, and goes on what was handed over of it before."""
         if self._draft_source is not None:
-            for tokens in responses:
-                self._draft_source.add_reference(group_id, prompt, tokens)
+            for i, tokens in enumerate(responses):
+                tid = None if traj_ids is None else traj_ids[i]
+                start = 0 if starts is None else starts[i]
+                self._draft_source.add_reference(group_id, prompt, tokens, tid, start)
 
     def forget_groups(self, group_ids: Iterable[int]) -> None:
         """Drop the drafts of groups that were consumed or aborted (no-op without

@@ -40,7 +40,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from coordinator.types import InstanceSnapshot
 from staleflow.control import ControlLoop, Decision
@@ -49,6 +49,7 @@ from staleflow.recovery.events import RecoveryEvent, RecoveryLog
 from staleflow.rewards.estimators import EvalScores
 from staleflow.rollout.instance import InstanceTimes
 from staleflow.runfolder.step_record import StepRecord, freshness_keys, sampling_keys
+from staleflow.runtime.controller import inbox
 from staleflow.runtime.controller.eval_hold import EvalHold
 from staleflow.runtime.controller.fleet import FleetOps, LostInstance, RecoverableStore
 from staleflow.runtime.controller.instances import Members
@@ -70,6 +71,7 @@ from staleness.types import TrajId
 from trajectory_server.types import AbortedTrajectory, InstanceId
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # How often a streaming trainer's wait looks at its buffer: groups are occupied at reward
 # speed, and a poll is a lock and a dict walk
@@ -140,7 +142,7 @@ class ControlPlane:
         self.recovery = RecoveryLog(records[-1].extra if records else None)
         self.fleet = FleetOps(self.members, self.loop, self.planes, ts, self.recovery, self._event)
         self.races = _races(self, ts, records[-1].extra if records else {})
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[inbox.Message] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._consume: tuple[int, Future[ConsumedBatch]] | None = None
         self._training = False  # a Consume was served; its trained report has not come
@@ -153,17 +155,17 @@ class ControlPlane:
     # -- entry points (any thread) -----------------------------------------------------
 
     def rewarded(self, records: Sequence[Rewarded]) -> None:
-        self._post("rewarded", tuple(records))
+        self._post(inbox.RewardsIn(tuple(records)))
 
     def dropped(self, trajectories: Iterable[AbortedTrajectory]) -> None:
-        self._post("dropped", tuple(trajectories))
+        self._post(inbox.TrajectoriesDropped(tuple(trajectories)))
 
     def trained(self, report: StepReport) -> None:
-        self._post("trained", report)
+        self._post(inbox.StepTrained(report))
 
     def lost(self, inst: int, reason: str) -> None:
         """``inst`` died or failed (the supervisor saw it): it leaves the run."""
-        self._post("lost", (inst, reason, ()))
+        self._post(inbox.InstanceLost(inst, reason))
 
     def join(
         self,
@@ -174,16 +176,16 @@ class ControlPlane:
         kind: str = "instance_added",
     ) -> Future[None]:
         """``inst`` joins empty at ``version``; done once the coordinator routes to it."""
-        return self._ask("join", (inst, handle, holder, version, kind))
+        return self._ask(inbox.JoinAsked(inst, handle, holder, version, kind))
 
     def remove(self, inst: int) -> Future[int]:
         """Take ``inst`` out (interrupted first); the future gives the trajectories it
         returned to the TS, once it is out and may be stopped."""
-        return self._ask("remove", inst)
+        return self._ask(inbox.RemoveAsked(inst))
 
     def replay_completions(self) -> Future[int]:
         """A reward worker died: apply the completions in the TS whose report it lost."""
-        return self._ask("replay", None)
+        return self._ask(inbox.ReplayAsked())
 
     def note(self, kind: str, subject: str, detail: str = "", **amounts: float) -> None:
         """Record a recovery the supervisor carried out (a restart, a lost PS ...)."""
@@ -197,7 +199,7 @@ class ControlPlane:
     def request_stop(self) -> None:
         """Stop routing, interrupt every instance, and take the final cut once the step
         in progress (if any) is reported; Consumes are refused from now on."""
-        self._post("stop", None)
+        self._post(inbox.StopAsked())
 
     def pending_cut(self) -> Cut | None:
         self.check()
@@ -205,14 +207,12 @@ class ControlPlane:
 
     def release_cut(self, steps: int) -> None:
         """The cut of ``steps`` was written: Consumes may go on (unless stopping)."""
-        self._post("release", steps)
+        self._post(inbox.CutReleased(steps))
 
     def request_consume(self, version: int) -> Future[ConsumedBatch]:
         """Ask for buffer ``version``; the future completes once it was Consumed (or
         fails). Cancel it to withdraw the request before it is served."""
-        future: Future[ConsumedBatch] = Future()
-        self._post("consume", (version, future))
-        return future
+        return self._ask(inbox.ConsumeAsked(version))
 
     def consume(self, version: int, timeout_s: float | None = None) -> ConsumedBatch:
         future = self.request_consume(version)
@@ -268,7 +268,7 @@ class ControlPlane:
 
     def eval_done(self, step: int, scores: EvalScores | None) -> None:
         """The evaluation of ``step`` ended (None: it could not be taken)."""
-        self._post("eval", (step, scores))
+        self._post(inbox.EvalScored(step, scores))
 
     def events(self, since: int = 0) -> list[RecoveryEvent]:
         return self.recovery.since(since)
@@ -341,13 +341,11 @@ class ControlPlane:
             waiting = [self._consume[1]] if self._consume is not None else []
             while True:
                 try:
-                    kind, payload = self._inbox.get_nowait()
+                    message = self._inbox.get_nowait()
                 except queue.Empty:
                     break
-                if kind == "consume":
-                    waiting.append(payload[1])
-                elif isinstance(payload, tuple) and payload and isinstance(payload[-1], Future):
-                    waiting.append(payload[-1])
+                if isinstance(message, inbox.ASKS):
+                    waiting.append(message.future)
             for future in waiting:
                 if not future.done():
                     future.set_exception(error)
@@ -365,63 +363,64 @@ class ControlPlane:
                 self.races.after_cycle(self.loop.last_snapshot)
             self._serve_consume()
 
-    def _post(self, kind: str, payload: Any) -> None:
+    def _post(self, message: inbox.Message) -> None:
         self.check()
-        self._inbox.put((kind, payload))
+        self._inbox.put(message)
         self._wake.set()
 
-    def _ask(self, kind: str, payload: Any) -> Future[Any]:
-        future: Future[Any] = Future()
-        self._post(kind, (payload, future))
-        return future
+    def _ask(self, ask: inbox.Ask[T]) -> Future[T]:
+        self._post(ask)
+        return ask.future
 
     def _drain_inbox(self) -> None:
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                message = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "rewarded":
-                for r in self.loop.occupy(payload):
-                    self.metrics.on_rewarded(r)
-                if self.tool_view is not None:
-                    self.tool_view.learn(payload, self.coordinator.strategies.waits)
-            elif kind == "dropped":
-                self.loop.forget(payload)
-            elif kind == "trained":
-                self._trained(payload)
-            elif kind == "consume":
-                self._queue_consume(*payload)
-            elif kind == "lost":
-                self.metrics.instance_lost(payload[0])
-                self.fleet.lost(*payload)
-                if self.races is not None:
-                    self.races.instance_left(payload[0])
-            elif kind == "stop":
-                self._begin_stop()
-            elif kind == "eval":
-                self.evals.done(self.metrics.records, *payload)
-            elif kind == "release":
-                if self._cut is not None and self._cut.steps == payload and not self._cut.final:
-                    self._cut = None
-            else:
-                self._answer(kind, *payload)
+            match message:
+                case inbox.RewardsIn(records):
+                    for r in self.loop.occupy(records):
+                        self.metrics.on_rewarded(r)
+                    if self.tool_view is not None:
+                        self.tool_view.learn(records, self.coordinator.strategies.waits)
+                case inbox.TrajectoriesDropped(trajectories):
+                    self.loop.forget(trajectories)
+                case inbox.StepTrained(report):
+                    self._trained(report)
+                case inbox.ConsumeAsked(version, future):
+                    self._queue_consume(version, future)
+                case inbox.InstanceLost(inst, reason, reserved):
+                    self.metrics.instance_lost(inst)
+                    self.fleet.lost(inst, reason, reserved)
+                    if self.races is not None:
+                        self.races.instance_left(inst)
+                case inbox.StopAsked():
+                    self._begin_stop()
+                case inbox.EvalScored(step, scores):
+                    self.evals.done(self.metrics.records, step, scores)
+                case inbox.CutReleased(steps):
+                    if self._cut is not None and self._cut.steps == steps and not self._cut.final:
+                        self._cut = None
+                case inbox.JoinAsked() | inbox.RemoveAsked() | inbox.ReplayAsked():
+                    self._answer(message)
 
-    def _answer(self, kind: str, arg: Any, future: Future[Any]) -> None:
+    def _answer(self, ask: inbox.JoinAsked | inbox.RemoveAsked | inbox.ReplayAsked) -> None:
+        future: Future[Any] = ask.future
         try:
-            if kind == "join":
-                result: Any = self.fleet.add(*arg)
-                self.metrics.instance_joined(arg[0])
-            elif kind == "remove":
-                if self.races is not None:
-                    self.races.instance_left(arg)
-                last = self._times_of(arg)
-                result = self.fleet.remove(arg)
-                self.metrics.instance_removed(arg, last)
-            elif kind == "replay":
-                result = self.fleet.replay_completions()
-            else:
-                raise ValueError(f"unknown control message {kind!r}")
+            result: int | None = None
+            match ask:
+                case inbox.JoinAsked(inst, handle, holder, version, kind):
+                    self.fleet.add(inst, handle, holder, version, kind)
+                    self.metrics.instance_joined(inst)
+                case inbox.RemoveAsked(inst):
+                    if self.races is not None:
+                        self.races.instance_left(inst)
+                    last = self._times_of(inst)
+                    result = self.fleet.remove(inst)
+                    self.metrics.instance_removed(inst, last)
+                case inbox.ReplayAsked():
+                    result = self.fleet.replay_completions()
         except Exception as exc:  # the caller's mistake (e.g. an unknown instance)
             future.set_exception(exc)
         else:
@@ -532,7 +531,7 @@ class ControlPlane:
 
     def _post_lost(self, exc: InstanceGone, reserved: Sequence[TrajId]) -> None:
         """Any thread (a command round's, the snapshot's): handled on the loop thread."""
-        self._inbox.put(("lost", (exc.inst, exc.reason, tuple(reserved))))
+        self._inbox.put(inbox.InstanceLost(exc.inst, exc.reason, tuple(reserved)))
         self._wake.set()
 
     def _event(self, kind: str, subject: str, detail: str) -> RecoveryEvent:

@@ -15,9 +15,17 @@ from dataclasses import dataclass, field
 
 from coordinator.cycle import CycleStats
 from coordinator.seer import ProbeAccuracy
+from staleflow.engines.drafts import SpeculationStats
 from staleflow.envs.base import TRUNCATIONS
 from staleflow.rollout.instance import InstanceTimes
-from staleflow.runfolder.step_record import TABLE3, StepRecord, idle_ratio, record_key
+from staleflow.runfolder.step_record import (
+    TABLE3,
+    StepRecord,
+    idle_ratio,
+    record_key,
+    speculation_counts,
+    speculation_keys,
+)
 from staleflow.runtime.interface import Rewarded, StepReport
 
 __all__ = ["TABLE3", "StepMetrics"]
@@ -53,6 +61,10 @@ class StepMetrics:
         self._carried: Counter[str] = Counter()
         self._latest: dict[int, dict[str, float]] = {}
         self._instance_s = 0.0  # the shares' denominator: instances x seconds, summed
+        # speculation's counters, kept as the seconds are: each live instance's latest
+        # (they count from its start) and those of instances gone; None: speculation off
+        self._spec_carried: SpeculationStats | None = None
+        self._spec_latest: dict[int, SpeculationStats] = {}
 
     def continue_from(self, records: Sequence[StepRecord]) -> None:
         """A resumed run (``docs/recovery.md``): step numbers, elapsed time, trained
@@ -69,19 +81,29 @@ class StepMetrics:
         self._instance_s = last.elapsed_s * max(len(self.instances), 1)
         shares = last.time_share
         self._carried.update({k: shares[k] * self._instance_s for k in TABLE3 if k in shares})
+        counts = speculation_counts(last.extra)
+        if counts is not None:
+            self._spec_carried = SpeculationStats(*counts)
 
     def instance_lost(self, inst: int) -> None:
         """``inst`` is gone: its seconds up to the last step stay in the shares (those
         since are not known), its slot stays in the denominator until it is back, and
         its successor under the same id counts from zero."""
         self._carried.update(self._latest.pop(inst, {}))
+        self._carry_speculation(self._spec_latest.pop(inst, None))
 
     def instance_removed(self, inst: int, times: InstanceTimes | None) -> None:
         """``inst`` left the run (elastic rollout): ``times``, its last (asked as it
         left; None if it could not answer), stay in the shares; its slot goes."""
         last = self._latest.pop(inst, {})
         self._carried.update(_seconds(times) if times is not None else last)
+        spec = self._spec_latest.pop(inst, None)
+        self._carry_speculation(times.speculation if times is not None else spec)
         self.instances = [i for i in self.instances if i != inst]
+
+    def _carry_speculation(self, stats: SpeculationStats | None) -> None:
+        if stats is not None:
+            self._spec_carried = stats + (self._spec_carried or SpeculationStats())
 
     def instance_joined(self, inst: int) -> None:
         if inst not in self.instances:
@@ -127,6 +149,9 @@ class StepMetrics:
         idle = {i: idle_ratio(t.idle_s, t.busy_s) for i, t in instance_times.items()}
         # one that did not answer keeps its latest seconds until it is declared lost
         self._latest.update({i: _seconds(t) for i, t in instance_times.items()})
+        self._spec_latest.update(
+            {i: t.speculation for i, t in instance_times.items() if t.speculation is not None}
+        )
         seconds = Counter(self._carried)
         for own in self._latest.values():
             seconds.update(own)
@@ -173,10 +198,19 @@ class StepMetrics:
                 **{k: float(v) for k, v in report.metrics.items() if not record_key(k)},
                 **{k: float(v) for k, v in (totals or {}).items()},
                 **_prefix_reuse(instance_times),
+                **self._speculation(),
             },
         )
         self.records.append(rec)
         return rec
+
+    def _speculation(self) -> dict[str, float]:
+        """Speculation's counters over the run (live instances' and those gone), absent
+        while no instance speculates (``rollout.speculation.method: off``)."""
+        if self._spec_carried is None and not self._spec_latest:
+            return {}
+        total = sum(self._spec_latest.values(), self._spec_carried or SpeculationStats())
+        return speculation_keys(total.verifications, total.drafted, total.accepted)
 
 
 def _prefix_reuse(instance_times: Mapping[int, InstanceTimes]) -> dict[str, float]:

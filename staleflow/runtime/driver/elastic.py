@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 from staleflow.runfolder.layout import LIVE, RunLayout
+from staleflow.runtime.controller.clients import ScalingControl
 from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE, actor_name
 
 __all__ = ["LIVE", "ScaleError", "find_run", "request_scale"]
@@ -65,15 +65,17 @@ def request_scale(
         )
     try:
         try:
-            control: Any = ray.get_actor(actor_name(name, "control"), namespace=ACTOR_NAMESPACE)
+            control = ScalingControl(
+                ray.get_actor(actor_name(name, "control"), namespace=ACTOR_NAMESPACE), ray
+            )
         except ValueError:
             raise ScaleError(f"no running run {name!r} on the Ray cluster at {address}") from None
-        now = len(ray.get(control.members.remote(), timeout=30))
+        now = len(control.members(timeout_s=30))
         target = instances if instances is not None else now + (add or 0) - (remove or 0)
         if target < 1:
             raise ScaleError(f"the run has {now} instance(s): it needs at least 1 (asked {target})")
         try:
-            return str(ray.get(control.request_scale.remote(target), timeout=30))
+            return control.request_scale(target, timeout_s=30)
         except ray.exceptions.RayTaskError as exc:
             raise ScaleError(str(exc.cause)) from exc
     finally:

@@ -30,6 +30,8 @@ import numpy as np
 from staleflow.data.datasets import PromptDataset
 from staleflow.rewards.estimators import EvalScores, score_problems
 from staleflow.rollout.eval_lane import EVAL_ID_BASE, EvalOutput, EvalRequest
+from staleflow.runtime.controller.clients import DriverControl
+from staleflow.runtime.placement.ray_cluster import RayApi
 
 logger = logging.getLogger(__name__)
 
@@ -141,13 +143,13 @@ class EvalRound:
 class EvalRounds:
     """Runs :class:`EvalRound` over Ray for the control plane's due steps.
 
-    ``control``: the ControlActor; ``rewards``: the reward workers alive now (the
-    supervisor may replace one)."""
+    ``control``: the run's client of the control actor; ``rewards``: the reward workers
+    alive now (the supervisor may replace one)."""
 
     def __init__(
         self,
-        ray: Any,
-        control: Any,
+        ray: RayApi,
+        control: DriverControl,
         rewards: Callable[[], Mapping[str, Any]],
         heldout: PromptDataset,
         *,
@@ -175,7 +177,7 @@ class EvalRounds:
         evaluation that fails is given up (its record goes out without it): it never
         stops the training."""
         if self._round is None:
-            step = self._ray.get(self._control.eval_due.remote())
+            step = self._control.eval_due()
             if step is not None and step != self._posted:
                 self._start(step)
             return
@@ -189,7 +191,7 @@ class EvalRounds:
         """An evaluation runs, or a step waits for one."""
         if self._round is not None:
             return True
-        step = self._ray.get(self._control.eval_due.remote())
+        step = self._control.eval_due()
         return step is not None and step != self._posted
 
     def finish(self, poll_s: float = 0.2, stall_s: float = STALL_S) -> None:
@@ -197,7 +199,7 @@ class EvalRounds:
         (given up after ``stall_s`` without a response)."""
         while True:
             self.poll()
-            if self._round is None and self._ray.get(self._control.eval_due.remote()) is None:
+            if self._round is None and self._control.eval_due() is None:
                 return  # the plane took the last scores: its records are out
             if self._round is not None and time.monotonic() - self._round.last_progress > stall_s:
                 logger.warning(
@@ -212,11 +214,11 @@ class EvalRounds:
     # -- one round -----------------------------------------------------------------------
 
     def _start(self, step: int) -> None:
-        members = self._ray.get(self._control.members.remote(), timeout=self._timeout)
+        members = self._control.members(timeout_s=self._timeout)
         self._handles = {i: h for i, (_, h) in sorted(members.items())}
         if not self._handles:
             self._posted = step
-            self._ray.get(self._control.eval_done.remote(step, None))
+            self._control.eval_done(step, None)
             return
         r = EvalRound(
             step,
@@ -286,7 +288,7 @@ class EvalRounds:
         self._round, self._scoring = None, []
         self.rounds += 1
         self._posted = r.step  # until the plane takes them, the step still looks due
-        self._ray.get(self._control.eval_done.remote(r.step, scores))
+        self._control.eval_done(r.step, scores)
         if scores is None:
             logger.warning("evaluation of step %d: nothing was scored", r.step)
         else:

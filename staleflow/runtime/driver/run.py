@@ -231,23 +231,19 @@ class Run:
         )
         ray = cluster.ray
         actors = self.rollout.actors
-        ray.get(
-            self.control.control.attach.remote(
-                {i: (h, self.rollout.holders[i]) for i, h in actors.items()},
-                dict(self.ps.endpoints),
-                dict(
-                    zip(actors, ray.get([h.version.remote() for h in actors.values()]), strict=True)
-                ),
-                dict(resume.staleness) if resume is not None else None,
-                list(resume.metrics) if resume is not None else [],
-            )
+        self.control.driver.attach(
+            {i: (h, self.rollout.holders[i]) for i, h in actors.items()},
+            dict(self.ps.endpoints),
+            dict(zip(actors, ray.get([h.version.remote() for h in actors.values()]), strict=True)),
+            dict(resume.staleness) if resume is not None else None,
+            list(resume.metrics) if resume is not None else [],
         )
         stages.advance(detail="rollout instances up")
         if self.heldout is not None and cfg.eval.during_training:
             reward_pool = self.reward_pool
             self.evals = EvalRounds(
                 ray,
-                self.control.control,
+                self.control.driver,
                 reward_pool.live,
                 self.heldout,
                 samples=cfg.eval.samples,
@@ -269,7 +265,7 @@ class Run:
         self.supervisor = self._supervise(self._supervised(), cfg.recovery)
         if resume is not None:
             self.supervisor.redispatch_rewards()  # what was being scored at the stop
-            self.control.control.note.remote(
+            self.control.driver.post_note(
                 "resumed",
                 "run",
                 f"from {resume.checkpoint.path.name}: step {resume.steps}, version {version}",
@@ -318,7 +314,7 @@ class Run:
         for line in lines:
             self._phase(line)
         self.placement_info = {**self.placement.as_dict(), "weights": weights}
-        ray.get(self.control.control.set_placement.remote(self.placement_info))
+        self.control.driver.set_placement(self.placement_info)
 
     # -- watch -------------------------------------------------------------------------
 
@@ -338,16 +334,16 @@ class Run:
         assert self.control is not None and self.trainer is not None and self.cluster is not None
         assert self.supervisor is not None
         ray = self.cluster.ray
-        control = self.control.control
+        control = self.control.driver
         done_ref = self.trainer.run(steps)
         seen = self.steps_before
         stopping = False
         while True:
             ready, _ = ray.wait([done_ref], timeout=poll_s)
             try:
-                new = ray.get(control.records.remote(seen))
-                live = ray.get(control.live.remote()) if on_tick is not None else None
-                cut = ray.get(control.pending_cut.remote())
+                new = control.records(seen)
+                live = control.live() if on_tick is not None else None
+                cut = control.pending_cut()
             except Exception as exc:  # named for the user below
                 raise LaunchError(f"the control plane stopped: {cause(exc)}") from exc
             for rec in new:
@@ -361,7 +357,7 @@ class Run:
                 self.evals.poll()
             if stop is not None and stop.is_set() and not stopping:
                 self._phase("stopping: interrupting the rollouts, then checkpointing")
-                ray.get(control.request_stop.remote())
+                control.request_stop()
                 stopping = True
             if ready:
                 break
@@ -373,21 +369,20 @@ class Run:
         if on_done is not None:
             on_done()
         self.supervisor.heal_ps()  # the run ends with the last version on every replica
-        ray.get(control.request_stop.remote())  # the end of the run is a stop, too
+        control.request_stop()  # the end of the run is a stop, too
         self._write(self._final_cut())
         if self.evals is not None and self.evals.pending():  # it holds the last records
             self._phase("finishing the held-out evaluation (eval.every)")
             self.evals.finish()
-        for rec in ray.get(control.records.remote(seen)):
+        for rec in control.records(seen):
             on_record(rec)
         return reports
 
     def _final_cut(self, timeout_s: float = 600.0) -> Cut:
-        assert self.control is not None and self.cluster is not None
-        ray, control = self.cluster.ray, self.control.control
+        assert self.control is not None
         deadline = time.monotonic() + timeout_s
         while True:
-            cut = ray.get(control.pending_cut.remote())
+            cut = self.control.driver.pending_cut()
             if cut is not None and cut.final:
                 return cut
             if time.monotonic() > deadline:
@@ -415,9 +410,9 @@ class Run:
                 f"{self._resume_hint()}"
             ) from exc
         self.checkpoints.append(path)
-        control = self.control.control
-        control.note.remote("checkpoint", "run", f"{path.name}: step {cut.steps}")
-        control.release_cut.remote(cut.steps)
+        control = self.control.driver
+        control.post_note("checkpoint", "run", f"{path.name}: step {cut.steps}")
+        control.post_release_cut(cut.steps)
         self._phase(f"checkpoint of step {cut.steps} written to {path}")
         return path
 
@@ -442,13 +437,13 @@ class Run:
         scored by another) and restarts a lost PS replica (refilled by the trainer)."""
         assert self.control is not None and self.cluster is not None and self.ps is not None
         ray = self.cluster.ray
-        control = self.control.control
-        ray.get(control.stop.remote())
+        control = self.control.driver
+        control.stop()
         left = self._settle_instances()
         if self.supervisor is not None:
             self.supervisor.finish()
         stats = ray.get(self.control.ts.handle.stats.remote())
-        events = ray.get(control.events.remote())
+        events = control.events()
         return {
             "ps_latest": self._ps_latest(),
             "created": stats.created_trajectories,
@@ -470,9 +465,9 @@ class Run:
         leaves the run (``ControlActor.settle``) and is not counted."""
 
         assert self.control is not None and self.cluster is not None
-        ray, control = self.cluster.ray, self.control.control
+        ray, control = self.cluster.ray, self.control.driver
         for _ in range(rounds):
-            members = ray.get(control.settle.remote())
+            members = control.settle()
             left, lost = 0, False
             for inst, h in sorted(members.items()):
                 try:
@@ -485,9 +480,7 @@ class Run:
                     dead = gone(inst, exc)
                     if dead is None:
                         raise
-                    ray.get(
-                        control.lost.remote(inst, f"during the end-of-run audit: {dead.reason}")
-                    )
+                    control.lost(inst, f"during the end-of-run audit: {dead.reason}")
                     lost = True
             if not lost:
                 return left
@@ -533,10 +526,8 @@ class Run:
             return
         ray = cluster.ray
         if self.control is not None:
-            control = self.control.control
-            self._teardown(
-                "stop the control plane", lambda: ray.get(control.stop.remote(), timeout=10)
-            )
+            control = self.control.driver
+            self._teardown("stop the control plane", lambda: control.stop(timeout_s=10))
         if self.supervisor is not None:
             self.supervisor.close()
         for i, h in self.instances.items():

@@ -160,8 +160,8 @@ class TrainerFace(Protocol):
 
 
 class SupervisorControl(Protocol):
-    """The control actor, as the supervisor uses it (the names and signatures of the
-    control actor's typed ``SupervisorControl`` client). A join and a replay go through
+    """The control actor, as the supervisor uses it: what its typed client
+    (:class:`staleflow.runtime.controller.clients.SupervisorControl`) offers. A join and a replay go through
     the control loop, which may itself wait for what the supervisor restarts: they are
     submitted, and the supervisor looks at their replies again later."""
 

@@ -18,8 +18,6 @@ from staleflow.runtime.driver.pools.rollout import release_slot, spawn_instance
 from staleflow.runtime.driver.supervised import ActorGone, Handle, Supervised
 
 if TYPE_CHECKING:
-    from staleflow.runtime.controller.fleet import LostInstance
-    from staleflow.runtime.controller.plane_records import LiveState
     from staleflow.runtime.driver.pools import PoolContext
     from staleflow.runtime.driver.pools.controller import ControlPool
     from staleflow.runtime.driver.pools.parameter_server import PSPool
@@ -174,42 +172,6 @@ class RayTrainer:
         self._pool.refill_ps()
 
 
-class RaySupervisorControl:
-    """The control actor's supervisor face over its raw handle. Stands in for the typed
-    client ``staleflow.runtime.controller.clients.SupervisorControl`` (branch
-    ``clients``), whose methods it has: once that is merged, this class goes and
-    :func:`supervised_pools` passes ``control.supervisor``."""
-
-    def __init__(self, ray: Any, handle: Any) -> None:  # the ray module, a ControlActor
-        self._ray, self._handle = ray, handle
-
-    def take_lost(self) -> list[LostInstance]:
-        return self._ray.get(self._handle.take_lost.remote())
-
-    def live(self, timeout_s: float | None = None) -> LiveState:
-        return self._ray.get(self._handle.live.remote(), timeout=timeout_s)
-
-    def submit_join(
-        self, inst: int, actor: Handle, holder: str, version: int, kind: str
-    ) -> RayPending[None]:
-        return RayPending(self._ray, self._handle.join.remote(inst, actor, holder, version, kind))
-
-    def remove(self, inst: int) -> int:
-        return self._ray.get(self._handle.remove.remote(inst))
-
-    def members(self, timeout_s: float | None = None) -> Mapping[int, object]:
-        return self._ray.get(self._handle.members.remote(), timeout=timeout_s)
-
-    def submit_replay_completions(self) -> RayPending[int]:
-        return RayPending(self._ray, self._handle.replay_completions.remote())
-
-    def take_scale(self) -> int | None:
-        return self._ray.get(self._handle.take_scale.remote())
-
-    def note(self, kind: str, subject: str, detail: str = "", **amounts: float) -> None:
-        self._ray.get(self._handle.note.remote(kind, subject, detail, **amounts))
-
-
 class RunFolderLive:
     """``RUN_DIR/live.json`` through the run folder's layout; each actor's pid asked."""
 
@@ -262,7 +224,7 @@ def supervised_pools(
         rewards=RayRewardWorkers(ctx, rewards, control),
         ps=RayParameterServers(ctx, ps),
         trainer=RayTrainer(trainer),
-        control=RaySupervisorControl(ctx.ray, control.control),
+        control=control.supervisor,  # the control actor's typed client
         ts=control.ts,
         live=RunFolderLive(ctx.ray, run_dir),
         phase=phase,

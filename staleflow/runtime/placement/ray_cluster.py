@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from staleflow.install import missing
 from staleflow.runtime.errors import LaunchError, PlacementError
@@ -47,6 +47,18 @@ def import_ray() -> Any:
             missing("ray (staleflow launch runs its components as Ray actors)", exc)
         ) from exc
     return ray
+
+
+class RayApi(Protocol):
+    """What the actors' clients use of the ``ray`` module (unit tests pass a fake)."""
+
+    exceptions: Any  # the module ray.exceptions
+
+    def get(self, refs: object, timeout: float | None = None) -> Any: ...
+
+    def wait(
+        self, refs: list[object], num_returns: int = 1, timeout: float | None = None
+    ) -> tuple[list[object], list[object]]: ...
 
 
 def startup_error(address: str, exc: BaseException, tries: int = 1) -> str:

@@ -15,9 +15,10 @@ trajectory server             ``trajectory_server.actor`` (already a service + c
                               (``staleflow.runtime.controller.actor``)
 ============================  ===========================================================
 
-Peers reach each other through the clients below, which give a component the same
-blocking API its in-process peer would. Ray is imported only when an actor is created,
-so importing this module does not import it.
+Peers reach each other through clients, which give a component the same blocking API
+its in-process peer would: the instance client below, and the control actor's
+(:mod:`staleflow.runtime.workers.control_client`). Ray is imported only when an actor
+is created, so importing this module does not import it.
 
 Recovery (``docs/recovery.md``): an instance client turns the death of its actor into
 :class:`~staleflow.runtime.interface.InstanceGone`; every incarnation of an instance has
@@ -31,7 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -43,26 +44,21 @@ from staleflow.control.late import hand_live
 from staleflow.rollout.eval_lane import EvalOutput, EvalRequest
 from staleflow.rollout.instance import CopyEnd, Finished, InstanceTimes
 from staleflow.runtime.backends import load_hook
-from staleflow.runtime.interface import (
-    InstanceGone,
-    Rewarded,
-    StepReport,
-    StopRequested,
-    TrainerGroups,
-)
+from staleflow.runtime.interface import InstanceGone, StepReport
 from staleflow.runtime.placement.ray_cluster import import_ray
 from staleflow.runtime.workers.audit_trail import AuditedBatches
+from staleflow.runtime.workers.control_client import WorkerControl
 from staleflow.runtime.workers.instance_host import InstanceHost
 from staleflow.runtime.workers.ps_healing import HealingPull, HealingPush
 from staleflow.runtime.workers.reward_stage import finished_from_task
 from staleflow.runtime.workers.specs import build_embedded_trainer, build_reward_stage
 from staleflow.runtime.workers.training_loop import TrainingLoop
-from staleness.types import ConsumedBatch
 from trajectory_server.actor import TrajectoryServerClient
-from trajectory_server.types import AbortedTrajectory, FinishedTrajectory, InstanceId, RewardTask
+from trajectory_server.types import FinishedTrajectory, InstanceId, RewardTask
 
 if TYPE_CHECKING:
     import numpy as np
+    from ray.actor import ActorHandle
 
     from parameter_server.replicas import ReplicaRoute
     from parameter_server.store import StoreInfo
@@ -172,37 +168,6 @@ class InstanceClient:
 
     def settle_won(self, traj_ids: Sequence[int]) -> dict[int, int]:
         return self._get(self.handle.settle_won.remote(list(traj_ids)))
-
-
-class ControlClient:
-    """``ControlHandle`` over a ``ControlActor``."""
-
-    def __init__(self, handle: Any) -> None:
-        self._ray = import_ray()
-        self.handle = handle
-
-    def rewarded(self, records: Sequence[Rewarded]) -> None:
-        self._ray.get(self.handle.rewarded.remote(list(records)))
-
-    def consume(self, version: int, timeout_s: float | None = None) -> ConsumedBatch:
-        return self._stoppable(self.handle.consume.remote(version, timeout_s))
-
-    def trainer_groups(self, version: int, have: int, wait_s: float) -> TrainerGroups:
-        return self._stoppable(self.handle.trainer_groups.remote(version, have, wait_s))
-
-    def _stoppable(self, ref: Any) -> Any:
-        try:
-            return self._ray.get(ref)
-        except self._ray.exceptions.RayTaskError as exc:
-            if isinstance(getattr(exc, "cause", None), StopRequested):
-                raise StopRequested(str(exc.cause)) from exc
-            raise
-
-    def dropped(self, trajectories: Iterable[AbortedTrajectory]) -> None:
-        self._ray.get(self.handle.dropped.remote(list(trajectories)))
-
-    def trained(self, report: StepReport) -> None:
-        self._ray.get(self.handle.trained.remote(report))
 
 
 # -- actor bodies (made remote by the pool builders, staleflow.runtime.driver.pools) --------------
@@ -435,13 +400,13 @@ class RewardActor:
     completions of trajectories reassigned to another worker."""
 
     def __init__(
-        self, spec: RewardSpec, ts_handle: Any, control_handle: Any, worker_id: str = ""
+        self, spec: RewardSpec, ts_handle: Any, control_handle: ActorHandle, worker_id: str = ""
     ) -> None:
 
         self._stage = build_reward_stage(
             spec,
             TrajectoryServerClient(ts_handle),
-            ControlClient(control_handle).rewarded,
+            WorkerControl(control_handle).rewarded,
             worker_id or None,
         )
 
@@ -501,7 +466,7 @@ class TrainerActor(_TrainingHost):
         spec: TrainerSpec,
         push: Sequence[ReplicaRoute],
         ts_handle: Any,
-        control_handle: Any,
+        control_handle: ActorHandle,
         name: str = "trainer/0",
         recovery: InstanceRecovery | None = None,
         resume_from: str = "",
@@ -529,7 +494,7 @@ class TrainerActor(_TrainingHost):
             ts = AuditedBatches(ts, spec.audit_path, lambda: self.trainer.version)
         self._loop = TrainingLoop(
             self.trainer,
-            control=ControlClient(control_handle),
+            control=WorkerControl(control_handle),
             ts=ts,
             pusher=self._pusher,
             consume_timeout_s=spec.consume_timeout_s,
@@ -557,12 +522,12 @@ class PoolTrainerActor(_TrainingHost):
     their parts of each batch from the TS and Push their own shards; this actor moves only
     group ids and metrics."""
 
-    def __init__(self, spec: TrainerSpec, driver: Any, control_handle: Any) -> None:
+    def __init__(self, spec: TrainerSpec, driver: Any, control_handle: ActorHandle) -> None:
 
         self.trainer = driver
         self._loop = TrainingLoop(
             driver,
-            control=ControlClient(control_handle),
+            control=WorkerControl(control_handle),
             consume_timeout_s=spec.consume_timeout_s,
             stream=spec.trainer.stream,
         )

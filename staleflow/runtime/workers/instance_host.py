@@ -10,14 +10,16 @@ id in the TS and names it in what it sends, so that the messages of one declared
 refused there; a Route the TS refuses for that reason means this incarnation must stop
 (:class:`~staleflow.runtime.interface.InstanceGone`). With ``progress_every_s`` the host
 reports the responses generated so far to the TS on a thread of its own, so that losing
-the instance costs only the tokens generated since the last report."""
+the instance costs only the tokens generated since the last report; an engine with
+grouped drafts (``rollout.speculation.method: group``) is handed, on the same thread, the
+responses of its trajectories' siblings that ran elsewhere (``sibling_drafts.py``)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Protocol
 
 from coordinator.types import InstanceSnapshot
@@ -26,9 +28,15 @@ from staleflow.engines.base import RolloutEngine
 from staleflow.rollout.eval_lane import EvalOutput, EvalRequest
 from staleflow.rollout.instance import CopyEnd, Finished, InstanceTimes, RolloutInstance
 from staleflow.runtime.interface import InstanceGone
+from staleflow.runtime.workers.sibling_drafts import SiblingDrafts
 from staleflow.runtime.workers.weight_transfer import PullSource
 from trajectory_server.errors import NotHolder
-from trajectory_server.types import InstanceId, PartialTrajectory, RoutedTrajectory
+from trajectory_server.types import (
+    InstanceId,
+    PartialTrajectory,
+    RoutedTrajectory,
+    SiblingResponses,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +62,13 @@ class RoutingServer(Protocol):
     ) -> tuple[int, ...]: ...
 
     def fork(self, traj_id: int, instance_id: InstanceId) -> RoutedTrajectory | None: ...
+
+    def group_responses(
+        self,
+        known: Mapping[int, Mapping[int, int]],
+        instance_id: InstanceId | None = None,
+        watch: Iterable[int] = (),
+    ) -> SiblingResponses: ...
 
 
 class InstanceHost:
@@ -88,6 +103,11 @@ class InstanceHost:
             eval_running=eval_running,
         )
         self._reported: dict[int, int] = {}  # trajectory -> tokens the TS has from us
+        self.siblings = (
+            SiblingDrafts(self.instance, ts, self.holder)
+            if getattr(engine, "drafts_from_siblings", False)
+            else None
+        )
         self._progress_stop = threading.Event()
         self._progress_thread: threading.Thread | None = None
         self.progress_reports = 0
@@ -272,9 +292,19 @@ class InstanceHost:
         self.progress_reports += 1
         return len(recorded)
 
+    def fetch_siblings(self) -> int:
+        """Grouped drafts: hand the engine the new tokens of its groups' members elsewhere
+        and have it forget the groups gone from the TS; the tokens handed (0: off)."""
+        return 0 if self.siblings is None else self.siblings.fetch()
+
     def _report_loop(self, every_s: float) -> None:
         while not self._progress_stop.wait(every_s):
+            # both are optimisations: never stop generating for them
             try:
                 self.report_progress()
-            except Exception as exc:  # a report is an optimisation: never stop generating
+            except Exception as exc:
                 logger.warning("instance %d: progress report failed: %s", self.inst, exc)
+            try:
+                self.fetch_siblings()  # after the report: the TS has ours for the others
+            except Exception as exc:
+                logger.warning("instance %d: fetching siblings failed: %s", self.inst, exc)

@@ -25,7 +25,7 @@ from staleflow.dashboard.interface import (
     RunInfo,
 )
 from staleflow.dashboard.timeline import SeqLog
-from staleflow.runfolder.step_record import StepRecord
+from staleflow.runfolder.step_record import StepRecord, speculation_keys
 from staleness import StalenessConfig, StalenessManager
 from trajectory_server.types import TSStats
 
@@ -90,6 +90,7 @@ def flat_record(step: int) -> dict[str, float]:
         "staleness/mean": 0.25,
         "train/corrected_frac": 0.125,
         "ps/version": float(step),
+        **speculation_keys(verifications=4 * step, drafted=20 * step, accepted=10 * step),
     }
     for i in range(INSTANCES):
         rec[f"rollout/idle_ratio/{i}"] = 0.1 * i

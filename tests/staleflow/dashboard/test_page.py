@@ -117,3 +117,21 @@ def test_the_episode_charts_draw_every_env_key_of_the_step_record(client):
     assert [s.get("per") for s in waits] == [None, "rollout/rewarded"]
     assert 'drawSeries($("episodes-chart"), EPISODE_SERIES' in js
     assert 'drawSeries($("tool-wait-chart"), TOOL_WAIT_SERIES' in js
+
+
+def test_the_speculation_chart_draws_the_records_speculation_keys(client):
+    """Speculative decoding's chart: accepted and rejected draft tokens per verification,
+    from the keys the control plane writes (spelled in the step record alone)."""
+    from staleflow.runfolder.step_record import speculation_keys
+
+    html = client.get("/").text
+    assert '<canvas id="speculation-chart" data-chart="speculation"' in html
+    js = client.get("/static/app.js").text
+    series = _declared(js, "SPECULATION_SERIES")
+    keys = speculation_keys(verifications=4, drafted=10, accepted=6)
+    assert [(s["key"], s["per"]) for s in series] == [
+        ("speculation/accepted", "speculation/verifications"),
+        ("speculation/wasted", "speculation/verifications"),
+    ]
+    assert all(s["key"] in keys and s["per"] in keys for s in series)
+    assert 'drawSeries($("speculation-chart"), SPECULATION_SERIES' in js

@@ -66,6 +66,10 @@ def test_parses_with_the_reference_parser_and_carries_the_state():
     # staleness as a first-class metric: its mean, and the correction's share beside it
     assert samples["staleflow_last_step_staleness_mean"][0].value == 0.25
     assert samples["staleflow_last_step_train_corrected_frac"][0].value == 0.125
+    # speculative decoding's counters, where it is on (5 steps: 20 verifications, ...)
+    assert samples["staleflow_last_step_speculation_accepted"][0].value == 50
+    assert samples["staleflow_last_step_speculation_wasted"][0].value == 50
+    assert samples["staleflow_last_step_speculation_accepted_per_verification"][0].value == 2.5
     # the unknown measured throughput of instance 2 (NaN) is exported as NaN
     measured = {
         s.labels["instance"]: s.value

@@ -107,3 +107,29 @@ def test_references_from_elsewhere_draft_for_the_group_but_not_in_own_scope() ->
         src.add_reference(4, PROMPT, [10, 11, 12, 13])
         src.add(1, 4, PROMPT, [10, 11])
         assert src.draft(1, 2) == want
+
+
+def test_a_sibling_handed_over_in_pieces_is_one_sequence() -> None:
+    """The TS hands a sibling's response over as it grows (index ``start`` on): the pieces
+    join into one sequence, so a draft runs across the joint; a piece that does not fit
+    starts afresh only from 0, and a trajectory followed here is never written from
+    elsewhere."""
+    src = GroupedDraftSource(DraftSettings(min_ngram=2, max_ngram=2))
+    src.add_reference(4, PROMPT, [10, 11, 12], traj_id=7)
+    src.add_reference(4, PROMPT, [12, 13, 14], traj_id=7, start=2)  # overlaps by one
+    src.add(1, 4, PROMPT, [10, 11])
+    assert src.draft(1, 4) == [12, 13, 14]
+    src.add_reference(4, PROMPT, [99], traj_id=7, start=9)  # a gap: dropped
+    src.add_reference(4, PROMPT, [50, 51], traj_id=7, start=1)  # other tokens: dropped
+    assert src.draft(1, 4) == [12, 13, 14]
+    src.add_reference(4, PROMPT, [10, 11, 12, 13, 14, 15], traj_id=1)  # followed here
+    assert src.draft(1, 5) == [12, 13, 14]
+    # a member that ran here and left goes on from the TS's copy of it (its sequence is the
+    # latest of the two to go on from 10 11) and, resumed here later, from there again
+    src.forget(1)
+    src.add_reference(4, PROMPT, [10, 11, 20, 21], traj_id=1)
+    src.add(2, 4, PROMPT, [10, 11])
+    assert src.draft(2, 3) == [20, 21]
+    src.add(1, 4, PROMPT, [10, 11, 20, 21, 22])
+    src.add(3, 4, PROMPT, [20, 21])
+    assert src.draft(3, 1) == [22]

@@ -116,3 +116,42 @@ def test_multi_turn_episodes_have_their_own_counts_and_single_turn_runs_none():
     rec = _step(m, 2.0, {0: _times(2.0)})
     assert (rec.turns_mean, rec.tool_calls, rec.env_errors, rec.tool_wait_s) == (3.0, 5, 2, 2.0)
     assert StepRecord.from_flat(rec.to_flat()) == rec  # the env/* keys read back
+
+
+def _spec(times: InstanceTimes, v: int, d: int, a: int) -> InstanceTimes:
+    from dataclasses import replace
+
+    from staleflow.engines.drafts import SpeculationStats
+
+    return replace(times, speculation=SpeculationStats(v, d, a))
+
+
+def _spec_keys(rec: StepRecord) -> dict[str, float]:
+    return {k: v for k, v in rec.to_flat().items() if k.startswith("speculation/")}
+
+
+def test_speculation_counters_are_summed_over_the_instances_and_the_run():
+    """Each instance counts its verified drafts from its start: the record sums the live
+    instances' latest (one that did not answer keeps its last), those lost or removed,
+    and those before a resume; without speculation there are no such keys."""
+    m = StepMetrics([0, 1, 2], started=0.0)
+    assert _spec_keys(_step(m, 1.0, {i: _times(1.0) for i in range(3)})) == {}
+    first = _step(m, 2.0, {0: _spec(_times(1.0), 4, 20, 10), 1: _spec(_times(1.0), 1, 8, 2)})
+    assert _spec_keys(first) == {
+        "speculation/verifications": 5.0,
+        "speculation/drafted": 28.0,
+        "speculation/accepted": 12.0,
+        "speculation/wasted": 16.0,
+        "speculation/accepted_per_verification": 12 / 5,
+    }
+    m.instance_lost(0)  # its counts stay; its successor counts from zero
+    m.instance_removed(1, _spec(_times(1.0), 2, 10, 3))  # asked as it left
+    second = _step(m, 3.0, {0: _spec(_times(1.0), 1, 4, 4), 2: _spec(_times(1.0), 1, 2, 0)})
+    assert _spec_keys(second)["speculation/verifications"] == 4 + 2 + 1 + 1
+    assert _spec_keys(second)["speculation/accepted"] == 10 + 3 + 4 + 0
+    third = _step(m, 4.0, {2: _spec(_times(1.0), 2, 4, 1)})  # instance 0 did not answer
+    assert _spec_keys(third)["speculation/drafted"] == 20 + 10 + 4 + 4
+    resumed = StepMetrics([0], started=100.0)
+    resumed.continue_from([StepRecord.from_flat(r.to_flat()) for r in (first, second, third)])
+    rec = _step(resumed, 101.0, {0: _spec(_times(1.0), 1, 1, 1)})
+    assert _spec_keys(rec)["speculation/accepted"] == 10 + 3 + 4 + 1 + 1

@@ -10,6 +10,7 @@ import pytest
 
 from staleflow.data import PromptDataset
 from staleflow.rollout.eval_lane import EVAL_ID_BASE, EvalOutput, EvalRequest
+from staleflow.runtime.controller.clients import DriverControl
 from staleflow.runtime.driver.eval_rounds import EvalRound, EvalRounds
 from tests.staleflow.runtime.fakes import Actor, ActorDied, FakeRay
 
@@ -118,7 +119,7 @@ def test_a_round_over_actors_survives_a_dead_instance_and_a_dead_reward_worker()
     bad, good = _Worker(dead=True), _Worker()
     rounds = EvalRounds(
         FakeRay(),
-        Actor(control),
+        DriverControl(Actor(control), FakeRay()),
         lambda: {"reward/0": Actor(bad), "reward/1": Actor(good)},
         HELDOUT,
         samples=2,
@@ -142,7 +143,12 @@ def test_an_evaluation_that_fails_is_given_up_and_its_record_goes_out_without_it
 
     control = _Control({0: Actor(_Instance())})
     rounds = EvalRounds(
-        FakeRay(), Actor(control), lambda: {"r": Actor(Broken())}, HELDOUT, samples=1, k=1
+        FakeRay(),
+        DriverControl(Actor(control), FakeRay()),
+        lambda: {"r": Actor(Broken())},
+        HELDOUT,
+        samples=1,
+        k=1,
     )
     assert rounds.pending()
     rounds.finish(poll_s=0)

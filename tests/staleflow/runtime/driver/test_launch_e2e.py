@@ -276,7 +276,7 @@ def test_a_dead_rollout_actor_is_restarted_and_instances_join_and_leave(tmp_path
         assert phase["name"] == "done" and stop.is_set(), phase
         for holder in left.values():  # what they held went back to the TS
             assert run.control.ts.routed_to(holder) == ()
-        members = ray.get(run.control.control.members.remote())
+        members = run.control.driver.members()
     finally:
         run.shutdown()
     assert run.rollout is None and sorted(members) == [0]
