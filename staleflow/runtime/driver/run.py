@@ -33,8 +33,10 @@ from staleflow.runtime.driver.pools.parameter_server import (
     describe_weights,
 )
 from staleflow.runtime.driver.pools.rewards import RewardPool, build_rewards
-from staleflow.runtime.driver.pools.rollout import RolloutPool, build_rollout
+from staleflow.runtime.driver.pools.rollout import RolloutPool, build_rollout, new_slot
 from staleflow.runtime.driver.pools.trainer import TrainerPool, build_trainer
+from staleflow.runtime.driver.supervised import Supervised
+from staleflow.runtime.driver.supervised_ray import supervised_pools
 from staleflow.runtime.errors import LaunchError
 from staleflow.runtime.placement.placing import place
 from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE
@@ -69,8 +71,9 @@ class RunSupervisor(Protocol):
     def close(self) -> None: ...
 
 
-# builds the supervisor of a started run (``Supervisor``, given by ``launch``)
-SupervisorFactory = Callable[["Run", "RecoveryConfig"], RunSupervisor]
+# builds the supervisor of a started run over its pools' faces (``Supervisor``, given by
+# ``launch``)
+SupervisorFactory = Callable[[Supervised, "RecoveryConfig"], RunSupervisor]
 
 
 def cause(exc: BaseException) -> str:
@@ -259,7 +262,7 @@ class Run:
                     f"checkpoint is at version {version}: the checkpoint is inconsistent; "
                     "resume from an earlier one"
                 )
-        self.supervisor = self._supervise(self, cfg.recovery)
+        self.supervisor = self._supervise(self._supervised(), cfg.recovery)
         if resume is not None:
             self.supervisor.redispatch_rewards()  # what was being scored at the stop
             self.control.driver.post_note(
@@ -268,6 +271,26 @@ class Run:
                 f"from {resume.checkpoint.path.name}: step {resume.steps}, version {version}",
             )
         self._report_weights(Layout.from_dict(spec.layout))
+
+    def _supervised(self) -> Supervised:
+        """The faces of the started pools that the supervisor acts on."""
+        ctx, cfg, ps = self.ctx, self.cfg, self.ps
+        assert ctx is not None and self.control is not None and ps is not None
+        assert self.reward_pool is not None and self.rollout is not None
+        assert self.trainer is not None
+        wait_s = min(cfg.resources.placement_timeout_s, 10.0)  # a scale request's placement
+        return supervised_pools(
+            ctx,
+            self.control,
+            ps,
+            self.reward_pool,
+            self.rollout,
+            self.trainer,
+            run_dir=self.run_dir,
+            new_slot=lambda inst: new_slot(ctx, cfg, ps, inst, wait_s),
+            phase=self._phase,
+            resume_hint=self._resume_hint,
+        )
 
     def _report_weights(self, layout: Any) -> None:
         """Print the replicas, the Pulls and the Push plan with the transports chosen, and

@@ -32,9 +32,7 @@ CLIENTS = {
     Path("staleflow/runtime/controller/clients.py"),
     Path("staleflow/runtime/workers/control_client.py"),
 }
-# Rewritten on branch `superv` to take a SupervisorControl; the lead removes this entry
-# when that branch is merged.
-KNOWN = {Path("staleflow/runtime/driver/supervisor.py")}
+KNOWN: set[Path] = set()  # modules allowed a raw call for now: none
 
 
 # -- no raw .remote() to the control actor -------------------------------------------------
