@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LIBRARY = ROOT / "staleflow"
-ANY_PARAMETER_CEILING = 70  # #33 asks for <= 40; 151 before this count existed
+ANY_PARAMETER_CEILING = 47  # #33 asks for <= 40; 151 before this count existed
 _BARE = ("Any", "Any | None")
 
 

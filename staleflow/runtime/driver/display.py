@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
@@ -27,6 +27,9 @@ from staleflow.progress import (
 from staleflow.runfolder.step_record import StepRecord
 from staleflow.runtime.driver.buffers_table import buffers_table
 
+if TYPE_CHECKING:
+    from staleflow.runtime.controller.plane_records import LiveState
+
 
 def step_line(rec: StepRecord, eta: int) -> str:
     """One short line per step (fits 100 columns)."""
@@ -40,7 +43,7 @@ def step_line(rec: StepRecord, eta: int) -> str:
     )
 
 
-def live_panel(live: Any) -> Group:
+def live_panel(live: LiveState) -> Group:
     """Buffers as rows of slots (Figure 7) and one row per instance."""
     view = live.buffers
     buffers = buffers_table(
@@ -66,7 +69,7 @@ def summary_table(summary: dict[str, Any], eta: int) -> Table:
     table.add_column("metric")
     table.add_column("value", justify="right")
 
-    def fmt(v: Any, spec: str = "") -> str:
+    def fmt(v: object, spec: str = "") -> str:
         return "-" if v is None else format(v, spec)
 
     shares = summary.get("time_share", {})
@@ -234,7 +237,7 @@ class LaunchView:
         renderer = self.terminal or PlainLines(console.file, every_s=every_s)
         self.progress = Progress(renderer, self)
 
-    def on_tick(self, state: Any) -> None:
+    def on_tick(self, state: LiveState) -> None:
         """The control plane's live state, once training runs."""
         if self.terminal is not None:
             self.terminal.set_panel(live_panel(state))

@@ -32,6 +32,7 @@ from staleflow.runtime.errors import LaunchError
 
 if TYPE_CHECKING:
     from staleflow.config import RunConfig
+    from staleflow.data.tokenizer import Tokenizer
 
 CALCULATOR_PROBLEMS = 20_000  # the built-in task's problems per run (a stream, seeded)
 DEFAULT_LAYOUT = RecordLayout("prompt", "answer", name="environment")
@@ -96,7 +97,7 @@ def check_env_task(cfg: RunConfig) -> None:
         ) from exc
 
 
-def env_dataset(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
+def env_dataset(cfg: RunConfig, tokenizer: Tokenizer) -> PromptDataset:
     """The prompts of ``cfg``'s environment task: each sample's first messages through
     the tokenizer's turn format, the sample itself as the ground truth (JSON)."""
     env = task_environment(cfg)

@@ -13,7 +13,7 @@ the driver also scores the initial weights and the final checkpoint on it, on a 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from staleflow.data.datasets import PromptFormat
 from staleflow.data.heldout import (
@@ -26,8 +26,11 @@ from staleflow.data.synthetic import ArithmeticConfig, ArithmeticTask
 from staleflow.progress import SILENT, Progress
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from staleflow.config import RunConfig
     from staleflow.data import PromptDataset
+    from staleflow.data.tokenizer import Tokenizer
 
 __all__ = ["EVAL_SEED_OFFSET", "check_heldout", "held_out_reward", "heldout_set"]
 
@@ -41,7 +44,7 @@ def check_heldout(cfg: RunConfig) -> None:
         check_heldout_source(cfg.eval.path, cfg.data.record_layout(), cfg.eval.split)
 
 
-def heldout_set(cfg: RunConfig, tokenizer: Any) -> PromptDataset | None:
+def heldout_set(cfg: RunConfig, tokenizer: Tokenizer) -> PromptDataset | None:
     """The first ``eval.problems`` problems of the held-out set as the rollout gets its
     prompts (same layout and chat template); None when the run evaluates nothing during
     training. Raises ``DatasetError`` naming what is wrong."""
@@ -57,7 +60,11 @@ def heldout_set(cfg: RunConfig, tokenizer: Any) -> PromptDataset | None:
 
 
 def held_out_reward(
-    cfg: RunConfig, model: Any, tokenizer: Any, progress: Progress = SILENT, which: str = "initial"
+    cfg: RunConfig,
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    progress: Progress = SILENT,
+    which: str = "initial",
 ) -> float | None:
     """Mean reward of ``model`` on ``cfg.eval.problems`` held-out problems of the built-in
     task, one response each at ``rollout.temperature``; None when there is nothing to

@@ -81,6 +81,7 @@ from staleflow.tracking import (
 
 if TYPE_CHECKING:
     from staleflow.data import PromptDataset
+    from staleflow.data.tokenizer import Tokenizer
     from staleflow.recovery import Checkpoint
     from staleflow.runtime.driver.resume import ResumePoint
 
@@ -235,7 +236,7 @@ def prepare_policy(
     )
 
 
-def build_dataset(cfg: RunConfig, tokenizer: Any) -> PromptDataset:
+def build_dataset(cfg: RunConfig, tokenizer: Tokenizer) -> PromptDataset:
     """The prompts of the run, without those longer than ``data.max_prompt_tokens``.
     Raises :class:`DatasetError` or :class:`TokenizerError` (data.chat_template=true with a
     tokenizer that has no template)."""

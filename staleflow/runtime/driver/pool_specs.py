@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from coordinator.config import CostModelConfig
 from staleflow.config import RunConfig
@@ -17,7 +17,10 @@ from staleflow.runtime.controller.plane_records import ControlConfig
 from staleflow.runtime.workers.specs import ModelSpec, RolloutSpec, TrainerSpec
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from staleflow.data import PromptDataset
+    from staleflow.data.tokenizer import Tokenizer
 
 
 def control_config(cfg: RunConfig) -> ControlConfig:
@@ -50,8 +53,8 @@ def rollout_spec(
     dataset: PromptDataset,
     *,
     run_dir: Path,
-    policy: Any = None,
-    tokenizer: Any = None,
+    policy: nn.Module | None = None,
+    tokenizer: Tokenizer | None = None,
     heldout: PromptDataset | None = None,
 ) -> RolloutSpec:
     """The rollout pool's spec; for vLLM / SGLang it resolves their options once, here in

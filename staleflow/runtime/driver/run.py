@@ -50,8 +50,11 @@ from staleflow.runtime.workers.specs import (
 )
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from staleflow.config import RecoveryConfig
     from staleflow.data import PromptDataset
+    from staleflow.data.tokenizer import Tokenizer
     from staleflow.runfolder.step_record import StepRecord
     from staleflow.runtime.driver.resume import ResumePoint
     from staleflow.runtime.placement.fitting import Placement
@@ -156,8 +159,8 @@ class Run:
 
     def start(
         self,
-        model: Any,
-        tokenizer: Any,
+        model: nn.Module,
+        tokenizer: Tokenizer,
         dataset: PromptDataset,
         stages: Phase = SILENT_PHASE,
         resume: ResumePoint | None = None,
@@ -292,7 +295,7 @@ class Run:
             resume_hint=self._resume_hint,
         )
 
-    def _report_weights(self, layout: Any) -> None:
+    def _report_weights(self, layout: Layout) -> None:
         """Print the replicas, the Pulls and the Push plan with the transports chosen, and
         hand them to the control actor, where the dashboard and status read them."""
 

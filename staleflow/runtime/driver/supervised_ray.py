@@ -9,7 +9,7 @@ import logging
 import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from staleflow.runfolder.layout import RunLayout
 from staleflow.runtime.driver.pools.parameter_server import respawn_replica
@@ -18,12 +18,15 @@ from staleflow.runtime.driver.pools.rollout import release_slot, spawn_instance
 from staleflow.runtime.driver.supervised import ActorGone, Handle, Supervised
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from staleflow.runtime.driver.pools import PoolContext
     from staleflow.runtime.driver.pools.controller import ControlPool
     from staleflow.runtime.driver.pools.parameter_server import PSPool
     from staleflow.runtime.driver.pools.rewards import RewardPool
     from staleflow.runtime.driver.pools.rollout import RolloutPool, Slot
     from staleflow.runtime.driver.pools.trainer import TrainerPool
+    from staleflow.runtime.placement.ray_cluster import RayApi
     from trajectory_server.types import RewardTask
 
 logger = logging.getLogger(__name__)
@@ -34,7 +37,7 @@ T = TypeVar("T")
 class RayPending(Generic[T]):
     """A Ray ref as a :class:`~staleflow.runtime.driver.supervised.Pending`."""
 
-    def __init__(self, ray: Any, ref: Any) -> None:  # the ray module, an ObjectRef
+    def __init__(self, ray: RayApi, ref: object) -> None:  # ref: an ObjectRef
         self._ray, self._ref = ray, ref
 
     def done(self) -> bool:
@@ -51,7 +54,7 @@ class RayPending(Generic[T]):
             raise ActorGone(str(exc)) from exc
 
 
-def _kill(ray: Any, actor: Any) -> None:
+def _kill(ray: ModuleType, actor: object) -> None:
     if actor is None:
         return
     try:
@@ -175,7 +178,7 @@ class RayTrainer:
 class RunFolderLive:
     """``RUN_DIR/live.json`` through the run folder's layout; each actor's pid asked."""
 
-    def __init__(self, ray: Any, run_dir: Path) -> None:  # the ray module
+    def __init__(self, ray: ModuleType, run_dir: Path) -> None:
         self._ray, self._run_dir = ray, run_dir
 
     def write(self, actors: Mapping[str, Handle]) -> None:
@@ -197,7 +200,7 @@ class RunFolderLive:
         RunLayout(self._run_dir).remove_live()
 
 
-def _gcs_address(ray: Any) -> str:
+def _gcs_address(ray: ModuleType) -> str:
     try:
         return str(ray.get_runtime_context().gcs_address)
     except Exception:

@@ -62,7 +62,7 @@ class PoolContext:
         return {"name": actor_name(self.run, role), "namespace": ACTOR_NAMESPACE}
 
     def options(
-        self, role: str, env: Mapping[str, str] | None = None, **extra: Any
+        self, role: str, env: Mapping[str, str] | None = None, **extra: object
     ) -> dict[str, Any]:
         """Actor options of ``role``: its bundle, its name, its process environment."""
         gang = self.placement.gang_of(role).gang.name
@@ -72,7 +72,7 @@ class PoolContext:
         return out
 
     def spawn(
-        self, cls: type, role: str, env: Mapping[str, str] | None = None, **extra: Any
+        self, cls: type, role: str, env: Mapping[str, str] | None = None, **extra: object
     ) -> Any:
         """``ray.remote(cls)`` with :meth:`options`; call ``.remote(...)`` on it."""
         return self.ray.remote(cls).options(**self.options(role, env, **extra))

@@ -5,7 +5,7 @@ that Pushes each version to every PS replica; the Megatron one is in
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from staleflow.runtime.backends import load_hook, trainer_backend
 from staleflow.runtime.driver.pools import PoolContext
@@ -13,6 +13,11 @@ from staleflow.runtime.driver.pools.controller import ControlPool
 from staleflow.runtime.driver.pools.parameter_server import PSPool
 from staleflow.runtime.workers.actors import InstanceRecovery, TrainerActor, process_env
 from staleflow.runtime.workers.specs import TrainerSpec
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from staleflow.runtime.placement.ray_cluster import RayApi
 
 
 class TrainerPool(Protocol):
@@ -54,7 +59,7 @@ class TrainerPool(Protocol):
 
 
 class EmbeddedTrainerPool:
-    def __init__(self, ray: Any, role: str, actor: Any) -> None:
+    def __init__(self, ray: RayApi, role: str, actor: ActorHandle) -> None:
         self._ray, self._role, self._actor = ray, role, actor
 
     def handles(self) -> dict[str, Any]:
