@@ -19,13 +19,14 @@ from __future__ import annotations
 import hmac
 import logging
 from importlib import resources
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import FastAPI, Header, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from staleflow.dashboard import prometheus, schemas
 from staleflow.dashboard.interface import ActionNotSupported, RunSource
@@ -252,17 +253,17 @@ class _SameOriginDocs:
     """Adds :data:`DOCS_CSP` to the responses of :data:`DOCS_PATHS` (plain ASGI, so the
     other endpoints pay one comparison)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
         root = scope.get("root_path", "")
         if path not in DOCS_PATHS and path.removeprefix(root) not in DOCS_PATHS:
             await self.app(scope, receive, send)
             return
 
-        async def send_with_csp(message: Any) -> None:
+        async def send_with_csp(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = [
                     *message.get("headers", []),

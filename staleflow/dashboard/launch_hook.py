@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
 
-from staleflow.dashboard.ray_source import RaySource
-from staleflow.dashboard.server import serve_in_thread
+from staleflow.config import RunConfig
+from staleflow.dashboard.ray_source import LaunchedRun, RaySource
+from staleflow.dashboard.server import DashboardServer, serve_in_thread
 from staleflow.install import missing
 
 
 class ServedDashboard:
     """The server and the source it polls; :meth:`stop` ends both."""
 
-    def __init__(self, server: Any, source: Any) -> None:
+    def __init__(self, server: DashboardServer, source: RaySource) -> None:
         self.server = server
         self.source = source
 
@@ -34,7 +34,7 @@ class ServedDashboard:
         self.source.close()
 
 
-def start_dashboard(cfg: Any, run: Any, host: str = "127.0.0.1") -> ServedDashboard:
+def start_dashboard(cfg: RunConfig, run: LaunchedRun, host: str = "127.0.0.1") -> ServedDashboard:
     """Serve the dashboard of ``run`` (a :class:`staleflow.runtime.driver.launch.Run` whose actors
     are up). Raises ``ImportError`` without FastAPI or uvicorn and ``OSError``
     (naming the fix) when no port can be bound at all."""
@@ -54,14 +54,14 @@ class LaunchDashboard:
     """``launch(cfg, on_started=LaunchDashboard(cfg, say))``: serves the dashboard once the
     actors are up; what the call returns (the server's stop) runs before they go away."""
 
-    def __init__(self, cfg: Any, say: Callable[[str], None]) -> None:
+    def __init__(self, cfg: RunConfig, say: Callable[[str], None]) -> None:
         self.cfg = cfg
         self.say = say
         self.served: ServedDashboard | None = None
         self._phase: str | None = None
         self._lock = threading.Lock()
 
-    def __call__(self, run: Any) -> Callable[[], None] | None:
+    def __call__(self, run: LaunchedRun) -> Callable[[], None] | None:
         try:
             served = start_dashboard(self.cfg, run)
         except ImportError as exc:

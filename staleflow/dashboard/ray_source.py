@@ -24,11 +24,11 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from coordinator.cost_model import CostModel
 from parameter_server.transport import connect
-from staleflow.config import config_to_dict
+from staleflow.config import RunConfig, config_to_dict
 from staleflow.dashboard.interface import (
     ActionNotSupported,
     InstanceDetail,
@@ -61,6 +61,16 @@ ACTIONS = ("add_instance", "remove_instance")  # elastic rollout (docs/recovery.
 
 class AttachError(RuntimeError):
     """No run could be attached; the message says how to name one."""
+
+
+class LaunchedRun(Protocol):
+    """What the dashboard reads of a started :class:`staleflow.runtime.driver.run.Run`
+    (a protocol: the dashboard does not import the launcher)."""
+
+    run_dir: Path
+
+    @property
+    def actors(self) -> Mapping[str, Any]: ...  # Any: Ray actor handles of several kinds
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +134,9 @@ class RaySource:
     # -- construction ---------------------------------------------------------------------
 
     @classmethod
-    def from_run(cls, run: Any, cfg: Any, **kwargs: Any) -> RaySource:
-        """Over the actors of a :class:`staleflow.runtime.driver.launch.Run` in this driver."""
+    def from_run(cls, run: LaunchedRun, cfg: RunConfig, **kwargs: float) -> RaySource:
+        """Over the actors of a :class:`staleflow.runtime.driver.launch.Run` in this driver;
+        ``kwargs``: ``poll_s``, ``timeout_s``."""
 
         a = run.actors
         handles = RayHandles(a["control"], a.get("ts"), a.get("ps"), dict(a.get("instances", {})))
@@ -141,7 +152,7 @@ class RaySource:
 
     @classmethod
     def attach(
-        cls, address: str, run: str | None = None, run_dir: str | None = None, **kwargs: Any
+        cls, address: str, run: str | None = None, run_dir: str | None = None, **kwargs: float
     ) -> RaySource:
         """Join the Ray cluster at ``address`` and find the named actors of ``run`` (the
         only run there when None). ``run_dir`` (default ``runs/<run>``) supplies the

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from coordinator.cost_model import CostModel
-from staleflow.config import config_from_dict
+from staleflow.config import RunConfig, config_from_dict
 from staleflow.runfolder.reader import read_config
 
 logger = logging.getLogger(__name__)
 
 
-def cost_model_of(cfg: Any) -> CostModel:
+def cost_model_of(cfg: RunConfig) -> CostModel:
     """The cost model of a :class:`~staleflow.config.RunConfig`, with the engines' KV
     budget when the config leaves it open (as ``staleflow launch`` does)."""
     cost = cfg.coordinator.cost_model

@@ -12,7 +12,10 @@ import logging
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +23,7 @@ logger = logging.getLogger(__name__)
 class DashboardServer:
     """A running server; :meth:`stop` ends it (idempotent)."""
 
-    def __init__(self, app: Any, sock: socket.socket) -> None:
+    def __init__(self, app: ASGIApp, sock: socket.socket) -> None:
         import uvicorn
 
         self.host, self.port = sock.getsockname()[:2]
@@ -93,7 +96,7 @@ def bind_preferred(host: str = "127.0.0.1", port: int = DEFAULT_PORT) -> socket.
 
 
 def serve_in_thread(
-    app: Any, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, fallback: bool = False
+    app: ASGIApp, host: str = "127.0.0.1", port: int = DEFAULT_PORT, *, fallback: bool = False
 ) -> DashboardServer:
     """Serve ``app`` from a daemon thread; ``fallback``: a free port if ``port`` is taken."""
     sock = bind_preferred(host, port) if fallback else bind(host, port)

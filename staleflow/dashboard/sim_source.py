@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from coordinator.commands import Command
-from coordinator.types import InstanceSnapshot, TrajRecord
+from coordinator.types import InstanceSnapshot, TrajectoryView, TrajRecord
 from staleflow.dashboard.interface import (
     ActionNotSupported,
     InstanceDetail,
@@ -380,5 +380,5 @@ def _idle_ratio(t: InstanceTimes) -> float | None:
     return idle_ratio(t.idle, t.decode + t.prefill + t.pull)
 
 
-def _frozen(t: Any) -> TrajRecord:
+def _frozen(t: TrajectoryView) -> TrajRecord:
     return TrajRecord(t.traj_id, t.group_id, t.v_traj, t.length, t.prompt_len)

@@ -5,12 +5,13 @@ printing is the CLI's business."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from rich.console import Group
 from rich.table import Table
 
-from staleflow.dashboard.interface import RunSource
+from staleflow.dashboard.interface import LiveView, RunSource
 from staleflow.recovery import describe_checkpoints
 from staleflow.runfolder.layout import SUMMARY
 from staleflow.runtime.driver.buffers_table import buffers_table
@@ -65,7 +66,7 @@ def status_view(source: RunSource, summary: Mapping[str, Any] | None = None) -> 
     return Group(*parts)
 
 
-def _instances(live: Any) -> Table:
+def _instances(live: LiveView) -> Table:
     table = Table(title="rollout instances")
     for name in ("inst", "version", "running", "waiting", "kv tokens", "measured tok/s", "idle"):
         table.add_column(name, justify="right")
@@ -104,7 +105,7 @@ def _summary(summary: Mapping[str, Any]) -> Table:
     return table
 
 
-def _v(value: Any) -> str:
+def _v(value: object) -> str:
     return "-" if value is None else str(value)
 
 
@@ -112,7 +113,7 @@ def _num(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def resume_view(run_dir: Any) -> Table | str:
+def resume_view(run_dir: str | Path) -> Table | str:
     """Where the run can resume from: its checkpoints, newest last (docs/recovery.md)."""
 
     found = describe_checkpoints(run_dir)

@@ -17,7 +17,7 @@ class Serialized:
         if not callable(attr):
             return attr
 
-        def call(*args: Any, **kwargs: Any) -> Any:
+        def call(*args: object, **kwargs: object) -> Any:
             with self._lock:
                 return attr(*args, **kwargs)
 

@@ -31,10 +31,14 @@ from trajectory_server.actor import TrajectoryServerClient
 from trajectory_server.types import AbortedTrajectory
 
 if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
     from parameter_server.transport.base import Endpoint
     from staleflow.runtime.controller.fleet import LostInstance
     from staleflow.runtime.controller.plane_records import ControlConfig, Cut, LiveState
+    from staleflow.runtime.workers.actors import RolloutActor
     from staleflow.runtime.workers.ps_healing import ReplicaResolver
+    from trajectory_server.actor import TrajectoryServerService
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +47,7 @@ class ControlActor:
     def __init__(
         self,
         config: ControlConfig,
-        ts_handle: Any,
+        ts_handle: ActorHandle[TrajectoryServerService],
         resolver: ReplicaResolver | None = None,
         snapshot_timeout_s: float = 60.0,
     ) -> None:
@@ -172,7 +176,9 @@ class ControlActor:
         self._plane.settle()
         return {i: h for i, (_, h) in self.members().items()}
 
-    def join(self, inst: int, handle: Any, holder: str, version: int, kind: str) -> None:
+    def join(
+        self, inst: int, handle: ActorHandle[RolloutActor], holder: str, version: int, kind: str
+    ) -> None:
         self._plane.join(inst, InstanceClient(handle, inst), holder, version, kind).result()
 
     def remove(self, inst: int) -> int:

@@ -40,7 +40,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 from coordinator.types import InstanceSnapshot
 from staleflow.control import ControlLoop, Decision
@@ -56,7 +56,7 @@ from staleflow.runtime.controller.instances import Members
 from staleflow.runtime.controller.metrics import StepMetrics
 from staleflow.runtime.controller.plane_records import ControlConfig, Cut, LiveState
 from staleflow.runtime.controller.planes import RuntimePlanes
-from staleflow.runtime.controller.races import RuntimeRaces
+from staleflow.runtime.controller.races import RaceServer, RuntimeRaces
 from staleflow.runtime.controller.tool_view import tool_view
 from staleflow.runtime.interface import (
     InstanceGone,
@@ -578,14 +578,14 @@ class ControlPlane:
         return Counter(self.metrics.staleness_total)
 
 
-def _races(plane: ControlPlane, ts: Any, last: Mapping[str, float]) -> RuntimeRaces | None:
+def _races(plane: ControlPlane, ts: object, last: Mapping[str, float]) -> RuntimeRaces | None:
     rule = plane.coordinator.strategies.race
     if rule is None:
         return None
     estimator = plane.coordinator.strategies.estimator
     return RuntimeRaces(
         rule,
-        ts,
+        cast(RaceServer, ts),  # the TS client serves the race calls too
         instances=lambda: plane.members,  # type: ignore[arg-type,return-value]
         holders=plane.members.holders,
         snapshots=plane._snapshots,

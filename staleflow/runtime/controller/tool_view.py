@@ -27,10 +27,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 from coordinator.agentic import ToolWaits
 from coordinator.types import InstanceSnapshot, TrajRecord
+from staleflow.runtime.controller.instances import Members
+from staleflow.runtime.controller.plane_records import ControlConfig
 from staleflow.runtime.interface import Rewarded
 from trajectory_server.types import InstanceId, RoutableTrajectory
 
@@ -138,7 +140,7 @@ class ToolWaitView:
             self.learned += len(got)
 
 
-def tool_view(config: Any, ts: object, members: Any) -> ToolWaitView | None:
+def tool_view(config: ControlConfig, ts: object, members: Members) -> ToolWaitView | None:
     """The control plane's view (``ControlConfig.tool_waits``; the TS client serves
     ``tool_waits``), or None for a single-turn task."""
     if not config.tool_waits:

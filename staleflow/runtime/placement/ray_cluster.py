@@ -16,13 +16,16 @@ import contextlib
 import logging
 import os
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from staleflow.install import missing
 from staleflow.runtime.errors import LaunchError, PlacementError
 from staleflow.runtime.placement.fitting import Node, PlacedGang, Placement
 from staleflow.runtime.placement.plan import NODE_RESOURCE_SHARE
 from staleflow.runtime.placement.ray_address import check_reachable
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +95,7 @@ def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True)}
 
 
-def _stop_started(ray: Any, before: set[int]) -> None:
+def _stop_started(ray: ModuleType, before: set[int]) -> None:
     """After a failed ``ray.init``: the processes it started (GCS, raylet, agents) are
     owned by a node object Ray never kept, so ``ray.shutdown`` may not reach them;
     terminate this process's children that were not there before it."""
@@ -118,7 +121,7 @@ class RayCluster:
     """A connection to the Ray cluster of a run; :meth:`shutdown` leaves a joined cluster
     running and stops one this process started."""
 
-    def __init__(self, ray: Any, started: bool, address: str) -> None:
+    def __init__(self, ray: ModuleType, started: bool, address: str) -> None:
         self.ray = ray
         self.started = started
         self.address = address
@@ -249,7 +252,7 @@ def init_kwargs(address: str, local_cpus: float) -> dict[str, Any]:
     return kwargs
 
 
-def worker_niceness(ray: Any) -> int:
+def worker_niceness(ray: ModuleType) -> int:
     """The niceness Ray gives worker processes on this cluster (asked of one task)."""
 
     @ray.remote(num_cpus=0)
@@ -268,7 +271,7 @@ def local_cpus(plan_cpus: float) -> float:
 class Reservation:
     """The placement groups of a run, by gang name."""
 
-    def __init__(self, ray: Any, groups: Mapping[str, tuple[Any, PlacedGang]]) -> None:
+    def __init__(self, ray: ModuleType, groups: Mapping[str, tuple[Any, PlacedGang]]) -> None:
         self._ray = ray
         self._groups = dict(groups)
 

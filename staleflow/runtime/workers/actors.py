@@ -34,7 +34,7 @@ import os
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from coordinator.types import InstanceSnapshot
 from parameter_server import BackgroundPusher, Layout
@@ -58,17 +58,25 @@ from trajectory_server.types import FinishedTrajectory, InstanceId, RewardTask
 
 if TYPE_CHECKING:
     import numpy as np
+    from ray import ObjectRef
     from ray.actor import ActorHandle
 
     from parameter_server.replicas import ReplicaRoute
     from parameter_server.store import StoreInfo
     from parameter_server.transport.base import Endpoint
+    from staleflow.runtime.workers.ps_healing import ReplicaResolver
     from staleflow.runtime.workers.specs import (
         EnginePlacement,
         RewardSpec,
         RolloutSpec,
         TrainerSpec,
     )
+    from staleflow.trainers.megatron.pool import MegatronTrainer
+    from trajectory_server.actor import TrajectoryServerService
+
+    TSHandle = ActorHandle[TrajectoryServerService]
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -124,12 +132,12 @@ def gone(inst: int, exc: BaseException) -> InstanceGone | None:
 class InstanceClient:
     """``InstanceHandle`` over a ``RolloutActor``; a dead actor is ``InstanceGone``."""
 
-    def __init__(self, handle: Any, inst: int = -1) -> None:
+    def __init__(self, handle: ActorHandle[RolloutActor], inst: int = -1) -> None:
         self._ray = import_ray()
         self.handle = handle
         self.inst = inst
 
-    def _get(self, ref: Any) -> Any:
+    def _get(self, ref: ObjectRef[T]) -> T:
         try:
             return self._ray.get(ref)
         except Exception as exc:
@@ -224,7 +232,7 @@ class RolloutActor:
         inst: int,
         spec: RolloutSpec,
         pull: ReplicaRoute,
-        ts_handle: Any,
+        ts_handle: TSHandle,
         rewards: Mapping[str, Any],
         engine_builder: str,
         placement: EnginePlacement,
@@ -400,7 +408,11 @@ class RewardActor:
     completions of trajectories reassigned to another worker."""
 
     def __init__(
-        self, spec: RewardSpec, ts_handle: Any, control_handle: ActorHandle, worker_id: str = ""
+        self,
+        spec: RewardSpec,
+        ts_handle: TSHandle,
+        control_handle: ActorHandle,
+        worker_id: str = "",
     ) -> None:
 
         self._stage = build_reward_stage(
@@ -465,7 +477,7 @@ class TrainerActor(_TrainingHost):
         self,
         spec: TrainerSpec,
         push: Sequence[ReplicaRoute],
-        ts_handle: Any,
+        ts_handle: TSHandle,
         control_handle: ActorHandle,
         name: str = "trainer/0",
         recovery: InstanceRecovery | None = None,
@@ -522,7 +534,9 @@ class PoolTrainerActor(_TrainingHost):
     their parts of each batch from the TS and Push their own shards; this actor moves only
     group ids and metrics."""
 
-    def __init__(self, spec: TrainerSpec, driver: Any, control_handle: ActorHandle) -> None:
+    def __init__(
+        self, spec: TrainerSpec, driver: MegatronTrainer, control_handle: ActorHandle
+    ) -> None:
 
         self.trainer = driver
         self._loop = TrainingLoop(
@@ -532,7 +546,7 @@ class PoolTrainerActor(_TrainingHost):
             stream=spec.trainer.stream,
         )
 
-    def refill_ps(self, resolve: Any) -> int:
+    def refill_ps(self, resolve: ReplicaResolver) -> int:
         """A PS replica was restarted: the ranks give it the current version (``resolve``:
         a :class:`~staleflow.runtime.workers.ps_healing.ReplicaResolver`); returns how many
         replicas took it."""

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -40,6 +40,21 @@ class SiblingServer(Protocol):
         instance_id: InstanceId | None = None,
         watch: Iterable[int] = (),
     ) -> SiblingResponses: ...
+
+
+class DraftsFromSiblings(Protocol):
+    """What the feed calls of the engine (the embedded engine's grouped speculation)."""
+
+    def add_group_responses(
+        self,
+        group_id: int,
+        prompt: np.ndarray,
+        responses: Iterable[np.ndarray],
+        traj_ids: Sequence[int] | None = None,
+        starts: Sequence[int] | None = None,
+    ) -> None: ...
+
+    def forget_groups(self, group_ids: Iterable[int]) -> None: ...
 
 
 class SiblingDrafts:
@@ -70,7 +85,7 @@ class SiblingDrafts:
             if r.group_id in prompts and r.traj_id not in here:
                 by_group[r.group_id].append(r)
 
-        def feed(engine: Any, _: object) -> None:
+        def feed(engine: DraftsFromSiblings, _: object) -> None:
             for g, pieces in by_group.items():
                 engine.add_group_responses(
                     g,

@@ -17,7 +17,7 @@ import numpy as np
 from parameter_server.layout import Layout
 from parameter_server.torch_compat import layout_of_state_dict, state_dict_to_numpy
 from staleflow.config.env import ENV_TASKS
-from staleflow.data.tokenizer import CharTokenizer, HFTokenizer
+from staleflow.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer
 from staleflow.engines import engine_class
 from staleflow.engines.drafts import DraftSettings, SpeculationSettings
 from staleflow.engines.factory import build_engine
@@ -34,6 +34,8 @@ from staleflow.runtime.workers.reward_stage import CompletionSink, RewardStage
 from staleflow.trainers import trainer_class
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
     from staleflow.config import RewardConfig, RolloutConfig, RunConfig, TrainerConfig
     from staleflow.config.lora import LoraConfig
     from staleflow.config.rollout import SpeculationOptions
@@ -170,7 +172,9 @@ def tokenizer_from_spec(spec: tuple[str, str]) -> Any:
     return CharTokenizer(value) if kind == "char" else HFTokenizer(value)
 
 
-def model_spec(model: Any, tokenizer: Any, lora: LoraConfig | None = None) -> ModelSpec:
+def model_spec(
+    model: PreTrainedModel, tokenizer: Tokenizer, lora: LoraConfig | None = None
+) -> ModelSpec:
     """The spec of ``model``; with ``lora``, of its adapters (injected already,
     :func:`staleflow.models.lora.add_adapters`) over its base."""
     base = None
@@ -191,7 +195,7 @@ def model_spec(model: Any, tokenizer: Any, lora: LoraConfig | None = None) -> Mo
 
 
 def initial_weights(
-    model: Any, spec: ModelSpec
+    model: PreTrainedModel, spec: ModelSpec
 ) -> tuple[dict[str, np.ndarray], tuple[Layout, dict[str, np.ndarray]] | None]:
     """What the driver publishes first: the policy's weights, or with LoRA its adapter and
     (the PS holds it once) the base's layout and weights."""

@@ -18,7 +18,7 @@ RNG state; a resumed pool loads them instead of ``trainer.load`` (docs/recovery.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from parameter_server import Layout
 from staleflow.runtime.driver.pools import PoolContext
@@ -30,15 +30,27 @@ from staleflow.runtime.workers.specs import TrainerSpec, tokenizer_from_spec
 from staleflow.trainers.megatron.pool import MEGATRON_DIR, MegatronTrainer, RankActor, start_ranks
 from staleflow.trainers.megatron.rank import RankSpec
 
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from staleflow.runtime.placement.ray_cluster import RayApi
+    from staleflow.runtime.workers.ps_healing import ReplicaResolver
+
 LOOP_ROLE = "trainer/loop"
 
 
 class MegatronPool:
     """The launcher's view of the pool (:class:`~staleflow.runtime.driver.pools.trainer.TrainerPool`)."""
 
-    def __init__(self, ray: Any, loop: Any, ranks: dict[str, Any], resolver: Any = None) -> None:
+    def __init__(
+        self,
+        ray: RayApi,
+        loop: ActorHandle,
+        ranks: dict[str, Any],
+        resolver: ReplicaResolver | None = None,
+    ) -> None:
         self._ray, self._loop, self._ranks = ray, loop, ranks
-        self._resolver = resolver  # staleflow.runtime.workers.ps_healing.ReplicaResolver
+        self._resolver = resolver
 
     def handles(self) -> dict[str, Any]:
         return {LOOP_ROLE: self._loop, **self._ranks}
