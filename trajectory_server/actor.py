@@ -1,6 +1,8 @@
 """The trajectory server over Ray: a service class the actor wraps, and a client.
 
-Array-heavy calls (route, interrupt_return, complete, take_batch, the routing view,
+Every call of :class:`~trajectory_server.api.TrajectoryServerApi` is here under its own
+name (``complete``, one completion, is the client's, over ``complete_many``). Array-heavy
+calls (route, interrupt_return, complete_many, take_batch, the routing view,
 group_responses) pass packed wire messages (``wire.py``) as bytes; the small ones pass
 typed frozen records by Ray's own serialisation. Ray is imported only inside
 :func:`spawn_trajectory_server`, so importing this module (or ``trajectory_server``) never
@@ -69,7 +71,7 @@ class TrajectoryServerService:
         msg = wire.unpack(message, wire.InterruptReturn)
         self._ts.interrupt_return(msg.partials, instance_id=msg.instance_id)
 
-    def complete(self, message: bytes) -> bytes:
+    def complete_many(self, message: bytes) -> bytes:
         batch = wire.unpack(message, wire.CompletionBatch)
         statuses = self._ts.complete_many(
             batch.completions, instance_id=batch.instance_id, worker_id=batch.worker_id
@@ -123,13 +125,13 @@ class TrajectoryServerService:
     def take_batch(
         self,
         group_ids: Sequence[int],
-        select: Mapping[int, Sequence[int]] | None,
+        select: Mapping[int, Sequence[int]] | None = None,
         read: Sequence[int] = (),
     ) -> bytes:
         return wire.pack(self._ts.take_batch(group_ids, select, read))
 
     def read_batch(
-        self, group_ids: Sequence[int], select: Mapping[int, Sequence[int]] | None
+        self, group_ids: Sequence[int], select: Mapping[int, Sequence[int]] | None = None
     ) -> bytes:
         return wire.pack(self._ts.read_batch(group_ids, select))
 
@@ -247,7 +249,7 @@ class TrajectoryServerClient:
         worker_id: WorkerId | None = None,
     ) -> tuple[GroupStatus, ...]:
         msg = wire.CompletionBatch(tuple(completions), instance_id, worker_id)
-        reply = self._call("complete", wire.pack(msg))
+        reply = self._call("complete_many", wire.pack(msg))
         return wire.unpack(reply, wire.GroupStatusBatch).statuses
 
     def report_progress(

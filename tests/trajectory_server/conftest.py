@@ -1,18 +1,22 @@
 """Fixtures for the trajectory server tests.
 
 Fakes one edge only: the prompt source (a fixed cycle of tiny prompts instead of a
-dataset). The server under test is the real one.
+dataset). The server under test is the real one; :func:`in_process_client` puts the real
+client in front of the real bytes service without Ray.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
 
 from trajectory_server import TrajectoryServer, TrajectoryServerConfig
+from trajectory_server.actor import TrajectoryServerClient, TrajectoryServerService
 
 
 @dataclass(frozen=True)
@@ -65,3 +69,21 @@ def response() -> Callable[..., tuple[np.ndarray, np.ndarray, np.ndarray]]:
 def ts() -> TrajectoryServer:
     """eta=1, batch 2, group 2: capacity 4 groups = 8 trajectories, ids 0..7."""
     return _make_ts()
+
+
+class _InProcessHandle:
+    """What ``ray.remote`` makes of the service, called in this process."""
+
+    def __init__(self, service: TrajectoryServerService) -> None:
+        self._service = service
+
+    def __getattr__(self, method: str) -> Any:
+        return SimpleNamespace(remote=getattr(self._service, method))
+
+
+def in_process_client(service: TrajectoryServerService) -> TrajectoryServerClient:
+    """The client over ``service``: every call packs, crosses as bytes, unpacks; no Ray."""
+    client = TrajectoryServerClient.__new__(TrajectoryServerClient)  # its __init__ imports ray
+    client._ray = SimpleNamespace(get=lambda value: value)  # type: ignore[assignment]
+    client.handle = _InProcessHandle(service)
+    return client

@@ -7,13 +7,11 @@ client over that service (an in-process handle: no Ray)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from types import SimpleNamespace
-from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.trajectory_server.conftest import CycleSource
+from tests.trajectory_server.conftest import CycleSource, in_process_client
 from trajectory_server import (
     InvalidPayload,
     PartialTrajectory,
@@ -22,7 +20,7 @@ from trajectory_server import (
     TrajectoryServerConfig,
     wire,
 )
-from trajectory_server.actor import TrajectoryServerClient, TrajectoryServerService
+from trajectory_server.actor import TrajectoryServerService
 
 Ask = Callable[..., SiblingResponses]
 
@@ -40,23 +38,6 @@ def _service_ask(service: TrajectoryServerService) -> Ask:
     return ask
 
 
-class _InProcessHandle:
-    """What ``ray.remote`` makes of the service, called in this process."""
-
-    def __init__(self, service: TrajectoryServerService) -> None:
-        self._service = service
-
-    def __getattr__(self, method: str) -> Any:
-        return SimpleNamespace(remote=getattr(self._service, method))
-
-
-def _client(service: TrajectoryServerService) -> TrajectoryServerClient:
-    client = TrajectoryServerClient.__new__(TrajectoryServerClient)  # its __init__ imports ray
-    client._ray = SimpleNamespace(get=lambda value: value)
-    client.handle = _InProcessHandle(service)
-    return client
-
-
 @pytest.fixture(params=["server", "service", "client"])
 def api(request: pytest.FixtureRequest) -> tuple[TrajectoryServer, Ask]:
     """The core to drive, and ``group_responses`` through the implementation under test."""
@@ -67,7 +48,7 @@ def api(request: pytest.FixtureRequest) -> tuple[TrajectoryServer, Ask]:
         return core, core.group_responses
     if request.param == "service":
         return core, _service_ask(service)
-    return core, _client(service).group_responses
+    return core, in_process_client(service).group_responses
 
 
 def _partial(traj_id: int, tokens: list[int]) -> PartialTrajectory:
