@@ -1,9 +1,11 @@
 """The trajectory server (paper §5.1): every trajectory in flight, served in MLQ order.
 
 ``TrajectoryServer`` is the in-process core; ``trajectory_server.actor`` serves it over
-Ray (imported lazily) and ``trajectory_server.wire`` packs its array-heavy messages.
+Ray (imported lazily) and ``trajectory_server.wire`` packs its array-heavy messages. Both
+follow ``TrajectoryServerApi`` (``trajectory_server.api``), the whole API as one protocol.
 """
 
+from trajectory_server.api import TrajectoryServerApi
 from trajectory_server.errors import (
     CorruptState,
     GroupGone,
@@ -71,6 +73,7 @@ __all__ = [
     "TrajState",
     "TrajectoryGone",
     "TrajectoryServer",
+    "TrajectoryServerApi",
     "TrajectoryServerConfig",
     "TrajectoryServerError",
     "UnknownGroup",

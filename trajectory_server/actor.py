@@ -194,7 +194,8 @@ def spawn_trajectory_server(
 
 
 class TrajectoryServerClient:
-    """Blocking client with the core's API; each call is one actor round trip."""
+    """Blocking client of :class:`~trajectory_server.api.TrajectoryServerApi`; each call is one
+    actor round trip."""
 
     def __init__(self, handle: Any) -> None:
         import ray  # the handle only exists if ray does
