@@ -49,7 +49,7 @@ from staleness import StalenessManager
 from staleness.interface import AdmissionControl
 from staleness.types import TrajId
 from tests.coordinator.fakes import FakeCluster
-from trajectory_server import TrajectoryServer
+from trajectory_server import TrajectoryServer, TrajectoryServerApi
 from trajectory_server.actor import TrajectoryServerClient
 
 ABC_MODULES = ("collections.abc", "typing")  # their protocols support issubclass
@@ -59,6 +59,8 @@ PLANES = (EnginePlane, TrajectoryPlane, ParameterPlane, Planes)
 CASES = [
     *[(p, impl) for p in SOURCES for impl in (ControlLoop, SimCluster, FakeCluster)],
     *[(p, impl) for p in PLANES for impl in (RuntimePlanes, SimPlanes, FakeCluster)],
+    (TrajectoryServerApi, TrajectoryServer),
+    (TrajectoryServerApi, TrajectoryServerClient),
     (TrajectoryStore, TrajectoryServer),
     (TrajectoryStore, TrajectoryServerClient),
     (RoutingServer, TrajectoryServer),
