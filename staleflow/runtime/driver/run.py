@@ -439,13 +439,12 @@ class Run:
         reservations); the supervisor replaces a lost reward worker (what it held is
         scored by another) and restarts a lost PS replica (refilled by the trainer)."""
         assert self.control is not None and self.cluster is not None and self.ps is not None
-        ray = self.cluster.ray
         control = self.control.driver
         control.stop()
         left = self._settle_instances()
         if self.supervisor is not None:
             self.supervisor.finish()
-        stats = ray.get(self.control.ts.handle.stats.remote())
+        stats = self.control.ts.stats()
         events = control.events()
         return {
             "ps_latest": self._ps_latest(),
