@@ -67,6 +67,7 @@ def run_one(
     seed: int | None = None,
 ) -> dict[str, Any]:
     from staleflow.config import load_config
+    from staleflow.runfolder.run_summary import RunSummary
     from staleflow.runtime.driver.launch import launch
 
     # no dashboard: its poller would add RPCs to the runs being compared
@@ -87,28 +88,28 @@ def run_one(
         flush=True,
     )
     result = launch(cfg)
-    s = result.summary
+    s = RunSummary.from_json(result.summary)  # summary.json, typed
     steps = [r.step_s for r in result.records[1:] if r.step_s is not None]  # not the first
     return {
         "eta": eta,
         "stream": stream,
         "freshness": bool(fresh),
         "seed": cfg.seed,
-        "staleness_mean": s.get("staleness_mean"),
-        "corrected_frac": s.get("corrected_frac"),
-        "eval_reward_start": s.get("eval_reward_start"),
-        "eval_reward_end": s.get("eval_reward_end"),
+        "staleness_mean": s.staleness_mean,
+        "corrected_frac": s.corrected_frac,
+        "eval_reward_start": s.eval_reward_start,
+        "eval_reward_end": s.eval_reward_end,
         "step_s_mean": sum(steps) / len(steps) if steps else float("nan"),
         "streamed_groups": sum(r.streamed_groups or 0 for r in result.records),
         "run_dir": str(result.run_dir),
-        "tokens_per_s": s["tokens_per_s"],
-        "elapsed_s": s["elapsed_s"],
-        "reward_start": s["reward_start"],
-        "reward_end": s["reward_end"],
-        "staleness_hist": s["staleness_hist"],
-        "trainer_idle_ratio": s["trainer_idle_ratio"],
-        "rollout_idle_ratio": s["rollout_idle_ratio"],
-        "time_share": s["time_share"],
+        "tokens_per_s": s.tokens_per_s,
+        "elapsed_s": s.elapsed_s,
+        "reward_start": s.reward_start,
+        "reward_end": s.reward_end,
+        "staleness_hist": s.staleness_hist,
+        "trainer_idle_ratio": s.trainer_idle_ratio,
+        "rollout_idle_ratio": s.rollout_idle_ratio,
+        "time_share": s.time_share,
     }
 
 

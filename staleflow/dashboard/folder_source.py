@@ -34,6 +34,7 @@ from staleflow.dashboard.timeline import SeqLog
 from staleflow.runfolder.layout import CONFIG, METRICS, RunLayout
 from staleflow.runfolder.reader import optional_int, read_summary
 from staleflow.runfolder.run_state import CRASHED, FINISHED, STOPPED, RunState, read_state
+from staleflow.runfolder.run_summary import RunSummary
 from staleflow.runfolder.step_record import RecordError, StepRecord, instance_steps
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,7 @@ class FolderSource:
         self._prev: StepRecord | None = None
         self._last_pull: dict[int, float] = {}
         self._last_push: float | None = None
-        self._summary: dict[str, Any] | None = None
+        self._summary: RunSummary | None = None
         self._state = RunState("unknown", "not read yet")
         self._config, self._cost_model, self._config_note = read_run_config(self.path)
         self._refresh()
@@ -89,7 +90,7 @@ class FolderSource:
             self._read_metrics()
             self._state = read_state(self.path)
             summary = self._summary
-            if summary is None or summary.get("launch") != self._state.launch:
+            if summary is None or summary.launch != self._state.launch:
                 summary = read_summary(self.path)
             # a resumed launch that has not ended cleanly shows no earlier launch's summary
             self._summary = summary if self._state.owns(summary) else None
@@ -231,7 +232,7 @@ class FolderSource:
         )
 
     @property
-    def summary(self) -> dict[str, Any] | None:
+    def summary(self) -> RunSummary | None:
         self._refresh()
         return self._summary
 

@@ -14,10 +14,11 @@ from rich.table import Table
 from staleflow.dashboard.interface import LiveView, RunSource
 from staleflow.recovery import describe_checkpoints
 from staleflow.runfolder.layout import SUMMARY
+from staleflow.runfolder.run_summary import RunSummary
 from staleflow.runtime.driver.buffers_table import buffers_table
 
 
-def status_view(source: RunSource, summary: Mapping[str, Any] | None = None) -> Group:
+def status_view(source: RunSource, summary: RunSummary | None = None) -> Group:
     info, live, ps = source.info(), source.live(), source.ps()
     total = source.records(0, 1).total
     last_page = source.records(max(total - 1, 0), 1).items
@@ -58,8 +59,8 @@ def status_view(source: RunSource, summary: Mapping[str, Any] | None = None) -> 
         parts.append(buffers_table(live.buffers))
     if any(d.snapshot is not None or d.version is not None for d in live.instances):
         parts.append(_instances(live))
-    if summary:
-        parts.append(_summary(summary))
+    if summary is not None:
+        parts.append(_summary(summary.to_json()))
     notes = [*info.notes, *live.notes]
     if notes:
         parts.append("\n".join(f"[dim]note: {n}[/]" for n in dict.fromkeys(notes)))

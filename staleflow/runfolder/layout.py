@@ -5,7 +5,7 @@ or these names, never by spelling them.
 ==================  ====================================================================
 ``config.yaml``     the resolved launch config (``staleflow.runfolder.writer``)
 ``metrics.jsonl``   one step record a line (``staleflow.runfolder.step_record``)
-``summary.json``    the run's summary, once it ends
+``summary.json``    the run's summary, once it ends (``staleflow.runfolder.run_summary``)
 ``state.json``      the launch's phase and outcome (``staleflow.runfolder.run_state``)
 ``live.json``       while the run is up: its Ray address and pids (the supervisor)
 ``audit.jsonl``     with ``recovery.audit_log``: every consumed trajectory
@@ -24,6 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from staleflow.runfolder.run_summary import RunSummary
+
 CONFIG, METRICS, SUMMARY = "config.yaml", "metrics.jsonl", "summary.json"
 STATE = "state.json"
 LIVE = "live.json"
@@ -33,7 +35,8 @@ FILES = (CONFIG, METRICS, SUMMARY, STATE, LIVE, AUDIT, TRACKING)
 
 
 class RunLayout:
-    """The files of the run folder at ``root``; reads and writes ``live.json``."""
+    """The files of the run folder at ``root``; reads and writes ``live.json`` and
+    ``summary.json``."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
@@ -78,3 +81,18 @@ class RunLayout:
 
     def remove_live(self) -> None:
         self.live.unlink(missing_ok=True)
+
+    def write_summary(self, summary: RunSummary) -> None:
+        """``summary.json``, replaced whole (a reader never sees half of it)."""
+        tmp = self.root / f".{SUMMARY}.tmp"
+        tmp.write_text(json.dumps(summary.to_json(), indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, self.summary)
+
+    def read_summary(self) -> RunSummary | None:
+        """``summary.json``, or None while the run is unfinished (or it stopped early, or
+        the file is not a JSON object)."""
+        try:
+            data = json.loads(self.summary.read_text(encoding="utf-8"))
+        except (FileNotFoundError, ValueError):
+            return None
+        return RunSummary.from_json(data) if isinstance(data, dict) else None

@@ -16,14 +16,14 @@ This module needs only the standard library and PyYAML: no Ray, torch or FastAPI
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from staleflow.runfolder.layout import AUDIT, CONFIG, LIVE, METRICS, STATE, SUMMARY
+from staleflow.runfolder.layout import AUDIT, CONFIG, LIVE, METRICS, STATE, SUMMARY, RunLayout
+from staleflow.runfolder.run_summary import RunSummary
 from staleflow.runfolder.step_record import (
     InstanceStep,
     RecordError,
@@ -60,13 +60,9 @@ def read_config(folder: Path) -> tuple[dict[str, Any] | None, str]:
     return raw, ""
 
 
-def read_summary(folder: Path) -> dict[str, Any] | None:
+def read_summary(folder: Path) -> RunSummary | None:
     """``summary.json``, or None while the run is unfinished (or it stopped early)."""
-    try:
-        data = json.loads((folder / SUMMARY).read_text(encoding="utf-8"))
-    except (FileNotFoundError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    return RunLayout(folder).read_summary()
 
 
 @dataclass(frozen=True)
@@ -77,7 +73,7 @@ class RunFolder:
     name: str  # the folder's name, unless a caller needs it told apart from another's
     config: dict[str, Any]
     records: list[StepRecord]
-    summary: dict[str, Any] | None = None
+    summary: RunSummary | None = None
 
     @property
     def finished(self) -> bool:

@@ -31,6 +31,7 @@ from typing import Any
 
 from staleflow.runfolder.layout import LIVE, STATE, SUMMARY, RunLayout
 from staleflow.runfolder.reader import read_summary
+from staleflow.runfolder.run_summary import RunSummary
 
 logger = logging.getLogger(__name__)
 
@@ -54,14 +55,14 @@ class RunState:
     phase: str | None = None  # the launcher's last phase (starting, training, ...)
     launch: str | None = None  # the launch that last wrote the folder (None: before)
 
-    def owns(self, summary: dict[str, Any] | None) -> bool:
+    def owns(self, summary: RunSummary | None) -> bool:
         """``summary`` was written by the launch the state describes (a resumed launch
         that crashed leaves the summary of the launch before it)."""
         if summary is None:
             return False
         if self.launch is None:  # an older folder: the summary is all there is
             return True
-        return summary.get("launch") == self.launch and self.kind in (FINISHED, STOPPED)
+        return summary.launch == self.launch and self.kind in (FINISHED, STOPPED)
 
 
 # -- writing --------------------------------------------------------------------------------
@@ -170,7 +171,7 @@ def _inferred(folder: Path) -> RunState:
     """A folder without ``state.json``: what ``summary.json`` and ``live.json`` say."""
     summary = read_summary(folder)
     if summary is not None:
-        kind = STOPPED if summary.get("stopped") else FINISHED
+        kind = STOPPED if summary.stopped else FINISHED
         return RunState(kind, f"from its {SUMMARY} ({_BEFORE})")
     try:
         pid = RunLayout(folder).read_live().get("driver_pid")

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from coordinator.seer import ProbeAccuracy
+from staleflow.runfolder.run_summary import RunFigures
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -60,8 +61,12 @@ class SimulatedRun(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class Summary:
-    """Throughput is the paper's (§6.1): tokens (prompt + response) of the trajectories
+class Summary(RunFigures[float]):
+    """What a simulated run reports; ``steps``, ``tokens_per_s``, ``trainer_idle_ratio``
+    and ``rollout_idle_ratio`` are the figures a real launch's summary has under the same
+    names (:class:`staleflow.runfolder.run_summary.RunFigures`, the base of both).
+
+    Throughput is the paper's (§6.1): tokens (prompt + response) of the trajectories
     consumed by training, divided by the time until the last counted step ended.
 
     ``staleness``: consumed groups per staleness ``V_buf - V_group``, over every batch.
@@ -83,17 +88,13 @@ class Summary:
 
     name: str
     eta: int
-    steps: int
     seconds: float
     tokens: int
-    tokens_per_s: float
     steady_tokens_per_s: float
     staleness: dict[int, int]
     max_staleness_per_batch: tuple[int, ...]
-    rollout_idle_ratio: float
     rollout_prefill_ratio: float
     rollout_pull_ratio: float
-    trainer_idle_ratio: float
     mean_response_len: float
     preemptions: int
     commands: dict[str, int]

@@ -22,7 +22,6 @@ actor from the checkpoint and goes on to its step count.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import threading
@@ -48,8 +47,9 @@ from staleflow.data.tokenizer import TokenizerError
 from staleflow.models.errors import ModelError
 from staleflow.models.lora import with_adapters
 from staleflow.progress import SILENT, Progress
-from staleflow.runfolder.reader import SUMMARY
+from staleflow.runfolder.layout import RunLayout
 from staleflow.runfolder.run_state import CRASHED, FINISHED, STOPPED, StateWriter
+from staleflow.runfolder.run_summary import RunSummary
 from staleflow.runfolder.step_record import (
     CORRECTED,
     StepRecord,
@@ -277,14 +277,14 @@ def build_dataset(cfg: RunConfig, tokenizer: Tokenizer) -> PromptDataset:
 # -- after the run ---------------------------------------------------------------------------
 
 
-def summarise(records: list[StepRecord], facts: dict[str, Any]) -> dict[str, Any]:
+def summarise(records: list[StepRecord], facts: dict[str, Any]) -> RunSummary:
     """What the final table and ``summary.json`` show, from every step's record: a
     resumed run's ``records`` are the whole run's (the checkpoint's, then this launch's),
     so the summary agrees with the whole ``metrics.jsonl``. Records written before the
     per-step token histogram (``staleness/token_hist/<k>``) lack it: then
     ``token_staleness_steps`` says how many steps the token histogram covers."""
     if not records:
-        return {"steps": 0, **facts}
+        return RunSummary.from_json({"steps": 0, **facts})
     last = records[-1]
     k = max(1, len(records) // 4)
     staleness: Counter[int] = Counter()
@@ -299,25 +299,29 @@ def summarise(records: list[StepRecord], facts: dict[str, Any]) -> dict[str, Any
     sampled = filtered_share(records)  # dynamic sampling's drops (None: off)
     if sampled is not None:
         partial |= {"filtered_groups": sampled[0], "filtered_frac": sampled[1]}
-    return {
-        "steps": len(records),
-        "elapsed_s": last.elapsed_s,
-        "tokens_per_s": last.tokens_per_s,
-        "reward_start": reward_mean(records[:k]),
-        "reward_end": reward_mean(records[-k:]),
-        "staleness_hist": dict(sorted(staleness.items())),
-        "staleness_max": max((s for s, n in staleness.items() if n), default=0),
-        "staleness_mean": _mean_of(staleness),
-        "corrected_frac": corrected_frac(records),
-        "token_staleness_hist": dict(sorted(tokens.items())),
-        "on_policy_tokens": set(tokens) <= {0},
-        "trainer_idle_ratio": trainer_idle_ratio(records),
-        "rollout_idle_ratio": last.rollout_idle_ratio,
-        "time_share": last.time_shares(),
-        **evaluations(records),
-        **partial,
-        **facts,
-    }
+    # the facts gathered along the launch become the record's typed fields (any it does
+    # not name are kept in its ``extra``)
+    return RunSummary.from_json(
+        {
+            "steps": len(records),
+            "elapsed_s": last.elapsed_s,
+            "tokens_per_s": last.tokens_per_s,
+            "reward_start": reward_mean(records[:k]),
+            "reward_end": reward_mean(records[-k:]),
+            "staleness_hist": dict(sorted(staleness.items())),
+            "staleness_max": max((s for s, n in staleness.items() if n), default=0),
+            "staleness_mean": _mean_of(staleness),
+            "corrected_frac": corrected_frac(records),
+            "token_staleness_hist": dict(sorted(tokens.items())),
+            "on_policy_tokens": set(tokens) <= {0},
+            "trainer_idle_ratio": trainer_idle_ratio(records),
+            "rollout_idle_ratio": last.rollout_idle_ratio,
+            "time_share": last.time_shares(),
+            **evaluations(records),
+            **partial,
+            **facts,
+        }
+    )
 
 
 def _mean_of(hist: dict[int, int]) -> float | None:
@@ -531,10 +535,9 @@ def _launch_on(
     if last is not None:
         facts["resume_from"] = str(last)
     facts["launch"] = state.launch  # status tells this launch's summary from an earlier one's
-    summary = summarise(records, facts)
-    tmp = out.path / f".{SUMMARY}.tmp"
-    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    tmp.replace(out.path / SUMMARY)
+    record_of_run = summarise(records, facts)
+    RunLayout(out.path).write_summary(record_of_run)
+    summary = record_of_run.to_json()
     trackers.log_summary(summary)
     trackers.close(failed=False)
     state.end(STOPPED if stopped else FINISHED, "a signal asked it to stop" if stopped else "")

@@ -20,6 +20,7 @@ import pytest
 
 from staleflow.cli import main
 from staleflow.dashboard.folder_source import FolderSource
+from staleflow.runfolder.layout import RunLayout
 from staleflow.runfolder.reader import CONFIG, LIVE, METRICS, STATE, SUMMARY
 from staleflow.runfolder.run_state import (
     CRASHED,
@@ -91,7 +92,7 @@ def test_a_finished_run_is_finished_with_its_summary(tmp_path, capsys):
     _summary(folder, 2, state.launch)
     state.end(FINISHED)
     got = read_state(folder)
-    assert got.kind == FINISHED and got.owns(json.loads((folder / SUMMARY).read_text()))
+    assert got.kind == FINISHED and got.owns(RunLayout(folder).read_summary())
     source = FolderSource(folder)
     assert source.live().state == FINISHED and source.live().finished
     assert source.summary is not None

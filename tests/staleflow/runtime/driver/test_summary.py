@@ -30,7 +30,7 @@ def test_the_summary_of_a_resumed_run_counts_every_step_in_metrics_jsonl():
     after = [_record(s, {1: 8}, {1: 64, 2: 1}) for s in range(5, 9)]  # this launch's
     flat = [r.to_flat() for r in before + after]  # what metrics.jsonl holds
     records = [StepRecord.from_flat(f) for f in flat]
-    summary = summarise(records, {})
+    summary = summarise(records, {}).to_json()  # what summary.json holds
     whole: Counter[int] = Counter()
     tokens: Counter[int] = Counter()
     for r in records:
@@ -51,7 +51,7 @@ def test_records_written_before_the_token_histogram_say_how_many_steps_it_covers
         {"step": 1.0, "version": 0.0, "time/elapsed_s": 1.0, "staleness/hist/0": 8.0}
     )
     new = _record(2, {1: 8}, {1: 80})
-    summary = summarise([old, new], {})
+    summary = summarise([old, new], {}).to_json()
     assert summary["staleness_hist"] == {0: 8, 1: 8}
     assert summary["token_staleness_hist"] == {1: 80}
     assert summary["token_staleness_steps"] == 1
