@@ -56,6 +56,8 @@ from staleflow.runfolder.step_record import (
     evaluations,
     filtered_share,
     reward_mean,
+    speculation_counts,
+    speculation_keys,
     trainer_idle_ratio,
 )
 from staleflow.runfolder.writer import RunOutput
@@ -299,6 +301,8 @@ def summarise(records: list[StepRecord], facts: dict[str, Any]) -> RunSummary:
     sampled = filtered_share(records)  # dynamic sampling's drops (None: off)
     if sampled is not None:
         partial |= {"filtered_groups": sampled[0], "filtered_frac": sampled[1]}
+    if (counts := speculation_counts(last.extra)) is not None:  # cumulative: the last's
+        partial |= {k.replace("/", "_"): v for k, v in speculation_keys(*counts).items()}
     # the facts gathered along the launch become the record's typed fields (any it does
     # not name are kept in its ``extra``)
     return RunSummary.from_json(

@@ -7,10 +7,11 @@ in ``tests/staleflow/recovery/test_chaos.py``."""
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 
 from rich.console import Console
 
-from staleflow.runfolder.step_record import StepRecord
+from staleflow.runfolder.step_record import StepRecord, speculation_keys
 from staleflow.runtime.driver.display import summary_table
 from staleflow.runtime.driver.launch import summarise
 
@@ -55,3 +56,18 @@ def test_records_written_before_the_token_histogram_say_how_many_steps_it_covers
     assert summary["staleness_hist"] == {0: 8, 1: 8}
     assert summary["token_staleness_hist"] == {1: 80}
     assert summary["token_staleness_steps"] == 1
+
+
+def test_the_speculation_counters_of_the_last_step_reach_the_summary_only_when_on():
+    plain = [_record(s, {0: 4}, {0: 40}) for s in (1, 2)]
+    assert not any(k.startswith("speculation") for k in summarise(plain, {}).to_json())
+    # cumulative counters: the summary takes the last step's, not a sum over steps
+    spec = [
+        replace(plain[0], extra=speculation_keys(10, 40, 20)),
+        replace(plain[1], extra=speculation_keys(30, 100, 70)),
+    ]
+    flat = [StepRecord.from_flat(r.to_flat()) for r in spec]  # as metrics.jsonl holds them
+    summary = summarise(flat, {}).to_json()
+    assert summary["speculation_verifications"] == 30
+    assert summary["speculation_accepted"] == 70 and summary["speculation_wasted"] == 30
+    assert summary["speculation_accepted_per_verification"] == 70 / 30
