@@ -221,6 +221,7 @@ class ThroughputRouting:
                         continue
                     first = bisect_left(bver, v_level)
                     left = []
+                    table.plan(home_of.lengths(trajs))
                     for t in trajs:
                         length = t.length
                         thr = mu * ideal_gain(length)
@@ -251,6 +252,7 @@ class ThroughputRouting:
                 else:
                     first = 0 if fresh_from is None else bisect_left(bver, fresh_from)
                 table.fill_for(initial)  # the fill rule admits new trajectories only
+                table.plan(_runs(trajs))
                 for batch in batches(trajs, initial):
                     length = batch[0].length
                     thr = mu * ideal_gain(length)
@@ -312,6 +314,12 @@ class _Homes:
         for b, (s, e) in enumerate(zip(bk.starts, bk.ends, strict=True)):
             self.bucket[s:e] = b
 
+    def lengths(self, trajs: list[TrajectoryView]) -> list[float]:
+        """The lengths of those of ``trajs`` whose prefix an instance caches (those that
+        :meth:`choose` asks the gain table about), in order."""
+        held_by = self.fleet.held_by
+        return [t.length for t in trajs if held_by(t.traj_id) is not None]
+
     def choose(
         self,
         t: TrajectoryView,
@@ -354,6 +362,18 @@ class _Homes:
         ):
             return j, b_home, g_home
         return None
+
+
+def _runs(trajs: list[TrajectoryView]) -> list[float]:
+    """The lengths of ``trajs`` in order, one per run of equal lengths (the lengths the
+    waterfall asks the gain table about)."""
+    out: list[float] = []
+    last = -1
+    for t in trajs:
+        if t.length != last:
+            last = t.length
+            out.append(last)
+    return out
 
 
 def _with_room(
