@@ -79,6 +79,7 @@ class GainTable:
         "_dirty",
         "_fill",
         "_fill_on",
+        "_first",
         "_fresh",
         "_g",
         "_headroom",
@@ -135,6 +136,7 @@ class GainTable:
         # were before the routes since (_log: their instances, in order; _dirty: the same
         # as a set), which a row gets on use (_rows[r]: how much of _log row r has had).
         self._plan: list[float] = []
+        self._first = 0  # the plan's lowest bucket: the rows hold no gains below it
         self._cursor = 0
         self._ahead: FloatArray | None = None
         self._rows_at = 0
@@ -152,7 +154,7 @@ class GainTable:
             self._length = -1.0  # cached gains were computed the other way
             self._ahead = None
 
-    def plan(self, lengths: list[float]) -> None:
+    def plan(self, lengths: list[float], first: int = 0) -> None:
         """The trajectory lengths the next decisions will ask :meth:`best` about, in
         order (a hint: a length not in it, or asked out of order, is computed alone).
 
@@ -162,8 +164,11 @@ class GainTable:
         almost every trajectory. The gains of :data:`AHEAD` planned lengths are computed
         as one matrix instead; a route then changes only its own instance's gains, which
         a row gets in Python, exactly as :meth:`place` computes them, when it is used. So
-        the answers are the ones :meth:`best` gives without a plan, bit for bit."""
+        the answers are the ones :meth:`best` gives without a plan, bit for bit. ``first``:
+        the lowest bucket the decisions ask about (rows start there; a lower one is
+        computed on demand)."""
         self._plan = lengths
+        self._first = first
         self._cursor = 0
         self._ahead = None
 
@@ -198,14 +203,15 @@ class GainTable:
     def _from_plan(self, length: float) -> bool:
         """Point ``_g`` at the precomputed row for ``length`` if the plan has it next
         (within :data:`LOOK`), computing the next rows if needed (:meth:`plan`)."""
-        plan, at = self._plan, self._cursor
+        plan, p = self._plan, self._cursor
         if not plan:
             return False
-        try:
-            p = plan.index(length, at, at + LOOK)
-        except ValueError:
-            return False
-        self._cursor = p
+        if p >= len(plan) or plan[p] != length:
+            try:
+                p = plan.index(length, p, p + LOOK)
+            except ValueError:
+                return False
+            self._cursor = p
         rows = self._ahead
         r = p - self._rows_at
         if rows is None or not 0 <= r < len(rows) or len(self._dirty) > MAX_DIRTY:
@@ -219,22 +225,26 @@ class GainTable:
                 row[j] = self._gain1(j, length)
             self._rows[r] = len(log)
         self._g = row
-        self._fresh = 0
+        self._fresh = self._first
         return True
 
     def _compute_ahead(self, lengths: list[float]) -> FloatArray:
         """Gains for each of ``lengths`` (rows) on every instance, in the operations and
         order of :meth:`best`'s vector expression."""
+        c = self.starts[self._first] if self._first < len(self.starts) else len(self.n)
         ls = np.array(lengths, dtype=np.float64)[:, None]
-        rows: FloatArray = self._np1 / (self._a1 + self._k1k5 * ls)
-        rows -= self._t0
-        rows *= self._w
+        rows: FloatArray = np.empty((len(lengths), len(self.n)))
+        out = rows[:, c:]
+        np.divide(self._np1[c:], self._a1[c:] + self._k1k5 * ls, out=out)
+        out -= self._t0[c:]
+        out *= self._w[c:]
         need = self.cost.k5 * ls
+        headroom = self._headroom[c:]
         if self._fill_on:
             assert self._fill is not None
-            growth = self.cost.k5 * (self.n + 1.0) * self._fill
-            np.add(rows, FILL_BONUS, out=rows, where=self._headroom >= need + growth)
-        np.copyto(rows, -np.inf, where=self._headroom < need)
+            growth = self.cost.k5 * (self.n[c:] + 1.0) * self._fill
+            np.add(out, FILL_BONUS, out=out, where=headroom >= need + growth)
+        np.copyto(out, -np.inf, where=headroom < need)
         self._ahead = rows
         self._rows = [0] * len(lengths)
         self._log = []

@@ -187,7 +187,7 @@ class ThroughputRouting:
     ) -> list[Placement]:
         """Algorithm 3 over an already built MLQ; ``probe`` watches every decision;
         ``fresh_from``: new trajectories go only to instances of at least this version."""
-        mu, ideal_gain = self.mu, self.cost.ideal_gain
+        mu, ideal_gain = self.mu, _ideal_gain(self.cost)
         bk = VersionBuckets.of(fleet)
         order, bver = bk.order, bk.versions
         nb = len(bver)
@@ -221,7 +221,7 @@ class ThroughputRouting:
                         continue
                     first = bisect_left(bver, v_level)
                     left = []
-                    table.plan(home_of.lengths(trajs))
+                    table.plan(home_of.lengths(trajs), first)
                     for t in trajs:
                         length = t.length
                         thr = mu * ideal_gain(length)
@@ -252,7 +252,7 @@ class ThroughputRouting:
                 else:
                     first = 0 if fresh_from is None else bisect_left(bver, fresh_from)
                 table.fill_for(initial)  # the fill rule admits new trajectories only
-                table.plan(_runs(trajs))
+                table.plan(_runs(trajs), first)
                 for batch in batches(trajs, initial):
                     length = batch[0].length
                     thr = mu * ideal_gain(length)
@@ -362,6 +362,13 @@ class _Homes:
         ):
             return j, b_home, g_home
         return None
+
+
+def _ideal_gain(cost: CostModel) -> Callable[[float], float]:
+    """``cost.ideal_gain`` with its constants bound once per pass (the same operations in
+    the same order, so the same floats): routing asks it once per trajectory."""
+    k1k5, top, k4 = cost.k1 * cost.k5, max(cost.k2, cost.k3), cost.k4
+    return lambda length: 1.0 / (k1k5 * length + top + k4)
 
 
 def _runs(trajs: list[TrajectoryView]) -> list[float]:

@@ -181,7 +181,7 @@ def test_a_planned_table_answers_as_an_unplanned_one(
     tables.append(GainTable(COST, nn.copy(), kv.copy(), queued, starts, ends, 1 / speed, fill))
     tables[0].fill_for(fill is not None)
     tables[1].fill_for(fill is not None)
-    tables[1].plan([float(x) for x in lengths])
+    tables[1].plan([float(x) for x in lengths], data.draw(st.integers(0, 2)))
     for length in [*lengths, *asked]:  # the plan, then lengths it does not have next
         answers = [[t.best(b, length) for b in (1, 0, 1)] for t in tables]
         assert answers[0] == answers[1]
