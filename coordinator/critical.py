@@ -168,7 +168,7 @@ def oldest_tail(
     oldest = min(partial) if partial else None
     away: list[int] = []
     if waiting and fleet.n_env.any():
-        away = [v for trajs in fleet.env for v in map(_V_TRAJ, trajs)]
+        away = fleet.env_versions()
         low = min(away)
         if oldest is None or low < oldest:
             oldest = low

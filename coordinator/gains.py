@@ -84,8 +84,10 @@ class GainTable:
         "_g",
         "_headroom",
         "_k1k5",
+        "_kvl",
         "_length",
         "_log",
+        "_nl",
         "_np1",
         "_plan",
         "_rows",
@@ -93,6 +95,7 @@ class GainTable:
         "_scratch",
         "_t0",
         "_w",
+        "_wl",
         "cost",
         "ends",
         "kv",
@@ -125,6 +128,10 @@ class GainTable:
         self._headroom = cost.kv_budget - kv
         self._headroom[queued] = -np.inf  # Eq. 3: a queued engine takes nothing at once
         self._w = np.ones(len(n)) if weight is None else weight
+        # n, kv and weight as Python floats too: place() reads them once per route
+        self._nl: list[float] = n.tolist()
+        self._kvl: list[float] = kv.tolist()
+        self._wl: list[float] = self._w.tolist()
         self._fill = fill_steps
         self._fill_on = fill_steps is not None
         self._scratch = np.empty(len(n))
@@ -287,6 +294,7 @@ class GainTable:
         self.n += dn
         self.kv += dkv
         n, kv = self.n, self.kv
+        self._nl, self._kvl = n.tolist(), kv.tolist()
         self._np1 = n + 1.0
         self._a1 = k1 * kv + np.maximum(k2, k3 * self._np1) + k4
         self._t0 = n / (k1 * kv + np.maximum(k2, k3 * n) + k4)
@@ -299,18 +307,19 @@ class GainTable:
     def place(self, j: int, length: float) -> None:
         """Eq. 3's update of ``S`` after routing a trajectory of ``length`` to ``j``."""
         k1, k2, k3, k4, k5, budget = self._coeffs
-        n = float(self.n[j]) + 1.0
-        kv = float(self.kv[j]) + k5 * length
+        n = self._nl[j] + 1.0
+        kv = self._kvl[j] + k5 * length
+        self._nl[j], self._kvl[j] = n, kv
         self.n[j], self.kv[j], self._np1[j] = n, kv, n + 1.0
         self._a1[j] = a1 = k1 * kv + (k2 if k2 > k3 * (n + 1.0) else k3 * (n + 1.0)) + k4
         self._t0[j] = t0 = n / (k1 * kv + (k2 if k2 > k3 * n else k3 * n) + k4)
         self._headroom[j] = headroom = budget - kv
         if self._ahead is not None:
             self._log.append(j)
-            self._dirty[j] = (n + 1.0, a1, t0, float(self._w[j]), headroom)
+            self._dirty[j] = (n + 1.0, a1, t0, self._wl[j], headroom)
         if length == self._length:
             fits = headroom >= k5 * length
-            gain = ((n + 1.0) / (a1 + self._k1k5 * length) - t0) * self._w[j]
+            gain = ((n + 1.0) / (a1 + self._k1k5 * length) - t0) * self._wl[j]
             if self._fill_on and headroom >= k5 * length + k5 * (n + 1.0) * (self._fill or 0):
                 gain += FILL_BONUS
             self._g[j] = gain if fits else -np.inf
