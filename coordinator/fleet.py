@@ -71,12 +71,15 @@ class Fleet:
         self.env = [s.env_trajs for s in insts]
         self.n_env = np.array([len(s.env_trajs) for s in insts], dtype=np.int64)
         self._env_versions: list[int] | None = None
-        self.held = {}
+        held: dict[int, tuple[int, int]] = {}
+        self.held = held
         self.cleared = frozenset()
+        get = held.get  # thousands of prefixes per snapshot with multi-turn work
         for pos, s in enumerate(insts):
             for t, n in s.held:  # an instance left behind may cache a shorter, older prefix
-                if n > self.held.get(t, (-1, -1))[1]:
-                    self.held[t] = (pos, n)
+                old = get(t)
+                if n > (-1 if old is None else old[1]):
+                    held[t] = (pos, n)
 
     def __len__(self) -> int:
         return len(self.ids)
