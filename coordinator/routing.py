@@ -252,7 +252,9 @@ class ThroughputRouting:
                 else:
                     first = 0 if fresh_from is None else bisect_left(bver, fresh_from)
                 table.fill_for(initial)  # the fill rule admits new trajectories only
-                table.plan(_runs(trajs), first)
+                # New trajectories come in groups of one length, a group's routes between
+                # two lengths: they would dirty every row computed ahead (GainTable.plan)
+                table.plan([] if initial else _runs(trajs), first)
                 for batch in batches(trajs, initial):
                     length = batch[0].length
                     thr = mu * ideal_gain(length)
