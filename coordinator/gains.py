@@ -4,7 +4,10 @@ Routing asks, for one trajectory length at a time, "which instance of version gr
 gains most?". The parts of Eq. 3 that do not depend on the length (``T(S)``, and the
 latency of ``S'`` without the new tokens) are kept per instance and change only for the
 instance that receives a route, so a new length costs one short vector expression per
-version group actually visited, and a route costs O(1).
+version group actually visited, and a route costs O(1). Where the lengths to come are
+known (:meth:`GainTable.plan`: a level of partial trajectories, each of its own length),
+the next ones are computed together as a matrix, as the numpy calls' overhead, not their
+arithmetic, is what a length costs at a few hundred instances.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ Why a cycle stays cheap. Instances are grouped by version once per pass, and eve
 Algorithm 3 asks per instance is asked per version group instead: for a partial
 trajectory the candidates are the groups of version ``>= V_traj`` (a bisection); gains
 (Eq. 3) come from a :class:`~coordinator.gains.GainTable`, evaluated as one vector
-expression per trajectory length and updated in O(1) after a route; Algorithm 2's
+expression per trajectory length (for a level of partial trajectories, the next lengths
+as one matrix: ``GainTable.plan``) and updated in O(1) after a route; Algorithm 2's
 ``verify`` for an initial trajectory is asked only of a group whose best gain clears the
 threshold, and a refusal is remembered for the rest of the group's trajectories. Runs of
 interchangeable trajectories (same length, same group) share all of it. A route costs a
