@@ -71,6 +71,7 @@ class ToolWaits:
         self._waits: deque[float] = deque(maxlen=window)
         self._turns: deque[int] = deque(maxlen=window)
         self._sorted: FloatArray | None = None
+        self._turn_mean: float | None = None  # turn_tokens(), until a turn is added
         self._since: dict[TrajId, float] = {}  # waiting now -> first listed at
         self._back: dict[TrajId, int] = {}  # back from a wait -> length when first seen back
         self._left: set[TrajId] = set()  # left a wait, not seen in the TS yet
@@ -92,6 +93,7 @@ class ToolWaits:
                     start = back.pop(tid, None)
                     if start is not None and t.length > start:
                         self._turns.append(t.length - start)
+                        self._turn_mean = None
         if len(waiting) < len(since):
             for tid in [t for t in since if t not in waiting]:
                 self._waits.append(now - since.pop(tid))
@@ -116,6 +118,7 @@ class ToolWaits:
         self._waits.extend(float(w) for w in waits)
         self._turns.extend(int(n) for n in turn_tokens)
         self._sorted = None
+        self._turn_mean = None
 
     # -- what the rules ask -------------------------------------------------------------
 
@@ -132,7 +135,11 @@ class ToolWaits:
         """Mean tokens a model turn decodes."""
         if len(self._turns) < self.min_samples:
             return self.prior_turn_tokens
-        return float(sum(self._turns)) / len(self._turns)
+        # KV-locality routing asks once per next turn: the sum over the window is kept
+        # until a turn is added
+        if self._turn_mean is None:
+            self._turn_mean = float(sum(self._turns)) / len(self._turns)
+        return self._turn_mean
 
     def p_return(self, waited: float | FloatArray, horizon: float | FloatArray) -> FloatArray:
         """P(a wait ends within ``horizon`` more seconds | it lasted ``waited`` so far)."""

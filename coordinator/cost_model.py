@@ -96,6 +96,7 @@ class CostModel:
         latency into a token count and is dimensionally wrong. We use Eq. 4, which is the
         marginal gain of Eq. 3 on an idle instance.
         """
+        # routing.py _ideal_gain computes the same expression, constants bound once
         return 1.0 / (self.k1 * self.k5 * length + max(self.k2, self.k3) + self.k4)
 
     def throughputs(self, n: FloatArray, kv: FloatArray) -> FloatArray:

@@ -168,19 +168,19 @@ def oldest_tail(
     oldest = min(partial) if partial else None
     away: list[int] = []
     if waiting and fleet.n_env.any():
-        away = [v for trajs in fleet.env for v in map(_V_TRAJ, trajs)]
+        away = fleet.env_versions()
         low = min(away)
         if oldest is None or low < oldest:
             oldest = low
-    versions: list[list[int]] = []
-    for pos in range(len(fleet)):
-        vs = list(map(_V_TRAJ, fleet.run[pos]))
-        vs += map(_V_TRAJ, fleet.wait[pos])
-        versions.append(vs)
-        if vs:
-            low = min(vs)
-            if oldest is None or low < oldest:
-                oldest = low
+    versions: list[list[int]] = [
+        [*map(_V_TRAJ, run), *map(_V_TRAJ, wait)]
+        for run, wait in zip(fleet.run, fleet.wait, strict=True)
+    ]
+    lows = [min(vs) for vs in versions if vs]
+    if lows:
+        low = min(lows)
+        if oldest is None or low < oldest:
+            oldest = low
     if oldest is None:
         return 0, []
     counts = [vs.count(oldest) for vs in versions]

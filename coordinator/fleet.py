@@ -7,11 +7,15 @@ strategies can evaluate the cost model for all instances at once.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 import numpy.typing as npt
 
 from coordinator.cost_model import CostModel
 from coordinator.types import InstanceId, Snapshot, TrajectoryView
+
+_V_TRAJ = attrgetter("v_traj")
 
 
 class Fleet:
@@ -19,6 +23,7 @@ class Fleet:
     instance. The snapshot itself is never modified."""
 
     __slots__ = (
+        "_env_versions",
         "cleared",
         "env",
         "held",
@@ -65,12 +70,16 @@ class Fleet:
         self.speed = np.ones(len(insts))
         self.env = [s.env_trajs for s in insts]
         self.n_env = np.array([len(s.env_trajs) for s in insts], dtype=np.int64)
-        self.held = {}
+        self._env_versions: list[int] | None = None
+        held: dict[int, tuple[int, int]] = {}
+        self.held = held
         self.cleared = frozenset()
+        get = held.get  # thousands of prefixes per snapshot with multi-turn work
         for pos, s in enumerate(insts):
             for t, n in s.held:  # an instance left behind may cache a shorter, older prefix
-                if n > self.held.get(t, (-1, -1))[1]:
-                    self.held[t] = (pos, n)
+                old = get(t)
+                if n > (-1 if old is None else old[1]):
+                    held[t] = (pos, n)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -88,9 +97,18 @@ class Fleet:
         out.speed = self.speed
         out.env = self.env
         out.n_env = self.n_env
+        out._env_versions = self._env_versions
         out.held = self.held  # never written after construction
         out.cleared = self.cleared
         return out
+
+    def env_versions(self) -> list[int]:
+        """``V_traj`` of every trajectory waiting on its environment (computed once: the
+        waits are the snapshot's, never changed by a decision, and asked by both the
+        synchronisation and the critical-path rule)."""
+        if self._env_versions is None:
+            self._env_versions = [v for trajs in self.env for v in map(_V_TRAJ, trajs)]
+        return self._env_versions
 
     def latencies(self, cost: CostModel) -> npt.NDArray[np.float64]:
         """Eq. 11 per instance with each instance's speed factor (seconds per step)."""

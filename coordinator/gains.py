@@ -4,7 +4,10 @@ Routing asks, for one trajectory length at a time, "which instance of version gr
 gains most?". The parts of Eq. 3 that do not depend on the length (``T(S)``, and the
 latency of ``S'`` without the new tokens) are kept per instance and change only for the
 instance that receives a route, so a new length costs one short vector expression per
-version group actually visited, and a route costs O(1).
+version group actually visited, and a route costs O(1). Where the lengths to come are
+known (:meth:`GainTable.plan`: a level of partial trajectories, each of its own length),
+the next ones are computed together as a matrix, as the numpy calls' overhead, not their
+arithmetic, is what a length costs at a few hundred instances.
 """
 
 from __future__ import annotations
@@ -21,6 +24,13 @@ FloatArray = npt.NDArray[np.float64]
 # instances with spare KV still compare by their gains. Gains are tokens/s per trajectory
 # (at most ~100), so the bonus keeps them apart by ~1e-7 at worst.
 FILL_BONUS = 1.0e9
+
+# GainTable.plan: rows computed at once, how far ahead in the plan a length is looked
+# for, and how many routed-to instances a row may be fixed for before the next rows are
+# computed afresh instead (each costs a Python evaluation per row).
+AHEAD = 24
+LOOK = 64
+MAX_DIRTY = 12
 
 
 def spare(
@@ -66,17 +76,29 @@ class GainTable:
 
     __slots__ = (
         "_a1",
+        "_ahead",
         "_coeffs",
+        "_cursor",
+        "_dirty",
         "_fill",
         "_fill_on",
+        "_first",
         "_fresh",
         "_g",
         "_headroom",
         "_k1k5",
+        "_kvl",
         "_length",
+        "_log",
+        "_nl",
         "_np1",
+        "_plan",
+        "_rows",
+        "_rows_at",
+        "_scratch",
         "_t0",
         "_w",
+        "_wl",
         "cost",
         "ends",
         "kv",
@@ -109,11 +131,30 @@ class GainTable:
         self._headroom = cost.kv_budget - kv
         self._headroom[queued] = -np.inf  # Eq. 3: a queued engine takes nothing at once
         self._w = np.ones(len(n)) if weight is None else weight
+        # n, kv and weight as Python floats too: place() reads them once per route
+        self._nl: list[float] = n.tolist()
+        self._kvl: list[float] = kv.tolist()
+        self._wl: list[float] = self._w.tolist()
         self._fill = fill_steps
         self._fill_on = fill_steps is not None
-        self._g = np.empty(len(n))
+        self._scratch = np.empty(len(n))
+        self._g = self._scratch  # gains for self._length: the scratch or a row of _ahead
         self._length = -1.0
         self._fresh = len(starts)  # buckets >= this one hold gains for self._length
+        # The lengths the next decisions ask for (plan()), and the gains of a stretch of
+        # them computed at once: rows for plan[_rows_at:_rows_at + len(_ahead)], as they
+        # were before the routes since (_log: their instances, in order; _dirty: the same
+        # as a set), which a row gets on use (_rows[r]: how much of _log row r has had).
+        self._plan: list[float] = []
+        self._first = 0  # the plan's lowest bucket: the rows hold no gains below it
+        self._cursor = 0
+        self._ahead: FloatArray | None = None
+        self._rows_at = 0
+        self._rows: list[int] = []
+        self._log: list[int] = []
+        # per instance in _log: (n + 1, latency of S' minus new KV, T(S), weight, headroom)
+        # as Python floats, what a row's fix needs (numpy scalar reads cost more)
+        self._dirty: dict[int, tuple[float, float, float, float, float]] = {}
 
     def fill_for(self, on: bool) -> None:
         """Apply the fill rule to the next decisions or not (initial trajectories only)."""
@@ -121,13 +162,34 @@ class GainTable:
         if on != self._fill_on:
             self._fill_on = on
             self._length = -1.0  # cached gains were computed the other way
+            self._ahead = None
+
+    def plan(self, lengths: list[float], first: int = 0) -> None:
+        """The trajectory lengths the next decisions will ask :meth:`best` about, in
+        order (a hint: a length not in it, or asked out of order, is computed alone).
+
+        Why: a length costs one vector expression over the instances, a dozen numpy
+        calls whose overhead, not their arithmetic, is the cost at a few hundred
+        instances, and a pass over the TS's partial trajectories asks a new length for
+        almost every trajectory. The gains of :data:`AHEAD` planned lengths are computed
+        as one matrix instead; a route then changes only its own instance's gains, which
+        a row gets in Python, exactly as :meth:`place` computes them, when it is used. So
+        the answers are the ones :meth:`best` gives without a plan, bit for bit. ``first``:
+        the lowest bucket the decisions ask about (rows start there; a lower one is
+        computed on demand)."""
+        self._plan = lengths
+        self._first = first
+        self._cursor = 0
+        self._ahead = None
 
     def best(self, b: int, length: float) -> tuple[int, float]:
         """(index, gain) of the best instance of bucket ``b`` for a trajectory of ``length``;
         the gain is ``-inf`` where the trajectory would have to queue."""
         if length != self._length:
             self._length = length
-            self._fresh = len(self.starts)
+            if not self._from_plan(length):
+                self._g = self._scratch
+                self._fresh = len(self.starts)
         s, e = self.starts[b], self.ends[b]
         g = self._g
         if b < self._fresh:
@@ -147,6 +209,71 @@ class GainTable:
             self._fresh = b
         j = s if e - s == 1 else s + int(g[s:e].argmax())
         return j, float(g[j])
+
+    def _from_plan(self, length: float) -> bool:
+        """Point ``_g`` at the precomputed row for ``length`` if the plan has it next
+        (within :data:`LOOK`), computing the next rows if needed (:meth:`plan`)."""
+        plan, p = self._plan, self._cursor
+        if not plan:
+            return False
+        if p >= len(plan) or plan[p] != length:
+            try:
+                p = plan.index(length, p, p + LOOK)
+            except ValueError:
+                return False
+            self._cursor = p
+        rows = self._ahead
+        r = p - self._rows_at
+        if rows is None or not 0 <= r < len(rows) or len(self._dirty) > MAX_DIRTY:
+            rows = self._compute_ahead(plan[p : p + AHEAD])
+            r = 0
+            self._rows_at = p
+        row = rows[r]
+        log = self._log
+        if self._rows[r] < len(log):  # instances routed to since the row was computed
+            for j in set(log[self._rows[r] :]):
+                row[j] = self._gain1(j, length)
+            self._rows[r] = len(log)
+        self._g = row
+        self._fresh = self._first
+        return True
+
+    def _compute_ahead(self, lengths: list[float]) -> FloatArray:
+        """Gains for each of ``lengths`` (rows) on every instance, in the operations and
+        order of :meth:`best`'s vector expression."""
+        c = self.starts[self._first] if self._first < len(self.starts) else len(self.n)
+        ls = np.array(lengths, dtype=np.float64)[:, None]
+        rows: FloatArray = np.empty((len(lengths), len(self.n)))
+        out = rows[:, c:]
+        np.divide(self._np1[c:], self._a1[c:] + self._k1k5 * ls, out=out)
+        out -= self._t0[c:]
+        out *= self._w[c:]
+        need = self.cost.k5 * ls
+        headroom = self._headroom[c:]
+        if self._fill_on:
+            assert self._fill is not None
+            growth = self.cost.k5 * (self.n[c:] + 1.0) * self._fill
+            np.add(out, FILL_BONUS, out=out, where=headroom >= need + growth)
+        np.copyto(out, -np.inf, where=headroom < need)
+        self._ahead = rows
+        self._rows = [0] * len(lengths)
+        self._log = []
+        self._dirty = {}
+        return rows
+
+    def _gain1(self, j: int, length: float) -> float:
+        """:meth:`best`'s gain for ``length`` of instance ``j``, routed to since the rows
+        were computed, in Python floats (the same IEEE operations in the same order as
+        the vector expression)."""
+        n1, a1, t0, w, headroom = self._dirty[j]
+        k5 = self.cost.k5
+        need = k5 * length
+        if headroom < need:
+            return -np.inf
+        gain = (n1 / (a1 + self._k1k5 * length) - t0) * w
+        if self._fill_on and headroom >= need + k5 * n1 * (self._fill or 0):
+            gain += FILL_BONUS
+        return gain
 
     def gain_at(self, j: int, length: float) -> float:
         """The gain of instance ``j`` for a trajectory of ``length`` without the fill rule
@@ -170,6 +297,7 @@ class GainTable:
         self.n += dn
         self.kv += dkv
         n, kv = self.n, self.kv
+        self._nl, self._kvl = n.tolist(), kv.tolist()
         self._np1 = n + 1.0
         self._a1 = k1 * kv + np.maximum(k2, k3 * self._np1) + k4
         self._t0 = n / (k1 * kv + np.maximum(k2, k3 * n) + k4)
@@ -177,19 +305,24 @@ class GainTable:
         self._headroom = budget - kv
         self._headroom[queued] = -np.inf
         self._length = -1.0  # cached gains were for the old loads
+        self._ahead = None
 
     def place(self, j: int, length: float) -> None:
         """Eq. 3's update of ``S`` after routing a trajectory of ``length`` to ``j``."""
         k1, k2, k3, k4, k5, budget = self._coeffs
-        n = float(self.n[j]) + 1.0
-        kv = float(self.kv[j]) + k5 * length
+        n = self._nl[j] + 1.0
+        kv = self._kvl[j] + k5 * length
+        self._nl[j], self._kvl[j] = n, kv
         self.n[j], self.kv[j], self._np1[j] = n, kv, n + 1.0
         self._a1[j] = a1 = k1 * kv + (k2 if k2 > k3 * (n + 1.0) else k3 * (n + 1.0)) + k4
         self._t0[j] = t0 = n / (k1 * kv + (k2 if k2 > k3 * n else k3 * n) + k4)
         self._headroom[j] = headroom = budget - kv
+        if self._ahead is not None:
+            self._log.append(j)
+            self._dirty[j] = (n + 1.0, a1, t0, self._wl[j], headroom)
         if length == self._length:
             fits = headroom >= k5 * length
-            gain = ((n + 1.0) / (a1 + self._k1k5 * length) - t0) * self._w[j]
+            gain = ((n + 1.0) / (a1 + self._k1k5 * length) - t0) * self._wl[j]
             if self._fill_on and headroom >= k5 * length + k5 * (n + 1.0) * (self._fill or 0):
                 gain += FILL_BONUS
             self._g[j] = gain if fits else -np.inf

@@ -4,7 +4,8 @@ Why a cycle stays cheap. Instances are grouped by version once per pass, and eve
 Algorithm 3 asks per instance is asked per version group instead: for a partial
 trajectory the candidates are the groups of version ``>= V_traj`` (a bisection); gains
 (Eq. 3) come from a :class:`~coordinator.gains.GainTable`, evaluated as one vector
-expression per trajectory length and updated in O(1) after a route; Algorithm 2's
+expression per trajectory length (for a level of partial trajectories, the next lengths
+as one matrix: ``GainTable.plan``) and updated in O(1) after a route; Algorithm 2's
 ``verify`` for an initial trajectory is asked only of a group whose best gain clears the
 threshold, and a refusal is remembered for the rest of the group's trajectories. Runs of
 interchangeable trajectories (same length, same group) share all of it. A route costs a
@@ -187,7 +188,7 @@ class ThroughputRouting:
     ) -> list[Placement]:
         """Algorithm 3 over an already built MLQ; ``probe`` watches every decision;
         ``fresh_from``: new trajectories go only to instances of at least this version."""
-        mu, ideal_gain = self.mu, self.cost.ideal_gain
+        mu, ideal_gain = self.mu, _ideal_gain(self.cost)
         bk = VersionBuckets.of(fleet)
         order, bver = bk.order, bk.versions
         nb = len(bver)
@@ -221,6 +222,7 @@ class ThroughputRouting:
                         continue
                     first = bisect_left(bver, v_level)
                     left = []
+                    table.plan(home_of.lengths(trajs), first)
                     for t in trajs:
                         length = t.length
                         thr = mu * ideal_gain(length)
@@ -251,6 +253,9 @@ class ThroughputRouting:
                 else:
                     first = 0 if fresh_from is None else bisect_left(bver, fresh_from)
                 table.fill_for(initial)  # the fill rule admits new trajectories only
+                # New trajectories come in groups of one length, a group's routes between
+                # two lengths: they would dirty every row computed ahead (GainTable.plan)
+                table.plan([] if initial else _runs(trajs), first)
                 for batch in batches(trajs, initial):
                     length = batch[0].length
                     thr = mu * ideal_gain(length)
@@ -312,6 +317,12 @@ class _Homes:
         for b, (s, e) in enumerate(zip(bk.starts, bk.ends, strict=True)):
             self.bucket[s:e] = b
 
+    def lengths(self, trajs: list[TrajectoryView]) -> list[float]:
+        """The lengths of those of ``trajs`` whose prefix an instance caches (those that
+        :meth:`choose` asks the gain table about), in order."""
+        held_by = self.fleet.held_by
+        return [t.length for t in trajs if held_by(t.traj_id) is not None]
+
     def choose(
         self,
         t: TrajectoryView,
@@ -354,6 +365,25 @@ class _Homes:
         ):
             return j, b_home, g_home
         return None
+
+
+def _ideal_gain(cost: CostModel) -> Callable[[float], float]:
+    """``cost.ideal_gain`` with its constants bound once per pass (the same operations in
+    the same order, so the same floats): routing asks it once per trajectory."""
+    k1k5, top, k4 = cost.k1 * cost.k5, max(cost.k2, cost.k3), cost.k4
+    return lambda length: 1.0 / (k1k5 * length + top + k4)
+
+
+def _runs(trajs: list[TrajectoryView]) -> list[float]:
+    """The lengths of ``trajs`` in order, one per run of equal lengths (the lengths the
+    waterfall asks the gain table about)."""
+    out: list[float] = []
+    last = -1
+    for t in trajs:
+        if t.length != last:
+            last = t.length
+            out.append(last)
+    return out
 
 
 def _with_room(

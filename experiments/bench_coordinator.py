@@ -4,7 +4,8 @@ Builds realistic snapshots: instances on mixed versions (some behind the PS), he
 trajectory lengths with some instances at their KV budget and queueing, in-flight groups
 Reserved in the real staleness manager, and a TS holding partial (interrupted) and
 initial trajectories. Times snapshot validation (Eq. 1), the sketch and ``plan_cycle``
-with the throughput-oriented strategies (or any other combination).
+with the throughput-oriented strategies (or any other combination), and hashes every
+cycle's commands (``decisions``: unchanged by a change that must not change a decision).
 
     python experiments/bench_coordinator.py
     python experiments/bench_coordinator.py --sizes 128:2048 512:4096 1024:8192 --json out.json
@@ -19,6 +20,7 @@ tool waits and turn sizes starts from 1,024 of each, as after a while of a run.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import time
@@ -191,6 +193,7 @@ def time_cycle(scene: Scene, config: CoordinatorConfig, repeats: int) -> dict[st
         return plan_cycle(snap, scene.ts, VERSION, scene.manager.sketch(), strategies)
 
     cmds = cycle(later(scene.snapshot, 0))  # warm-up; it changes neither snapshot nor manager
+    decisions = hashlib.sha256(repr(cmds).encode())
     cpu, wall = [], []
     for k in range(1, repeats + 1):
         # Built one at a time, as a coordinator receives them: thirty snapshots of 60,000
@@ -198,9 +201,10 @@ def time_cycle(scene: Scene, config: CoordinatorConfig, repeats: int) -> dict[st
         # the cycle, what the tail of the timings measures.
         snap = later(scene.snapshot, k)
         start, start_cpu = time.perf_counter(), time.process_time()
-        cycle(snap)
+        out = cycle(snap)
         cpu.append((time.process_time() - start_cpu) * 1e3)
         wall.append((time.perf_counter() - start) * 1e3)
+        decisions.update(repr(out).encode())
     cpu.sort()
     wall.sort()
     return {
@@ -212,6 +216,9 @@ def time_cycle(scene: Scene, config: CoordinatorConfig, repeats: int) -> dict[st
         "pulls": sum(isinstance(c, Pull) for c in cmds),
         "interrupted": sum(len(c.trajs) for c in cmds if isinstance(c, Interrupt)),
         "routed": sum(len(c.trajs) for c in cmds if isinstance(c, Route)),
+        # every cycle's commands, hashed: an optimisation of the coordinator must leave
+        # this unchanged (same scene, seed and repeats)
+        "decisions": decisions.hexdigest()[:16],
     }
 
 
@@ -263,14 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{'scenario':<8} {'inst':>5} {'TS':>5} {'on inst':>7} {'median CPU ms':>13} "
         f"{'p90 CPU ms':>10} {'median wall ms':>14} {'estimated':>9} {'pulls':>6} "
-        f"{'interrupted':>11} {'routed':>7}"
+        f"{'interrupted':>11} {'routed':>7} {'decisions':>16}"
     )
     for r in rows:
         print(
             f"{r['scenario']:<8} {r['instances']:>5} {r['ts_trajectories']:>5} "
             f"{r['on_instances']:>7} {r['median_cpu_ms']:>13.2f} {r['p90_cpu_ms']:>10.2f} "
             f"{r['median_ms']:>14.2f} {r['estimated_instances']:>9} {r['pulls']:>6} "
-            f"{r['interrupted']:>11} {r['routed']:>7}"
+            f"{r['interrupted']:>11} {r['routed']:>7} {r['decisions']:>16}"
         )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

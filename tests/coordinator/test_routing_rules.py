@@ -156,6 +156,41 @@ def test_the_table_and_the_probe_compute_the_same_gains(
         assert g2 == routing_gains(COST, nn, kv, queued, 1.0 / speed, length, fill).max()
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    n=st.lists(st.integers(0, 120), min_size=2, max_size=40),
+    fill=st.sampled_from([None, 0, 400]),
+    data=st.data(),
+)
+def test_a_planned_table_answers_as_an_unplanned_one(
+    n: list[int], fill: int | None, data: st.DataObject
+) -> None:
+    """GainTable.plan computes rows of gains ahead and fixes the instances routed to since
+    in Python: every answer, ties included, must be the unplanned table's, bit for bit,
+    whether the lengths come as planned, repeat, or come out of the plan."""
+    k = len(n)
+    kv = np.array([data.draw(st.floats(0, COST.kv_budget)) for _ in range(k)])
+    queued = np.array([data.draw(st.booleans()) for _ in range(k)])
+    speed = np.array([data.draw(st.floats(0.3, 3.0)) for _ in range(k)])
+    cut = data.draw(st.integers(1, k - 1))
+    starts, ends = [0, cut], [cut, k]
+    lengths = data.draw(st.lists(st.sampled_from([80, 700, 2_000, 9_000]), max_size=60))
+    asked = data.draw(st.lists(st.sampled_from([80, 700, 2_000, 30_000]), max_size=10))
+    nn = np.array(n, dtype=np.float64)
+    tables = [GainTable(COST, nn.copy(), kv.copy(), queued, starts, ends, 1 / speed, fill)]
+    tables.append(GainTable(COST, nn.copy(), kv.copy(), queued, starts, ends, 1 / speed, fill))
+    tables[0].fill_for(fill is not None)
+    tables[1].fill_for(fill is not None)
+    tables[1].plan([float(x) for x in lengths], data.draw(st.integers(0, 2)))
+    for length in [*lengths, *asked]:  # the plan, then lengths it does not have next
+        answers = [[t.best(b, length) for b in (1, 0, 1)] for t in tables]
+        assert answers[0] == answers[1]
+        j, g = answers[0][1]
+        if np.isfinite(g):
+            for t in tables:
+                t.place(j, length)
+
+
 def test_the_bonus_only_applies_where_the_trajectory_fits() -> None:
     g = routing_gains(
         COST,
