@@ -36,6 +36,7 @@ import numpy as np
 import pytest
 
 from staleflow.recovery import list_checkpoints, read_checkpoint
+from staleflow.runfolder.layout import RunLayout
 from staleflow.runfolder.run_state import FINISHED, STOPPED, read_state
 from staleflow.runfolder.step_record import TABLE3
 from staleflow.runtime.workers.audit_trail import read_audit
@@ -226,7 +227,7 @@ def test_kills_a_stop_and_a_resume_lose_nothing_and_keep_the_bound(tmp_path):
         whole.update({k.rsplit("/", 1)[1]: int(v) for k, v in r.items() if "staleness/hist/" in k})
     assert summary["steps"] == target and summary["staleness_hist"] == dict(whole), summary
     state = read_state(run_dir)
-    assert state.kind == FINISHED and state.owns(summary), state
+    assert state.kind == FINISHED and state.owns(RunLayout(run_dir).read_summary()), state
     assert records[-1]["recovery/resumed"] == 1.0
     for kind in TABLE3:  # an instance's seconds outlive it, and the first run's the stop
         held = [r[f"rollout/time_share/{kind}"] * r["time/elapsed_s"] * 2 for r in records]

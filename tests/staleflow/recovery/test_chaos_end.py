@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from staleflow.runfolder.layout import RunLayout
 from staleflow.runfolder.run_state import FINISHED, PAUSE_ENV, read_state
 from staleflow.runtime.workers.audit_trail import read_audit
 from tests.staleflow.runtime.driver.launch_checks import MICRO_RUN
@@ -148,7 +149,7 @@ def _check_end(run_dir: Path) -> dict:
         assert 0 <= a["version"] - a["v_traj"] <= ETA, a
         assert all(a["v_traj"] <= v <= a["version"] for v in a["versions"]), a
     state = read_state(run_dir)
-    assert state.kind == FINISHED and state.owns(summary), state
+    assert state.kind == FINISHED and state.owns(RunLayout(run_dir).read_summary()), state
     return audit
 
 
