@@ -9,30 +9,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-VOCAB = 48
+from tests.support.tiny_models import VOCAB, build_model  # noqa: E402
 
-
-def build_model(kind: str = "qwen2", *, seed: int = 0, tied: bool = True) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    common = dict(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-        tie_word_embeddings=tied,
-    )
-    if kind == "qwen2":
-        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    elif kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    elif kind == "qwen3":
-        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **common))
-    else:
-        raise ValueError(kind)
-    return model.eval()
+__all__ = ["VOCAB", "build_model"]
 
 
 @pytest.fixture

@@ -16,23 +16,14 @@ from staleflow.engines.base import FINISH_STOP  # noqa: E402
 from staleflow.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig  # noqa: E402
 from staleflow.rollout.instance import Finished, RolloutInstance  # noqa: E402
 from staleflow.runtime.controller.metrics import _prefix_reuse  # noqa: E402
+from tests.support.tiny_models import build_model  # noqa: E402
 from trajectory_server.types import RoutedTrajectory  # noqa: E402
 
 VOCAB = 48
 
 
 def _engine() -> EmbeddedEngine:
-    torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-    )
-    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    model = build_model(seed=0, tied=False, vocab=VOCAB)
     config = EmbeddedEngineConfig(
         kv_budget_tokens=512,
         max_running=4,

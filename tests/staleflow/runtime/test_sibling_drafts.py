@@ -18,6 +18,7 @@ from staleflow.engines.drafts import DraftSettings, SpeculationSettings  # noqa:
 from staleflow.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig  # noqa: E402
 from staleflow.rollout.instance import Finished  # noqa: E402
 from staleflow.runtime.workers.instance_host import InstanceHost  # noqa: E402
+from tests.support.tiny_models import build_model  # noqa: E402
 from trajectory_server import TrajectoryServer, TrajectoryServerConfig  # noqa: E402
 
 VOCAB = 64
@@ -38,17 +39,8 @@ class _Prompts:
 
 
 def _engine(method: str | None) -> EmbeddedEngine:
-    torch.manual_seed(0)  # the same weights on both instances
-    cfg = transformers.Qwen2Config(
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=96,
-        vocab_size=VOCAB,
-        max_position_embeddings=128,
-    )
-    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    # the same weights on both instances (seeded)
+    model = build_model(seed=0, tied=False, vocab=VOCAB)
     spec = None
     if method is not None:
         drafts = DraftSettings(scope=method, min_ngram=3, max_ngram=4)
