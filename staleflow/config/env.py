@@ -94,6 +94,16 @@ class EnvConfig:
             "still running"
         ),
     )
+    sandbox_memory_mb: int = field(
+        default=1024,
+        metadata=_help(
+            "env.sandbox: the address space (MiB) one step's process may take above what "
+            "it starts with (the environment built and imported); past it the step is "
+            "stopped and its episode ends with env_error",
+            1 << 20,
+            "a terabyte: no step needs more",
+        ),
+    )
     threads: int = field(
         default=8,
         metadata=_help(
@@ -114,6 +124,7 @@ class EnvConfig:
         )
         require_at_least("env.max_turns", self.max_turns, 1, "turn")
         require_at_least("env.threads", self.threads, 1, "thread")
+        require_at_least("env.sandbox_memory_mb", self.sandbox_memory_mb, 16, "MiB")
         require(
             math.isfinite(self.latency_scale_s) and self.latency_scale_s >= 0,
             "env.latency_scale_s",

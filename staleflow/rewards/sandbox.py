@@ -26,9 +26,12 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from staleflow.rewards.base import RewardError, RewardTimeout, as_reward
+from staleflow.rewards.confinement import Limits, Reply, call_confined, probe
 from staleflow.rewards.registry import load_factory
 
 logger = logging.getLogger(__name__)
+
+_CONFINED_GRACE_S = 10.0  # a confined call's fork, kill and clean-up, past its own limit
 
 # What the child serves: ``build(*args)`` returns the function each call runs. ``build``
 # must be a module-level function (the spawned child imports it by name).
@@ -39,20 +42,27 @@ class CallError(RuntimeError):
     """The function raised in the child (the message is its error), or the child died."""
 
 
+class CallOutOfMemory(CallError):
+    """A confined call ran out of its address space (the message says its limit)."""
+
+
 class CallTimeout(RuntimeError):
     """A call ran past its limit; its child was killed. (Not a TimeoutError: that is an
     OSError, which the call takes for a dead pipe.)"""
 
 
-def _serve(conn: Connection, build: Build, args: tuple[Any, ...]) -> None:
+def _serve(
+    conn: Connection, build: Build, args: tuple[Any, ...], confine: tuple[Limits, float] | None
+) -> None:
     # Ctrl-C reaches the whole process group; the parent decides when the child stops
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         fn = build(*args)
+        notes = probe(confine[0]) if confine else ()
     except BaseException as exc:
         conn.send(("fatal", f"{type(exc).__name__}: {exc}"))
         return
-    conn.send(("ready", ""))
+    conn.send(("ready", notes))
     while True:
         try:
             request = conn.recv()
@@ -60,11 +70,26 @@ def _serve(conn: Connection, build: Build, args: tuple[Any, ...]) -> None:
             return  # the parent is gone
         if request is None:
             return
+        if confine is not None:
+            conn.send(_answer(call_confined(fn, request, *confine), confine[0]))
+            continue
         try:
             reply = ("ok", fn(*request))
         except Exception as exc:
             reply = ("error", str(exc) if isinstance(exc, RewardError) else repr(exc))
         conn.send(reply)
+
+
+def _answer(reply: Reply, limits: Limits) -> tuple[str, Any]:
+    """A confined call's reply as the parent reads it: ok, error, memory or timeout."""
+    if reply.status in ("ok", "error", "timeout"):
+        return reply.status, reply.value
+    if reply.status == "memory":
+        return "memory", (
+            f"ran out of memory: its process may take {limits.memory_mb} MiB of address "
+            "space above what it started with; it was stopped (MemoryError)"
+        )
+    return "error", f"its process died: {reply.value}"
 
 
 class _Child:
@@ -92,6 +117,11 @@ class TimeLimitedCall:
     serialised: one child runs one call at a time. A call past the limit raises
     :class:`CallTimeout` and kills the child; the next call waits for a new one. An
     exception in the function, or a child that died, raises :class:`CallError`.
+
+    ``confine``: each call runs in a process forked from the child for it alone, confined
+    to these limits (:mod:`staleflow.rewards.confinement`), and killed with everything it
+    started at the limit; the child itself lives on. The function must then return plain
+    data, which comes back as msgpack. ``confinement`` says what this machine allowed.
     """
 
     def __init__(
@@ -103,6 +133,7 @@ class TimeLimitedCall:
         what: str,
         start_timeout_s: float = 120.0,
         lazy: bool = False,
+        confine: Limits | None = None,
     ) -> None:
         if not timeout_s >= 0:
             raise ValueError(f"timeout_s={timeout_s}; it must be >= 0 seconds (0: no limit)")
@@ -110,6 +141,8 @@ class TimeLimitedCall:
         self.timeout_s = float(timeout_s)
         self.start_timeout_s = float(start_timeout_s)
         self.restarts = 0
+        self.confine = confine
+        self.confinement: tuple[str, ...] = ()
         self._build, self._args = build, args
         self._ctx = mp.get_context("spawn")
         self._lock = threading.Lock()
@@ -123,7 +156,12 @@ class TimeLimitedCall:
         parent, child_end = self._ctx.Pipe()
         process = self._ctx.Process(
             target=_serve,
-            args=(child_end, self._build, self._args),
+            args=(
+                child_end,
+                self._build,
+                self._args,
+                None if self.confine is None else (self.confine, self.timeout_s),
+            ),
             name=f"staleflow-sandbox({self.what})",
             daemon=True,  # dies with this process
         )
@@ -142,6 +180,12 @@ class TimeLimitedCall:
             if text.startswith(("ImportError", "ModuleNotFoundError")):
                 raise ImportError(f"{self.what}: {text}")
             raise CallError(f"cannot start {self.what}: {text}")
+        if self.confine is not None and text != self.confinement:
+            self.confinement = tuple(text)
+            logger.info("%s runs confined: %s", self.what, "; ".join(self.confinement))
+            for note in self.confinement:
+                if note.startswith("not confined"):
+                    logger.warning("%s: %s", self.what, note)
         self._child = child
         self._finalizer = weakref.finalize(self, child.stop, True)
         return child
@@ -160,8 +204,11 @@ class TimeLimitedCall:
             child = self._child or self._start()
             try:
                 child.conn.send(request)
-                # poll is also true when the child died: recv then raises EOFError
-                if not child.conn.poll(self.timeout_s or None):
+                # poll is also true when the child died: recv then raises EOFError. A
+                # confined call's own limit is the child's to enforce; this one is its
+                # backstop, for a child that hangs
+                wait = self.timeout_s + _CONFINED_GRACE_S if self.confine else self.timeout_s
+                if not child.conn.poll(wait or None):
                     self._discard()
                     logger.warning(
                         "%s took over %gs; killed its process", self.what, self.timeout_s
@@ -172,6 +219,11 @@ class TimeLimitedCall:
                 self._discard()  # reaps it: its exit code is known only after that
                 code = child.process.exitcode
                 raise CallError(f"the {self.what} process died (exit code {code})") from None
+        if status == "timeout":
+            logger.warning("%s took over %gs; killed its process", self.what, self.timeout_s)
+            raise CallTimeout(f"timed out after {self.timeout_s:g}s")
+        if status == "memory":
+            raise CallOutOfMemory(value)
         if status != "ok":
             raise CallError(value)
         return value

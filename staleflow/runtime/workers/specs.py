@@ -26,6 +26,7 @@ from staleflow.envs import EpisodeLimits, environment_target, make_environment
 from staleflow.envs.formats import turn_format
 from staleflow.models import lora as lora_lib
 from staleflow.rewards import RewardItem, RewardWorker
+from staleflow.rewards.confinement import Limits
 from staleflow.rewards.worker import build_reward_fn
 from staleflow.runtime.interface import Rewarded
 from staleflow.runtime.workers.env_sandbox import SandboxedSteps
@@ -108,7 +109,8 @@ class EnvSpec:
     max_tokens: int  # the response budget, turns and observations together
     threads: int
     step_timeout_s: float = 0.0  # 0: no limit
-    sandbox: bool = False  # steps in killable child processes (env_sandbox.py)
+    sandbox: bool = False  # steps in confined, killable processes (env_sandbox.py)
+    sandbox_memory_mb: int = 1024
 
 
 def env_spec(cfg: RunConfig) -> EnvSpec | None:
@@ -127,6 +129,7 @@ def env_spec(cfg: RunConfig) -> EnvSpec | None:
         e.threads,
         e.step_timeout_s,
         e.sandbox,
+        e.sandbox_memory_mb,
     )
 
 
@@ -350,7 +353,13 @@ def build_reward_stage(
         threads=e.threads,
         step_timeout_s=e.step_timeout_s,
         sandbox=(
-            SandboxedSteps(e.name, e.options, e.step_timeout_s, processes=e.threads)
+            SandboxedSteps(
+                e.name,
+                e.options,
+                e.step_timeout_s,
+                processes=e.threads,
+                limits=Limits(cpu_s=e.step_timeout_s, memory_mb=e.sandbox_memory_mb),
+            )
             if e.sandbox
             else None
         ),

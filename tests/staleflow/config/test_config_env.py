@@ -26,6 +26,7 @@ def test_an_environment_task_left_at_the_default_budget_gets_an_episodes_budget(
         ("env.latency_cap_s=0.01", "env.latency_cap_s"),
         ("env.latency_shape=0", "env.latency_shape"),
         ("env.step_timeout_s=-1", "env.step_timeout_s"),
+        ("env.sandbox_memory_mb=8", "env.sandbox_memory_mb"),
     ],
 )
 def test_bad_env_values_are_refused_by_name(override, why):
@@ -41,6 +42,10 @@ def test_a_sandbox_needs_a_step_limit_and_reaches_the_workers_spec():
     cfg = load_config(None, ["data.task=calculator", "env.sandbox=true"]).resolved()
     spec = env_spec(cfg)
     assert spec is not None and spec.sandbox and spec.step_timeout_s == 60.0
+    assert spec.sandbox_memory_mb == 1024
+    more = ["data.task=calculator", "env.sandbox=true", "env.sandbox_memory_mb=4096"]
+    spec = env_spec(load_config(None, more).resolved())
+    assert spec is not None and spec.sandbox_memory_mb == 4096
     spec = env_spec(load_config(None, ["data.task=calculator"]).resolved())
     assert spec is not None and not spec.sandbox  # off by default
 

@@ -4,14 +4,13 @@ puts this folder on sys.path, which the children inherit)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from staleflow.envs import EnvSample, EnvState, Episode, ModelTurn, Step
 
 
 class Runaway:
-    """A turn that says ``loop`` runs a tool that never returns (it writes its process id
-    to ``$RUNAWAY_PIDFILE`` first); any other turn ends the episode, scored 1."""
+    """A turn that says ``loop`` runs a tool that never returns, one that says ``hog``
+    allocates 2 GiB; any other turn ends the episode, scored 1."""
 
     name = "runaway"
 
@@ -20,9 +19,10 @@ class Runaway:
 
     def step(self, state: EnvState, turn: ModelTurn) -> Step:
         if "loop" in turn.text:
-            Path(os.environ["RUNAWAY_PIDFILE"]).write_text(str(os.getpid()))
             while True:  # an infinite loop: only a kill ends it
                 pass
+        if "hog" in turn.text:
+            return Step({"steps": len(bytearray(2 << 30))})
         return Step({"steps": 1}, done=True, info={"pid": os.getpid()})
 
     def score(self, state: EnvState) -> float:
