@@ -70,8 +70,9 @@ CLONE_NEWNET = 0x40000000
 # tried in this order: each later set is what remains possible when the one before fails
 _NAMESPACE_SETS = (
     ("user, network, PID, mount", CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS),
+    ("user, network, PID", CLONE_NEWUSER | CLONE_NEWNET | CLONE_NEWPID),
     ("user, network", CLONE_NEWUSER | CLONE_NEWNET),
-    ("network", CLONE_NEWNET),
+    ("network", CLONE_NEWNET),  # root without user namespaces
 )
 _MS_REC, _MS_PRIVATE = 0x4000, 0x40000
 _MOUNT_ATTR_RDONLY, _AT_RECURSIVE, _AT_FDCWD = 0x1, 0x8000, -100
@@ -162,8 +163,7 @@ def _drop_root(notes: list[str]) -> None:
         return
     if not _OTHERS_CAN_IMPORT:
         notes.append(
-            "not confined: the user (root, kept: nobody cannot read this Python's "
-            "modules); root is not bound by RLIMIT_NPROC"
+            "not confined: the user (root, kept: nobody cannot read this Python's modules)"
         )
         return
     uid, gid = _nobody()
@@ -176,17 +176,11 @@ def _drop_root(notes: list[str]) -> None:
         notes.append(f"not confined: the user (still root: {exc}): root may write any file")
 
 
-def _unshare(notes: list[str]) -> int:
+def _unshare(flags: int) -> None:
     libc, uid, gid = _libc(), os.geteuid(), os.getegid()
-    failures = []
-    for name, flags in _NAMESPACE_SETS:
-        if libc.unshare(flags) == 0:
-            break
-        failures.append(f"{name}: {os.strerror(ctypes.get_errno())}")
-    else:
-        notes.append("not confined: the network (no namespace: " + "; ".join(failures) + ")")
-        return 0
-    notes.append(f"namespaces: {name}" + (f" (refused: {'; '.join(failures)})" if failures else ""))
+    if flags == 0:
+        return
+    _check(libc.unshare(flags), "unshare")
     if flags & CLONE_NEWUSER:  # map the user to itself, so that the tmpfs it mounts is its own
         # a process whose user changed is not dumpable: its /proc/self files are root's
         libc.prctl(_PR_SET_DUMPABLE, 1, 0, 0, 0)
@@ -197,7 +191,6 @@ def _unshare(notes: list[str]) -> int:
         with open("/proc/self/gid_map", "w") as f:
             f.write(f"{gid} {gid} 1")
         libc.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # again: no other process of this user traces it
-    return flags
 
 
 def _read_only_but(scratch: str, limits: Limits, notes: list[str]) -> None:
@@ -296,11 +289,16 @@ def _run_call(
 
 _OTHERS_CAN_IMPORT: bool | None = None  # decided once, before the first fork
 _NOTES: list[str] = []  # what the warden set up, read by its forked child
-_FLAGS = 0
+_FLAGS = 0  # the namespaces it made
 
 
 def _warden(
-    fn: Callable[..., Any], request: Sequence[Any], limits: Limits, scratch: str, fd: int
+    fn: Callable[..., Any],
+    request: Sequence[Any],
+    limits: Limits,
+    scratch: str,
+    fd: int,
+    namespaces: int,
 ) -> NoReturn:
     """The forked call process: a session of its own, namespaces, then (in a PID
     namespace its first process must be a child) the call in a child; reports a death."""
@@ -308,8 +306,13 @@ def _warden(
     try:
         _close_fds_but(fd)
         os.setsid()
-        _drop_root(_NOTES)
-        _FLAGS = _unshare(_NOTES)
+        if namespaces & CLONE_NEWUSER:  # as nobody, so that the namespace counts nobody's
+            _drop_root(_NOTES)
+            _unshare(namespaces)
+        else:  # a network namespace without a user one needs root
+            _unshare(namespaces)
+            _drop_root(_NOTES)
+        _FLAGS = namespaces
         _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # creds changed: set now
         child = os.fork()
         if child == 0:
@@ -360,13 +363,21 @@ def _unpack(data: bytes) -> Reply:
 
 
 def call_confined(
-    fn: Callable[..., Any], request: Sequence[Any], limits: Limits, timeout_s: float
+    fn: Callable[..., Any],
+    request: Sequence[Any],
+    limits: Limits,
+    timeout_s: float,
+    namespaces: int | None = None,
 ) -> Reply:
     """``fn(*request)`` in a confined, forked process, waited for at most ``timeout_s``
-    (0: no limit). ``fn`` must return plain data. Call from a single-threaded process."""
+    (0: no limit), in the ``namespaces`` given (``CLONE_NEW*`` flags; None: the ones
+    :func:`choose_namespaces` finds). ``fn`` must return plain data. Call it from a
+    single-threaded process: it forks."""
     global _OTHERS_CAN_IMPORT
     if _OTHERS_CAN_IMPORT is None:
         _OTHERS_CAN_IMPORT = _others_can_import()
+    if namespaces is None:
+        namespaces = choose_namespaces(limits)[0]
     scratch = tempfile.mkdtemp(prefix="staleflow-sandbox-")
     if os.geteuid() == 0 and _OTHERS_CAN_IMPORT:  # it runs as nobody: the directory is its own
         os.chown(scratch, *_nobody())
@@ -375,7 +386,7 @@ def call_confined(
         pid = os.fork()
         if pid == 0:
             os.close(read_end)
-            _warden(fn, request, limits, scratch, write_end)
+            _warden(fn, request, limits, scratch, write_end, namespaces)
         os.close(write_end)
         deadline = time.monotonic() + (timeout_s if timeout_s > 0 else 1e9)
         data = _read_reply(read_end, deadline)
@@ -393,7 +404,35 @@ def call_confined(
     return _unpack(data)
 
 
+_CHOSEN: dict[Limits, tuple[int, tuple[str, ...]]] = {}
+
+
+def choose_namespaces(limits: Limits) -> tuple[int, tuple[str, ...]]:
+    """The largest set of namespaces in which a call that does nothing runs on this
+    machine, and the notes of that call: which confinement holds, and why the larger sets
+    did not (unshare refused, or a step after it: a kernel that lets a process make a
+    user namespace may still refuse it the mounts). Decided once per process."""
+    if limits in _CHOSEN:
+        return _CHOSEN[limits]
+    refused: list[str] = []
+    for name, flags in (*_NAMESPACE_SETS, ("none", 0)):
+        reply = call_confined(_nothing, (), limits, 30.0, namespaces=flags)
+        if reply.status == "ok":
+            break
+        refused.append(f"{name}: {reply.value}")
+    if flags == 0:
+        notes = ("not confined: the network (no namespace: " + "; ".join(refused) + ")",)
+    else:
+        notes = (f"namespaces: {name}" + (f" (refused: {'; '.join(refused)})" if refused else ""),)
+    _CHOSEN[limits] = flags, notes + reply.notes
+    return _CHOSEN[limits]
+
+
+def _nothing() -> None:
+    return None
+
+
 def probe(limits: Limits | None = None) -> tuple[str, ...]:
     """What confinement a call gets on this machine, with the reason for what it does
-    not: the notes of a confined call that does nothing."""
-    return call_confined(lambda: None, (), limits or Limits(), 30.0).notes
+    not."""
+    return choose_namespaces(limits or Limits())[1]
