@@ -18,6 +18,7 @@ import pytest
 from staleflow.rewards import confinement
 from staleflow.rewards.confinement import Limits, call_confined, probe
 
+
 def _needs(prefix: str) -> None:
     notes = probe()  # decided once per process, by calls that do nothing
     if not any(n.startswith(prefix) for n in notes):
