@@ -9,7 +9,9 @@ a process that runs threads (any Ray actor) can deadlock the child.
 :class:`TimeLimitedCall` is the mechanism, for any function that the child builds
 itself (a reward function here; an environment's step in
 :mod:`staleflow.runtime.workers.env_sandbox`); :class:`TimeLimitedRewardFn` is the
-reward function's.
+reward function's. With ``confine``, the child runs each call in a process forked for it
+alone and confined (:mod:`staleflow.rewards.confinement`), and enforces the limit
+itself by killing that process's group; the child lives on.
 """
 
 from __future__ import annotations
