@@ -27,11 +27,21 @@ with the library's own code:
   (``Task.score(trace)``, no runtime: the library's own offline path, which skips the
   signals that need a sandbox); the reward is ``trace.reward``.
 
-The state is plain data (the task's data and the conversation as JSON), so it travels
-with the trajectory like any environment's. What is not supported is refused when the
-environment is built, by name: toolsets with rollout state (a ``State`` subclass, which
-``verifiers`` syncs over an HTTP channel), and tasks that need a container or a
-sandbox runtime to score (``NEEDS_CONTAINER``). Multi-agent ``Env.run`` programs (an
+**Rollout state** (a task typed with a ``State`` subclass, ``Task[Data, MyState, ...]``,
+and toolsets that read and write ``self.state``): in ``verifiers`` the rollout keeps it as
+``trace.state`` and serves it to the tool servers over an HTTP channel, which each
+``@vf.tool`` call pulls before it runs and pushes after (``ServerBase._with_state``).
+Here the trajectory keeps it (``state["tool_state"]``, the task state's JSON), and the
+adapter is that channel: it hands each toolset the JSON, validated into the toolset's
+state type, and takes its pushed copy back, validated into the task's, as the
+rollout's channel handlers do. ``@vf.stop`` and the rubric read it as ``trace.state``.
+
+The state is plain data (the task's data, the conversation and the rollout state as
+JSON), so it travels with the trajectory like any environment's, through migration,
+checkpoints and a resume. What is not supported is refused when the environment is
+built, by name: a toolset whose state type the task's state is not (the one channel
+carries one state), and tasks that need a container or a sandbox runtime to score
+(``NEEDS_CONTAINER``). Multi-agent ``Env.run`` programs (an
 environment that drives the model itself, awaiting its turns) are not this contract's
 shape: StaleFlow's turns come from its engine, so only the single-agent case, the one
 every plain taskset runs as (``SingleAgentEnv``), is adapted.
@@ -45,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Coroutine, Sequence
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from staleflow.envs.base import EnvContractError, EnvSample, EnvState, Episode, ModelTurn, Step
@@ -54,6 +65,8 @@ if TYPE_CHECKING:
     from verifiers.v1 import Task, TaskData, Taskset
 
 T = TypeVar("T")
+# the rollout state of the step running in this context: {"state": the task state's JSON}
+_CHANNEL: ContextVar[dict[str, Any]] = ContextVar("staleflow_verifiers_channel")
 
 INSTALL_HINT = "pip install 'staleflow[envs]' (verifiers 0.4)"
 _ROW_FIELDS = ("prompt", "answer", "idx")  # filled from the sample, never a column
@@ -126,13 +139,18 @@ class VerifiersEnvironment:
         self._has_answer = "answer" in fields
         self._shared = list(type(taskset).toolsets(taskset.config))
         per_task = self.task_type.toolsets(taskset.config.task)
+        from pydantic import TypeAdapter
+        from verifiers.v1.state import state_cls
+
+        self.state_type: type = state_cls(self.task_type)
+        self._state_adapter = TypeAdapter(self.state_type)
         for toolset in (*self._shared, *per_task):
             state_type = toolset._state_cls
-            if state_type is not vf.State:
+            if not issubclass(self.state_type, state_type):
                 raise EnvContractError(
                     f"{self.name}: toolset {type(toolset).__name__} keeps rollout state "
-                    f"({state_type.__name__}), which verifiers syncs over an HTTP channel; "
-                    "the adapter runs stateless toolsets only"
+                    f"{state_type.__name__}, but the task keeps {self.state_type.__name__}: "
+                    f"type the task with it (Task[Data, {state_type.__name__}, Config])"
                 )
         self._stops = self._trace_stops()
         self.tools, self._owner = _run(self._list_tools(per_task))
@@ -149,6 +167,8 @@ class VerifiersEnvironment:
             "data": data.model_dump(mode="json", exclude_none=True),
             "messages": messages,  # type: ignore[dict-item]
         }
+        if self.state_type is not require_verifiers().State:
+            state["tool_state"] = self.state_type().model_dump(mode="json")
         return Episode(tuple(messages), tuple(self.tools), state)
 
     def step(self, state: EnvState, turn: ModelTurn) -> Step:
@@ -180,7 +200,8 @@ class VerifiersEnvironment:
             after = {**state, "messages": messages}
             return Step(after, done=True, info=self._stopped_info(after))  # type: ignore[arg-type]
         data = self._task(state).data
-        results, errors = _run(self._call_tools(data, calls))
+        channel = {"state": state.get("tool_state")}  # what the toolsets pull and push
+        results, errors = _run(self._call_tools(data, calls, channel))
         for call, result in zip(wire_calls, results, strict=True):
             messages.append(
                 {
@@ -191,6 +212,8 @@ class VerifiersEnvironment:
                 }
             )
         after: EnvState = {**state, "messages": messages}  # type: ignore[dict-item]
+        if "tool_state" in state:
+            after["tool_state"] = channel["state"]
         stopped = self._stopped(after)
         info: dict[str, int | float | str] = {"tool_calls": len(calls), "tool_errors": len(errors)}
         if stopped:
@@ -253,13 +276,16 @@ class VerifiersEnvironment:
                     tools=[vf.Tool(**t["function"]) for t in self.tools] if i == 0 else [],
                 )
             )
-        return vf.Trace(
+        trace = vf.Trace(
             task=TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
             agent=AgentInfo(config=vf.AgentConfig()),
             nodes=nodes,
             is_completed=True,
             ok=True,
         )
+        if "tool_state" in state:  # the rollout state the rubric and stops read
+            trace.state = self._state_adapter.validate_python(state["tool_state"])
+        return trace
 
     def _trace_stops(self) -> list[Any]:
         from verifiers.v1.session import hook_boundary
@@ -303,11 +329,13 @@ class VerifiersEnvironment:
 
     async def _servers(self, toolsets: Sequence[Any], data: TaskData | None) -> dict[str, Any]:
         """Each toolset registered on an in-process MCP server, as ``verifiers`` serves it:
-        ``setup()``, then (per-task toolsets) ``setup_task(data)``, then ``register``."""
+        ``setup()``, then (per-task toolsets) ``setup_task(data)``, then ``register``;
+        its state channel is this call's (``_CHANNEL``)."""
         from mcp.server.mcpserver import MCPServer
 
         servers: dict[str, Any] = {}
         for toolset in toolsets:
+            self._connect(toolset)
             await toolset.setup()
             if data is not None:
                 await toolset.setup_task(data)
@@ -342,14 +370,31 @@ class VerifiersEnvironment:
                     )
         return schemas, owner
 
+    def _connect(self, toolset: Any) -> None:
+        """Be ``toolset``'s state channel, as the rollout's is (its GET dumps the task's
+        state, its PUT validates the pushed copy into the task's state type). The channel
+        is the running step's (a context variable: a shared toolset serves steps of
+        several trajectories at once, on the stage's threads)."""
+        mine = toolset._state_adapter
+
+        async def pull() -> Any:
+            return mine.validate_python(_CHANNEL.get()["state"])
+
+        async def push(before: bytes) -> None:
+            pushed = self._state_adapter.validate_json(mine.dump_json(toolset.state))
+            _CHANNEL.get()["state"] = pushed.model_dump(mode="json")
+
+        toolset._pull_state, toolset._push_state = pull, push
+
     async def _call_tools(
-        self, data: TaskData, calls: Sequence[ToolCall]
+        self, data: TaskData, calls: Sequence[ToolCall], channel: dict[str, Any]
     ) -> tuple[list[str], list[str]]:
         """Each call's result text, and the errors (an unknown tool, a tool that raised
         or refused its arguments): the model reads them as the result, as it would from
         the harness."""
         from mcp.server.mcpserver.exceptions import ToolError
 
+        _CHANNEL.set(channel)  # this step's task: the toolsets' pulls and pushes read it
         shared = await self._servers(self._shared, None)
         per_task = await self._servers(self.task_type.toolsets(self.taskset.config.task), data)
         results, errors = [], []
