@@ -14,7 +14,8 @@ single-turn response does.
 
 What can go wrong is one trajectory's: a step that raises, runs past its limit
 (``env.step_timeout_s``: abandoned on its thread, or with ``env.sandbox`` killed with
-the child process it ran in, :mod:`staleflow.runtime.workers.env_sandbox`), returns a state that is not plain data, or an observation the
+every process it started, :mod:`staleflow.runtime.workers.env_sandbox`), runs out of its
+sandbox's memory, returns a state that is not plain data, or an observation the
 tokenizer cannot encode ends that episode with
 ``env_error`` (scored 0, the reason in the record); a malformed tool call is the
 environment's to answer (the calculator answers ``error`` and goes on). A turn the engine
