@@ -224,6 +224,14 @@ def _environ_block() -> tuple[int, int]:
         return 0, 0
 
 
+def _lower(kind: int, soft: int, hard: int) -> None:
+    """Set a limit, never above the one inherited (only root may raise a hard limit)."""
+    inherited = resource.getrlimit(kind)[1]
+    if inherited != resource.RLIM_INFINITY:
+        hard = min(hard, inherited)
+    resource.setrlimit(kind, (min(soft, hard), hard))
+
+
 def _set_limits(limits: Limits, counted_per_namespace: bool, notes: list[str]) -> None:
     with open("/proc/self/statm") as f:
         held = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
@@ -235,9 +243,9 @@ def _set_limits(limits: Limits, counted_per_namespace: bool, notes: list[str]) -
         (resource.RLIMIT_NOFILE, (limits.open_files,) * 2),
         (resource.RLIMIT_CORE, (0, 0)),
     ):
-        resource.setrlimit(kind, value)
+        _lower(kind, *value)
     if counted_per_namespace and os.geteuid() != 0:
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.processes,) * 2)
+        _lower(resource.RLIMIT_NPROC, limits.processes, limits.processes)
         notes.append(f"processes: at most {limits.processes}")
     else:
         notes.append(
@@ -274,14 +282,15 @@ def _run_call(
         _set_limits(limits, bool(_FLAGS & CLONE_NEWUSER), notes)
         if _FLAGS & CLONE_NEWUSER:
             _drop_privileges(notes)
-    except OSError as exc:  # a step that failed here cannot be skipped: it would confine less
+    except (OSError, ValueError) as exc:  # a step that failed cannot be skipped: it would
+        # confine less than the namespaces chosen promise
         _send(fd, ["error", f"the sandbox could not be set up: {exc}", notes])
         os._exit(0)
     try:
         reply = ["ok", fn(*request), notes]
     except MemoryError:
         reply = ["memory", "", notes]
-    except Exception as exc:
+    except BaseException as exc:  # SystemExit too: this process answers, then exits
         reply = ["error", str(exc) if isinstance(exc, RewardError) else repr(exc), notes]
     _send(fd, reply)
     os._exit(0)

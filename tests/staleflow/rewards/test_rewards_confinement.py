@@ -169,3 +169,10 @@ def test_the_environment_is_scrubbed(monkeypatch) -> None:
 def test_an_answer_that_is_not_plain_data_is_an_error() -> None:
     reply = call_confined(lambda: object(), (), Limits(), 10)
     assert reply.status == "error" and "not plain data" in reply.value
+
+
+def test_a_tool_that_exits_is_an_error_of_its_own() -> None:
+    reply = call_confined(lambda: os._exit(3), (), Limits(), 10)
+    assert (reply.status, reply.value) == ("died", "exited with code 3 without answering")
+    reply = call_confined(lambda: exit(4), (), Limits(), 10)
+    assert (reply.status, reply.value) == ("error", "SystemExit(4)")
