@@ -109,8 +109,10 @@ class CriticalPath:
         # skipped without touching the arrays. With ``tail`` per instance the tail holds
         # thousands at 1,024 instances, and this loop runs every cycle.
         speed = fleet.speed
-        a = (c.k1 * kv + np.maximum(c.k2, c.k3 * (n + 1.0)) + c.k4) * speed
-        b = c.k1 * c.k5 * speed
+        # (Per token, with speculation too: a step keeps fewer tokens per trajectory as
+        # the batch grows, so a and b still grow, up to the adaptive draft length's steps.)
+        a = c.token_latencies(n + 1.0, kv) * speed
+        b = c.kv_slopes(n + 1.0) * c.k5 * speed
         room = c.kv_budget - kv - c.k5 * (n + 1.0) * self.fill_steps
         a_min, b_min = float(a[open_].min()), float(b[open_].min())
         out: list[Move] = []
@@ -143,7 +145,8 @@ class CriticalPath:
             self._moved_at[t.traj_id] = t.length
             n[best] += 1.0
             kv[best] += c.k5 * t.length
-            a[best] = (c.k1 * kv[best] + max(c.k2, c.k3 * (n[best] + 1.0)) + c.k4) * speed[best]
+            a[best] = c.token_latency(n[best] + 1.0, kv[best]) * speed[best]
+            b[best] = c.kv_slope(n[best] + 1.0) * c.k5 * speed[best]
             room[best] = c.kv_budget - kv[best] - c.k5 * (n[best] + 1.0) * self.fill_steps
         if len(self._moved_at) > 1 << 16:  # forget trajectories long gone
             self._moved_at.clear()
