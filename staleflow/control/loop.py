@@ -33,6 +33,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Protocol
 
 from coordinator import Coordinator, CoordinatorConfig, InProcessExecutor, Snapshot
+from coordinator.cost_model import SpeculationProfile
 from coordinator.interface import EnginePlane, ParameterPlane, TrajectoryPlane
 from coordinator.types import InstanceId, InstanceSnapshot
 from staleflow.control.decisions import Consumed, Decision, Dropped, Issued, Occupied
@@ -98,7 +99,10 @@ class ControlLoop:
         manager: StalenessManager | None = None,
         versions: Mapping[InstanceId, int] | None = None,
         sampling: DynamicSampling | None = None,
+        speculation: SpeculationProfile | None = None,
     ) -> None:
+        """``speculation``: the engines decode speculatively, and the coordinator's cost
+        model knows it (``Coordinator.speculate`` updates it as it is measured)."""
         # a resumed run hands in the manager it restored (same settings, checked there)
         self.manager = manager if manager is not None else StalenessManager(staleness)
         if self.manager.config != staleness:
@@ -125,6 +129,7 @@ class ControlLoop:
             executor=self.executor,
             instances=start,
             clock=clock,
+            speculation=speculation,
         )
         self.on_decision = on_decision
         self.last_snapshot: tuple[InstanceSnapshot, ...] = ()
