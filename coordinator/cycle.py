@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from coordinator.aborts import AbortRequests
 from coordinator.commands import Abort, Command, Interrupt, Pull, Reservation, Route
 from coordinator.config import CoordinatorConfig
+from coordinator.cost_model import SpeculationProfile
 from coordinator.fleet import Fleet
 from coordinator.interface import (
     AdmissionSource,
@@ -21,7 +22,7 @@ from coordinator.interface import (
 from coordinator.pool import TrajectoryPool
 from coordinator.routing import Placement
 from coordinator.speculative import SpeculativeState
-from coordinator.strategies import Strategies, build_strategies
+from coordinator.strategies import Strategies, build_strategies, with_cost
 from coordinator.types import InstanceId, Snapshot, TrajectoryView
 from staleness.interface import AdmissionSketch
 from staleness.types import GroupId, TrajId
@@ -165,9 +166,12 @@ class Coordinator:
         executor: CommandExecutor,
         instances: Mapping[InstanceId, int],
         clock: Callable[[], float] = time.monotonic,
+        speculation: SpeculationProfile | None = None,
     ) -> None:
+        """``speculation``: the engines decode speculatively (docs/speculation.md); the
+        cost model then counts the tokens a step keeps (coordinator/cost_model.py)."""
         self.config = config
-        self.strategies = build_strategies(config)
+        self.strategies = build_strategies(config, speculation)
         self.speculative = SpeculativeState(instances)
         self.stats = CycleStats()
         self._snapshots, self._trajectories = snapshots, trajectories
@@ -181,6 +185,13 @@ class Coordinator:
     def next_due(self) -> float:
         """When the next cycle may run (on the caller's clock)."""
         return self._next_due
+
+    def speculate(self, profile: SpeculationProfile | None) -> None:
+        """Decide with ``profile``'s speculation from the next cycle on (e.g. the
+        acceptance the engines measured so far: ``cost_model.learned_speculation``);
+        what the strategies learned stays. None: the engines do not speculate."""
+        cost = self.strategies.cost.with_speculation(profile)
+        self.strategies = with_cost(self.strategies, cost)
 
     def add_instance(self, inst: InstanceId, version: int) -> None:
         """An instance joins (elastic rollout, or a restarted one under a new id): the next

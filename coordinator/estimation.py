@@ -120,7 +120,8 @@ class SpeedEstimator:
         steps = length - a.length
         if steps < self.min_steps:
             return  # gone, preempted and back, or too few steps to time
-        predicted = self.cost.step_latency((a.n + len(run)) / 2.0, (a.kv + s.kv_cache) / 2.0)
+        # per token the anchor gained (a step's worth without speculation)
+        predicted = self.cost.token_latency((a.n + len(run)) / 2.0, (a.kv + s.kv_cache) / 2.0)
         observed = math.log(dt / steps / predicted)
         lo, hi = self._log_bounds
         observed = min(max(observed, lo), hi)

@@ -111,10 +111,10 @@ class Fleet:
         return self._env_versions
 
     def latencies(self, cost: CostModel) -> npt.NDArray[np.float64]:
-        """Eq. 11 per instance with each instance's speed factor (seconds per step)."""
-        out: npt.NDArray[np.float64] = (
-            cost.k1 * self.kv + np.maximum(cost.k2, cost.k3 * self.n_run) + cost.k4
-        ) * self.speed
+        """Seconds per token of each running trajectory, per instance, with each
+        instance's speed factor (Eq. 11's step; over the tokens a step keeps with
+        speculation: ``CostModel.token_latencies``)."""
+        out: npt.NDArray[np.float64] = cost.token_latencies(self.n_run, self.kv) * self.speed
         return out
 
     def throughputs(self, cost: CostModel) -> npt.NDArray[np.float64]:

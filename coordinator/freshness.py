@@ -223,7 +223,7 @@ class FreshnessRule:
         if not self._longest or not len(fleet):
             return None
         c = self.cost
-        latency = c.k1 * fleet.kv + np.maximum(c.k2, c.k3 * (fleet.n_run + 1.0)) + c.k4
+        latency = c.token_latencies(fleet.n_run + 1.0, fleet.kv)
         if factors is not None:
             latency = latency * factors
         return float(np.mean(latency)) * (sum(self._longest) / len(self._longest))

@@ -91,7 +91,7 @@ class GainTable:
         "_length",
         "_log",
         "_nl",
-        "_np1",
+        "_num",
         "_plan",
         "_rows",
         "_rows_at",
@@ -120,14 +120,14 @@ class GainTable:
         """``weight``: per instance, ``1 / speed`` (coordinator.estimation); the gain of an
         instance whose steps take ``speed`` times the model's is the model's gain over it.
         ``fill_steps``: the fill rule's headroom in decode steps (:func:`spare`)."""
-        k1, k2, k3, k4 = cost.k1, cost.k2, cost.k3, cost.k4
         self.cost, self.starts, self.ends = cost, starts, ends
         self.n, self.kv = n, kv
-        self._k1k5 = k1 * cost.k5  # the operation order matches CostModel.marginal_gains
-        self._coeffs = (k1, k2, k3, k4, cost.k5, cost.kv_budget)
-        self._np1 = n + 1.0
-        self._a1 = k1 * kv + np.maximum(k2, k3 * self._np1) + k4  # latency of S' minus new KV
-        self._t0 = n / (k1 * kv + np.maximum(k2, k3 * n) + k4)  # T(S)
+        self._k1k5 = cost.k1 * cost.k5  # the operation order matches CostModel.marginal_gains
+        # place() runs once per route: the constants, and the cost model's step term
+        # (CostModel.decode_term, the part speculation changes) where it speculates
+        term = cost.decode_term if cost.speculation is not None else None
+        self._coeffs = (cost.k1, cost.k2, cost.k3, cost.k4, cost.k5, cost.kv_budget, term)
+        self._loads()
         self._headroom = cost.kv_budget - kv
         self._headroom[queued] = -np.inf  # Eq. 3: a queued engine takes nothing at once
         self._w = np.ones(len(n)) if weight is None else weight
@@ -152,9 +152,22 @@ class GainTable:
         self._rows_at = 0
         self._rows: list[int] = []
         self._log: list[int] = []
-        # per instance in _log: (n + 1, latency of S' minus new KV, T(S), weight, headroom)
-        # as Python floats, what a row's fix needs (numpy scalar reads cost more)
-        self._dirty: dict[int, tuple[float, float, float, float, float]] = {}
+        # per instance in _log: (n + 1, its tokens per step, latency of S' minus new KV,
+        # T(S), weight, headroom) as Python floats, what a row's fix needs (numpy scalar
+        # reads cost more)
+        self._dirty: dict[int, tuple[float, float, float, float, float, float]] = {}
+
+    def _loads(self) -> None:
+        """The parts of Eq. 3 that depend on the loads alone (module docstring): with one
+        more trajectory, the step's latency minus the new KV (``_a1``) and the tokens the
+        batch keeps per step (``_num``: ``n + 1`` times what each keeps, 1 without
+        speculation), and ``T(S)``."""
+        n, kv, cost = self.n, self.kv, self.cost
+        np1 = n + 1.0
+        a1, kept1 = cost.steps(np1, kv)
+        self._a1 = a1
+        self._num = np1 * kept1
+        self._t0 = cost.throughputs(n, kv)
 
     def fill_for(self, on: bool) -> None:
         """Apply the fill rule to the next decisions or not (initial trajectories only)."""
@@ -197,7 +210,7 @@ class GainTable:
             # at once: one vector expression costs about the same as a bucket's.
             stop = self.starts[self._fresh] if self._fresh < len(self.starts) else len(g)
             view = g[s:stop]
-            np.divide(self._np1[s:stop], self._a1[s:stop] + self._k1k5 * length, out=view)
+            np.divide(self._num[s:stop], self._a1[s:stop] + self._k1k5 * length, out=view)
             view -= self._t0[s:stop]
             view *= self._w[s:stop]
             need = self.cost.k5 * length
@@ -245,7 +258,7 @@ class GainTable:
         ls = np.array(lengths, dtype=np.float64)[:, None]
         rows: FloatArray = np.empty((len(lengths), len(self.n)))
         out = rows[:, c:]
-        np.divide(self._np1[c:], self._a1[c:] + self._k1k5 * ls, out=out)
+        np.divide(self._num[c:], self._a1[c:] + self._k1k5 * ls, out=out)
         out -= self._t0[c:]
         out *= self._w[c:]
         need = self.cost.k5 * ls
@@ -265,12 +278,12 @@ class GainTable:
         """:meth:`best`'s gain for ``length`` of instance ``j``, routed to since the rows
         were computed, in Python floats (the same IEEE operations in the same order as
         the vector expression)."""
-        n1, a1, t0, w, headroom = self._dirty[j]
+        n1, num1, a1, t0, w, headroom = self._dirty[j]
         k5 = self.cost.k5
         need = k5 * length
         if headroom < need:
             return -np.inf
-        gain = (n1 / (a1 + self._k1k5 * length) - t0) * w
+        gain = (num1 / (a1 + self._k1k5 * length) - t0) * w
         if self._fill_on and headroom >= need + k5 * n1 * (self._fill or 0):
             gain += FILL_BONUS
         return gain
@@ -280,27 +293,28 @@ class GainTable:
         (Eq. 3 over its speed; ``-inf`` where it would queue)."""
         if self._headroom[j] < self.cost.k5 * length:
             return -np.inf
-        n1 = float(self._np1[j])
-        return (n1 / (float(self._a1[j]) + self._k1k5 * length) - float(self._t0[j])) * float(
+        num1 = float(self._num[j])
+        return (num1 / (float(self._a1[j]) + self._k1k5 * length) - float(self._t0[j])) * float(
             self._w[j]
         )
 
     def latency_with(self, j: int, length: float) -> float:
-        """Instance ``j``'s step latency, its speed included, with one more trajectory of
-        ``length`` tokens."""
-        return (float(self._a1[j]) + self._k1k5 * length) / float(self._w[j])
+        """Instance ``j``'s seconds per token of each running trajectory (its step
+        latency, over the tokens a step keeps with speculation), its speed included, with
+        one more trajectory of ``length`` tokens."""
+        step = float(self._a1[j]) + self._k1k5 * length
+        kept = float(self._num[j]) / (float(self.n[j]) + 1.0)  # 1.0 without speculation
+        return step / kept / float(self._w[j])
 
     def load(self, dn: FloatArray, dkv: FloatArray) -> None:
         """Add ``dn`` trajectories and ``dkv`` KV tokens to every instance (negative to
         take them off again): load the decisions that follow must leave room for."""
-        k1, k2, k3, k4, _, budget = self._coeffs
+        budget = self._coeffs[5]
         self.n += dn
         self.kv += dkv
         n, kv = self.n, self.kv
         self._nl, self._kvl = n.tolist(), kv.tolist()
-        self._np1 = n + 1.0
-        self._a1 = k1 * kv + np.maximum(k2, k3 * self._np1) + k4
-        self._t0 = n / (k1 * kv + np.maximum(k2, k3 * n) + k4)
+        self._loads()
         queued = self._headroom == -np.inf
         self._headroom = budget - kv
         self._headroom[queued] = -np.inf
@@ -309,20 +323,29 @@ class GainTable:
 
     def place(self, j: int, length: float) -> None:
         """Eq. 3's update of ``S`` after routing a trajectory of ``length`` to ``j``."""
-        k1, k2, k3, k4, k5, budget = self._coeffs
+        k1, k2, k3, k4, k5, budget, term = self._coeffs
         n = self._nl[j] + 1.0
         kv = self._kvl[j] + k5 * length
         self._nl[j], self._kvl[j] = n, kv
-        self.n[j], self.kv[j], self._np1[j] = n, kv, n + 1.0
-        self._a1[j] = a1 = k1 * kv + (k2 if k2 > k3 * (n + 1.0) else k3 * (n + 1.0)) + k4
-        self._t0[j] = t0 = n / (k1 * kv + (k2 if k2 > k3 * n else k3 * n) + k4)
+        self.n[j], self.kv[j] = n, kv
+        # CostModel.step and .throughput, inlined: this runs once per route, and without
+        # speculation decode_term is max(k2, k3 * n) and 1.0, written out (two calls
+        # doubled the time of a route; test_gains holds the two to the same floats)
+        if term is None:
+            top1, top0, kept1, kept0 = k3 * (n + 1.0), k3 * n, 1.0, 1.0
+            top1, top0 = (k2 if k2 > top1 else top1), (k2 if k2 > top0 else top0)
+        else:
+            (top1, kept1), (top0, kept0) = term(n + 1.0), term(n)
+        self._a1[j] = a1 = k1 * kv + top1 + k4
+        self._num[j] = num1 = (n + 1.0) * kept1
+        self._t0[j] = t0 = n * kept0 / (k1 * kv + top0 + k4)
         self._headroom[j] = headroom = budget - kv
         if self._ahead is not None:
             self._log.append(j)
-            self._dirty[j] = (n + 1.0, a1, t0, self._wl[j], headroom)
+            self._dirty[j] = (n + 1.0, num1, a1, t0, self._wl[j], headroom)
         if length == self._length:
             fits = headroom >= k5 * length
-            gain = ((n + 1.0) / (a1 + self._k1k5 * length) - t0) * self._wl[j]
+            gain = (num1 / (a1 + self._k1k5 * length) - t0) * self._wl[j]
             if self._fill_on and headroom >= k5 * length + k5 * (n + 1.0) * (self._fill or 0):
                 gain += FILL_BONUS
             self._g[j] = gain if fits else -np.inf

@@ -95,8 +95,8 @@ class TailRace:
                 ok[pos] = False
                 if not ok.any():
                     break
-                after = c.k1 * (fleet.kv + c.k5 * t.length) + max(c.k2, c.k3) + c.k4
-                after = after * fleet.speed
+                # the copy alone on an idle instance, per token
+                after = c.token_latencies(1.0, fleet.kv + c.k5 * t.length) * fleet.speed
                 candidates = np.flatnonzero(ok)
                 best = int(candidates[after[candidates].argmin()])
                 out.append(Race(t, fleet.ids[pos], fleet.ids[best]))

@@ -370,8 +370,9 @@ class _Homes:
 def _ideal_gain(cost: CostModel) -> Callable[[float], float]:
     """``cost.ideal_gain`` with its constants bound once per pass (the same operations in
     the same order, so the same floats): routing asks it once per trajectory."""
-    k1k5, top, k4 = cost.k1 * cost.k5, max(cost.k2, cost.k3), cost.k4
-    return lambda length: 1.0 / (k1k5 * length + top + k4)
+    k1k5, k4 = cost.k1 * cost.k5, cost.k4
+    top, kept = cost.decode_term(1.0)
+    return lambda length: kept / (k1k5 * length + top + k4)
 
 
 def _runs(trajs: list[TrajectoryView]) -> list[float]:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, fields, replace
 from typing import Protocol
 
 from coordinator.agentic import ToolWaits
 from coordinator.config import CoordinatorConfig
-from coordinator.cost_model import CostModel
+from coordinator.cost_model import CostModel, SpeculationProfile
 from coordinator.critical import CriticalPath
 from coordinator.drain_sync import DrainGlobalSync
 from coordinator.estimation import SpeedEstimator
@@ -73,8 +74,12 @@ class Strategies:
     waits: ToolWaits | None = None
 
 
-def build_strategies(config: CoordinatorConfig) -> Strategies:
-    cost = config.cost_model.build()
+def build_strategies(
+    config: CoordinatorConfig, speculation: SpeculationProfile | None = None
+) -> Strategies:
+    """The strategies ``config`` names, deciding with its cost model and, where the
+    engines decode speculatively, ``speculation`` (coordinator/cost_model.py)."""
+    cost = config.cost_model.build().with_speculation(speculation)
     # Fresh admission is a rule of the throughput routing; Algorithm 4's tentative pass
     # must admit as the real routing does, so behind least-loaded routing it is off.
     fresh = config.fresh_admission and config.routing == "throughput"
@@ -189,3 +194,30 @@ def build_strategies(config: CoordinatorConfig) -> Strategies:
         freshness=freshness,
         waits=waits,
     )
+
+
+def with_cost(strategies: Strategies, cost: CostModel) -> Strategies:
+    """``strategies``, with what they learned (speed factors, tool waits, lateness, ...),
+    deciding with ``cost`` from now on: every part that holds the cost model gets it
+    (e.g. the engines' measured speculative acceptance, ``Coordinator.speculate``)."""
+    if cost == strategies.cost:
+        return strategies
+    for part in _parts(strategies, set()):
+        if part is not strategies and isinstance(getattr(part, "cost", None), CostModel):
+            part.cost = cost  # type: ignore[attr-defined]
+    return replace(strategies, cost=cost)
+
+
+def _parts(obj: object, seen: set[int]) -> Iterator[object]:
+    """The coordinator's objects reachable from ``obj`` through their attributes (a
+    strategy wraps another, a sync strategy holds the routing it asks), each once."""
+    if id(obj) in seen or not type(obj).__module__.startswith("coordinator."):
+        return
+    seen.add(id(obj))
+    yield obj
+    names: list[str] = [f.name for f in fields(obj)] if hasattr(obj, "__dataclass_fields__") else []
+    names += list(getattr(obj, "__dict__", {}))
+    for cls in type(obj).__mro__:
+        names += [n for n in getattr(cls, "__slots__", ()) if isinstance(n, str)]
+    for name in dict.fromkeys(names):
+        yield from _parts(getattr(obj, name, None), seen)

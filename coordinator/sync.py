@@ -201,7 +201,8 @@ class ThroughputSync:
         ``kv``: the KV in use per instance (:meth:`kv_in_use`; default the fleet's)."""
         kv = fleet.kv if kv is None else kv
         kv_loaded = self.max_kv is not None and float(kv.mean()) >= self.max_kv
-        return kv_loaded or float(fleet.n_run.mean()) >= self.routing.cost.knee
+        cost = self.routing.cost
+        return kv_loaded or cost.verified(float(fleet.n_run.mean())) >= cost.knee
 
     def _algorithm4(
         self,
@@ -299,9 +300,7 @@ class ThroughputSync:
             lengths,
             self.routing.fill_steps,
         )
-        threshold = self.routing.mu * (
-            1.0 / (cost.k1 * cost.k5 * lengths + max(cost.k2, cost.k3) + cost.k4)
-        )
+        threshold = self.routing.mu * cost.ideal_gain(lengths)
         out: list[int] = pos[(gains >= threshold).any(axis=1)].tolist()
         return out
 

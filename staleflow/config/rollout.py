@@ -195,6 +195,18 @@ class SpeculationOptions:
         default=6,
         metadata=_help("longest context suffix matched in the group", 1024, NGRAM_WHY),
     )
+    acceptance: float | None = field(
+        default=None,
+        metadata=_help(
+            "the coordinator's prior per-token acceptance of draft tokens, in [0, 1), until "
+            "the engines' counters measure it (null: the one measured for the method, "
+            "coordinator.cost_model.MEASURED_ACCEPTANCE)",
+            0.999,
+            "a token accepted with certainty makes every draft free: the cost model holds "
+            "measured acceptance below 0.999 too",
+            0.0,
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_types(self, self.KEY)
@@ -206,6 +218,13 @@ class SpeculationOptions:
             f"{self.KEY}.min_ngram",
             self.min_ngram,
             f"exceeds max_ngram={self.max_ngram}: lower it or raise max_ngram",
+        )
+        a = self.acceptance
+        require(
+            a is None or 0.0 <= a < 1.0,
+            f"{self.KEY}.acceptance",
+            a,
+            "must be in [0, 1) (a per-token probability), or null for the measured one",
         )
 
 

@@ -33,6 +33,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Protocol
 
 from coordinator import Coordinator, CoordinatorConfig, InProcessExecutor, Snapshot
+from coordinator.cost_model import SpeculationProfile, learned_speculation
 from coordinator.interface import EnginePlane, ParameterPlane, TrajectoryPlane
 from coordinator.types import InstanceId, InstanceSnapshot
 from staleflow.control.decisions import Consumed, Decision, Dropped, Issued, Occupied
@@ -98,7 +99,11 @@ class ControlLoop:
         manager: StalenessManager | None = None,
         versions: Mapping[InstanceId, int] | None = None,
         sampling: DynamicSampling | None = None,
+        speculation: SpeculationProfile | None = None,
     ) -> None:
+        """``speculation``: the engines decode speculatively, and the coordinator's cost
+        model knows it; its acceptance is the prior until the engines' counters measure
+        one (:meth:`speculation_measured`)."""
         # a resumed run hands in the manager it restored (same settings, checked there)
         self.manager = manager if manager is not None else StalenessManager(staleness)
         if self.manager.config != staleness:
@@ -125,7 +130,9 @@ class ControlLoop:
             executor=self.executor,
             instances=start,
             clock=clock,
+            speculation=speculation,
         )
+        self._speculation_prior = speculation
         self.on_decision = on_decision
         self.last_snapshot: tuple[InstanceSnapshot, ...] = ()
         self.last_discard = ""  # why the last discarded snapshot failed Eq. 1
@@ -274,6 +281,15 @@ class ControlLoop:
             self.on_decision(Issued(self._clock(), tuple(commands)))
         self.executor.run_until_idle()
         return sum(len(c.trajs) for c in commands)
+
+    def speculation_measured(self, counts: tuple[int, int, int] | None) -> None:
+        """The engines' speculation counters over the run so far (drafts verified, draft
+        tokens, accepted ones; None: none reported): the coordinator's cost model takes
+        the acceptance they measure (``cost_model.learned_speculation``: the prior until
+        there are enough). Nothing without speculation."""
+        prior = self._speculation_prior
+        if prior is not None and counts is not None:
+            self.coordinator.speculate(learned_speculation(prior, *counts))
 
     def cycle(self) -> bool:
         """One snapshot-command cycle if it is due; True if one ran."""

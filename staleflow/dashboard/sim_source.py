@@ -66,7 +66,7 @@ class SimSource:
         self.config = config
         self.speed = speed
         self.cluster = SimCluster(config)
-        self._cost = config.coordinator.cost_model.build()
+        self._cost = self.cluster.coordinator.strategies.cost  # told of speculation
         self._recorder = Recorder(every_s=every_s)
         self._records: SeqLog[StepRecord] = SeqLog()
         self._lock = threading.Lock()

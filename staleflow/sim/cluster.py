@@ -132,9 +132,12 @@ class SimCluster:
         else:
             self.workload = workload or SyntheticWorkload(config.workload, members, config.seed)
         self.ts = TrajectoryServer(ts_config, self.workload)
-        cost = config.coordinator.cost_model.build()
+        plain = config.coordinator.cost_model.build()
         # What each engine really does (speed, estimate error, ...; sim/truth.py).
-        truths = instance_truths(cost, config.engine.truth, config.instances, config.seed)
+        truths = instance_truths(plain, config.engine.truth, config.instances, config.seed)
+        # the coordinator's model: told of the engines' speculation, as a launch tells it
+        told = config.engine.speculation if config.engine.tell_coordinator else None
+        cost = plain.with_speculation(told)
         pool: set[int] | None = set() if config.engine.kv_pool else None  # shared by all
         self.instances = {
             i: SimInstance(
@@ -177,6 +180,7 @@ class SimCluster:
             instances=self.instances,
             clock=lambda: self.now,
             sampling=_sampling(config),
+            speculation=cost.speculation,
         )
         self.manager = self.loop.manager
         rule = self.loop.coordinator.strategies.race

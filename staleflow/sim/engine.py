@@ -58,6 +58,9 @@ class EngineCosts:
     the KV is freed, and every route prefills the whole prefix.
     speculation: the engines verify drafts (``rollout.speculation``): each decode step
     follows ``sim/speculation.py``'s model on top of the truth. None: off.
+    tell_coordinator: the coordinator's cost model knows ``speculation`` (as a real launch
+    tells it, ``CostModel.speculation``). Off: it plans with the plain model, to measure
+    what not being told costs.
     """
 
     prefill_s_per_token: float = 6.0e-5
@@ -68,6 +71,7 @@ class EngineCosts:
     kv_pool: bool = False
     keep_kv: bool = False
     speculation: SpeculationProfile | None = None
+    tell_coordinator: bool = True
 
     def __post_init__(self) -> None:
         for name in ("prefill_s_per_token", "prefill_s_per_token_sq", "pull_s", "noise"):
@@ -372,8 +376,9 @@ class SimInstance:
                 f *= slow.factor(self.clock)
             k = min(to_full, to_done, _steps_within((horizon - self.clock) / f, first, growth))
             duration = f * (k * first + growth * k * (k - 1) / 2.0)
-            est_first = c.k1 * kv + max(c.k2, c.k3 * n) + c.k4
-            estimated += k * est_first + c.k1 * c.k5 * n * k * (k - 1) / 2.0
+            # the coordinator's model of the same steps (per token, as ``step`` is)
+            est_first = c.token_latency(n, kv)
+            estimated += k * est_first + c.kv_slope(n) * c.k5 * n * k * (k - 1) / 2.0
             actual += duration
             self.clock += duration
             times.decode += duration

@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator import Snapshot, TrajectoryView
+from coordinator.cost_model import SpeculationProfile
 from coordinator.fleet import Fleet
 from coordinator.gains import FILL_BONUS, GainTable, routing_gains, spare
 from coordinator.pool import TrajectoryPool
@@ -21,6 +22,8 @@ from coordinator.routing import ThroughputRouting, VersionBuckets
 from tests.coordinator.builders import COST, initial, instance, manager, partial, snapshot
 
 HEAVY = [1_000] * 80
+# the engines decode speculatively (coordinator/cost_model.py): per-instance tokens per step
+SPEC = COST.with_speculation(SpeculationProfile(0.8))
 
 
 def route(
@@ -136,24 +139,25 @@ def test_the_table_and_the_probe_compute_the_same_gains(
     n: list[int], fill: int | None, data: st.DataObject
 ) -> None:
     """Algorithm 4's probe (routing_gains) must see exactly what routing's GainTable sees,
-    or a tentative pass would disagree with the real one on ties."""
+    or a tentative pass would disagree with the real one on ties (with speculation too)."""
+    cost = data.draw(st.sampled_from([COST, SPEC]))
     k = len(n)
     kv = np.array([data.draw(st.floats(0, COST.kv_budget)) for _ in range(k)])
     queued = np.array([data.draw(st.booleans()) for _ in range(k)])
     speed = np.array([data.draw(st.floats(0.3, 3.0)) for _ in range(k)])
     length = float(data.draw(st.sampled_from([80, 2_000, 30_000])))
     nn = np.array(n, dtype=np.float64)
-    table = GainTable(COST, nn.copy(), kv.copy(), queued, [0], [k], 1.0 / speed, fill)
+    table = GainTable(cost, nn.copy(), kv.copy(), queued, [0], [k], 1.0 / speed, fill)
     j, g = table.best(0, length)
-    probe = routing_gains(COST, nn, kv, queued, 1.0 / speed, length, fill)
+    probe = routing_gains(cost, nn, kv, queued, 1.0 / speed, length, fill)
     assert g == probe[j] and (probe <= g).all()
     # After a placement the table's incremental update matches a fresh computation.
     if np.isfinite(g):
         table.place(j, length)
         nn[j] += 1
-        kv[j] += COST.k5 * length
+        kv[j] += cost.k5 * length
         _, g2 = table.best(0, length)
-        assert g2 == routing_gains(COST, nn, kv, queued, 1.0 / speed, length, fill).max()
+        assert g2 == routing_gains(cost, nn, kv, queued, 1.0 / speed, length, fill).max()
 
 
 @settings(max_examples=100, deadline=None)
@@ -177,8 +181,9 @@ def test_a_planned_table_answers_as_an_unplanned_one(
     lengths = data.draw(st.lists(st.sampled_from([80, 700, 2_000, 9_000]), max_size=60))
     asked = data.draw(st.lists(st.sampled_from([80, 700, 2_000, 30_000]), max_size=10))
     nn = np.array(n, dtype=np.float64)
-    tables = [GainTable(COST, nn.copy(), kv.copy(), queued, starts, ends, 1 / speed, fill)]
-    tables.append(GainTable(COST, nn.copy(), kv.copy(), queued, starts, ends, 1 / speed, fill))
+    cost = data.draw(st.sampled_from([COST, SPEC]))
+    tables = [GainTable(cost, nn.copy(), kv.copy(), queued, starts, ends, 1 / speed, fill)]
+    tables.append(GainTable(cost, nn.copy(), kv.copy(), queued, starts, ends, 1 / speed, fill))
     tables[0].fill_for(fill is not None)
     tables[1].fill_for(fill is not None)
     tables[1].plan([float(x) for x in lengths], data.draw(st.integers(0, 2)))

@@ -132,12 +132,14 @@ class ControlPlane:
             on_decision=on_decision,
             manager=manager,
             sampling=DynamicSampling(config.sampling) if config.sampling is not None else None,
+            speculation=config.speculation,
         )
         self.manager = self.loop.manager
         self.coordinator = self.loop.coordinator
         self.executor = self.loop.executor
         self.metrics = StepMetrics(list(instances), clock())
         self.metrics.continue_from(records)
+        self.loop.speculation_measured(self.metrics.speculation_totals())  # a resumed run's
         self.evals = EvalHold(config.eval_every)
         self.recovery = RecoveryLog(records[-1].extra if records else None)
         self.fleet = FleetOps(self.members, self.loop, self.planes, ts, self.recovery, self._event)
@@ -571,6 +573,7 @@ class ControlPlane:
             },
             probes=seer.accuracy() if seer is not None else None,
         )
+        self.loop.speculation_measured(self.metrics.speculation_totals())  # the cost model's
 
     # -- diagnostics -------------------------------------------------------------------
 

@@ -207,10 +207,16 @@ class StepMetrics:
     def _speculation(self) -> dict[str, float]:
         """Speculation's counters over the run (live instances' and those gone), absent
         while no instance speculates (``rollout.speculation.method: off``)."""
+        counts = self.speculation_totals()
+        return {} if counts is None else speculation_keys(*counts)
+
+    def speculation_totals(self) -> tuple[int, int, int] | None:
+        """(drafts verified, draft tokens, accepted ones) over the run, as the last
+        record has them (None: no instance speculates)."""
         if self._spec_carried is None and not self._spec_latest:
-            return {}
+            return None
         total = sum(self._spec_latest.values(), self._spec_carried or SpeculationStats())
-        return speculation_keys(total.verifications, total.drafted, total.accepted)
+        return total.verifications, total.drafted, total.accepted
 
 
 def _prefix_reuse(instance_times: Mapping[int, InstanceTimes]) -> dict[str, float]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coordinator import CoordinatorConfig
+from coordinator.cost_model import SpeculationProfile
 from coordinator.types import InstanceSnapshot
 from staleflow.control.dynamic_sampling import SamplingConfig
 from staleness import StalenessConfig
@@ -28,6 +29,9 @@ class ControlConfig:
     # (runtime/controller/tool_view.py); ``prefix_cache``: and the prefixes engines keep
     tool_waits: bool = False
     prefix_cache: bool = False
+    # the engines decode speculatively (rollout.speculation): the coordinator's cost model
+    # starts from this profile, its acceptance learned from their counters; None: off
+    speculation: SpeculationProfile | None = None
 
 
 @dataclass(frozen=True, slots=True)

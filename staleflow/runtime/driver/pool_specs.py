@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coordinator.config import CostModelConfig
+from coordinator.cost_model import MEASURED_ACCEPTANCE, SpeculationProfile
 from staleflow.config import RunConfig
 from staleflow.config.env import ENV_TASKS
+from staleflow.config.rollout import SpeculationOptions
 from staleflow.engines.factory import engine_options
 from staleflow.runfolder.writer import AUDIT
 from staleflow.runtime.controller.plane_records import ControlConfig
@@ -44,7 +46,20 @@ def control_config(cfg: RunConfig) -> ControlConfig:
         # keep a finished turn's KV; the embedded engine with its prefix store
         prefix_cache=cfg.data.task in ENV_TASKS
         and (cfg.rollout.backend in ("vllm", "sglang") or cfg.rollout.prefix_cache_tokens > 0),
+        speculation=speculation_prior(cfg.rollout.speculation),
     )
+
+
+def speculation_prior(options: SpeculationOptions) -> SpeculationProfile | None:
+    """What the coordinator's cost model knows of ``rollout.speculation`` before the
+    engines' counters measure the acceptance (None: off): the engines' draft-length rule
+    and the configured acceptance, or the one measured for the method."""
+    if options.method == "off":
+        return None
+    acceptance = options.acceptance
+    if acceptance is None:
+        acceptance = MEASURED_ACCEPTANCE[options.method]
+    return SpeculationProfile(acceptance, options.max_draft, options.batch_draft_tokens)
 
 
 def rollout_spec(

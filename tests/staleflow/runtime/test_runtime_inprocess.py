@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from coordinator import CoordinatorConfig, SeerConfig
+from coordinator.cost_model import SpeculationProfile
 from staleflow.rollout.instance import Finished
 from staleflow.runtime.controller.control_plane import ControlPlane
 from staleflow.runtime.controller.plane_records import ControlConfig
@@ -72,6 +73,7 @@ def wire(
     hold: Callable[[int], bool] | None = None,
     max_running: int = 3,
     chunk_tokens: int | None = None,
+    speculation: SpeculationProfile | None = None,
 ) -> Wired:
     ts = Serialized(
         TrajectoryServer(
@@ -130,6 +132,7 @@ def wire(
                 seer=SeerConfig(enabled=chunk_tokens is not None, chunk_tokens=chunk_tokens or 1),
             ),
             idle_wait_s=0.002,
+            speculation=speculation,
         ),
         ts=ts,
         instances=hosts,

@@ -136,6 +136,7 @@ def test_speculation_counters_are_summed_over_the_instances_and_the_run():
     and those before a resume; without speculation there are no such keys."""
     m = StepMetrics([0, 1, 2], started=0.0)
     assert _spec_keys(_step(m, 1.0, {i: _times(1.0) for i in range(3)})) == {}
+    assert m.speculation_totals() is None  # what the coordinator's cost model is given
     first = _step(m, 2.0, {0: _spec(_times(1.0), 4, 20, 10), 1: _spec(_times(1.0), 1, 8, 2)})
     assert _spec_keys(first) == {
         "speculation/verifications": 5.0,
@@ -144,6 +145,7 @@ def test_speculation_counters_are_summed_over_the_instances_and_the_run():
         "speculation/wasted": 16.0,
         "speculation/accepted_per_verification": 12 / 5,
     }
+    assert m.speculation_totals() == (5, 28, 12)
     m.instance_lost(0)  # its counts stay; its successor counts from zero
     m.instance_removed(1, _spec(_times(1.0), 2, 10, 3))  # asked as it left
     second = _step(m, 3.0, {0: _spec(_times(1.0), 1, 4, 4), 2: _spec(_times(1.0), 1, 2, 0)})
