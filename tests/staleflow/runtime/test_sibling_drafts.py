@@ -138,12 +138,12 @@ def test_the_groups_that_left_the_ts_are_forgotten_and_off_means_no_fetch() -> N
     a.run(ts, 0, fetch=False)
     b.host.route([1], {1: 0})
     assert b.host.fetch_siblings() == RESPONSE and b.host.siblings.groups == 1  # type: ignore[union-attr]
-    assert b.engine._draft_source.groups == 1  # type: ignore[union-attr]  # the engine's own
+    assert b.engine._spec.source.groups == 1  # type: ignore[union-attr]  # the engine's own
     assert b.host.fetch_siblings() == 0  # nothing new: nothing travels
     assert b.host.abort([1]) == (1,)
     ts.abort_group(0)
     assert b.host.fetch_siblings() == 0
-    assert b.host.siblings.groups == 0 and b.engine._draft_source.groups == 0  # type: ignore[union-attr]
+    assert b.host.siblings.groups == 0 and b.engine._spec.source.groups == 0  # type: ignore[union-attr]
     # the progress thread fetches after each report (what a fetch hands over is above)
     c = _Host(3, ts, "group")
     c.host.start(progress_every_s=0.01)
