@@ -28,6 +28,9 @@ class ControlConfig:
     # (runtime/controller/tool_view.py); ``prefix_cache``: and the prefixes engines keep
     tool_waits: bool = False
     prefix_cache: bool = False
+    # the draft method a tail-race copy runs with (rollout.speculation.race_method;
+    # runtime/controller/races.py); None: the engine's
+    race_draft_method: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,6 +44,7 @@ def control_config(cfg: RunConfig) -> ControlConfig:
         # keep a finished turn's KV; the embedded engine with its prefix store
         prefix_cache=cfg.data.task in ENV_TASKS
         and (cfg.rollout.backend in ("vllm", "sglang") or cfg.rollout.prefix_cache_tokens > 0),
+        race_draft_method=cfg.rollout.speculation.race_copy_method(),
     )
 
 

@@ -207,15 +207,15 @@ class InstanceHost:
 
     # -- race copies (runtime/races.py) -------------------------------------------------
 
-    def race(self, traj_id: int, holder: InstanceId) -> int | None:
+    def race(self, traj_id: int, holder: InstanceId, draft_method: str | None = None) -> int | None:
         """Start a copy of ``traj_id``, which ``holder`` runs, from the response the TS has
-        of it; returns that response's length, None if the TS no longer has it routed
-        there (the race is off)."""
+        of it, drafting with ``draft_method`` (None: the engine's); returns that response's
+        length, None if the TS no longer has it routed there (the race is off)."""
         self._check()
         fork = self._ts.fork(traj_id, holder)
         if fork is None:
             return None
-        self.instance.submit_copy(fork, holder)
+        self.instance.submit_copy(fork, holder, draft_method)
         return len(fork.tokens)
 
     def prepare_race(self, traj_id: int) -> bool:
