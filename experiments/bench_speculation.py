@@ -10,7 +10,11 @@ same stragglers decode ``--tokens`` tokens under each side, side by side in one 
 * ``own``: drafts from the trajectory's own prompt and response (prompt-lookup n-gram);
 * ``group``: drafts from the group's responses and its own history (Seer's grouped drafts);
 * ``group-k8``: grouped drafts of a fixed 8 tokens whatever the batch size, to show what
-  the adaptive range (``max_draft`` 8, ``batch_draft_tokens`` 32) saves at large batches.
+  the adaptive range (``max_draft`` 8, ``batch_draft_tokens`` 32) saves at large batches;
+* ``own-window`` / ``group-window``: ``own`` / ``group`` with the per-request draft window
+  (``SpeculationSettings.window``, ``staleflow.engines.embedded.draft_window``).
+
+``--sides`` picks some (``none`` always runs: the others are checked against it).
 
 Group-correlated responses need a model whose siblings agree, as a trained policy's do: a
 randomly initialised Qwen2 (nothing downloaded) has its final norm scaled by
@@ -21,8 +25,9 @@ docs/speculation.md). Figures: decode tokens/s (the engine's own decode wall tim
 excluded), tokens per CPU second of the process (prefill included, which is small here;
 on a machine shared with busy processes, wall-clock figures swing several-fold within
 seconds while CPU time of the single-threaded process does not), both the median over
-``--repeats``; mean accepted draft tokens per verification, drafts wasted. One torch
-thread by default.
+``--repeats``; mean accepted draft tokens per verification, drafts wasted, and the
+share of the decode time spent finding drafts (``draft_share``). One torch thread by
+default.
 
     OMP_NUM_THREADS=1 python experiments/bench_speculation.py --json results/bench_speculation.json
 """
@@ -47,7 +52,8 @@ from staleflow.engines.base import GenerationRequest
 from staleflow.engines.drafts import DraftSettings, SpeculationSettings, SpeculationStats
 from staleflow.engines.embedded import EmbeddedEngine, EmbeddedEngineConfig
 
-SIDES = ("none", "own", "group", "group-k8")
+SIDES = ("none", "own", "group", "group-k8", "own-window", "group-window")
+DEFAULT_SIDES = "none,own,group,group-k8"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per side (default 3)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights, prompts, sampling")
+    p.add_argument(
+        "--sides", default=DEFAULT_SIDES, help=f"of {','.join(SIDES)} (default {DEFAULT_SIDES})"
+    )
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     return p.parse_args(argv)
 
@@ -96,12 +105,13 @@ def make_engine(
     spec = None
     if side != "none":
         spec = SpeculationSettings(
-            drafts=DraftSettings(scope="own" if side == "own" else "group"),
+            drafts=DraftSettings(scope="own" if side.startswith("own") else "group"),
             max_draft=args.max_draft,
             # a fixed draft length: a batch budget no batch size cuts
             batch_draft_tokens=args.max_draft * running
             if side == "group-k8"
             else args.batch_draft_tokens,
+            window=side.endswith("-window"),
         )
     seq = args.prompt_len + args.tokens
     return EmbeddedEngine(
@@ -166,6 +176,18 @@ def run_side(
     engine.submit(
         [request(g * args.group + args.group - 1, p, args.tokens, g) for g, p in enumerate(prompts)]
     )
+    draft_s = [0.0]
+    spec = engine._spec  # timing the drafting (part of the decode step) from outside
+    if spec is not None:
+        drafts = spec.drafts
+
+        def timed(*a: Any, **k: Any) -> list[list[int]]:
+            t = time.perf_counter()
+            out = drafts(*a, **k)
+            draft_s[0] += time.perf_counter() - t
+            return out
+
+        spec.drafts = timed  # type: ignore[method-assign]
     t0, c0 = time.perf_counter(), time.process_time()
     done = drain(engine)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
@@ -175,6 +197,7 @@ def run_side(
         "decode_tokens_per_s": t.decode_tokens / t.decode_s,
         "cpu_tokens_per_s": t.decode_tokens / cpu,
         "wall_s": wall,
+        "draft_share": draft_s[0] / t.decode_s,
         "accepted_per_verification": stats.accepted_per_verification,
         "verifications": stats.verifications,
         "drafted": stats.drafted,
@@ -189,6 +212,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",")]
+    sides = ["none", *(s for s in args.sides.split(",") if s and s != "none")]
+    unknown = sorted(set(sides) - set(SIDES))
+    if unknown:
+        raise SystemExit(f"unknown --sides {unknown}: use some of {SIDES}")
     model = build_model(args)
     rng = np.random.default_rng(args.seed)
     prompts = [
@@ -203,12 +230,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     rows = []
     for b in batches:
-        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in SIDES}
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
         for _ in range(args.repeats):
-            for side in SIDES:  # alternate, so load from other processes hits all alike
+            for side in sides:  # alternate, so load from other processes hits all alike
                 runs[side].append(run_side(model, args, side, prompts[:b], refs))
         base_tokens = runs["none"][0]["tokens"]
-        for side in SIDES:
+        for side in sides:
             same = all(r["tokens"] == base_tokens for r in runs[side])
             first = runs[side][0]
             row = {
@@ -218,6 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     r["decode_tokens_per_s"] for r in runs[side]
                 ),
                 "cpu_tokens_per_s": statistics.median(r["cpu_tokens_per_s"] for r in runs[side]),
+                "draft_share": statistics.median(r["draft_share"] for r in runs[side]),
                 "accepted_per_verification": first["accepted_per_verification"],
                 "verifications": first["verifications"],
                 "drafted": first["drafted"],
@@ -233,18 +261,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             )
     base = {r["batch"]: r for r in rows if r["side"] == "none"}
     print(
-        f"{'batch':>5} {'side':>9} {'decode tok/s':>12} {'x none':>7} {'tok/cpu-s':>9} "
-        f"{'x none':>7} {'acc/verif':>9} {'drafted':>8} {'wasted':>8} same-tokens"
+        f"{'batch':>5} {'side':>12} {'decode tok/s':>12} {'x none':>7} {'tok/cpu-s':>9} "
+        f"{'x none':>7} {'acc/verif':>9} {'drafted':>8} {'wasted':>8} {'draft %':>7} same-tokens"
     )
     for r in rows:
         b = base[r["batch"]]
         r["speedup"] = r["decode_tokens_per_s"] / b["decode_tokens_per_s"]
         r["cpu_speedup"] = r["cpu_tokens_per_s"] / b["cpu_tokens_per_s"]
         print(
-            f"{r['batch']:>5} {r['side']:>9} {r['decode_tokens_per_s']:>12.0f} "
+            f"{r['batch']:>5} {r['side']:>12} {r['decode_tokens_per_s']:>12.0f} "
             f"{r['speedup']:>7.2f} {r['cpu_tokens_per_s']:>9.0f} {r['cpu_speedup']:>7.2f} "
             f"{r['accepted_per_verification']:>9.2f} {r['drafted']:>8} {r['wasted']:>8} "
-            f"{r['same_tokens_as_none']}"
+            f"{100 * r['draft_share']:>7.1f} {r['same_tokens_as_none']}"
         )
     result = {
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

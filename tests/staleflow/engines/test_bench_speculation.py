@@ -17,10 +17,13 @@ def test_the_sides_agree_and_the_figures_are_written(tmp_path: Path) -> None:
     bench = load("bench_speculation")
     out = tmp_path / "spec.json"
     args = ["--hidden", "32", "--layers", "1", "--vocab", "64", "--tokens", "16", "--group", "3"]
-    result = bench.main([*args, "--batches", "1,2", "--repeats", "1", "--json", str(out)])
+    sides = ["--sides", ",".join(bench.SIDES)]
+    result = bench.main([*args, *sides, "--batches", "1,2", "--repeats", "1", "--json", str(out)])
     rows = {(r["batch"], r["side"]): r for r in result["rows"]}
     assert len(rows) == 2 * len(bench.SIDES)
     assert all(r["same_tokens_as_none"] for r in rows.values())
     assert rows[1, "none"]["verifications"] == 0
     assert rows[1, "group"]["accepted_per_verification"] > 0
+    assert rows[1, "group-window"]["drafted"] <= rows[1, "group"]["drafted"]
+    assert 0 < rows[1, "group"]["draft_share"] < 1
     assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(result["rows"]))
