@@ -16,6 +16,15 @@ same stragglers decode ``--tokens`` tokens under each side, side by side in one 
 
 ``--sides`` picks some (``none`` always runs: the others are checked against it).
 
+``--race-methods`` measures instead what racing a straggler under another draft method
+would give (the tail race's fastest-of-N over draft methods, SpecActor §4.2): each
+straggler alone (batch 1, as a copy on an idle instance runs) under ``group``, ``own``
+and ``off`` (``GenerationRequest.draft_method``, one engine configured ``group``), the
+decode steps each needs to finish; a step at batch 1 costs about the same whatever the
+draft, so the fewer steps finish first on an instance as fast. Reported: mean steps per
+method, how often each method is the fastest, and the mean of the faster of ``group``
+and ``own`` (a race of the two on equally fast instances) against ``group`` alone.
+
 Group-correlated responses need a model whose siblings agree, as a trained policy's do: a
 randomly initialised Qwen2 (nothing downloaded) has its final norm scaled by
 ``--sharpness``, which makes its next-token distributions peaked (the mean entropy of the
@@ -77,6 +86,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--sides", default=DEFAULT_SIDES, help=f"of {','.join(SIDES)} (default {DEFAULT_SIDES})"
     )
+    p.add_argument(
+        "--race-methods",
+        action="store_true",
+        help="race each straggler's draft methods at batch 1 instead (module docstring)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the figures here")
     return p.parse_args(argv)
 
@@ -127,9 +141,11 @@ def make_engine(
     )
 
 
-def request(traj_id: int, prompt: np.ndarray, tokens: int, group: int) -> GenerationRequest:
+def request(
+    traj_id: int, prompt: np.ndarray, tokens: int, group: int, method: str | None = None
+) -> GenerationRequest:
     e_i, e_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
-    return GenerationRequest(traj_id, prompt, e_i, e_f, e_i, tokens, group)
+    return GenerationRequest(traj_id, prompt, e_i, e_f, e_i, tokens, group, method)
 
 
 def drain(engine: EmbeddedEngine) -> dict[int, Any]:
@@ -207,6 +223,62 @@ def run_side(
     }
 
 
+RACED = ("group", "own", "off")
+
+
+def race_methods(
+    model: torch.nn.Module,
+    args: argparse.Namespace,
+    prompts: list[np.ndarray],
+    refs: dict[int, list[np.ndarray]],
+) -> dict[str, Any]:
+    """Each straggler alone under each draft method: decode steps to finish (see the
+    module docstring); the tokens must be the same under every method."""
+    steps: dict[str, list[int]] = {m: [] for m in RACED}
+    for g, prompt in enumerate(prompts):
+        tokens = None
+        for method in RACED:
+            engine = make_engine(model, args, "group", 1)
+            engine.add_group_responses(g, prompt, refs[g])
+            tid = g * args.group + args.group - 1
+            engine.submit([request(tid, prompt, args.tokens, g, method)])
+            n, out = 0, []
+            while engine.has_work:
+                out += engine.step()
+                n += 1
+            steps[method].append(n - 1)  # the first step is the prefill's token
+            if tokens is None:
+                tokens = out[0].tokens.tolist()
+            elif out[0].tokens.tolist() != tokens:
+                raise AssertionError(f"group {g}: {method} sampled other tokens")
+    n = len(prompts)
+    mean = {m: statistics.fmean(v) for m, v in steps.items()}
+    fastest = {m: 0.0 for m in RACED}
+    for i in range(n):
+        best = min(steps[m][i] for m in RACED)
+        winners = [m for m in RACED if steps[m][i] == best]
+        for m in winners:  # a tie counts for each, split
+            fastest[m] += 1 / len(winners)
+    race = statistics.fmean(min(a, b) for a, b in zip(steps["group"], steps["own"], strict=True))
+    result = {
+        "stragglers": n,
+        "mean_steps": mean,
+        "fastest_share": {m: f / n for m, f in fastest.items()},
+        "own_beats_group": sum(o < g for o, g in zip(steps["own"], steps["group"], strict=True)),
+        "race_group_own_mean_steps": race,
+        "race_gain_over_group": mean["group"] / race,
+        "steps": steps,
+    }
+    print(f"{n} stragglers alone, {args.tokens} tokens: mean decode steps to finish")
+    for m in RACED:
+        print(f"  {m:>5}: {mean[m]:.1f} steps, fastest for {100 * fastest[m] / n:.0f}%")
+    print(
+        f"  own fewer steps than group for {result['own_beats_group']} of {n}; "
+        f"faster of group and own: {race:.1f} steps ({result['race_gain_over_group']:.3f}x group)"
+    )
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.threads:
@@ -228,6 +300,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"siblings: {len(prompts)} groups x {args.group - 1} x {args.tokens} tokens in "
         f"{time.perf_counter() - t0:.1f} s; mean -logprob of a sampled token {nll:.2f} nats"
     )
+    if args.race_methods:
+        race = race_methods(model, args, prompts, refs)
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps({"args": str(vars(args)), "race": race}, indent=2))
+        return {"race": race, "mean_neg_logprob": nll}
     rows = []
     for b in batches:
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}

@@ -200,8 +200,10 @@ class SpeculationOptions:
         default="auto",
         metadata=_help(
             "draft method of a tail-race copy (fastest-of-N over draft methods, SpecActor "
-            "4.2): auto (the other of group / own) | same (the original's) | group | own | "
-            "off; every method samples the same tokens, only the speed differs"
+            "4.2): auto (group: an own run's copies draft from the group, a group run's stay "
+            "on group, which own-history drafts never beat in bench_speculation "
+            "--race-methods) | same (the original's) | group | own | off; every method "
+            "samples the same tokens, only the speed differs"
         ),
     )
     window: bool = field(
@@ -230,9 +232,9 @@ class SpeculationOptions:
         or speculation off, where a request's method is ignored)."""
         if self.method == "off":
             return None
-        method = self.race_method
-        if method == "auto":
-            method = "own" if self.method == "group" else "group"
+        # auto: grouped drafts hold the own history too, and own-history drafts were never
+        # faster than grouped ones for a straggler (docs/speculation.md, fastest-of-N)
+        method = "group" if self.race_method == "auto" else self.race_method
         return None if method in ("same", self.method) else method
 
 

@@ -28,8 +28,8 @@ from the same point: its holder first resubmits the original where it is and rep
 response (``prepare_race``), and the copy forks exactly there.
 
 Fastest-of-N over draft methods (SpecActor §4.2): with speculation on, a copy drafts with
-``copy_method`` (``rollout.speculation.race_method``: by default the other of ``group`` /
-``own`` than its original), so the race is between two draft methods as well as two
+``copy_method`` (``rollout.speculation.race_method``: by default ``group``, the other
+method for an ``own`` run), so the race is between two draft methods as well as two
 instances. Every draft method samples the same tokens for the same key
 (docs/speculation.md), so this changes only which side is faster. Copy wins are counted
 per method (``race/won_<method>``, ``same`` for a copy on the original's method).

@@ -30,10 +30,10 @@ def test_off_by_default_and_mapped_to_the_engine_setting() -> None:
 
 def test_window_and_race_method_reach_the_engine_and_the_control_plane() -> None:
     assert control_config(load_config(None, [])).race_draft_method is None
-    cfg = load_config(None, ["rollout.speculation.method=group", "rollout.speculation.window=true"])
+    cfg = load_config(None, ["rollout.speculation.method=own", "rollout.speculation.window=true"])
     s = speculation_settings(cfg.rollout.speculation)
     assert s is not None and s.window
-    assert control_config(cfg).race_draft_method == "own"  # auto: the other method
+    assert control_config(cfg).race_draft_method == "group"  # auto: group for the copies
     cfg = load_config(
         None, ["rollout.speculation.method=own", "rollout.speculation.race_method=same"]
     )
