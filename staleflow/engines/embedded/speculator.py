@@ -113,7 +113,8 @@ class Speculator:
             if not d:
                 continue
             took = len(pairs) - 1
-            c = self._counts.setdefault(self._method.get(tid, "?"), [0, 0, 0])
+            method = self._method.get(tid, self.settings.drafts.scope)
+            c = self._counts.setdefault(method, [0, 0, 0])
             c[0] += 1
             c[1] += len(d)
             c[2] += took
