@@ -75,7 +75,7 @@ from staleflow.engines.drafts import SpeculationStats, accepted
 from staleflow.engines.embedded import sampling
 from staleflow.engines.embedded.config import EmbeddedEngineConfig
 from staleflow.engines.embedded.prefix_store import HeldPrefix, PrefixStore, common_prefix
-from staleflow.engines.embedded.runner import ModelRunner
+from staleflow.engines.embedded.runner import ModelRunner, padded_batches
 from staleflow.engines.embedded.speculator import Speculator
 from staleflow.engines.embedded.weights import copy_checked
 from staleflow.models import lora
@@ -281,9 +281,9 @@ class EmbeddedEngine:
                 continue  # nothing left to cache (a one-token prompt, or all of it kept)
             tokens += len(seq) - start
             (extend if start else fresh).append((row, start, seq[start:]))
-        for batch in _batches(fresh, cap):
+        for batch in padded_batches(fresh, cap):
             self._prefill_batch(batch)
-        for batch in _batches(extend, cap):
+        for batch in padded_batches(extend, cap):
             self._prefill_batch(batch, extend=True)
         self._prefill_s += time.perf_counter() - t0
         self._prefill_tokens += tokens
@@ -570,21 +570,3 @@ class EmbeddedEngine:
     @property
     def version(self) -> int:
         return self._version
-
-
-def _batches(
-    items: list[tuple[int, int, np.ndarray]], cap: int
-) -> Iterable[list[tuple[int, int, np.ndarray]]]:
-    """``items`` in order, cut so that each batch's padded size (requests x longest)
-    stays within ``cap`` (a longer single item runs alone)."""
-    batch: list[tuple[int, int, np.ndarray]] = []
-    longest = 0
-    for item in items:
-        n = len(item[2])
-        if batch and (len(batch) + 1) * max(longest, n) > cap:
-            yield batch
-            batch, longest = [], 0
-        batch.append(item)
-        longest = max(longest, n)
-    if batch:
-        yield batch
