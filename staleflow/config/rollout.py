@@ -35,6 +35,7 @@ ROLLOUT_BACKENDS = ("embedded", "vllm", "sglang")
 LORA_ROLLOUT_BACKENDS = ("embedded", "vllm", "sglang")
 SGLANG_WEIGHT_SYNCS = ("tensor", "disk")  # staleflow.engines.sglang.config.WEIGHT_SYNCS
 SPECULATION_METHODS = ("off", "group", "own")
+RACE_METHODS = ("auto", "same", "group", "own", "off")  # rollout.speculation.race_method
 DRAFT_WHY = "draft tokens verified in one forward: acceptance decays long before 1024 tokens"
 NGRAM_WHY = "the index keeps every n-gram up to this length per token: its memory grows with it"
 SPECULATION_BACKENDS = ("embedded",)  # the backends that verify drafts (docs/speculation.md)
@@ -207,10 +208,28 @@ class SpeculationOptions:
             0.0,
         ),
     )
+    race_method: str = field(
+        default="auto",
+        metadata=_help(
+            "draft method of a tail-race copy (fastest-of-N over draft methods, SpecActor "
+            "4.2): auto (group: an own run's copies draft from the group, a group run's stay "
+            "on group, which own-history drafts never beat in bench_speculation "
+            "--race-methods) | same (the original's) | group | own | off; every method "
+            "samples the same tokens, only the speed differs"
+        ),
+    )
+    window: bool = field(
+        default=False,
+        metadata=_help(
+            "a per-trajectory draft window following its own acceptance (halved on a "
+            "rejection, doubled on a draft accepted whole, within the batch rule)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         check_types(self, self.KEY)
         require_choice(f"{self.KEY}.method", self.method, SPECULATION_METHODS)
+        require_choice(f"{self.KEY}.race_method", self.race_method, RACE_METHODS)
         for name in ("max_draft", "batch_draft_tokens", "min_ngram", "max_ngram"):
             require_at_least(f"{self.KEY}.{name}", getattr(self, name), 1, "token")
         require(
@@ -226,6 +245,16 @@ class SpeculationOptions:
             a,
             "must be in [0, 1) (a per-token probability), or null for the measured one",
         )
+
+    def race_copy_method(self) -> str | None:
+        """The draft method a tail-race copy runs with; None: the engine's (the original's,
+        or speculation off, where a request's method is ignored)."""
+        if self.method == "off":
+            return None
+        # auto: grouped drafts hold the own history too, and own-history drafts were never
+        # faster than grouped ones for a straggler (docs/speculation.md, fastest-of-N)
+        method = "group" if self.race_method == "auto" else self.race_method
+        return None if method in ("same", self.method) else method
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,6 +35,12 @@ class GenerationRequest:
     ``group_id``: the trajectory's group (its siblings answer the same prompt), for an
     engine that drafts speculative tokens from the group (``staleflow.engines.drafts``);
     None: not in a group (evaluation), or unknown. Engines without speculation ignore it.
+
+    ``draft_method``: this request's draft method (``group``, ``own`` or ``off``,
+    ``staleflow.engines.drafts.METHODS``) instead of the engine's, e.g. a race copy of a
+    straggler drafting otherwise than its original (SpecActor's fastest-of-N over draft
+    methods); None: the engine's. Every method samples the same tokens; engines without
+    speculation ignore it.
     """
 
     traj_id: int
@@ -44,6 +50,7 @@ class GenerationRequest:
     versions: np.ndarray
     max_response: int
     group_id: int | None = None
+    draft_method: str | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)

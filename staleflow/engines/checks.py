@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from staleflow.engines.base import EngineOutput, GenerationRequest
+from staleflow.engines.drafts import METHODS
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +24,7 @@ class CheckedRequest:
     versions: np.ndarray  # int32
     max_response: int
     group_id: int | None = None
+    draft_method: str | None = None
 
 
 class RequestRecord:
@@ -89,6 +91,9 @@ def check_request(req: GenerationRequest, *, vocab_size: int, max_seq_len: int) 
         not isinstance(group_id, int | np.integer) or isinstance(group_id, bool) or group_id < 0
     ):
         raise ValueError(f"{where}: group_id must be a non-negative int or None, got {group_id!r}")
+    method = req.draft_method
+    if method is not None and method not in METHODS:
+        raise ValueError(f"{where}: draft_method must be one of {METHODS} or None, got {method!r}")
     return CheckedRequest(
         traj_id=int(traj_id),
         prompt=prompt,
@@ -97,6 +102,7 @@ def check_request(req: GenerationRequest, *, vocab_size: int, max_seq_len: int) 
         versions=versions.astype(np.int32, copy=True),
         max_response=int(max_response),
         group_id=None if req.group_id is None else int(req.group_id),
+        draft_method=method,
     )
 
 

@@ -38,6 +38,8 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 SCOPES = ("group", "own")
+# a request's draft method (``GenerationRequest.draft_method``): a scope, or no drafts
+METHODS = (*SCOPES, "off")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +82,23 @@ class SpeculationSettings:
     drafts: DraftSettings = DraftSettings()
     max_draft: int = 8
     batch_draft_tokens: int = 32
+    # a per-request draft window that follows the request's own acceptance (SpecActor
+    # §4.1's feedback window; staleflow.engines.embedded.draft_window): off by default
+    window: bool = False
+    min_window: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_draft", "batch_draft_tokens"):
+        for name in ("max_draft", "batch_draft_tokens", "min_window"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculation {name} must be a positive int, got {value!r}")
+        if not isinstance(self.window, bool):
+            raise ValueError(f"speculation window must be a bool, got {self.window!r}")
+        if self.min_window > self.max_draft:
+            raise ValueError(
+                f"speculation min_window={self.min_window} exceeds max_draft={self.max_draft}; "
+                "lower min_window"
+            )
 
     def draft_length(self, running: int) -> int:
         """The most draft tokens a request may verify when ``running`` requests decode."""
@@ -116,6 +129,13 @@ class SpeculationStats:
             self.verifications + other.verifications,
             self.drafted + other.drafted,
             self.accepted + other.accepted,
+        )
+
+    def __sub__(self, other: SpeculationStats) -> SpeculationStats:
+        return SpeculationStats(
+            self.verifications - other.verifications,
+            self.drafted - other.drafted,
+            self.accepted - other.accepted,
         )
 
 
@@ -158,19 +178,30 @@ class GroupedDraftSource:
     # ------------------------------------------------------------------------- feeding
 
     def add(
-        self, traj_id: int, group_id: int | None, prompt: Sequence[int], tokens: Sequence[int]
+        self,
+        traj_id: int,
+        group_id: int | None,
+        prompt: Sequence[int],
+        tokens: Sequence[int],
+        scope: str | None = None,
     ) -> None:
         """Start following ``traj_id`` (a member of ``group_id``; None: a group of its own)
         whose response so far is ``tokens``. A trajectory the group holds already (resumed
         after an interrupt, or a sibling handed over from elsewhere before it came here)
         goes on from the tokens held when they are a prefix of ``tokens``, else starts a new
-        response; the old tokens stay as a reference of the group either way."""
+        response; the old tokens stay as a reference of the group either way.
+
+        ``scope`` overrides the settings' for this trajectory (a request's own draft
+        method, e.g. a race copy drafting otherwise than its original)."""
         s = self.settings
+        scope = s.scope if scope is None else scope
+        if scope not in SCOPES:
+            raise ValueError(f"trajectory {traj_id}: draft scope must be one of {SCOPES}")
         if group_id is not None and group_id < 0:
             raise ValueError(f"trajectory {traj_id}: group_id {group_id} is negative")
         # A trajectory drafting from itself alone is a group of its own, keyed below 0 so
         # that the two id spaces never meet.
-        key = -1 - traj_id if group_id is None or s.scope == "own" else group_id
+        key = -1 - traj_id if group_id is None or scope == "own" else group_id
         prompt_list = [int(t) for t in np.asarray(prompt).tolist()]
         token_list = [int(t) for t in np.asarray(tokens).tolist()]
         group = self._group(key)
@@ -198,19 +229,21 @@ class GroupedDraftSource:
         start: int = 0,
     ) -> None:
         """Add a response of ``group_id`` generated elsewhere (a sibling that ran on another
-        instance, reported by the TS): it drafts for the group's members here. Ignored in
-        ``own`` scope.
+        instance, reported by the TS): it drafts for the group's members here.
 
         With ``traj_id``, ``tokens`` are that sibling's response from index ``start`` on:
         they go on the sequence held for it (one sequence per sibling, however many pieces
         it arrives in; a member that ran here before is continued, not copied). A piece that
         does not fit what is held (a gap before ``start``, or other tokens) starts the
         sibling afresh if ``start`` is 0 and is dropped otherwise. A trajectory this source
-        follows now is never written from elsewhere."""
-        if self.settings.scope == "own":
-            return
+        follows now is never written from elsewhere.
+
+        In ``own`` scope only a group that one of its members drafts from in ``group`` scope
+        (a request's own method) takes references; others are ignored."""
         if group_id < 0:
             raise ValueError(f"group_id {group_id} is negative")
+        if self.settings.scope == "own" and group_id not in self._groups:
+            return
         if traj_id is not None and traj_id in self._members:
             return
         g = self._group(group_id)
@@ -346,6 +379,11 @@ class GroupedDraftSource:
     @property
     def groups(self) -> int:
         return len(self._groups)
+
+    @property
+    def grouped(self) -> bool:
+        """Some trajectory here drafts from its group (siblings elsewhere would help)."""
+        return self.settings.scope == "group" or any(m.key >= 0 for m in self._members.values())
 
     def __contains__(self, traj_id: int) -> bool:
         return traj_id in self._members

@@ -82,8 +82,9 @@ class InstanceTimes:
     # them (staleflow.engines.base.StepTimes)
     prefix_hits: int = 0
     prefix_tokens: int = 0
-    # the engine's verified drafts (docs/speculation.md); None: speculation off
+    # the engine's verified drafts (docs/speculation.md), all and per draft method; None: off
     speculation: SpeculationStats | None = None
+    speculation_by_method: dict[str, SpeculationStats] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,10 +268,13 @@ class RolloutInstance:
 
     # -- race copies (runtime/controller/races.py) -------------------------------------------------
 
-    def submit_copy(self, routed: RoutedTrajectory, holder: InstanceId) -> None:
-        """Start a race copy of a trajectory ``holder`` runs, from ``routed``'s prefix.
-        It finishes through ``on_copy_finished`` with the holder's id, never as this
-        instance's; a Pull here drops it (other weights would sample other tokens)."""
+    def submit_copy(
+        self, routed: RoutedTrajectory, holder: InstanceId, draft_method: str | None = None
+    ) -> None:
+        """Start a race copy of a trajectory ``holder`` runs, from ``routed``'s prefix,
+        drafting with ``draft_method`` (None: the engine's). It finishes through
+        ``on_copy_finished`` with the holder's id, never as this instance's; a Pull here
+        drops it (other weights would sample other tokens)."""
         if self._on_copy_finished is None:
             raise RuntimeError(f"instance {self.inst} was built without on_copy_finished")
         with self._lock:
@@ -285,6 +289,7 @@ class RolloutInstance:
                 versions=routed.versions,
                 max_response=self._max_response,
                 group_id=routed.group_id,
+                draft_method=draft_method,
             )
             self._engine.submit([request])
             r = routed
@@ -441,6 +446,9 @@ class RolloutInstance:
                 prefix_hits=t.prefix_hits,
                 prefix_tokens=t.prefix_tokens,
                 speculation=getattr(self._engine, "speculation_stats", lambda: None)(),
+                speculation_by_method=getattr(
+                    self._engine, "speculation_stats_by_method", lambda: None
+                )(),
             )
 
     @property

@@ -275,6 +275,34 @@ def speculation_keys(verifications: int, drafted: int, accepted: int) -> dict[st
     }
 
 
+SPECULATION_BY_METHOD = "speculation/method/"  # + method + "/" + counter
+
+
+def speculation_method_keys(by_method: Mapping[str, tuple[int, int, int]]) -> dict[str, float]:
+    """The counters per draft method (``group``, ``own``, ``off``; a race copy may draft
+    with another method than its original), ``(verifications, drafted, accepted)`` each,
+    for ``extra``: ``speculation/method/<method>/<counter>``."""
+    return {
+        f"{SPECULATION_BY_METHOD}{m}/{name}": float(n)
+        for m, counts in sorted(by_method.items())
+        for name, n in zip(SPECULATION, counts, strict=True)
+    }
+
+
+def speculation_method_counts(extra: Mapping[str, float]) -> dict[str, tuple[int, int, int]]:
+    """The counters :func:`speculation_method_keys` wrote into a record's ``extra``."""
+    found: dict[str, dict[str, int]] = {}
+    for key, value in extra.items():
+        if key.startswith(SPECULATION_BY_METHOD):
+            method, _, name = key.removeprefix(SPECULATION_BY_METHOD).rpartition("/")
+            found.setdefault(method, {})[name] = int(value)
+    return {
+        m: (c["verifications"], c["drafted"], c["accepted"])
+        for m, c in found.items()
+        if all(name in c for name in SPECULATION)
+    }
+
+
 def speculation_counts(extra: Mapping[str, float]) -> tuple[int, int, int] | None:
     """The counters :func:`speculation_keys` wrote into a record's ``extra`` (None: none)."""
     keys = [f"speculation/{name}" for name in SPECULATION]

@@ -71,11 +71,12 @@ from staleflow.engines.checks import (
     check_request,
     check_unique,
 )
-from staleflow.engines.drafts import GroupedDraftSource, SpeculationStats, accepted
+from staleflow.engines.drafts import SpeculationStats, accepted
 from staleflow.engines.embedded import sampling
 from staleflow.engines.embedded.config import EmbeddedEngineConfig
 from staleflow.engines.embedded.prefix_store import HeldPrefix, PrefixStore, common_prefix
-from staleflow.engines.embedded.runner import ModelRunner
+from staleflow.engines.embedded.runner import ModelRunner, padded_batches
+from staleflow.engines.embedded.speculator import Speculator
 from staleflow.engines.embedded.weights import copy_checked
 from staleflow.models import lora
 
@@ -150,8 +151,7 @@ class EmbeddedEngine:
         self._prefix_tokens = 0
         self.preemptions = 0
         spec = config.speculation
-        self._draft_source = None if spec is None else GroupedDraftSource(spec.drafts)
-        self._spec_stats = [0, 0, 0]  # verifications (with a draft), drafted, accepted
+        self._spec = None if spec is None else Speculator(spec)
         logger.info(
             "embedded engine: %d layers, %d/%d heads, KV cache %.1f MiB (%d slots x %d tokens), "
             "budget %d tokens",
@@ -177,8 +177,8 @@ class EmbeddedEngine:
             r = _Request(c)
             self._waiting.append(r)
             self._known[r.traj_id] = r
-            if self._draft_source is not None:
-                self._draft_source.add(r.traj_id, c.group_id, r.prompt, r.tokens)
+            if self._spec is not None:
+                self._spec.add(r.traj_id, c.group_id, r.prompt, r.tokens, c.draft_method)
 
     def interrupt(self, traj_ids: Iterable[int]) -> dict[int, EngineOutput]:
         return {r.traj_id: r.output(None) for r in self._remove(traj_ids)}
@@ -211,8 +211,8 @@ class EmbeddedEngine:
             if r is None:
                 continue
             found.append(r)
-            if self._draft_source is not None:
-                self._draft_source.forget(r.traj_id)
+            if self._spec is not None:
+                self._spec.forget(r.traj_id)
             if r.admitted >= 0:
                 self._release_row(self._rows.index(r))
             else:
@@ -281,9 +281,9 @@ class EmbeddedEngine:
                 continue  # nothing left to cache (a one-token prompt, or all of it kept)
             tokens += len(seq) - start
             (extend if start else fresh).append((row, start, seq[start:]))
-        for batch in _batches(fresh, cap):
+        for batch in padded_batches(fresh, cap):
             self._prefill_batch(batch)
-        for batch in _batches(extend, cap):
+        for batch in padded_batches(extend, cap):
             self._prefill_batch(batch, extend=True)
         self._prefill_s += time.perf_counter() - t0
         self._prefill_tokens += tokens
@@ -344,8 +344,8 @@ class EmbeddedEngine:
                     finished.append((i, reason))
                     break
             produced += len(r.tokens) - start
-            if self._draft_source is not None:
-                self._draft_source.extend(r.traj_id, r.tokens[start:])
+            if self._spec is not None:
+                self._spec.extend(r.traj_id, r.tokens[start:])
         outputs = []
         # Highest rows first, so moving the last row into a hole never moves a finished one.
         for i, reason in reversed(finished):
@@ -354,8 +354,8 @@ class EmbeddedEngine:
                 self._keep_prefix(i, r)
             self._release_row(i)
             del self._known[r.traj_id]
-            if self._draft_source is not None:
-                self._draft_source.forget(r.traj_id)  # its tokens stay for its siblings
+            if self._spec is not None:
+                self._spec.forget(r.traj_id)  # its tokens stay for its siblings
             outputs.append(r.output(reason))
         outputs.reverse()
         self._decode_tokens += produced
@@ -398,21 +398,14 @@ class EmbeddedEngine:
         return toks.tolist(), lps.tolist()
 
     def _drafts(self) -> list[list[int]]:
-        """Each running request's draft: at most the adaptive length for this batch size, one
-        token short of its budget (the verified step adds a token of its own), and within
-        the KV budget together (a request grows by its accepted drafts plus one)."""
-        source, spec = self._draft_source, self.config.speculation
-        if source is None or spec is None:
+        """Each running request's draft (``Speculator.drafts``): one token short of its
+        budget (the verified step adds a token of its own), and within the KV budget
+        together (a request grows by its accepted drafts plus one)."""
+        if self._spec is None:
             return [[] for _ in self._rows]
-        k = spec.draft_length(len(self._rows))
         spare = self.config.kv_budget_tokens - sum(r.length + 1 for r in self._rows)
-        drafts = []
-        for r in self._rows:
-            room = min(k, r.max_response - len(r.tokens) - 1, spare)
-            d = source.draft(r.traj_id, room) if room > 0 else []
-            spare -= len(d)
-            drafts.append(d)
-        return drafts
+        rooms = [(r.traj_id, r.max_response - len(r.tokens) - 1) for r in self._rows]
+        return self._spec.drafts(rooms, spare)
 
     def _verify(self, drafts: list[list[int]]) -> list[list[tuple[int, float]]]:
         """Run every request's last token and draft through one forward and keep, per
@@ -446,11 +439,8 @@ class EmbeddedEngine:
             flat, [rows[i].traj_id for i, _ in keep], [len(rows[i].tokens) + j for i, j in keep]
         )
         out = accepted(drafts, toks, lps)
-        for d, pairs in zip(drafts, out, strict=True):
-            if d:
-                self._spec_stats[0] += 1
-                self._spec_stats[1] += len(d)
-                self._spec_stats[2] += len(pairs) - 1
+        if self._spec is not None:
+            self._spec.record([r.traj_id for r in rows], drafts, out)
         return out
 
     def _release_row(self, row: int) -> None:
@@ -525,15 +515,18 @@ class EmbeddedEngine:
 
     def speculation_stats(self) -> SpeculationStats | None:
         """Counters of verified drafts since the engine started (None: speculation off)."""
-        if self._draft_source is None:
-            return None
-        v, d, a = self._spec_stats
-        return SpeculationStats(verifications=v, drafted=d, accepted=a)
+        return None if self._spec is None else self._spec.stats()
+
+    def speculation_stats_by_method(self) -> dict[str, SpeculationStats] | None:
+        """The counters per draft method (a request's own, ``draft_method``, or the
+        engine's); None: speculation off."""
+        return None if self._spec is None else self._spec.stats_by_method()
 
     @property
     def drafts_from_siblings(self) -> bool:
-        """Grouped drafts: siblings on other instances help (``add_group_responses``)."""
-        return self._draft_source is not None and self._draft_source.settings.scope == "group"
+        """Grouped drafts (the engine's method, or a request's): siblings on other
+        instances help (``add_group_responses``)."""
+        return self._spec is not None and self._spec.grouped
 
     def add_group_responses(
         self,
@@ -547,18 +540,18 @@ class EmbeddedEngine:
         for its members here to draft from (no-op without grouped speculation). With
         ``traj_ids``, response ``i`` is sibling ``traj_ids[i]``'s from index ``starts[i]``
         (0 if not given) on, and goes on what was handed over of it before."""
-        if self._draft_source is not None:
+        if self._spec is not None:
             for i, tokens in enumerate(responses):
                 tid = None if traj_ids is None else traj_ids[i]
                 start = 0 if starts is None else starts[i]
-                self._draft_source.add_reference(group_id, prompt, tokens, tid, start)
+                self._spec.add_reference(group_id, prompt, tokens, tid, start)
 
     def forget_groups(self, group_ids: Iterable[int]) -> None:
         """Drop the drafts of groups that were consumed or aborted (no-op without
         speculation; groups beyond the draft source's bound go on their own)."""
-        if self._draft_source is not None:
+        if self._spec is not None:
             for g in group_ids:
-                self._draft_source.forget_group(g)
+                self._spec.forget_group(g)
 
     def times(self) -> StepTimes:
         return StepTimes(
@@ -577,21 +570,3 @@ class EmbeddedEngine:
     @property
     def version(self) -> int:
         return self._version
-
-
-def _batches(
-    items: list[tuple[int, int, np.ndarray]], cap: int
-) -> Iterable[list[tuple[int, int, np.ndarray]]]:
-    """``items`` in order, cut so that each batch's padded size (requests x longest)
-    stays within ``cap`` (a longer single item runs alone)."""
-    batch: list[tuple[int, int, np.ndarray]] = []
-    longest = 0
-    for item in items:
-        n = len(item[2])
-        if batch and (len(batch) + 1) * max(longest, n) > cap:
-            yield batch
-            batch, longest = [], 0
-        batch.append(item)
-        longest = max(longest, n)
-    if batch:
-        yield batch

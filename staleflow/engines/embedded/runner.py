@@ -13,8 +13,10 @@ embeddings (the LM head module is used as is, whatever it shares).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -304,3 +306,21 @@ class ModelRunner:
             h = h + attn.o_proj(a.reshape(n, length, kvh * rep * hd))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         return self.lm_head(self.norm(h)).float()
+
+
+def padded_batches(
+    items: list[tuple[int, int, np.ndarray]], cap: int
+) -> Iterable[list[tuple[int, int, np.ndarray]]]:
+    """Prefill items ``(row, start, tokens)`` in order, cut so that each batch's padded
+    size (requests x longest) stays within ``cap`` (a longer single item runs alone)."""
+    batch: list[tuple[int, int, np.ndarray]] = []
+    longest = 0
+    for item in items:
+        n = len(item[2])
+        if batch and (len(batch) + 1) * max(longest, n) > cap:
+            yield batch
+            batch, longest = [], 0
+        batch.append(item)
+        longest = max(longest, n)
+    if batch:
+        yield batch

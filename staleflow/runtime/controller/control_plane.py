@@ -595,4 +595,5 @@ def _races(plane: ControlPlane, ts: object, last: Mapping[str, float]) -> Runtim
         routable=plane.loop.routable,
         speeds=estimator.relative if estimator is not None else None,
         totals=last,
+        copy_method=plane.config.race_draft_method,
     )

@@ -25,6 +25,8 @@ from staleflow.runfolder.step_record import (
     record_key,
     speculation_counts,
     speculation_keys,
+    speculation_method_counts,
+    speculation_method_keys,
 )
 from staleflow.runtime.interface import Rewarded, StepReport
 
@@ -61,10 +63,11 @@ class StepMetrics:
         self._carried: Counter[str] = Counter()
         self._latest: dict[int, dict[str, float]] = {}
         self._instance_s = 0.0  # the shares' denominator: instances x seconds, summed
-        # speculation's counters, kept as the seconds are: each live instance's latest
-        # (they count from its start) and those of instances gone; None: speculation off
-        self._spec_carried: SpeculationStats | None = None
-        self._spec_latest: dict[int, SpeculationStats] = {}
+        # speculation's counters per draft method, kept as the seconds are: each live
+        # instance's latest (they count from its start) and those of instances gone;
+        # None: speculation off
+        self._spec_carried: dict[str, SpeculationStats] | None = None
+        self._spec_latest: dict[int, dict[str, SpeculationStats]] = {}
 
     def continue_from(self, records: Sequence[StepRecord]) -> None:
         """A resumed run (``docs/recovery.md``): step numbers, elapsed time, trained
@@ -83,7 +86,13 @@ class StepMetrics:
         self._carried.update({k: shares[k] * self._instance_s for k in TABLE3 if k in shares})
         counts = speculation_counts(last.extra)
         if counts is not None:
-            self._spec_carried = SpeculationStats(*counts)
+            per = {
+                m: SpeculationStats(*c) for m, c in speculation_method_counts(last.extra).items()
+            }
+            rest = SpeculationStats(*counts) - sum(per.values(), SpeculationStats())
+            if rest.verifications or rest.drafted:  # a record from before the methods
+                per["unrecorded"] = rest
+            self._spec_carried = per
 
     def instance_lost(self, inst: int) -> None:
         """``inst`` is gone: its seconds up to the last step stay in the shares (those
@@ -98,12 +107,12 @@ class StepMetrics:
         last = self._latest.pop(inst, {})
         self._carried.update(_seconds(times) if times is not None else last)
         spec = self._spec_latest.pop(inst, None)
-        self._carry_speculation(times.speculation if times is not None else spec)
+        self._carry_speculation(_by_method(times) if times is not None else spec)
         self.instances = [i for i in self.instances if i != inst]
 
-    def _carry_speculation(self, stats: SpeculationStats | None) -> None:
+    def _carry_speculation(self, stats: Mapping[str, SpeculationStats] | None) -> None:
         if stats is not None:
-            self._spec_carried = stats + (self._spec_carried or SpeculationStats())
+            self._spec_carried = _add(self._spec_carried or {}, stats)
 
     def instance_joined(self, inst: int) -> None:
         if inst not in self.instances:
@@ -150,7 +159,7 @@ class StepMetrics:
         # one that did not answer keeps its latest seconds until it is declared lost
         self._latest.update({i: _seconds(t) for i, t in instance_times.items()})
         self._spec_latest.update(
-            {i: t.speculation for i, t in instance_times.items() if t.speculation is not None}
+            {i: s for i, t in instance_times.items() if (s := _by_method(t)) is not None}
         )
         seconds = Counter(self._carried)
         for own in self._latest.values():
@@ -207,16 +216,47 @@ class StepMetrics:
     def _speculation(self) -> dict[str, float]:
         """Speculation's counters over the run (live instances' and those gone), absent
         while no instance speculates (``rollout.speculation.method: off``)."""
-        counts = self.speculation_totals()
-        return {} if counts is None else speculation_keys(*counts)
+        per = self._speculation_by_method()
+        if per is None:
+            return {}
+        total = sum(per.values(), SpeculationStats())
+        return {
+            **speculation_keys(total.verifications, total.drafted, total.accepted),
+            **speculation_method_keys(
+                {m: (s.verifications, s.drafted, s.accepted) for m, s in per.items()}
+            ),
+        }
 
     def speculation_totals(self) -> tuple[int, int, int] | None:
         """(drafts verified, draft tokens, accepted ones) over the run, as the last
         record has them (None: no instance speculates)."""
+        per = self._speculation_by_method()
+        if per is None:
+            return None
+        total = sum(per.values(), SpeculationStats())
+        return total.verifications, total.drafted, total.accepted
+
+    def _speculation_by_method(self) -> dict[str, SpeculationStats] | None:
         if self._spec_carried is None and not self._spec_latest:
             return None
-        total = sum(self._spec_latest.values(), self._spec_carried or SpeculationStats())
-        return total.verifications, total.drafted, total.accepted
+        per: dict[str, SpeculationStats] = dict(self._spec_carried or {})
+        for own in self._spec_latest.values():
+            per = _add(per, own)
+        return per
+
+
+def _by_method(t: InstanceTimes) -> dict[str, SpeculationStats] | None:
+    """An instance's speculation counters per draft method (None: speculation off); an
+    engine that does not tell them apart counts all under its one method, ``all``."""
+    if t.speculation_by_method is not None:
+        return dict(t.speculation_by_method)
+    return None if t.speculation is None else {"all": t.speculation}
+
+
+def _add(
+    a: Mapping[str, SpeculationStats], b: Mapping[str, SpeculationStats]
+) -> dict[str, SpeculationStats]:
+    return {m: a.get(m, SpeculationStats()) + b.get(m, SpeculationStats()) for m in {*a, *b}}
 
 
 def _prefix_reuse(instance_times: Mapping[int, InstanceTimes]) -> dict[str, float]:

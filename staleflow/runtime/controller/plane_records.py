@@ -32,6 +32,9 @@ class ControlConfig:
     # the engines decode speculatively (rollout.speculation): the coordinator's cost model
     # starts from this profile, its acceptance learned from their counters; None: off
     speculation: SpeculationProfile | None = None
+    # the draft method a tail-race copy runs with (rollout.speculation.race_method;
+    # runtime/controller/races.py); None: the engine's
+    race_draft_method: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,13 @@ extend what the TS holds is refused. The vLLM adapter keys its draws by position
 (``samples_by_resume_point``; none of the built-in ones now) samples the same tokens only
 from the same point: its holder first resubmits the original where it is and reports that
 response (``prepare_race``), and the copy forks exactly there.
+
+Fastest-of-N over draft methods (SpecActor §4.2): with speculation on, a copy drafts with
+``copy_method`` (``rollout.speculation.race_method``: by default ``group``, the other
+method for an ``own`` run), so the race is between two draft methods as well as two
+instances. Every draft method samples the same tokens for the same key
+(docs/speculation.md), so this changes only which side is faster. Copy wins are counted
+per method (``race/won_<method>``, ``same`` for a copy on the original's method).
 """
 
 from __future__ import annotations
@@ -46,13 +53,17 @@ from trajectory_server.types import InstanceId
 
 logger = logging.getLogger(__name__)
 
+WON_BY = "race/won_"  # + a copy's draft method: the copies of that method that won
+
 
 class RacingInstance(Protocol):
     """What an instance handle offers for the race (``InstanceHost``)."""
 
     def prepare_race(self, traj_id: int) -> bool: ...
 
-    def race(self, traj_id: int, holder: InstanceId) -> int | None: ...
+    def race(
+        self, traj_id: int, holder: InstanceId, draft_method: str | None = None
+    ) -> int | None: ...
 
     def drop_copies(self, traj_ids: Sequence[int]) -> Mapping[int, CopyEnd]: ...
 
@@ -83,6 +94,7 @@ class RuntimeRaces:
         routable: Callable[[], Sequence[TrajectoryView]],
         speeds: Callable[[Sequence[int]], np.ndarray] | None = None,
         totals: Mapping[str, float] | None = None,
+        copy_method: str | None = None,
     ) -> None:
         self.rule = rule
         self._ts = ts
@@ -96,6 +108,13 @@ class RuntimeRaces:
         self._started = int(last.get("race/started", 0))
         self._won = int(last.get("race/won", 0))
         self._wasted = int(last.get("race/wasted_tokens", 0))
+        # a copy's draft method (None: the engine's, the original's), and the copies that
+        # won per method, so that one can see which method won its races
+        self.copy_method = copy_method
+        self._won_by = {
+            k.removeprefix(WON_BY): int(v) for k, v in last.items() if k.startswith(WON_BY)
+        }
+        self._methods: dict[tuple[TrajId, int], str] = {}  # (trajectory, dest) -> method
 
     def counters(self) -> RaceCounters:
         return RaceCounters(self._started, self._won, self._wasted)
@@ -106,7 +125,13 @@ class RuntimeRaces:
             "race/started": float(self._started),
             "race/won": float(self._won),
             "race/wasted_tokens": float(self._wasted),
+            **{WON_BY + m: float(n) for m, n in sorted(self._won_by.items())},
         }
+
+    def won_by_method(self) -> dict[str, int]:
+        """Copies that won their race, by the copy's draft method (``same``: the
+        original's)."""
+        return dict(self._won_by)
 
     def hosting(self) -> set[int]:
         return hosting(self.active)
@@ -138,7 +163,7 @@ class RuntimeRaces:
             try:
                 if tid not in self.active and not original.prepare_race(tid):
                     continue  # it left its holder meanwhile
-                fork = dest.race(tid, holder)
+                fork = dest.race(tid, holder, self.copy_method)
             except Exception as exc:  # the destination's loss is the supervisor's business
                 logger.warning("race copy of %d on instance %d failed: %s", tid, race.dest, exc)
                 continue
@@ -146,6 +171,7 @@ class RuntimeRaces:
                 continue  # no longer ROUTED to its holder: it finished meanwhile
             entry = self.active.setdefault(tid, RaceEntry(race.holder, fork))
             entry.dests.append(race.dest)
+            self._methods[tid, race.dest] = self.copy_method or "same"
             started += 1
         self._started += started
         return started
@@ -172,9 +198,10 @@ class RuntimeRaces:
     def instance_left(self, inst: int) -> None:
         """``inst`` left the run: its copies are gone; races it held end (the TS requeued
         the trajectory, so the copies are dropped at the next :meth:`settle`)."""
-        for race in self.active.values():
+        for tid, race in self.active.items():
             if inst in race.dests:
                 race.dests.remove(inst)
+                self._methods.pop((tid, inst), None)
         for tid in [t for t, r in self.active.items() if not r.dests and r.holder != inst]:
             del self.active[tid]
 
@@ -182,6 +209,7 @@ class RuntimeRaces:
         race = self.active.pop(tid)
         instances = self._instances()
         for d in race.dests:
+            method = self._methods.pop((tid, d), "same")
             handle = instances.get(d)
             if handle is None:
                 continue
@@ -189,6 +217,7 @@ class RuntimeRaces:
                 for end in handle.drop_copies([tid]).values():
                     if end.won:
                         self._won += 1
+                        self._won_by[method] = self._won_by.get(method, 0) + 1
                     else:
                         self._wasted += max(end.tokens - race.fork, 0)
             except Exception as exc:

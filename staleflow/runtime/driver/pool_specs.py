@@ -47,6 +47,7 @@ def control_config(cfg: RunConfig) -> ControlConfig:
         prefix_cache=cfg.data.task in ENV_TASKS
         and (cfg.rollout.backend in ("vllm", "sglang") or cfg.rollout.prefix_cache_tokens > 0),
         speculation=speculation_prior(cfg.rollout.speculation),
+        race_draft_method=cfg.rollout.speculation.race_copy_method(),
     )
 
 

@@ -168,8 +168,8 @@ class InstanceClient:
     def prepare_race(self, traj_id: int) -> bool:
         return self._get(self.handle.prepare_race.remote(traj_id))
 
-    def race(self, traj_id: int, holder: InstanceId) -> int | None:
-        return self._get(self.handle.race.remote(traj_id, holder))
+    def race(self, traj_id: int, holder: InstanceId, draft_method: str | None = None) -> int | None:
+        return self._get(self.handle.race.remote(traj_id, holder, draft_method))
 
     def drop_copies(self, traj_ids: Sequence[int]) -> dict[int, CopyEnd]:
         return self._get(self.handle.drop_copies.remote(list(traj_ids)))
@@ -353,8 +353,8 @@ class RolloutActor:
     def prepare_race(self, traj_id: int) -> bool:
         return self._host.prepare_race(traj_id)
 
-    def race(self, traj_id: int, holder: InstanceId) -> int | None:
-        return self._host.race(traj_id, holder)
+    def race(self, traj_id: int, holder: InstanceId, draft_method: str | None = None) -> int | None:
+        return self._host.race(traj_id, holder, draft_method)
 
     def drop_copies(self, traj_ids: list[int]) -> dict[int, CopyEnd]:
         return self._host.drop_copies(traj_ids)

@@ -103,9 +103,13 @@ class InstanceHost:
             eval_running=eval_running,
         )
         self._reported: dict[int, int] = {}  # trajectory -> tokens the TS has from us
+        # an engine that speculates may run a request drafting from its group (its own
+        # method, or a race copy's, rollout.speculation.race_method) even where its own
+        # method is not: the fetch runs while one does (fetch_siblings)
+        speculates = getattr(engine, "speculation_stats", lambda: None)() is not None
         self.siblings = (
             SiblingDrafts(self.instance, ts, self.holder)
-            if getattr(engine, "drafts_from_siblings", False)
+            if hasattr(engine, "drafts_from_siblings") and speculates
             else None
         )
         self._progress_stop = threading.Event()
@@ -207,15 +211,15 @@ class InstanceHost:
 
     # -- race copies (runtime/races.py) -------------------------------------------------
 
-    def race(self, traj_id: int, holder: InstanceId) -> int | None:
+    def race(self, traj_id: int, holder: InstanceId, draft_method: str | None = None) -> int | None:
         """Start a copy of ``traj_id``, which ``holder`` runs, from the response the TS has
-        of it; returns that response's length, None if the TS no longer has it routed
-        there (the race is off)."""
+        of it, drafting with ``draft_method`` (None: the engine's); returns that response's
+        length, None if the TS no longer has it routed there (the race is off)."""
         self._check()
         fork = self._ts.fork(traj_id, holder)
         if fork is None:
             return None
-        self.instance.submit_copy(fork, holder)
+        self.instance.submit_copy(fork, holder, draft_method)
         return len(fork.tokens)
 
     def prepare_race(self, traj_id: int) -> bool:
@@ -295,7 +299,9 @@ class InstanceHost:
     def fetch_siblings(self) -> int:
         """Grouped drafts: hand the engine the new tokens of its groups' members elsewhere
         and have it forget the groups gone from the TS; the tokens handed (0: off)."""
-        return 0 if self.siblings is None else self.siblings.fetch()
+        if self.siblings is None or not getattr(self._engine, "drafts_from_siblings", False):
+            return 0
+        return self.siblings.fetch()
 
     def _report_loop(self, every_s: float) -> None:
         while not self._progress_stop.wait(every_s):

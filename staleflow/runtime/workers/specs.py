@@ -256,6 +256,7 @@ def speculation_settings(options: SpeculationOptions) -> SpeculationSettings | N
         ),
         max_draft=options.max_draft,
         batch_draft_tokens=options.batch_draft_tokens,
+        window=options.window,
     )
 
 

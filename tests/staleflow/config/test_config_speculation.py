@@ -7,6 +7,7 @@ import pytest
 
 from staleflow.config import ConfigError, load_config
 from staleflow.engines.drafts import SpeculationSettings
+from staleflow.runtime.driver.pool_specs import control_config
 from staleflow.runtime.workers.specs import speculation_settings
 
 
@@ -24,6 +25,19 @@ def test_off_by_default_and_mapped_to_the_engine_setting() -> None:
     s = speculation_settings(cfg.rollout.speculation)
     assert isinstance(s, SpeculationSettings)
     assert (s.drafts.scope, s.drafts.max_ngram, s.max_draft, s.draft_length(8)) == ("own", 3, 4, 2)
+    assert not s.window
+
+
+def test_window_and_race_method_reach_the_engine_and_the_control_plane() -> None:
+    assert control_config(load_config(None, [])).race_draft_method is None
+    cfg = load_config(None, ["rollout.speculation.method=own", "rollout.speculation.window=true"])
+    s = speculation_settings(cfg.rollout.speculation)
+    assert s is not None and s.window
+    assert control_config(cfg).race_draft_method == "group"  # auto: group for the copies
+    cfg = load_config(
+        None, ["rollout.speculation.method=own", "rollout.speculation.race_method=same"]
+    )
+    assert control_config(cfg).race_draft_method is None
 
 
 @pytest.mark.parametrize(
@@ -31,6 +45,7 @@ def test_off_by_default_and_mapped_to_the_engine_setting() -> None:
     [
         (["rollout.backend=vllm", "rollout.speculation.method=group"], "set it to off"),
         (["rollout.speculation.method=eagle"], "method"),
+        (["rollout.speculation.race_method=eagle"], "race_method"),
         (["rollout.speculation.min_ngram=5", "rollout.speculation.max_ngram=3"], "exceeds"),
     ],
 )

@@ -133,3 +133,25 @@ def test_a_sibling_handed_over_in_pieces_is_one_sequence() -> None:
     src.add(1, 4, PROMPT, [10, 11, 20, 21, 22])
     src.add(3, 4, PROMPT, [20, 21])
     assert src.draft(3, 1) == [22]
+
+
+def test_a_trajectory_may_draft_in_another_scope_than_the_sources() -> None:
+    """A request's own draft method (a race copy's): in a group-scoped source an ``own``
+    member drafts from its own history only; in an own-scoped source a ``group`` member
+    drafts from its group, and that group then takes references from elsewhere."""
+    src = GroupedDraftSource(DraftSettings(scope="group", min_ngram=2, max_ngram=2))
+    src.add(1, 4, PROMPT, [10, 11, 12, 13])
+    src.add(2, 4, PROMPT, [10, 11], scope="own")
+    src.add(3, 4, PROMPT, [10, 11])
+    assert src.draft(2, 2) == [] and src.draft(3, 2) == [12, 13]
+    assert src.grouped
+    own = GroupedDraftSource(DraftSettings(scope="own", min_ngram=2, max_ngram=2))
+    own.add(1, 4, PROMPT, [10, 11])
+    assert not own.grouped
+    own.add_reference(4, PROMPT, [10, 11, 12, 13])  # no member drafts from group 4: ignored
+    own.add(2, 4, PROMPT, [10, 11], scope="group")
+    assert own.grouped and own.draft(2, 2) == []
+    own.add_reference(4, PROMPT, [10, 11, 12, 13])
+    assert own.draft(2, 2) == [12, 13] and own.draft(1, 2) == []
+    with pytest.raises(ValueError, match="scope"):
+        own.add(3, 4, PROMPT, [], scope="eagle")

@@ -202,3 +202,91 @@ def test_forgotten_groups_draft_nothing() -> None:
     eng2 = engine(model, spec())
     run(eng2, [[req(1, 16)], [req(2, 16, group=0)]])
     assert eng2.speculation_stats().accepted > own.accepted
+
+
+def with_method(r: GenerationRequest, method: str | None) -> GenerationRequest:
+    return GenerationRequest(
+        r.traj_id, r.prompt, r.tokens, r.logprobs, r.versions, r.max_response, r.group_id, method
+    )
+
+
+def test_the_same_key_under_two_draft_methods_samples_the_same_tokens() -> None:
+    """Fastest-of-N over draft methods (a race copy drafting otherwise than its original):
+    the same trajectories, with the same finished siblings, drafting from the group in one
+    engine and from their own history in another, sample the same tokens and logprobs at
+    temperature 1, and differ only in what was accepted, counted per method."""
+    model = peaked_model()
+    siblings = run(engine(model, None, temperature=1.0), [[req(i, 24) for i in range(8)]])
+    stragglers = [req(100 + i, 24) for i in range(4)]
+    got, stats = {}, {}
+    for method in ("group", "own"):
+        eng = engine(model, spec("group"), temperature=1.0)
+        eng.add_group_responses(0, PROMPT, [o.tokens for o in siblings.values()])
+        done = run(
+            eng, [[with_method(r, None if method == "group" else method) for r in stragglers]]
+        )
+        got[method] = done
+        by_method = eng.speculation_stats_by_method()
+        assert list(by_method) == [method]  # every verification counted under its method
+        assert by_method[method] == eng.speculation_stats()
+        stats[method] = by_method[method]
+    for tid in got["group"]:
+        np.testing.assert_array_equal(got["own"][tid].tokens, got["group"][tid].tokens)
+        np.testing.assert_allclose(got["own"][tid].logprobs, got["group"][tid].logprobs, atol=1e-4)
+    # the siblings' responses are drafts the own history does not have
+    assert stats["group"].accepted > stats["own"].accepted
+
+
+def test_mixed_draft_methods_in_one_batch_are_token_identical_and_counted_apart() -> None:
+    model = peaked_model()
+    methods = [None, "group", "own", "off"]
+    waves = [[req(10 * w + i, 20) for i in range(8)] for w in range(2)]
+    plain = run(engine(model, None), waves)
+    eng = engine(model, spec("group"))
+    mixed = [[with_method(r, methods[i % 4]) for i, r in enumerate(wave)] for wave in waves]
+    got = run(eng, mixed)
+    for tid, out in plain.items():
+        np.testing.assert_array_equal(got[tid].tokens, out.tokens)
+        np.testing.assert_allclose(got[tid].logprobs, out.logprobs, atol=1e-4)
+    by_method = eng.speculation_stats_by_method()
+    assert set(by_method) == {"group", "own"}  # an "off" request verifies no draft
+    assert by_method["group"].accepted > 0 and by_method["own"].verifications > 0
+    with pytest.raises(ValueError, match="draft_method"):
+        eng.submit([with_method(req(99, 4), "eagle")])
+
+
+def test_draft_window_keeps_exactness_and_cuts_the_drafts_of_low_acceptance() -> None:
+    """With the per-request window the tokens are those sampled without drafts (greedy and,
+    with the same keys, at temperature 1 across a resume), and fewer draft tokens are
+    verified for about the same accepted ones."""
+    model = peaked_model()
+    waves = [[req(i, 24) for i in range(4)], [req(i, 24) for i in range(4, 12)]]
+    for t in (0.0, 1.0):
+        plain = run(engine(model, None, temperature=t), waves)
+        stats = {}
+        for window in (False, True):
+            eng = engine(model, spec("own", window=window), temperature=t)
+            eng.submit(waves[0])
+            got: dict[int, EngineOutput] = {}
+            for step in range(400):
+                if not eng.has_work:
+                    break
+                if step == 3:  # interrupt and resume: the window starts again
+                    parts = eng.interrupt(range(4))
+                    eng.submit(
+                        [
+                            GenerationRequest(tid, PROMPT, p.tokens, p.logprobs, p.versions, 24, 0)
+                            for tid, p in parts.items()
+                        ]
+                    )
+                for out in eng.step():
+                    got[out.traj_id] = out
+            got.update(run(eng, waves[1:]))
+            for tid, out in plain.items():
+                np.testing.assert_array_equal(got[tid].tokens, out.tokens)
+                np.testing.assert_allclose(got[tid].logprobs, out.logprobs, atol=1e-4)
+            stats[window] = eng.speculation_stats()
+        assert stats[True].drafted <= stats[False].drafted
+        if t > 0:  # sampling rejects drafts (greedy repeats its own history: none rejected)
+            assert 0 < stats[True].wasted < stats[False].wasted
+            assert stats[True].drafted < stats[False].drafted

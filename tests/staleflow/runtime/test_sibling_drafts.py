@@ -81,6 +81,7 @@ class _Host:
             weights=_OwnWeights(self.engine),  # type: ignore[arg-type]
             max_response=RESPONSE,
             on_finished=self._on_finished,
+            on_copy_finished=lambda done: (),  # race copies: none finishes in these tests
         )
 
     def _on_finished(self, fs: list[Finished]) -> None:
@@ -138,12 +139,12 @@ def test_the_groups_that_left_the_ts_are_forgotten_and_off_means_no_fetch() -> N
     a.run(ts, 0, fetch=False)
     b.host.route([1], {1: 0})
     assert b.host.fetch_siblings() == RESPONSE and b.host.siblings.groups == 1  # type: ignore[union-attr]
-    assert b.engine._draft_source.groups == 1  # type: ignore[union-attr]  # the engine's own
+    assert b.engine._spec.source.groups == 1  # type: ignore[union-attr]  # the engine's own
     assert b.host.fetch_siblings() == 0  # nothing new: nothing travels
     assert b.host.abort([1]) == (1,)
     ts.abort_group(0)
     assert b.host.fetch_siblings() == 0
-    assert b.host.siblings.groups == 0 and b.engine._draft_source.groups == 0  # type: ignore[union-attr]
+    assert b.host.siblings.groups == 0 and b.engine._spec.source.groups == 0  # type: ignore[union-attr]
     # the progress thread fetches after each report (what a fetch hands over is above)
     c = _Host(3, ts, "group")
     c.host.start(progress_every_s=0.01)
@@ -157,5 +158,23 @@ def test_the_groups_that_left_the_ts_are_forgotten_and_off_means_no_fetch() -> N
     # own-history drafts and no speculation: no sibling is fetched, and no counters
     for method in ("own", None):
         host = _Host(2, ts, method).host
-        assert host.siblings is None and host.fetch_siblings() == 0
+        assert (host.siblings is None) == (method is None) and host.fetch_siblings() == 0
         assert (host.times().speculation is None) == (method is None)
+
+
+def test_an_own_history_instance_fetches_siblings_for_a_copy_drafting_from_the_group() -> None:
+    """A race copy drafting from its group (rollout.speculation.race_method) on an instance
+    whose engine drafts from own history: the copy reaches the engine with its method, the
+    fetch runs while it is there, and the copy drafts from its sibling's response."""
+    ts = TrajectoryServer(TrajectoryServerConfig(eta=1, batch_size=1, group_size=2), _Prompts())
+    a, b = _Host(0, ts, "group"), _Host(1, ts, "own")
+    assert a.host.route([0, 1], {0: 0, 1: 0}) == (0, 1)
+    sibling = (np.arange(RESPONSE, dtype=np.int32) * 5 + 3) % (VOCAB - 1) + 1
+    zeros = np.zeros(RESPONSE, np.float32)
+    ts.complete(0, sibling, zeros, zeros.astype(np.int32), 0.0, "length")
+    assert b.host.fetch_siblings() == 0  # nothing here drafts from a group
+    assert b.host.race(1, a.host.holder, "group") == 0  # a copy of 1 from its start
+    assert b.host.fetch_siblings() == RESPONSE
+    source = b.engine._spec.source  # type: ignore[union-attr]
+    source.extend(1, sibling[:1])  # once the copy sampled its first token...
+    assert source.draft(1, 4) == sibling[1:5].tolist()  # ...it drafts the sibling's next

@@ -127,7 +127,63 @@ def _spec(times: InstanceTimes, v: int, d: int, a: int) -> InstanceTimes:
 
 
 def _spec_keys(rec: StepRecord) -> dict[str, float]:
-    return {k: v for k, v in rec.to_flat().items() if k.startswith("speculation/")}
+    """The totals (not the per-method counters)."""
+    return {
+        k: v
+        for k, v in rec.to_flat().items()
+        if k.startswith("speculation/") and not k.startswith("speculation/method/")
+    }
+
+
+def _by_method(times: InstanceTimes, **per: tuple[int, int, int]) -> InstanceTimes:
+    from dataclasses import replace
+
+    from staleflow.engines.drafts import SpeculationStats
+
+    stats = {m: SpeculationStats(*c) for m, c in per.items()}
+    return replace(
+        times,
+        speculation=sum(stats.values(), SpeculationStats()),
+        speculation_by_method=stats,
+    )
+
+
+def _method_keys(rec: StepRecord) -> dict[str, float]:
+    return {
+        k.removeprefix("speculation/method/"): v
+        for k, v in rec.to_flat().items()
+        if k.startswith("speculation/method/")
+    }
+
+
+def test_speculation_counters_per_draft_method_over_the_instances_and_a_resume():
+    """A race copy may draft with another method than its original: the record counts
+    each method's verifications, drafted and accepted tokens over the instances (those
+    gone included) and across a resume; the totals are their sums."""
+    m = StepMetrics([0, 1], started=0.0)
+    first = _step(
+        m,
+        1.0,
+        {
+            0: _by_method(_times(1.0), group=(4, 20, 10)),
+            1: _by_method(_times(1.0), own=(2, 8, 1), group=(1, 4, 4)),
+        },
+    )
+    assert _method_keys(first) == {
+        "group/verifications": 5.0, "group/drafted": 24.0, "group/accepted": 14.0,
+        "own/verifications": 2.0, "own/drafted": 8.0, "own/accepted": 1.0,
+    }  # fmt: skip
+    assert _spec_keys(first)["speculation/accepted"] == 15.0
+    m.instance_lost(1)  # its counts stay per method
+    second = _step(m, 2.0, {0: _by_method(_times(1.0), group=(5, 24, 12), off=(0, 0, 0))})
+    keys = _method_keys(second)
+    assert (keys["group/accepted"], keys["own/accepted"]) == (16.0, 1.0)
+    resumed = StepMetrics([0], started=100.0)
+    resumed.continue_from([StepRecord.from_flat(r.to_flat()) for r in (first, second)])
+    rec = _step(resumed, 101.0, {0: _by_method(_times(1.0), own=(1, 3, 3))})
+    keys = _method_keys(rec)
+    assert (keys["group/accepted"], keys["own/accepted"], keys["own/drafted"]) == (16.0, 4.0, 11.0)
+    assert _spec_keys(rec)["speculation/accepted"] == 20.0
 
 
 def test_speculation_counters_are_summed_over_the_instances_and_the_run():

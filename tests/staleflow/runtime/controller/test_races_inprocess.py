@@ -237,8 +237,8 @@ def test_with_draws_keyed_by_the_resume_point_a_copy_forks_where_its_original_re
     for host in w.hosts.values():
         race = host.race
 
-        def recorded(tid, holder, race=race):
-            n = race(tid, holder)
+        def recorded(tid, holder, draft_method=None, race=race):
+            n = race(tid, holder, draft_method)
             if n is not None:
                 forks.append((tid, n))
             return n
