@@ -243,7 +243,7 @@ class SpeculationOptions:
             a is None or 0.0 <= a < 1.0,
             f"{self.KEY}.acceptance",
             a,
-            "must be in [0, 1) (a per-token probability), or null for the measured one",
+            "must be in [0, 1) (a per-token probability): use e.g. 0.8, or null for the measured one",
         )
 
     def race_copy_method(self) -> str | None:
