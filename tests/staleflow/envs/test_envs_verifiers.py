@@ -28,7 +28,7 @@ from staleflow.envs import EnvSample, ModelTurn, make_environment  # noqa: E402
 from staleflow.envs.base import EnvContractError  # noqa: E402
 from staleflow.envs.formats import tool_tokenizer  # noqa: E402
 from staleflow.envs.verifiers_env import VerifiersEnvironment  # noqa: E402
-from tests.staleflow.runtime.env_turns import model_turn  # noqa: E402
+from tests.staleflow.runtime.env_turns import env_stage_on_file, model_turn  # noqa: E402
 
 
 class CalcConfig(vf.ToolsetConfig):
@@ -170,47 +170,12 @@ def test_a_row_that_is_not_the_tasks_data_is_refused_by_field() -> None:
         env.start(EnvSample(0, "q", "a", {"level": "high"}), seed=0)
 
 
-class _Source:
-    def __init__(self, dataset) -> None:
-        self._samples = list(dataset)
-
-    def next_sample(self):
-        return self._samples.pop(0) if self._samples else None
-
-
 def test_env_name_runs_the_taskset_on_a_local_file_through_the_ts(tmp_path: Path) -> None:
-    from staleflow.config import load_config
-    from staleflow.runtime.driver.launch import build_dataset, preflight
-    from staleflow.runtime.workers.specs import RewardSpec, build_reward_stage, env_spec
-    from trajectory_server import (
-        TrajectoryServer,
-        TrajectoryServerConfig,
-    )
-
     tok = tool_tokenizer("calc_evaluate", arguments=("expression",))
-    path = tmp_path / "sums.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS))
-    cfg = load_config(
-        None,
-        [
-            "data.task=env",
-            f"env.name={__name__}:SumTaskset",
-            f"data.path={path}",
-            f"model.checkpoint={tmp_path}",  # a folder: the policy is never loaded here
-        ],
+    dataset, ts, stage = env_stage_on_file(
+        tmp_path, f"{__name__}:SumTaskset", ROWS, tok, "sums.jsonl"
     )
-    preflight(cfg)
-    dataset = build_dataset(cfg, tok)
     assert tok.decode(dataset[1].prompt_ids) == "6*7-2="
-    resolved = cfg.resolved()
-    spec = env_spec(resolved)
-    assert spec is not None
-    ts = TrajectoryServer(
-        TrajectoryServerConfig(eta=0, batch_size=1, group_size=1), _Source(dataset)
-    )
-    stage = build_reward_stage(
-        RewardSpec(resolved.reward, ("char", tok.alphabet), spec), ts, [].extend, "w"
-    )
 
     def turn(routed, text: str) -> list[int]:
         return stage.process([model_turn(ts, routed, tok, text)])

@@ -28,3 +28,48 @@ def model_turn(
         [FinishedTrajectory(f.traj_id, f.tokens, f.logprobs, f.versions, reason, f.mask)], "w"
     )
     return f
+
+
+class _Source:
+    def __init__(self, dataset) -> None:
+        self._samples = list(dataset)
+
+    def next_sample(self):
+        return self._samples.pop(0) if self._samples else None
+
+
+def env_stage_on_file(tmp_path, env_name: str, rows: list[dict], tok, filename: str):
+    """``rows`` written to a local JSONL file, launched as ``data.task=env`` with
+    ``env.name=env_name`` as the launcher prepares it (preflight, the dataset, the
+    environment spec), on a real TS of one trajectory per batch and the reward stage
+    that steps the environment: (dataset, ts, stage)."""
+    import json
+
+    from staleflow.config import load_config
+    from staleflow.runtime.driver.launch import build_dataset, preflight
+    from staleflow.runtime.workers.specs import RewardSpec, build_reward_stage, env_spec
+    from trajectory_server import TrajectoryServer, TrajectoryServerConfig
+
+    path = tmp_path / filename
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = load_config(
+        None,
+        [
+            "data.task=env",
+            f"env.name={env_name}",
+            f"data.path={path}",
+            f"model.checkpoint={tmp_path}",  # a folder: the policy is never loaded here
+        ],
+    )
+    preflight(cfg)
+    dataset = build_dataset(cfg, tok)
+    resolved = cfg.resolved()
+    spec = env_spec(resolved)
+    assert spec is not None
+    ts = TrajectoryServer(
+        TrajectoryServerConfig(eta=0, batch_size=1, group_size=1), _Source(dataset)
+    )
+    stage = build_reward_stage(
+        RewardSpec(resolved.reward, ("char", tok.alphabet), spec), ts, [].extend, "w"
+    )
+    return dataset, ts, stage
