@@ -63,6 +63,7 @@ from staleflow.envs.tool_calls import ToolCall, ToolCallError, parse_tool_calls
 
 if TYPE_CHECKING:
     from verifiers.v1 import Task, TaskData, Taskset
+    from verifiers.v1.mcp.toolset import Toolset
 
 T = TypeVar("T")
 # the rollout state of the step running in this context: {"state": the task state's JSON}
@@ -370,7 +371,7 @@ class VerifiersEnvironment:
                     )
         return schemas, owner
 
-    def _connect(self, toolset: Any) -> None:
+    def _connect(self, toolset: Toolset) -> None:
         """Be ``toolset``'s state channel, as the rollout's is (its GET dumps the task's
         state, its PUT validates the pushed copy into the task's state type). The channel
         is the running step's (a context variable: a shared toolset serves steps of
