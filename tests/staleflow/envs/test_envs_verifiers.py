@@ -180,8 +180,10 @@ class _Source:
 
 def test_env_name_runs_the_taskset_on_a_local_file_through_the_ts(tmp_path: Path) -> None:
     from staleflow.config import load_config
-    from staleflow.runtime.driver.launch import build_dataset, preflight
-    from staleflow.runtime.workers.specs import RewardSpec, build_reward_stage, env_spec
+    from staleflow.runtime.driver.launch import build_dataset
+    from staleflow.runtime.driver.launch_checks import preflight
+    from staleflow.runtime.driver.run_plan import plan_run
+    from staleflow.runtime.workers.specs import RewardSpec, build_reward_stage
     from trajectory_server import (
         TrajectoryServer,
         TrajectoryServerConfig,
@@ -199,17 +201,17 @@ def test_env_name_runs_the_taskset_on_a_local_file_through_the_ts(tmp_path: Path
             f"model.checkpoint={tmp_path}",  # a folder: the policy is never loaded here
         ],
     )
-    preflight(cfg)
-    dataset = build_dataset(cfg, tok)
+    plan = plan_run(cfg)
+    preflight(plan)
+    dataset = build_dataset(plan.task, tok)
     assert tok.decode(dataset[1].prompt_ids) == "6*7-2="
-    resolved = cfg.resolved()
-    spec = env_spec(resolved)
+    spec = plan.environment()
     assert spec is not None
     ts = TrajectoryServer(
         TrajectoryServerConfig(eta=0, batch_size=1, group_size=1), _Source(dataset)
     )
     stage = build_reward_stage(
-        RewardSpec(resolved.reward, ("char", tok.alphabet), spec), ts, [].extend, "w"
+        RewardSpec(plan.reward, ("char", tok.alphabet), spec), ts, [].extend, "w"
     )
 
     def turn(routed, text: str) -> list[int]:
