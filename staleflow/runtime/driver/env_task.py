@@ -31,38 +31,39 @@ from staleflow.envs.samples import env_samples, sample_columns
 from staleflow.runtime.errors import LaunchError
 
 if TYPE_CHECKING:
-    from staleflow.config import RunConfig
     from staleflow.data.tokenizer import Tokenizer
+    from staleflow.runtime.driver.run_plan import TaskPlan
 
 CALCULATOR_PROBLEMS = 20_000  # the built-in task's problems per run (a stream, seeded)
 DEFAULT_LAYOUT = RecordLayout("prompt", "answer", name="environment")
 PLAIN_SUFFIXES = (".jsonl", ".json", ".parquet", ".pq")  # read without `datasets`
 
 
-def task_environment(cfg: RunConfig) -> Environment:
-    """The environment of ``cfg``'s task, built as the reward workers build it."""
-    name = cfg.env.environment(cfg.data.task)
-    key = "env.name" if cfg.data.task == "env" else "data.task"
+def task_environment(task: TaskPlan) -> Environment:
+    """The environment of the run's task, built as the reward workers build it."""
+    name = task.env.environment(task.data.task)
+    key = "env.name" if task.data.task == "env" else "data.task"
     try:
-        return make_environment(name, **cfg.env.options(name))
+        return make_environment(name, **task.env.options(name))
     except (ValueError, ImportError, EnvContractError) as exc:
         raise LaunchError(f"{key}={name}: {exc}") from exc
 
 
-def task_samples(cfg: RunConfig, env: Environment) -> list[EnvSample]:
-    """The problems of ``cfg``'s environment task. Raises :class:`DatasetError`, or
+def task_samples(task: TaskPlan, env: Environment) -> list[EnvSample]:
+    """The problems of the run's environment task. Raises :class:`DatasetError`, or
     :class:`LaunchError` for an environment whose ``columns`` are malformed."""
-    if cfg.data.task == "calculator":
-        task = ArithmeticConfig.level(cfg.data.difficulty, seed=cfg.seed + 1)
-        return calculator_samples(task, size=CALCULATOR_PROBLEMS)
+    data = task.data
+    if data.task == "calculator":
+        problems = ArithmeticConfig.level(data.difficulty, seed=task.seed + 1)
+        return calculator_samples(problems, size=CALCULATOR_PROBLEMS)
     try:
         columns = sample_columns(env)
     except EnvContractError as exc:
-        raise LaunchError(f"env.name={cfg.env.name}: {exc}") from exc
-    layout = cfg.data.record_layout() or DEFAULT_LAYOUT
-    path = cfg.data.path
+        raise LaunchError(f"env.name={task.env.name}: {exc}") from exc
+    layout = data.record_layout() or DEFAULT_LAYOUT
+    path = data.path
     return env_samples(
-        _rows(path, cfg.data.split),
+        _rows(path, data.split),
         path,
         prompt_field=layout.prompt_field,
         answer_field=layout.answer_field,
@@ -76,14 +77,14 @@ def _rows(path: str, split: str) -> Any:
     return enumerate(open_hf_dataset(path, split), start=1)
 
 
-def check_env_task(cfg: RunConfig) -> None:
+def check_env_task(task: TaskPlan) -> None:
     """Refuse, before anything starts, an environment task that could not run: the
     environment must build and every row of its problems must read."""
-    env = task_environment(cfg)
-    if cfg.data.task == "calculator":
+    env = task_environment(task)
+    if task.data.task == "calculator":
         return  # the built-in problems
     try:
-        samples = task_samples(cfg, env)
+        samples = task_samples(task, env)
     except (DatasetError, ImportError) as exc:  # ImportError: `datasets`, for hf sources
         raise LaunchError(f"cannot read the environment's problems: {exc}") from exc
     first = samples[0]
@@ -91,14 +92,14 @@ def check_env_task(cfg: RunConfig) -> None:
         env.start(first, seed=0)
     except Exception as exc:
         raise LaunchError(
-            f"env.name={cfg.env.name}: start() failed on the first row of {cfg.data.path} "
+            f"env.name={task.env.name}: start() failed on the first row of {task.data.path} "
             f"({first.to_json()[:200]}): {exc!r}; check that the rows hold what the "
             "environment reads (prompt, answer and its columns)"
         ) from exc
 
 
-def env_dataset(cfg: RunConfig, tokenizer: Tokenizer) -> PromptDataset:
-    """The prompts of ``cfg``'s environment task: each sample's first messages through
+def env_dataset(task: TaskPlan, tokenizer: Tokenizer) -> PromptDataset:
+    """The prompts of the run's environment task: each sample's first messages through
     the tokenizer's turn format, the sample itself as the ground truth (JSON)."""
-    env = task_environment(cfg)
-    return episode_dataset(env, task_samples(cfg, env), turn_format(tokenizer))
+    env = task_environment(task)
+    return episode_dataset(env, task_samples(task, env), turn_format(tokenizer))

@@ -28,60 +28,63 @@ from staleflow.progress import SILENT, Progress
 if TYPE_CHECKING:
     from torch import nn
 
-    from staleflow.config import RunConfig
+    from staleflow.config import RolloutConfig
     from staleflow.data import PromptDataset
     from staleflow.data.tokenizer import Tokenizer
+    from staleflow.runtime.driver.run_plan import TaskPlan
 
 __all__ = ["EVAL_SEED_OFFSET", "check_heldout", "held_out_reward", "heldout_set"]
 
 logger = logging.getLogger(__name__)
 
 
-def check_heldout(cfg: RunConfig) -> None:
+def check_heldout(task: TaskPlan) -> None:
     """``eval.path`` is there and has the prompt and answer columns (``DatasetError``
     otherwise); nothing to check without it."""
-    if cfg.eval.path and cfg.eval.problems > 0:
-        check_heldout_source(cfg.eval.path, cfg.data.record_layout(), cfg.eval.split)
+    if task.eval.path and task.eval.problems > 0:
+        check_heldout_source(task.eval.path, task.data.record_layout(), task.eval.split)
 
 
-def heldout_set(cfg: RunConfig, tokenizer: Tokenizer) -> PromptDataset | None:
+def heldout_set(task: TaskPlan, tokenizer: Tokenizer) -> PromptDataset | None:
     """The first ``eval.problems`` problems of the held-out set as the rollout gets its
     prompts (same layout and chat template); None when the run evaluates nothing during
     training. Raises ``DatasetError`` naming what is wrong."""
-    ev = cfg.eval
+    ev, data = task.eval, task.data
     if not ev.during_training:
         return None
     if not ev.path:  # only the built-in task gets here (RunConfig checks it)
-        return builtin_heldout(tokenizer, cfg.data.difficulty, cfg.seed, ev.problems)
-    fmt = PromptFormat(cfg.data.chat_template, cfg.data.system_prompt)
+        return builtin_heldout(tokenizer, data.difficulty, task.seed, ev.problems)
+    fmt = PromptFormat(data.chat_template, data.system_prompt)
     return load_heldout(
-        ev.path, tokenizer, cfg.data.record_layout(), fmt, ev.split, problems=ev.problems
+        ev.path, tokenizer, data.record_layout(), fmt, ev.split, problems=ev.problems
     )
 
 
 def held_out_reward(
-    cfg: RunConfig,
+    task: TaskPlan,
+    rollout: RolloutConfig,
     model: nn.Module,
     tokenizer: Tokenizer,
     progress: Progress = SILENT,
     which: str = "initial",
 ) -> float | None:
-    """Mean reward of ``model`` on ``cfg.eval.problems`` held-out problems of the built-in
-    task, one response each at ``rollout.temperature``; None when there is nothing to
+    """Mean reward of ``model`` on ``eval.problems`` held-out problems of the built-in
+    task, one response each at ``rollout.temperature`` (of the resolved ``rollout``
+    section); None when there is nothing to
     evaluate (``eval.problems=0``, or a task other than the built-in one, whose policy
     would take too long on a CPU copy: evaluate it during training instead, ``eval.every``).
     ``progress`` gets a ``scoring`` phase counting problems; ``which`` names the policy
     in its label (initial, final)."""
-    problems = cfg.eval.problems
-    if problems <= 0 or cfg.data.task != "arithmetic" or cfg.eval.path:
+    problems = task.eval.problems
+    if problems <= 0 or task.data.task != "arithmetic" or task.eval.path:
         return None
     # torch: loaded only when the driver evaluates a model, not when launch imports this
     from staleflow.models.sampling import evaluate_accuracy
     from staleflow.models.threads import idle_cores, torch_threads
 
     # the problems builtin_heldout tokenises for the evaluation during training
-    task = ArithmeticTask(
-        ArithmeticConfig.level(cfg.data.difficulty, seed=cfg.seed + EVAL_SEED_OFFSET)
+    stream = ArithmeticTask(
+        ArithmeticConfig.level(task.data.difficulty, seed=task.seed + EVAL_SEED_OFFSET)
     )
     with (
         progress.phase(
@@ -95,11 +98,11 @@ def held_out_reward(
         reward = evaluate_accuracy(
             model,
             tokenizer,
-            task,
+            stream,
             problems,
-            cfg.rollout.temperature,
-            seed=cfg.seed,
-            max_new_tokens=cfg.rollout.max_response_tokens,
+            rollout.temperature,
+            seed=task.seed,
+            max_new_tokens=rollout.max_response_tokens,
             on_batch=phase.advance,
         )
         phase.update(reward=reward)

@@ -1,12 +1,13 @@
 """``staleflow launch``: one real, fully disaggregated, staleness-bounded RL run.
 
-The driver finds the Ray cluster (or starts one on this machine) and fits the placement
-plan to its nodes first, so an unreachable address or a plan the cluster cannot hold is
-refused before anything slow; then it prepares the policy (a user's checkpoint, or the
-built-in model after its cached supervised warm-up), starts the pools of Figure 6 one
-builder each (``staleflow.runtime.driver.pools``), and only watches: it copies per-step metric
-records from the control plane into the run folder and the terminal until the trainer
-has taken its last step.
+The driver resolves the configuration once into the run plan (``run_plan``: every part
+below gets its record or section), finds the Ray cluster (or starts one on this machine)
+and fits the placement plan to its nodes first, so an unreachable address or a plan the
+cluster cannot hold is refused before anything slow; then it prepares the policy (a
+user's checkpoint, or the built-in model after its cached supervised warm-up), starts the
+pools of Figure 6 one builder each (``staleflow.runtime.driver.pools``), and only watches:
+it copies per-step metric records from the control plane into the run folder and the
+terminal until the trainer has taken its last step.
 
 Run folder: ``config.yaml`` (resolved), ``metrics.jsonl`` (one record per step),
 ``summary.json``, ``checkpoint/`` (the final policy), ``checkpoints/`` (the run's state,
@@ -32,16 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from staleflow.config import RunConfig, config_to_dict
+from staleflow.config import ModelConfig, RunConfig, config_to_dict
 from staleflow.config.env import ENV_TASKS
 from staleflow.data import ArithmeticConfig, PromptDataset, load_dataset, synthetic_dataset
 from staleflow.data.datasets import PromptFormat, chat_template_of, check_chat_template
-from staleflow.data.hf_datasets import (
-    check_columns,
-    data_files,
-    load_hf_dataset,
-    open_hf_dataset,
-)
+from staleflow.data.hf_datasets import load_hf_dataset
 from staleflow.data.layouts import DatasetError
 from staleflow.data.tokenizer import TokenizerError
 from staleflow.models.errors import ModelError
@@ -62,24 +58,20 @@ from staleflow.runfolder.step_record import (
 )
 from staleflow.runfolder.writer import RunOutput
 from staleflow.runtime.backends import check_backends
-from staleflow.runtime.driver.env_task import check_env_task, env_dataset
-from staleflow.runtime.driver.evaluation import check_heldout, held_out_reward, heldout_set
+from staleflow.runtime.driver.env_task import env_dataset
+from staleflow.runtime.driver.evaluation import held_out_reward, heldout_set
+from staleflow.runtime.driver.launch_checks import check_launch
 from staleflow.runtime.driver.launch_progress import TrainingWaits, actors_phase
 from staleflow.runtime.driver.resume import restore_state
 from staleflow.runtime.driver.run import Run, cause
+from staleflow.runtime.driver.run_plan import RunPlan, TaskPlan, plan_run
 from staleflow.runtime.driver.stopping import graceful_stop
 from staleflow.runtime.driver.supervisor import Supervisor
 from staleflow.runtime.errors import LaunchError, PlacementError
 from staleflow.runtime.placement.fitting import Placement
 from staleflow.runtime.placement.placing import Phase, log_phase, place
 from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE, RayCluster
-from staleflow.tracking import (
-    TrackerError,
-    Trackers,
-    check_installed,
-    open_trackers,
-    parse_trackers,
-)
+from staleflow.tracking import Trackers, open_trackers, parse_trackers
 
 if TYPE_CHECKING:
     from staleflow.data import PromptDataset
@@ -121,62 +113,25 @@ class RunResult:
 # -- before anything slow ------------------------------------------------------------------
 
 
-def preflight(cfg: RunConfig) -> None:
-    """Paths the run reads and the trackers' libraries, checked before a cluster is joined
-    or a model loaded."""
-    try:
-        check_installed(parse_trackers(cfg.tracking))
-    except TrackerError as exc:
-        raise LaunchError(str(exc)) from None
-    # data.task=hf (and env) reads a save_to_disk folder, or files (a glob)
-    hf_data = cfg.data.task in ("hf", "env")
-    for key, value, kind, what in (
-        ("model.checkpoint", cfg.model.checkpoint, "dir", "cannot load the policy"),
-        ("data.tokenizer", cfg.data.tokenizer, "any", "cannot load the policy"),
-        ("data.path", cfg.data.path, "any" if hf_data else "file", "cannot read the prompts"),
-    ):
-        if not value or (hf_data and key == "data.path" and data_files(value)):
-            continue
-        path = Path(value).expanduser()
-        ok = path.is_dir() if kind == "dir" else path.is_file() if kind == "file" else path.exists()
-        if not ok:
-            thing = {"dir": "checkpoint directory", "file": "file"}.get(kind, "file or directory")
-            raise LaunchError(f"{what}: {path}: no such {thing} (set by {key})")
-    if cfg.data.task in ENV_TASKS:  # the environment builds, its problems read
-        check_env_task(cfg)
-    elif hf_data:  # its columns: memory-mapped, read without the policy or its tokenizer
-        try:
-            check_columns(
-                open_hf_dataset(cfg.data.path, cfg.data.split),
-                cfg.data.record_layout(),
-                cfg.data.path,
-            )
-        except DatasetError as exc:
-            raise LaunchError(f"cannot read the prompts: {exc}") from exc
-    try:  # eval.path: there, with the columns (one row read)
-        check_heldout(cfg)
-    except DatasetError as exc:
-        raise LaunchError(f"cannot read the held-out set (eval.path): {exc}") from exc
-
-
 def prepare_policy(
-    cfg: RunConfig, phase: Phase = log_phase, progress: Progress = SILENT
+    m: ModelConfig, task: TaskPlan, phase: Phase = log_phase, progress: Progress = SILENT
 ) -> tuple[Any, Any, dict[str, Any]]:
-    """(model, tokenizer, facts) for the run: a local checkpoint, or the warmed built-in
-    (its warm-up reports a ``warmup`` phase to ``progress``)."""
+    """(model, tokenizer, facts) for the run: a local checkpoint (the ``model`` section
+    ``m``), or the built-in policy of ``task``, warmed (its warm-up reports a ``warmup``
+    phase to ``progress``)."""
     # torch: loaded once the run builds its policy; `launch --check` and a refused
     # --resume never pay for it
     from staleflow.models.checkpoint import load_pretrained
 
-    m = cfg.model
+    data, seed = task.data, task.seed
     if m.checkpoint:
-        tokenizer_note = f" with the tokenizer {cfg.data.tokenizer}" if cfg.data.tokenizer else ""
+        tokenizer_note = f" with the tokenizer {data.tokenizer}" if data.tokenizer else ""
         phase(f"loading the policy from {m.checkpoint}{tokenizer_note}")
-        model, tokenizer = load_pretrained(m.checkpoint, tokenizer_path=cfg.data.tokenizer or None)
+        model, tokenizer = load_pretrained(m.checkpoint, tokenizer_path=data.tokenizer or None)
         return model, tokenizer, {"source": str(m.checkpoint)}
-    if cfg.data.task not in ("arithmetic", "calculator"):
+    if data.task not in ("arithmetic", "calculator"):
         raise LaunchError(
-            f"data.task={cfg.data.task!r} needs model.checkpoint (a local Hugging Face "
+            f"data.task={data.task!r} needs model.checkpoint (a local Hugging Face "
             "checkpoint directory): the built-in model only knows the built-in tasks"
         )
     # torch, as above: the built-in policies and their warm-ups
@@ -190,18 +145,18 @@ def prepare_policy(
         read_warmup_meta,
     )
 
-    task = ArithmeticConfig.level(cfg.data.difficulty)
-    if cfg.data.task == "calculator":  # the multi-turn task: a tokenizer with tool markup
+    problems = ArithmeticConfig.level(data.difficulty)
+    if data.task == "calculator":  # the multi-turn task: a tokenizer with tool markup
         if not m.warmup or not m.warmup_steps:
             phase(f"building the built-in {m.preset} model for the calculator task, untrained")
-            model, tokenizer = build_calculator_model(m.preset, seed=cfg.seed)
+            model, tokenizer = build_calculator_model(m.preset, seed=seed)
             return model, tokenizer, {"source": f"{m.preset} (untrained)"}
         phase(f"preparing the built-in {m.preset} model for the calculator task")
         path = ensure_warm_calculator_checkpoint(
             m.preset,
-            task,
+            problems,
             steps=m.warmup_steps,
-            seed=cfg.seed,
+            seed=seed,
             target_accuracy=m.warmup_target or None,
             cache_dir=m.cache_dir or None,
             progress=progress,
@@ -210,7 +165,7 @@ def prepare_policy(
         return model, tokenizer, {"source": str(path)}
     if not m.warmup:
         phase(f"building the built-in {m.preset} model, untrained (model.warmup=false)")
-        model, tokenizer = build_arithmetic_model(m.preset, seed=cfg.seed)
+        model, tokenizer = build_arithmetic_model(m.preset, seed=seed)
         return model, tokenizer, {"source": f"{m.preset} (untrained)"}
     phase(
         f"preparing the built-in {m.preset} model (the first run warms it up on the task; "
@@ -218,9 +173,9 @@ def prepare_policy(
     )
     path = ensure_warm_checkpoint(
         m.preset,
-        task,
+        problems,
         steps=m.warmup_steps,
-        seed=cfg.seed,
+        seed=seed,
         target_accuracy=m.warmup_target or None,
         cache_dir=m.cache_dir or None,
         progress=progress,
@@ -238,21 +193,21 @@ def prepare_policy(
     )
 
 
-def build_dataset(cfg: RunConfig, tokenizer: Tokenizer) -> PromptDataset:
+def build_dataset(task: TaskPlan, tokenizer: Tokenizer) -> PromptDataset:
     """The prompts of the run, without those longer than ``data.max_prompt_tokens``.
     Raises :class:`DatasetError` or :class:`TokenizerError` (data.chat_template=true with a
     tokenizer that has no template)."""
 
-    data = cfg.data
+    data = task.data
     fmt = PromptFormat(data.chat_template, data.system_prompt)
-    check_chat_template(tokenizer, fmt, data.tokenizer or cfg.model.checkpoint)
-    layout = cfg.data.record_layout()
+    check_chat_template(tokenizer, fmt, data.tokenizer or task.checkpoint)
+    layout = data.record_layout()
     if data.task in ENV_TASKS:
-        dataset = env_dataset(cfg, tokenizer)
+        dataset = env_dataset(task, tokenizer)
     elif data.task == "arithmetic":
         # A seed apart from the warm-up's own problem stream (see models.warmup).
-        task = ArithmeticConfig.level(data.difficulty, seed=cfg.seed + 1)
-        dataset = synthetic_dataset(tokenizer, task, size=100_000)
+        problems = ArithmeticConfig.level(data.difficulty, seed=task.seed + 1)
+        dataset = synthetic_dataset(tokenizer, problems, size=100_000)
     elif data.task == "hf":
         dataset = load_hf_dataset(data.path, tokenizer, layout, fmt, data.split)
     else:
@@ -378,10 +333,9 @@ def launch(
     :class:`staleflow.dashboard.launch_hook.LaunchDashboard`); what it returns is called
     before the actors go away."""
     phase = on_phase or log_phase
-    check_backends(cfg)
-    preflight(cfg)
-    cfg = cfg.resolved()  # each component gets its section with auto choices made
-    cluster, placement = place(cfg, phase)
+    plan = plan_run(cfg)  # resolved once: every part below gets its record or section
+    check_launch(plan)
+    cluster, placement = place(plan.placement, phase)
     stop = stop or threading.Event()
     try:
         # after Ray joined: ray.init installs a SIGTERM handler of its own
@@ -389,7 +343,7 @@ def launch(
             return _launch_on(
                 cluster,
                 placement,
-                cfg,
+                plan,
                 phase,
                 on_record,
                 on_tick,
@@ -403,7 +357,7 @@ def launch(
 
 
 def _prepare(
-    cfg: RunConfig, phase: Phase, resume: Checkpoint | None, progress: Progress
+    plan: RunPlan, phase: Phase, resume: Checkpoint | None, progress: Progress
 ) -> tuple[Any, Any, PromptDataset, PromptDataset | None, dict[str, Any], ResumePoint | None]:
     """The policy, tokenizer, prompts and held-out set (None: no evaluation during
     training); a resumed run's from its checkpoint."""
@@ -411,7 +365,7 @@ def _prepare(
     started = time.monotonic()
     try:
         if resume is None:
-            model, tokenizer, facts = prepare_policy(cfg, phase, progress)
+            model, tokenizer, facts = prepare_policy(plan.model, plan.task, phase, progress)
         else:
             # torch, as above: the resumed policy
             from staleflow.models.checkpoint import load_pretrained
@@ -419,31 +373,33 @@ def _prepare(
             phase(f"resuming from {resume.path} (step {resume.steps}, version {resume.version})")
             model, tokenizer = load_pretrained(resume.trainer_dir)
             facts = {"source": str(resume.trainer_dir), "resumed_from": str(resume.path)}
-        if cfg.trainer.lora.enabled:  # the base frozen, an adapter trained (and resumed)
+        if plan.trainer.lora.enabled:  # the base frozen, an adapter trained (and resumed)
             with_adapters(
                 model,
-                cfg.trainer.lora,
-                seed=cfg.seed,
+                plan.trainer.lora,
+                seed=plan.seed,
                 checkpoint=None if resume is None else resume.trainer_dir,
             )
     except ModelError as exc:  # a checkpoint that cannot be loaded: say so, no traceback
         raise LaunchError(f"cannot load the policy: {exc}") from exc
     try:
-        dataset = build_dataset(cfg, tokenizer)
+        dataset = build_dataset(plan.task, tokenizer)
     except (DatasetError, TokenizerError) as exc:
         raise LaunchError(f"cannot read the prompts: {exc}") from exc
     try:
-        heldout = heldout_set(cfg, tokenizer)
+        heldout = heldout_set(plan.task, tokenizer)
     except (DatasetError, TokenizerError) as exc:
         raise LaunchError(f"cannot read the held-out set (eval.path): {exc}") from exc
-    if cfg.data.chat_template:
+    if plan.task.data.chat_template:
         # the template the prompts went through, with the run (summary.json, the trackers)
         facts["chat_template"] = chat_template_of(tokenizer)
     point = None
     if resume is not None:
-        point = restore_state(cfg, resume, dataset)
-    elif (start := held_out_reward(cfg, model, tokenizer, progress)) is not None:
-        facts["eval_problems"] = cfg.eval.problems
+        point = restore_state(plan.trajectory_server, plan.control.sampling, resume, dataset)
+    elif (
+        start := held_out_reward(plan.task, plan.rollout, model, tokenizer, progress)
+    ) is not None:
+        facts["eval_problems"] = plan.task.eval.problems
         facts["eval_reward_start"] = start
     facts["prepare_s"] = time.monotonic() - started
     return model, tokenizer, dataset, heldout, facts, point
@@ -452,7 +408,7 @@ def _prepare(
 def _launch_on(
     cluster: RayCluster,
     placement: Placement,
-    cfg: RunConfig,
+    plan: RunPlan,
     phase: Phase,
     on_record: Callable[[StepRecord], None] | None,
     on_tick: Callable[[Any], None] | None,
@@ -461,16 +417,16 @@ def _launch_on(
     resume: Checkpoint | None,
     stop: threading.Event,
 ) -> RunResult:
-    model, tokenizer, dataset, heldout, facts, point = _prepare(cfg, phase, resume, progress)
+    model, tokenizer, dataset, heldout, facts, point = _prepare(plan, phase, resume, progress)
     if resume is None:
-        out = RunOutput.create(cfg)
+        out = RunOutput.create(plan.config)
     else:  # the steps after the checkpoint are done again
-        out = RunOutput.resume(resume.path.parents[1], cfg, resume.metrics, resume.version)
+        out = RunOutput.resume(resume.path.parents[1], plan.config, resume.metrics, resume.version)
     phase(f"run folder {out.path}")
     state = StateWriter(out.path, resumed=resume is not None)
     state.phase("starting")
     run = Run(
-        cfg,
+        plan,
         out.path,
         supervisor=Supervisor,
         cluster=cluster,
@@ -479,7 +435,7 @@ def _launch_on(
         heldout=heldout,
     )
     records = [StepRecord.from_flat(r) for r in resume.metrics] if resume is not None else []
-    waits = TrainingWaits(progress, cfg, on_tick)
+    waits = TrainingWaits(progress, plan.control.staleness, plan.steps, on_tick)
     trackers = Trackers()
 
     def record(rec: StepRecord) -> None:
@@ -493,10 +449,11 @@ def _launch_on(
     stop_watching: Callable[[], None] | None = None
     failed = True
     try:
-        trackers = _start_trackers(cfg, out.path, facts)
+        trackers = _start_trackers(plan, out.path, facts)
         try:
             ps_replicas = len(placement.pool("parameter_server"))
-            with actors_phase(progress, cfg, ps_replicas) as stages:
+            workers = (plan.rollout.instances, plan.reward.workers, ps_replicas)
+            with actors_phase(progress, *workers) as stages:
                 run.start(model, tokenizer, dataset, stages, point)
         except LaunchError:
             raise
@@ -505,8 +462,8 @@ def _launch_on(
         facts["placement"] = run.placement_info
         if on_started is not None:
             stop_watching = on_started(run)
-        todo = cfg.steps - run.steps_before
-        phase(f"training {todo} steps with eta={cfg.eta}" + (" (resumed)" if resume else ""))
+        todo = plan.steps - run.steps_before
+        phase(f"training {todo} steps with eta={plan.eta}" + (" (resumed)" if resume else ""))
         state.phase("training")
         with waits:
             reports = run.train(
@@ -533,7 +490,9 @@ def _launch_on(
         from staleflow.models.checkpoint import load_pretrained
 
         final, _ = load_pretrained(out.path / "checkpoint")
-        facts["eval_reward_end"] = held_out_reward(cfg, final, tokenizer, progress, "final")
+        facts["eval_reward_end"] = held_out_reward(
+            plan.task, plan.rollout, final, tokenizer, progress, "final"
+        )
     last = run.checkpoints[-1] if run.checkpoints else None
     facts["stopped"] = stopped
     if last is not None:
@@ -557,18 +516,18 @@ def _launch_on(
     return RunResult(out.path, records, summary, consumed, stopped, last)
 
 
-def _start_trackers(cfg: RunConfig, run_dir: Path, facts: dict[str, Any]) -> Trackers:
+def _start_trackers(plan: RunPlan, run_dir: Path, facts: dict[str, Any]) -> Trackers:
     """The run's trackers (``tracking``), started in the run folder with the resolved
     configuration and the facts known before training (the policy's source, the chat
     template...)."""
-    names = parse_trackers(cfg.tracking)
+    names = parse_trackers(plan.tracking)
     if not names:
         return Trackers()
     try:
-        trackers = open_trackers(names, run_dir, run_dir.name, cfg.tracking_project)
+        trackers = open_trackers(names, run_dir, run_dir.name, plan.tracking_project)
     except Exception as exc:  # a library that cannot start: before any actor, say which
-        raise LaunchError(f"the trackers ({cfg.tracking}) could not start: {exc}") from exc
-    trackers.log_config({**config_to_dict(cfg), "facts": dict(facts)})
+        raise LaunchError(f"the trackers ({plan.tracking}) could not start: {exc}") from exc
+    trackers.log_config({**config_to_dict(plan.config), "facts": dict(facts)})
     return trackers
 
 
@@ -581,8 +540,8 @@ def _ended(exc: BaseException) -> str:
 def check_placement(cfg: RunConfig, phase: Phase = log_phase) -> Placement:
     """``staleflow launch --check``: what the run would ask and where it would go, without
     starting it."""
-    check_backends(cfg)
-    preflight(cfg)
-    cluster, placement = place(cfg.resolved(), phase)
+    plan = plan_run(cfg)
+    check_launch(plan)
+    cluster, placement = place(plan.placement, phase)
     cluster.shutdown()
     return placement

@@ -12,20 +12,23 @@ from typing import TYPE_CHECKING, Any
 from staleflow.progress import SILENT, Phase, Progress
 
 if TYPE_CHECKING:
-    from staleflow.config.run import RunConfig
     from staleflow.runfolder.step_record import StepRecord
     from staleflow.runtime.controller.plane_records import LiveState
+    from staleness import StalenessConfig
 
 # The pools Run.start builds, in order (Figure 6); it advances the phase once per pool.
 ACTOR_STAGES = ("control + TS", "PS", "reward", "rollout", "trainer")
 
 
-def actors_phase(progress: Progress, cfg: RunConfig, ps_replicas: int) -> Phase:
-    """The ``actors`` phase of a run with config ``cfg`` (``rollout.instances``,
-    ``reward.workers``): ``Run.start`` advances it once per pool it has started."""
+def actors_phase(
+    progress: Progress, instances: int, reward_workers: int, ps_replicas: int
+) -> Phase:
+    """The ``actors`` phase of a run of ``instances`` rollout instances
+    (``rollout.instances``) and ``reward_workers`` (``reward.workers``): ``Run.start``
+    advances it once per pool it has started."""
     return progress.phase(
         "actors",
-        f"starting actors: {cfg.rollout.instances} rollout, {cfg.reward.workers} reward, "
+        f"starting actors: {instances} rollout, {reward_workers} reward, "
         f"trainer, TS, {ps_replicas} PS, control",
         total=len(ACTOR_STAGES),
         unit="stages",
@@ -43,24 +46,28 @@ def first_buffer_groups(live: LiveState) -> int:
 class TrainingWaits:
     """Opens ``training`` (steps, reward, time left) and ``first_buffer`` on entry, ends
     ``first_buffer`` at the first step's record, and finishes both on exit (as failed
-    when the run raised). ``cfg``: the run's config (``eta``, ``steps``, ``batch_size``)."""
+    when the run raised), for a run of ``steps`` steps under the ``staleness`` protocol
+    (its ``eta`` and ``batch_size``)."""
 
     def __init__(
-        self, progress: Progress, cfg: RunConfig, on_tick: Callable[[Any], None] | None = None
+        self,
+        progress: Progress,
+        staleness: StalenessConfig,
+        steps: int,
+        on_tick: Callable[[Any], None] | None = None,
     ) -> None:
         self._progress = progress
-        self._cfg = cfg
+        self._eta, self._batch_size, self._steps = staleness.eta, staleness.batch_size, steps
         self._on_tick = on_tick
         self._first: Phase | None = None
         self._training: Phase | None = None
 
     def __enter__(self) -> TrainingWaits:
-        cfg = self._cfg
         self._training = self._progress.phase(
-            "training", f"training with eta={cfg.eta}", total=cfg.steps, unit="steps"
+            "training", f"training with eta={self._eta}", total=self._steps, unit="steps"
         )
         self._first = self._progress.phase(
-            "first_buffer", "waiting for the first buffer", total=cfg.batch_size, unit="groups"
+            "first_buffer", "waiting for the first buffer", total=self._batch_size, unit="groups"
         )
         return self
 
@@ -74,7 +81,7 @@ class TrainingWaits:
         """The control plane's live state (every poll); passed on to ``on_tick``."""
         if self._first is not None and live is not None:
             groups = first_buffer_groups(live)
-            detail = "the trainer takes its first step" if groups >= self._cfg.batch_size else ""
+            detail = "the trainer takes its first step" if groups >= self._batch_size else ""
             self._first.update(done=groups, detail=detail, rewarded=live.rewarded)
         if self._on_tick is not None:
             self._on_tick(live)
@@ -82,7 +89,7 @@ class TrainingWaits:
     def record(self, rec: StepRecord) -> None:
         """A training step's record."""
         if self._first is not None:
-            self._first.update(done=self._cfg.batch_size)
+            self._first.update(done=self._batch_size)
             self._first.finish()
             self._first = None
         if self._training is not None:

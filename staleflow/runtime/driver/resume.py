@@ -28,7 +28,9 @@ from staleflow.runtime.errors import LaunchError
 
 if TYPE_CHECKING:
     from staleflow.config import RunConfig
+    from staleflow.control.dynamic_sampling import SamplingConfig
     from staleflow.data import PromptDataset, PromptSampler
+    from trajectory_server.types import TrajectoryServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +91,7 @@ def check_resume(
             f"{ck.path} has no trainer/ part: it cannot restore the policy; resume from an "
             "earlier checkpoint (--resume RUN_DIR/checkpoints/step-...)"
         )
-    _check_trainer_part(cfg, ck)
+    _check_trainer_part(cfg.trainer.backend, ck)
     if ck.steps >= cfg.steps:
         raise ResumeError(
             f"the run already took its {cfg.steps} steps ({ck.steps} in {ck.path.name}): "
@@ -98,12 +100,12 @@ def check_resume(
     return cfg, ck
 
 
-def _check_trainer_part(cfg: RunConfig, ck: Checkpoint) -> None:
-    """The trainer part must be the one ``trainer.backend`` loads: the embedded trainer's
-    files, or the Megatron pool's distributed checkpoint in ``trainer/megatron``."""
+def _check_trainer_part(backend: str, ck: Checkpoint) -> None:
+    """The trainer part must be the one ``trainer.backend`` (``backend``) loads: the
+    embedded trainer's files, or the Megatron pool's distributed checkpoint in
+    ``trainer/megatron``."""
     assert ck.trainer_dir is not None
     megatron = (ck.trainer_dir / MEGATRON_DIR).is_dir()
-    backend = cfg.trainer.backend
     if backend == "megatron" and not megatron:
         raise ResumeError(
             f"{ck.path} was written by the embedded trainer (no trainer/{MEGATRON_DIR}/ "
@@ -116,8 +118,14 @@ def _check_trainer_part(cfg: RunConfig, ck: Checkpoint) -> None:
         )
 
 
-def restore_state(cfg: RunConfig, ck: Checkpoint, dataset: PromptDataset) -> ResumePoint:
-    """The manager and the TS of ``ck``, restored and reconciled in this process, with
+def restore_state(
+    trajectory_server: TrajectoryServerConfig,
+    sampling: SamplingConfig | None,
+    ck: Checkpoint,
+    dataset: PromptDataset,
+) -> ResumePoint:
+    """The manager and the TS of ``ck``, restored and reconciled in this process under the
+    run's ``trajectory_server`` section and dynamic ``sampling`` (the run plan's), with
     the prompt sampler at the TS's position. Refuses another dataset."""
 
     if ck.sampler is None:
@@ -127,8 +135,7 @@ def restore_state(cfg: RunConfig, ck: Checkpoint, dataset: PromptDataset) -> Res
     except ValueError as exc:
         raise ResumeError(f"cannot resume on these prompts: {exc}") from exc
     try:
-        sampling = cfg.sampling_config()
-        manager, ts, rec = restore_run(ck, cfg.trajectory_server_config(), sampler, sampling)
+        manager, ts, rec = restore_run(ck, trajectory_server, sampler, sampling)
     except (CheckpointError, ValueError) as exc:
         raise ResumeError(f"cannot resume {ck.path}: {exc}") from exc
     if rec.replayed:

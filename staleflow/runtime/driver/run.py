@@ -18,13 +18,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from parameter_server import Layout
-from staleflow.config import RunConfig
 from staleflow.data import PromptSampler
 from staleflow.progress import SILENT_PHASE, Phase
 from staleflow.recovery import RunState, list_checkpoints, write_checkpoint
 from staleflow.runtime.controller.plane_records import Cut
 from staleflow.runtime.driver.eval_rounds import EvalRounds
-from staleflow.runtime.driver.pool_specs import control_config, rollout_spec, trainer_spec
+from staleflow.runtime.driver.pool_specs import rollout_spec, trainer_spec
 from staleflow.runtime.driver.pools import PoolContext
 from staleflow.runtime.driver.pools.controller import ControlPool, build_control
 from staleflow.runtime.driver.pools.parameter_server import (
@@ -39,15 +38,11 @@ from staleflow.runtime.driver.supervised import Supervised
 from staleflow.runtime.driver.supervised_ray import supervised_pools
 from staleflow.runtime.errors import LaunchError
 from staleflow.runtime.placement.placing import place
+from staleflow.runtime.placement.plan import Bundle
 from staleflow.runtime.placement.ray_cluster import ACTOR_NAMESPACE
 from staleflow.runtime.workers.actors import InstanceRecovery, gone
 from staleflow.runtime.workers.ps_healing import ReplicaResolver
-from staleflow.runtime.workers.specs import (
-    RewardSpec,
-    env_spec,
-    initial_weights,
-    model_spec,
-)
+from staleflow.runtime.workers.specs import RewardSpec, initial_weights, model_spec
 
 if TYPE_CHECKING:
     from torch import nn
@@ -57,6 +52,7 @@ if TYPE_CHECKING:
     from staleflow.data.tokenizer import Tokenizer
     from staleflow.runfolder.step_record import StepRecord
     from staleflow.runtime.driver.resume import ResumePoint
+    from staleflow.runtime.driver.run_plan import RunPlan
     from staleflow.runtime.placement.fitting import Placement
     from staleflow.runtime.placement.ray_cluster import RayCluster, Reservation
 
@@ -90,7 +86,8 @@ def cause(exc: BaseException) -> str:
 
 
 class Run:
-    """The actors of one run; :meth:`start`, :meth:`train`, :meth:`shutdown`.
+    """The actors of one run, built from its plan (``staleflow.runtime.driver.run_plan``);
+    :meth:`start`, :meth:`train`, :meth:`shutdown`.
 
     Given no ``cluster``, :meth:`start` joins or starts one and fits the placement itself
     (and :meth:`shutdown` leaves it as it found it).
@@ -98,7 +95,7 @@ class Run:
 
     def __init__(
         self,
-        cfg: RunConfig,
+        plan: RunPlan,
         run_dir: Path,
         *,
         supervisor: SupervisorFactory,
@@ -107,7 +104,7 @@ class Run:
         phase: Callable[[str], None] | None = None,
         heldout: PromptDataset | None = None,
     ) -> None:
-        self.cfg = cfg.resolved()
+        self.plan = plan
         self.heldout = heldout  # the held-out set of eval.every (None: no evaluation)
         self.run_dir = run_dir
         self.cluster = cluster
@@ -170,12 +167,12 @@ class Run:
         checkpoint: the TS and the manager as restored, the PS and the trainer at its
         version (the trainer's weights, optimizer and RNG), the instances Pulling that
         version first."""
-        cfg = self.cfg
+        plan = self.plan
         if self.cluster is None or self.placement is None:
-            self.cluster, self.placement = place(cfg, self._phase)
+            self.cluster, self.placement = place(plan.placement, self._phase)
         cluster, placement = self.cluster, self.placement
         self.reservation = cluster.reserve(
-            placement, self.run_dir.name, cfg.resources.placement_timeout_s
+            placement, self.run_dir.name, plan.resources.placement_timeout_s
         )
         ctx = self.ctx = PoolContext(
             ray=cluster.ray,
@@ -183,22 +180,22 @@ class Run:
             placement=placement,
             reservation=self.reservation,
             driver_node=cluster.driver_node(),
-            multi_node=bool(cfg.address) or len(placement.nodes) > 1,
+            multi_node=bool(plan.address) or len(placement.nodes) > 1,
             phase=self._phase,
         )
-        rec = cfg.recovery
+        rec = plan.recovery
         recovery = InstanceRecovery(
             ReplicaResolver(ctx.run, ACTOR_NAMESPACE), rec.progress_every_s, rec.ps_patience_s
         )
         version = resume.version if resume is not None else 0
         self.steps_before = resume.steps if resume is not None else 0
-        lora = cfg.trainer.lora if cfg.trainer.lora.enabled else None
+        lora = plan.trainer.lora if plan.trainer.lora.enabled else None
         spec = model_spec(model, tokenizer, lora)
         self.control = build_control(
             ctx,
-            control_config(cfg),
-            cfg.trajectory_server_config(),
-            resume.sampler if resume is not None else PromptSampler(dataset, seed=cfg.seed),
+            plan.control,
+            plan.trajectory_server,
+            resume.sampler if resume is not None else PromptSampler(dataset, seed=plan.seed),
             ts_state=resume.trajectories if resume is not None else None,
             resolver=recovery.resolver,
             snapshot_timeout_s=rec.snapshot_timeout_s,
@@ -207,17 +204,17 @@ class Run:
         # a resumed run's weights are the trainer checkpoint's, as its own version
         weights, base = initial_weights(model, spec)
         self.ps = build_parameter_server(
-            ctx, cfg.parameter_server, Layout.from_dict(spec.layout), weights, version, base
+            ctx, plan.parameter_server, Layout.from_dict(spec.layout), weights, version, base
         )
         stages.advance(detail="PS up")
         self.reward_pool = build_rewards(
-            ctx, RewardSpec(cfg.reward, spec.tokenizer, env_spec(cfg)), self.control, self.tag
+            ctx, RewardSpec(plan.reward, spec.tokenizer, plan.environment()), self.control, self.tag
         )
         stages.advance(detail="reward workers up")
         self.rollout = build_rollout(
             ctx,
             rollout_spec(
-                cfg,
+                plan,
                 spec,
                 dataset,
                 run_dir=self.run_dir,
@@ -242,20 +239,27 @@ class Run:
             list(resume.metrics) if resume is not None else [],
         )
         stages.advance(detail="rollout instances up")
-        if self.heldout is not None and cfg.eval.during_training:
+        evaluation = plan.task.eval
+        if self.heldout is not None and evaluation.during_training:
             reward_pool = self.reward_pool
             self.evals = EvalRounds(
                 ray,
                 self.control.driver,
                 reward_pool.live,
                 self.heldout,
-                samples=cfg.eval.samples,
-                k=cfg.eval.k,
+                samples=evaluation.samples,
+                k=evaluation.k,
             )
         resume_from = str(resume.checkpoint.trainer_dir) if resume is not None else ""
-        self.trainer = build_trainer(
-            ctx, trainer_spec(cfg, spec, self.run_dir, resume_from), self.ps, self.control, recovery
+        trainer = trainer_spec(
+            plan.trainer,
+            spec,
+            self.run_dir,
+            seed=plan.seed,
+            audit_log=rec.audit_log,
+            resume_from=resume_from,
         )
+        self.trainer = build_trainer(ctx, trainer, self.ps, self.control, recovery)
         stages.advance(detail="trainer up")
         if resume is not None:
             got = self.trainer.version()
@@ -265,7 +269,7 @@ class Run:
                     f"checkpoint is at version {version}: the checkpoint is inconsistent; "
                     "resume from an earlier one"
                 )
-        self.supervisor = self._supervise(self._supervised(), cfg.recovery)
+        self.supervisor = self._supervise(self._supervised(), rec)
         if resume is not None:
             self.supervisor.redispatch_rewards()  # what was being scored at the stop
             self.control.driver.post_note(
@@ -277,11 +281,12 @@ class Run:
 
     def _supervised(self) -> Supervised:
         """The faces of the started pools that the supervisor acts on."""
-        ctx, cfg, ps = self.ctx, self.cfg, self.ps
+        ctx, ps, resources = self.ctx, self.ps, self.plan.resources
         assert ctx is not None and self.control is not None and ps is not None
         assert self.reward_pool is not None and self.rollout is not None
         assert self.trainer is not None
-        wait_s = min(cfg.resources.placement_timeout_s, 10.0)  # a scale request's placement
+        wait_s = min(resources.placement_timeout_s, 10.0)  # a scale request's placement
+        bundle, tp = Bundle.of(resources.rollout), self.plan.rollout.tensor_parallel
         return supervised_pools(
             ctx,
             self.control,
@@ -290,7 +295,7 @@ class Run:
             self.rollout,
             self.trainer,
             run_dir=self.run_dir,
-            new_slot=lambda inst: new_slot(ctx, cfg, ps, inst, wait_s),
+            new_slot=lambda inst: new_slot(ctx, bundle, tp, ps, inst, wait_s),
             phase=self._phase,
             resume_hint=self._resume_hint,
         )
@@ -405,7 +410,7 @@ class Run:
                 self.run_dir,
                 state,
                 trainer=lambda folder: trainer.save_checkpoint(str(folder)),
-                keep=self.cfg.recovery.keep,
+                keep=self.plan.recovery.keep,
             )
         except Exception as exc:  # the earlier checkpoints are untouched: name them
             raise LaunchError(

@@ -11,9 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from staleflow.config import RunConfig
 from staleflow.runtime.placement.fitting import Placement, fit
-from staleflow.runtime.placement.plan import plan_placement
+from staleflow.runtime.placement.plan import PlacementRequest
 from staleflow.runtime.placement.ray_cluster import RayCluster, local_cpus, worker_niceness
 
 logger = logging.getLogger(__name__)
@@ -26,16 +25,15 @@ def log_phase(text: str) -> None:
     logger.info("%s", text)
 
 
-def place(cfg: RunConfig, phase: Phase = log_phase) -> tuple[RayCluster, Placement]:
-    """Join (or start) the Ray cluster and fit the placement plan to its nodes; print both.
-    Raises :class:`LaunchError` when the address does not answer and
+def place(request: PlacementRequest, phase: Phase = log_phase) -> tuple[RayCluster, Placement]:
+    """Join (or start) the Ray cluster of ``request`` and fit its placement plan to the
+    nodes; print both. Raises :class:`LaunchError` when the address does not answer and
     :class:`PlacementError` naming what is missing when the cluster cannot hold the plan."""
-    plan = plan_placement(cfg)
-    # a local Ray keeps room for two more rollout instances (staleflow scale)
-    spare = 2 * cfg.rollout.tensor_parallel * cfg.resources.rollout.cpus
-    cluster = RayCluster.connect(cfg.address, local_cpus(plan.totals().get("CPU", 0.0) + spare))
+    plan = request.plan
+    cpus = local_cpus(plan.totals().get("CPU", 0.0) + request.spare_cpus)
+    cluster = RayCluster.connect(request.address, cpus)
     try:
-        if cfg.address:
+        if request.address:
             _warn_niceness(cluster, phase)
         phase(f"placement plan (resources per member; docs/cluster.md), Ray at {cluster.address}:")
         for line in plan.describe():

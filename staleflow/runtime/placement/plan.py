@@ -21,7 +21,7 @@ from staleflow.config.resources import CpuPool, GpuPool, split_label
 from staleflow.runtime.backends import trainer_backend
 
 if TYPE_CHECKING:
-    from staleflow.config import RunConfig
+    from staleflow.config import ResourcesConfig, RewardConfig, RolloutConfig, TrainerConfig
 
 # What a bundle asks of its node group's custom resource: any node that advertises the
 # resource at all qualifies, and a thousand members fit in one unit of it.
@@ -153,15 +153,32 @@ def _count(n: int, word: str) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {word}s"
 
 
-def plan_placement(cfg: RunConfig, trainer_ranks: int | None = None) -> PlacementPlan:
-    """The plan of ``cfg``: ``trainer_ranks`` comes from the trainer backend (the embedded
-    trainer has one rank; a Megatron pool has TP x PP x DP), asked of its registry entry
-    when not given."""
+@dataclass(frozen=True, slots=True)
+class PlacementRequest:
+    """What :func:`staleflow.runtime.placement.placing.place` asks of a Ray cluster: the
+    plan, the cluster's ``address`` ('' starts a local one) and the CPUs a local one keeps
+    free beyond the plan (two more rollout instances, for ``staleflow scale``)."""
+
+    plan: PlacementPlan
+    address: str = ""
+    spare_cpus: float = 0.0
+
+
+def plan_placement(
+    resources: ResourcesConfig,
+    rollout_section: RolloutConfig,
+    trainer: TrainerConfig,
+    reward: RewardConfig,
+    trainer_ranks: int | None = None,
+) -> PlacementPlan:
+    """The plan of a run's sections: ``trainer_ranks`` comes from the trainer backend (the
+    embedded trainer has one rank; a Megatron pool has TP x PP x DP), asked of its registry
+    entry when not given."""
     if trainer_ranks is None:
-        trainer_ranks = trainer_backend(cfg.trainer.backend).ranks(cfg.trainer)
-    res = cfg.resources
+        trainer_ranks = trainer_backend(trainer.backend).ranks(trainer)
+    res = resources
     rollout = Bundle.of(res.rollout)
-    tp = cfg.rollout.tensor_parallel
+    tp = rollout_section.tensor_parallel
     gangs = [
         Gang(
             f"rollout/{i}",
@@ -170,7 +187,7 @@ def plan_placement(cfg: RunConfig, trainer_ranks: int | None = None) -> Placemen
             rollout,
             same_node=True,
         )
-        for i in range(cfg.rollout.instances)
+        for i in range(rollout_section.instances)
     ]
     gangs.append(
         Gang(
@@ -185,7 +202,7 @@ def plan_placement(cfg: RunConfig, trainer_ranks: int | None = None) -> Placemen
         Gang(
             "reward",
             "reward",
-            tuple(f"reward/{w}" for w in range(cfg.reward.workers)),
+            tuple(f"reward/{w}" for w in range(reward.workers)),
             Bundle.of(res.reward),
             same_node=False,
         )

@@ -37,7 +37,7 @@ from staleflow.trainers import trainer_class
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from staleflow.config import RewardConfig, RolloutConfig, RunConfig, TrainerConfig
+    from staleflow.config import EnvConfig, RewardConfig, RolloutConfig, TrainerConfig
     from staleflow.config.lora import LoraConfig
     from staleflow.config.rollout import SpeculationOptions
     from staleflow.engines.factory import EngineOptions
@@ -113,14 +113,14 @@ class EnvSpec:
     sandbox_memory_mb: int = 1024
 
 
-def env_spec(cfg: RunConfig) -> EnvSpec | None:
-    """The environment of ``cfg``'s task; None for a single-turn task."""
-    task = cfg.data.task
+def env_spec(env: EnvConfig, task: str, budget: int) -> EnvSpec | None:
+    """The environment of ``task`` (``data.task``) from the ``env`` section, its episodes
+    within ``budget`` response tokens (the resolved ``rollout.max_response_tokens``); None
+    for a single-turn task."""
     if task not in ENV_TASKS:
         return None
-    e = cfg.env
+    e = env
     name = e.environment(task)
-    budget = cfg.rollout.max_response_tokens
     return EnvSpec(
         environment_target(name),
         e.options(name),

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from parameter_server.convert_megatron import unsupported_hf
+from staleflow.config.recovery import RecoveryConfig
 from staleflow.config.sections import ModelConfig, TrainerConfig
 from staleflow.install import missing
 from staleflow.models.build import arithmetic_tokenizer, qwen2_config
 from staleflow.trainers.megatron.checkpoint import CheckpointMismatch, check_architecture, read_meta
-
-if TYPE_CHECKING:
-    from staleflow.config import RunConfig
 
 
 class TrainerSetupError(ValueError):
@@ -38,20 +36,20 @@ def check_installed() -> None:
         )
 
 
-def check_run(cfg: RunConfig) -> None:
+def check_run(trainer: TrainerConfig, model: ModelConfig, recovery: RecoveryConfig) -> None:
     """Everything checkable from the configuration alone: megatron-core installed, no
     audit log asked of it (``recovery.audit_log``), and the policy (its HF config: ``model.checkpoint``'s ``config.json``, or the built-in
     preset's) trainable at ``trainer.tp`` (:func:`check_policy`)."""
     check_installed()
-    if cfg.recovery.audit_log:  # the ranks take their batches from the TS themselves
+    if recovery.audit_log:  # the ranks take their batches from the TS themselves
         raise ValueError(
             "recovery.audit_log=true is written by the embedded trainer, which sees every "
             "batch; the Megatron ranks fetch theirs from the TS: set recovery.audit_log=false "
             "or trainer.backend=embedded"
         )
-    hf = policy_config(cfg.model)
+    hf = policy_config(model)
     if hf is not None:
-        check_policy(cfg.trainer, hf, cfg.model)
+        check_policy(trainer, hf, model)
 
 
 def policy_config(model: ModelConfig) -> dict[str, Any] | None:

@@ -40,14 +40,14 @@ def test_embedded_coordinator_default_leaves_the_class_default_alone():
 
 
 def test_the_control_plane_plans_for_the_rollouts_response_cap():
-    from staleflow.runtime.driver.run import control_config
+    from staleflow.runtime.driver.run_plan import plan_run
 
     cfg = load_config(None, ["rollout.max_response_tokens=64"])
-    assert control_config(cfg).coordinator.fill_steps == 64  # headroom: one whole response
+    assert plan_run(cfg).control.coordinator.fill_steps == 64  # headroom: one whole response
     budget = ["rollout.kv_budget_tokens=65536", "coordinator.cost_model.kv_budget=65536"]
     own = ["model.checkpoint=/models/m", "rollout.max_response_tokens=8000", *budget]
     long = load_config(None, own)  # (the built-in model's context is shorter)
-    assert control_config(long).coordinator.fill_steps == CoordinatorConfig().fill_steps
+    assert plan_run(long).control.coordinator.fill_steps == CoordinatorConfig().fill_steps
 
 
 def test_sections_are_frozen():

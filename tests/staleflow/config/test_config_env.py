@@ -35,18 +35,17 @@ def test_bad_env_values_are_refused_by_name(override, why):
 
 
 def test_a_sandbox_needs_a_step_limit_and_reaches_the_workers_spec():
-    from staleflow.runtime.workers.specs import env_spec
+    from staleflow.runtime.driver.run_plan import plan_run
 
     with pytest.raises(ConfigError, match=r"env.step_timeout_s=0.0 must be > 0 with env.sandbox"):
         load_config(None, ["data.task=calculator", "env.sandbox=true", "env.step_timeout_s=0"])
-    cfg = load_config(None, ["data.task=calculator", "env.sandbox=true"]).resolved()
-    spec = env_spec(cfg)
+    spec = plan_run(load_config(None, ["data.task=calculator", "env.sandbox=true"])).environment()
     assert spec is not None and spec.sandbox and spec.step_timeout_s == 60.0
     assert spec.sandbox_memory_mb == 1024
     more = ["data.task=calculator", "env.sandbox=true", "env.sandbox_memory_mb=4096"]
-    spec = env_spec(load_config(None, more).resolved())
+    spec = plan_run(load_config(None, more)).environment()
     assert spec is not None and spec.sandbox_memory_mb == 4096
-    spec = env_spec(load_config(None, ["data.task=calculator"]).resolved())
+    spec = plan_run(load_config(None, ["data.task=calculator"])).environment()
     assert spec is not None and not spec.sandbox  # off by default
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from staleflow.config import ConfigError, load_config
 from staleflow.engines.drafts import SpeculationSettings
-from staleflow.runtime.driver.pool_specs import control_config
+from staleflow.runtime.driver.run_plan import control_config
 from staleflow.runtime.workers.specs import speculation_settings
 
 

@@ -175,6 +175,7 @@ def test_the_data_keys_are_checked(overrides, match):
 
 def test_build_dataset_maps_columns_and_renders_the_template(tmp_path, chat_tokenizer):
     from staleflow.runtime.driver.launch import build_dataset
+    from staleflow.runtime.driver.run_plan import plan_run
 
     datasets.Dataset.from_dict(ROWS).save_to_disk(str(tmp_path / "saved"))
     cfg = load_config(
@@ -188,11 +189,12 @@ def test_build_dataset_maps_columns_and_renders_the_template(tmp_path, chat_toke
             "model.checkpoint=/m",
         ],
     )
-    data = build_dataset(cfg, chat_tokenizer)
+    task = plan_run(cfg).task
+    data = build_dataset(task, chat_tokenizer)
     first = chat_tokenizer.encode(f"[user] {ROWS['problem'][0]}\n[assistant] ")
     assert np.array_equal(data[0].prompt_ids, first)
     with pytest.raises(TokenizerError, match="no chat template"):
-        build_dataset(cfg, TOK)
+        build_dataset(task, TOK)
     # the config.yaml a run folder keeps says how its prompts were made
     saved = yaml.safe_load(save_config(cfg, tmp_path / "config.yaml").read_text())["data"]
     assert (saved["chat_template"], saved["prompt_column"]) == (True, "problem")

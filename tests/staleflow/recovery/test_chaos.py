@@ -263,11 +263,14 @@ def _resumes_the_manager_written(run_dir: Path, target: int) -> None:
     from staleflow.models.checkpoint import load_pretrained
     from staleflow.runtime.driver.launch import build_dataset
     from staleflow.runtime.driver.resume import check_resume, restore_state
+    from staleflow.runtime.driver.run_plan import plan_run
     from staleness import StalenessManager
 
     cfg, ck = check_resume(run_dir, [f"steps={target}"])
     _, tokenizer = load_pretrained(ck.trainer_dir)
-    point = restore_state(cfg, ck, build_dataset(cfg, tokenizer))
+    plan = plan_run(cfg)
+    dataset = build_dataset(plan.task, tokenizer)
+    point = restore_state(plan.trajectory_server, plan.control.sampling, ck, dataset)
     written = StalenessManager.restore(dict(ck.staleness))
     assert written.export_state() == dict(ck.staleness)
     group_of = {t: g["id"] for g in ck.staleness["groups"] for t, _ in g["members"]}

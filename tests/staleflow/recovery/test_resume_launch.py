@@ -27,6 +27,7 @@ def test_a_run_stopped_at_step_k_and_resumed_trains_its_steps_once(tmp_path):
     from staleflow.models.checkpoint import load_pretrained
     from staleflow.runtime.driver.launch import build_dataset, launch
     from staleflow.runtime.driver.resume import check_resume, restore_state
+    from staleflow.runtime.driver.run_plan import plan_run
     from staleness import StalenessManager
 
     cfg = load_config(
@@ -58,7 +59,9 @@ def test_a_run_stopped_at_step_k_and_resumed_trains_its_steps_once(tmp_path):
     # the manager the run resumes with is the one written, field by field, once the
     # completions that landed in the TS between the two exports are replayed
     _, tokenizer = load_pretrained(ck.trainer_dir)
-    point = restore_state(resumed_cfg, ck, build_dataset(resumed_cfg, tokenizer))
+    plan = plan_run(resumed_cfg)
+    dataset = build_dataset(plan.task, tokenizer)
+    point = restore_state(plan.trajectory_server, plan.control.sampling, ck, dataset)
     written = StalenessManager.restore(dict(ck.staleness))
     assert written.export_state() == dict(ck.staleness)
     ledger = {t: g for g, t in _members(ck.staleness)}

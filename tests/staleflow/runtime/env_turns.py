@@ -46,8 +46,10 @@ def env_stage_on_file(tmp_path, env_name: str, rows: list[dict], tok, filename: 
     import json
 
     from staleflow.config import load_config
-    from staleflow.runtime.driver.launch import build_dataset, preflight
-    from staleflow.runtime.workers.specs import RewardSpec, build_reward_stage, env_spec
+    from staleflow.runtime.driver.launch import build_dataset
+    from staleflow.runtime.driver.launch_checks import preflight
+    from staleflow.runtime.driver.run_plan import plan_run
+    from staleflow.runtime.workers.specs import RewardSpec, build_reward_stage
     from trajectory_server import TrajectoryServer, TrajectoryServerConfig
 
     path = tmp_path / filename
@@ -61,15 +63,15 @@ def env_stage_on_file(tmp_path, env_name: str, rows: list[dict], tok, filename: 
             f"model.checkpoint={tmp_path}",  # a folder: the policy is never loaded here
         ],
     )
-    preflight(cfg)
-    dataset = build_dataset(cfg, tok)
-    resolved = cfg.resolved()
-    spec = env_spec(resolved)
+    plan = plan_run(cfg)
+    preflight(plan)
+    dataset = build_dataset(plan.task, tok)
+    spec = plan.environment()
     assert spec is not None
     ts = TrajectoryServer(
         TrajectoryServerConfig(eta=0, batch_size=1, group_size=1), _Source(dataset)
     )
     stage = build_reward_stage(
-        RewardSpec(resolved.reward, ("char", tok.alphabet), spec), ts, [].extend, "w"
+        RewardSpec(plan.reward, ("char", tok.alphabet), spec), ts, [].extend, "w"
     )
     return dataset, ts, stage

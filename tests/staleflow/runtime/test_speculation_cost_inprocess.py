@@ -9,7 +9,7 @@ import pytest
 from coordinator.cost_model import MEASURED_ACCEPTANCE, SpeculationProfile, expected_accepted
 from staleflow.config import load_config
 from staleflow.engines.drafts import SpeculationStats
-from staleflow.runtime.driver.pool_specs import control_config, speculation_prior
+from staleflow.runtime.driver.run_plan import control_config, speculation_prior
 from tests.staleflow.runtime.test_runtime_inprocess import run, wire
 
 

@@ -207,6 +207,7 @@ def test_a_tracker_not_installed_is_refused_before_anything_starts(
 def test_a_tracker_that_cannot_start_closes_the_others_and_stops_the_launch(tmp_path, monkeypatch):
     import staleflow.tracking as tracking
     from staleflow.runtime.driver import launch as driver
+    from staleflow.runtime.driver.run_plan import plan_run
     from staleflow.runtime.errors import LaunchError
 
     started = _Kept()
@@ -221,5 +222,5 @@ def test_a_tracker_that_cannot_start_closes_the_others_and_stops_the_launch(tmp_
     with pytest.raises(
         LaunchError, match=r"the trackers \(wandb,mlflow\) could not start: no space"
     ):
-        driver._start_trackers(cfg, tmp_path, {})
+        driver._start_trackers(plan_run(cfg), tmp_path, {})
     assert started.closed == [True]  # the one that had started is closed, as failed

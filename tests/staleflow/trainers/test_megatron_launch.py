@@ -20,6 +20,13 @@ STEPS = 3
 POOL = "staleflow.io/pool"
 
 
+def _check_backends(cfg) -> None:
+    """``check_backends`` with the sections ``launch`` hands it from the run plan."""
+    from staleflow.runtime.backends import check_backends
+
+    check_backends(cfg.rollout, cfg.trainer, cfg.model, cfg.recovery, address=cfg.address)
+
+
 def _config(tmp_path, *extra: str):
     from staleflow.config import load_config
 
@@ -256,28 +263,28 @@ def test_settings_the_model_cannot_run_stop_launch_before_anything_slow(
 def test_a_checkpoint_of_another_architecture_stops_launch(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from staleflow.runtime.driver.launch import LaunchError, check_backends
+    from staleflow.runtime.driver.launch import LaunchError
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=17))
     gpt2.save_pretrained(tmp_path / "gpt2")
     cfg = _config(tmp_path, f"model.checkpoint={tmp_path / 'gpt2'}")
     with pytest.raises(LaunchError, match=r"model_type 'gpt2' .* or trainer.backend=embedded"):
-        check_backends(cfg)
+        _check_backends(cfg)
 
 
 def test_an_audit_log_is_refused_for_the_megatron_pool(tmp_path):
     """``recovery.audit_log`` is the embedded trainer's (it sees every batch): asked of a
     Megatron run it is refused by name before anything starts, not silently left empty."""
-    from staleflow.runtime.driver.launch import LaunchError, check_backends
+    from staleflow.runtime.driver.launch import LaunchError
 
     with pytest.raises(LaunchError, match=r"recovery\.audit_log=false"):
-        check_backends(_config(tmp_path, "recovery.audit_log=true"))
+        _check_backends(_config(tmp_path, "recovery.audit_log=true"))
 
 
 def test_megatron_core_missing_stops_launch(tmp_path, monkeypatch):
     import importlib.util
 
-    from staleflow.runtime.driver.launch import LaunchError, check_backends
+    from staleflow.runtime.driver.launch import LaunchError
 
     real = importlib.util.find_spec
     monkeypatch.setattr(
@@ -288,18 +295,18 @@ def test_megatron_core_missing_stops_launch(tmp_path, monkeypatch):
     with pytest.raises(
         LaunchError, match=r"megatron-core is missing.*-m pip install .*\[megatron\]"
     ):
-        check_backends(_config(tmp_path))
+        _check_backends(_config(tmp_path))
 
 
 def test_the_trainer_gang_has_a_bundle_per_rank_and_too_few_gpus_are_refused(tmp_path):
     """Each rank asks ``resources.trainer.gpus`` in its own bundle; a cluster with fewer
     GPUs than the ranks ask is refused by the placement fit, naming the trainer gang."""
+    from staleflow.runtime.driver.run_plan import plan_run
     from staleflow.runtime.errors import PlacementError
     from staleflow.runtime.placement.fitting import Node, fit
-    from staleflow.runtime.placement.plan import plan_placement
 
     cfg = _config(tmp_path, "trainer.tp=2", "trainer.dp=2", "resources.trainer.gpus=1")
-    plan = plan_placement(cfg)  # ranks: the backend's dp x tp x pp
+    plan = plan_run(cfg).placement.plan  # ranks: the backend's dp x tp x pp
     (gang,) = plan.pool("trainer")
     assert gang.roles == ("trainer/0", "trainer/1", "trainer/2", "trainer/3")
     assert gang.bundle.gpus == 1

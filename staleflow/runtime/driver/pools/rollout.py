@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from staleflow.runtime.backends import engine_builder
 from staleflow.runtime.driver.pools import PoolContext, respawn
@@ -22,9 +22,6 @@ from staleflow.runtime.placement.plan import NODE_RESOURCE_SHARE, Bundle
 from staleflow.runtime.placement.ray_cluster import NODE_ID_LABEL
 from staleflow.runtime.workers.actors import InstanceRecovery, RolloutActor, process_env
 from staleflow.runtime.workers.specs import EnginePlacement, RolloutSpec
-
-if TYPE_CHECKING:
-    from staleflow.config import RunConfig
 
 
 def holder_id(inst: int, incarnation: int, tag: str = "") -> str:
@@ -137,15 +134,16 @@ def spawn_instance(
     return actor
 
 
-def new_slot(ctx: PoolContext, cfg: RunConfig, ps: PSPool, inst: int, wait_s: float) -> Slot:
-    """A placement group for one more instance (elastic rollout), on a node that runs a
-    PS replica (it Pulls from that replica over shared memory). Raises ``LaunchError``
-    naming what is missing when no such node has room within ``wait_s``."""
+def new_slot(
+    ctx: PoolContext, bundle: Bundle, tp: int, ps: PSPool, inst: int, wait_s: float
+) -> Slot:
+    """A placement group for one more instance (elastic rollout) of ``tp`` bundles
+    (``rollout.tensor_parallel`` of ``resources.rollout``), on a node that runs a PS
+    replica (it Pulls from that replica over shared memory). Raises ``LaunchError`` naming
+    what is missing when no such node has room within ``wait_s``."""
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    bundle = Bundle.of(cfg.resources.rollout)
-    tp = cfg.rollout.tensor_parallel
     for node in dict.fromkeys(ps.nodes.values()):
         pg = placement_group(
             [bundle.resources() for _ in range(tp)],

@@ -122,12 +122,14 @@ def _turn(ts, stage, routed: RoutedTrajectory, text: str) -> list[int]:
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet", "hf"])
 def test_a_users_environment_plays_its_own_problems(tmp_path, kind) -> None:
-    from staleflow.runtime.driver.launch import build_dataset, preflight
-    from staleflow.runtime.workers.specs import RewardSpec, build_reward_stage, env_spec
+    from staleflow.runtime.driver.launch import build_dataset
+    from staleflow.runtime.driver.launch_checks import preflight
+    from staleflow.runtime.driver.run_plan import plan_run
+    from staleflow.runtime.workers.specs import RewardSpec, build_reward_stage
 
-    cfg = _config(tmp_path, _write(ROWS, tmp_path, kind))
-    preflight(cfg)  # the environment imports and builds, every row reads
-    dataset = build_dataset(cfg, TOK)
+    plan = plan_run(_config(tmp_path, _write(ROWS, tmp_path, kind)))
+    preflight(plan)  # the environment imports and builds, every row reads
+    dataset = build_dataset(plan.task, TOK)
     assert len(dataset) == 2
     assert TOK.decode(dataset[0].prompt_ids) == ROWS[0]["prompt"]  # the environment's message
     assert EnvSample.from_json(dataset[1].answer) == EnvSample(
@@ -136,15 +138,14 @@ def test_a_users_environment_plays_its_own_problems(tmp_path, kind) -> None:
 
     # the reward worker's stage, built from the config as a worker builds it: the sample
     # reaches the environment through the TS, the episode takes turns and is scored
-    resolved = cfg.resolved()
-    spec = env_spec(resolved)
+    spec = plan.environment()
     assert spec is not None and spec.name == f"{__name__}:GuessEnv" and spec.max_turns == 3
     ts = TrajectoryServer(
         TrajectoryServerConfig(eta=0, batch_size=1, group_size=2), _Source(dataset)
     )
     rewarded: list = []
     stage = build_reward_stage(
-        RewardSpec(resolved.reward, ("char", TOK.alphabet), spec), ts, rewarded.extend, "w"
+        RewardSpec(plan.reward, ("char", TOK.alphabet), spec), ts, rewarded.extend, "w"
     )
     first, second = ts.route([0, 1], 0, "i0")
     assert _turn(ts, stage, first, "4") == []  # too low: a next turn

@@ -86,7 +86,7 @@ def test_the_cli_prints_the_refusal(tmp_path, capsys, monkeypatch):
 
 def test_an_address_joins_that_cluster_and_none_starts_a_local_ray_sized_to_the_plan():
     from staleflow.cli import parse_args
-    from staleflow.runtime.placement.plan import plan_placement
+    from staleflow.runtime.driver.run_plan import plan_run
     from staleflow.runtime.placement.ray_cluster import init_kwargs, local_cpus
 
     args = parse_args(["launch", "--address", "ray://head:10001"])
@@ -96,7 +96,7 @@ def test_an_address_joins_that_cluster_and_none_starts_a_local_ray_sized_to_the_
     local = init_kwargs("", 4)
     assert local["address"] == "local" and local["num_cpus"] == 4  # never another's cluster
     # a local Ray always holds the plan's CPU asks (they only gate scheduling there)
-    plan = plan_placement(load_config(None, ["rollout.instances=40"]))
+    plan = plan_run(load_config(None, ["rollout.instances=40"])).placement.plan
     assert local_cpus(plan.totals()["CPU"]) >= plan.totals()["CPU"] == 40 + 1 + 1 + 1 + 2
 
 
@@ -125,7 +125,7 @@ def test_an_actor_that_fails_to_start_is_a_launch_error_and_leaves_no_run_folder
     assert not any(tmp_path.iterdir()), "a launch that never trained leaves no folder behind"
 
 
-def _placed_nowhere(cfg, phase):
+def _placed_nowhere(request, phase):
     """``place`` without Ray: a cluster that starts nothing, a placement of no node."""
     from staleflow.runtime.placement.fitting import Placement
 
@@ -156,16 +156,18 @@ def test_the_run_folder_holds_the_resolved_config(tmp_path):
 def test_with_ones_own_checkpoint_launch_says_it_loads_it_and_warms_nothing_up(tmp_path):
     from staleflow.models import build_arithmetic_model, save_pretrained
     from staleflow.runtime.driver.launch import prepare_policy
+    from staleflow.runtime.driver.run_plan import plan_run
 
     model, tokenizer = build_arithmetic_model("micro")
     save_pretrained(model, tokenizer, tmp_path / "ckpt")
-    cfg = load_config(None, [f"model.checkpoint={tmp_path / 'ckpt'}"])
+    plan = plan_run(load_config(None, [f"model.checkpoint={tmp_path / 'ckpt'}"]))
     said: list[str] = []
-    _, _, facts = prepare_policy(cfg, said.append)
+    _, _, facts = prepare_policy(plan.model, plan.task, said.append)
     assert said == [f"loading the policy from {tmp_path / 'ckpt'}"]
     assert facts == {"source": str(tmp_path / "ckpt")}
     said.clear()
-    prepare_policy(load_config(None, ["model.preset=micro", "model.warmup=false"]), said.append)
+    plan = plan_run(load_config(None, ["model.preset=micro", "model.warmup=false"]))
+    prepare_policy(plan.model, plan.task, said.append)
     assert said == ["building the built-in micro model, untrained (model.warmup=false)"]
 
 
@@ -193,13 +195,14 @@ def test_the_summary_shows_the_held_out_row_only_when_problems_were_scored():
 
 
 def test_paths_the_run_reads_are_checked_before_anything_starts(tmp_path):
-    from staleflow.runtime.driver.launch import preflight
+    from staleflow.runtime.driver.launch_checks import preflight
+    from staleflow.runtime.driver.run_plan import plan_run
 
     with pytest.raises(
         LaunchError,
         match=r"cannot load the policy: .*/gone: no such checkpoint directory \(set by model.checkpoint\)",
     ):
-        preflight(load_config(None, [f"model.checkpoint={tmp_path / 'gone'}"]))
+        preflight(plan_run(load_config(None, [f"model.checkpoint={tmp_path / 'gone'}"])))
     (tmp_path / "ckpt").mkdir()
     cfg = load_config(
         None,
@@ -213,4 +216,4 @@ def test_paths_the_run_reads_are_checked_before_anything_starts(tmp_path):
         LaunchError,
         match=r"cannot read the prompts: .*none\.jsonl: no such file \(set by data.path\)",
     ):
-        preflight(cfg)
+        preflight(plan_run(cfg))

@@ -232,11 +232,12 @@ def test_a_dead_rollout_actor_is_restarted_and_instances_join_and_leave(tmp_path
     from staleflow.config import load_config
     from staleflow.runtime.driver.elastic import request_scale
     from staleflow.runtime.driver.launch import Run, build_dataset, prepare_policy
+    from staleflow.runtime.driver.run_plan import plan_run
     from staleflow.runtime.driver.supervisor import Supervisor
 
-    cfg = load_config(None, ["eta=1", f"run_dir={tmp_path}", *MICRO_RUN])
-    model, tokenizer, _ = prepare_policy(cfg)
-    run = Run(cfg, tmp_path, supervisor=Supervisor)
+    plan = plan_run(load_config(None, ["eta=1", f"run_dir={tmp_path}", *MICRO_RUN]))
+    model, tokenizer, _ = prepare_policy(plan.model, plan.task)
+    run = Run(plan, tmp_path, supervisor=Supervisor)
     records: list[dict[str, float]] = []
     stop = threading.Event()
     phase = {"name": "grow", "at": 0}
@@ -261,7 +262,7 @@ def test_a_dead_rollout_actor_is_restarted_and_instances_join_and_leave(tmp_path
             stop.set()  # two steps on one instance
 
     try:
-        run.start(model, tokenizer, build_dataset(cfg, tokenizer))
+        run.start(model, tokenizer, build_dataset(plan.task, tokenizer))
         first = run.rollout.holders[0]
         ray.kill(run.actors["instances"][0])
         deadline = time.monotonic() + 180

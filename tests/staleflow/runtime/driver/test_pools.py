@@ -25,7 +25,8 @@ class FakeReservation:
 def _context() -> PoolContext:
     cfg = load_config(None, ["resources.rollout.gpus=1"])
     nodes = [Node("a", "", {"CPU": 8, "GPU": 1}), Node("b", "", {"CPU": 8, "GPU": 1})]
-    placement = fit(plan_placement(cfg), nodes)
+    plan = plan_placement(cfg.resources, cfg.rollout, cfg.trainer, cfg.reward)
+    placement = fit(plan, nodes)
     return PoolContext(None, "run-x", placement, FakeReservation(), "a", True, print)  # type: ignore[arg-type]
 
 

@@ -14,7 +14,8 @@ POOL = "staleflow.io/pool"
 
 
 def _plan(*overrides: str, ranks: int = 1):
-    return plan_placement(load_config(None, list(overrides)), trainer_ranks=ranks)
+    cfg = load_config(None, list(overrides))
+    return plan_placement(cfg.resources, cfg.rollout, cfg.trainer, cfg.reward, trainer_ranks=ranks)
 
 
 def _members(placement) -> dict[str, str]:

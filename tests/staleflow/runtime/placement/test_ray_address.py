@@ -75,11 +75,12 @@ def test_cli_status_and_launch_fail_fast_on_an_unreachable_address(capsys, tmp_p
     assert f"no Ray cluster answers at {address}" in capsys.readouterr().err
     from staleflow.config import load_config
     from staleflow.runtime.driver.launch import LaunchError, Run
+    from staleflow.runtime.driver.run_plan import plan_run
     from staleflow.runtime.driver.supervisor import Supervisor
 
-    cfg = load_config(None, [f"address={address}", f"run_dir={tmp_path}"])
+    plan = plan_run(load_config(None, [f"address={address}", f"run_dir={tmp_path}"]))
     with pytest.raises(LaunchError, match="no Ray cluster answers"):
-        Run(cfg, tmp_path, supervisor=Supervisor).start(None, None, None)
+        Run(plan, tmp_path, supervisor=Supervisor).start(None, None, None)
 
 
 def test_launch_refuses_an_unreachable_address_before_preparing_the_policy(tmp_path, monkeypatch):
