@@ -58,7 +58,8 @@ def run_one(args: argparse.Namespace, on: bool, repeat: int) -> dict[str, Any]:
     cfg = load_config(args.config, overrides)
     print(f"-- dynamic sampling {'on' if on else 'off'} (repeat {repeat})", file=sys.stderr)
     result = launch(cfg)
-    s, audit = result.summary, result.summary["audit"]
+    s = result.summary
+    audit = s.audit or {}
     full = cfg.batch_size * cfg.group_size
     fills = [(r.trajectories or 0) / full for r in result.records]
     ended = audit["consumed"] + audit["aborted"] + audit.get("filtered", 0)
@@ -67,23 +68,23 @@ def run_one(args: argparse.Namespace, on: bool, repeat: int) -> dict[str, Any]:
         "repeat": repeat,
         "seed": cfg.seed,
         "steps": len(result.records),
-        "trainer_idle_ratio": s["trainer_idle_ratio"],
-        "rollout_idle_ratio": s["rollout_idle_ratio"],
+        "trainer_idle_ratio": s.trainer_idle_ratio,
+        "rollout_idle_ratio": s.rollout_idle_ratio,
         "batch_fill_min": min(fills) if fills else 0.0,
         "batch_fill_mean": sum(fills) / len(fills) if fills else 0.0,
-        "filtered_frac": s.get("filtered_frac"),
-        "filtered_groups": s.get("filtered_groups"),
+        "filtered_frac": s.filtered_frac,
+        "filtered_groups": s.filtered_groups,
         "flat_kept_groups": _sum_extra(result.records, FLAT_KEPT),
         "audit": {k: v for k, v in audit.items() if k != "recovery"},
         "audit_balanced": audit["created"] == ended + audit["queued"] + audit["completed"]
         and audit["routed"] == 0
         and audit["on_instances"] == 0,
-        "staleness_max": s["staleness_max"],
+        "staleness_max": s.staleness_max,
         "eta": cfg.eta,
-        "tokens_per_s": s["tokens_per_s"],
-        "elapsed_s": s["elapsed_s"],
-        "reward_start": s["reward_start"],
-        "reward_end": s["reward_end"],
+        "tokens_per_s": s.tokens_per_s,
+        "elapsed_s": s.elapsed_s,
+        "reward_start": s.reward_start,
+        "reward_end": s.reward_end,
         "run_dir": str(result.run_dir),
     }
 

@@ -26,7 +26,10 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from staleflow.runfolder.run_summary import RunSummary
 
 # variant -> (eta, config overrides)
 VARIANTS: dict[str, tuple[int, list[str]]] = {
@@ -134,40 +137,45 @@ def from_folder(run_dir: Path) -> dict[str, Any]:
     """A finished run's row from its folder (``--report``): the variant from its config."""
     import yaml
 
+    from staleflow.runfolder.layout import RunLayout
     from staleflow.runfolder.step_record import StepRecord
 
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     eta = int(cfg["eta"])
     variant = "eta0" if eta == 0 else cfg["coordinator"]["routing"]
     variant = "staleflow" if variant == "throughput" else variant
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = RunLayout(run_dir).read_summary()
+    if summary is None:
+        raise SystemExit(f"{run_dir}: no readable summary.json (did the run finish?)")
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     records = [StepRecord.from_flat(json.loads(line)) for line in lines if line.strip()]
     return summarise_run(variant, eta, summary, records, run_dir)
 
 
 def summarise_run(
-    variant: str, eta: int, s: dict[str, Any], records: list[Any], run_dir: Path
+    variant: str, eta: int, s: RunSummary, records: list[Any], run_dir: Path
 ) -> dict[str, Any]:
-    hist = {int(k): v for k, v in s["staleness_hist"].items()}
+    hist = dict(s.staleness_hist or {})
     episodes = sum(hist.values())
+    if s.elapsed_s is None or s.staleness_max is None:
+        raise SystemExit(f"{run_dir}: the run took no step, so it has no row; run it longer")
     known = [r for r in records if r.turns_mean is not None]
     return {
         "variant": variant,
         "eta": eta,
-        "tokens_per_s": s["tokens_per_s"],
-        "episodes_per_s": episodes / s["elapsed_s"],
-        "elapsed_s": s["elapsed_s"],
+        "tokens_per_s": s.tokens_per_s,
+        "episodes_per_s": episodes / s.elapsed_s,
+        "elapsed_s": s.elapsed_s,
         "episodes": episodes,
         "tool_calls": sum(r.tool_calls or 0 for r in known),
         "tool_wait_s": sum(r.tool_wait_s or 0.0 for r in known),
         "turns_mean": statistics.fmean(r.turns_mean for r in known) if known else None,
         "staleness_hist": hist,
-        "staleness_max": s["staleness_max"],
-        "within_eta": s["staleness_max"] <= eta,
-        "reward_end": s["reward_end"],
-        "trainer_idle_ratio": s["trainer_idle_ratio"],
-        "rollout_idle_ratio": s["rollout_idle_ratio"],
+        "staleness_max": s.staleness_max,
+        "within_eta": s.staleness_max <= eta,
+        "reward_end": s.reward_end,
+        "trainer_idle_ratio": s.trainer_idle_ratio,
+        "rollout_idle_ratio": s.rollout_idle_ratio,
         "run_dir": str(run_dir),
     }
 

@@ -31,7 +31,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from staleflow.runtime.driver.launch import RunResult
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,7 +70,6 @@ def run_one(
     seed: int | None = None,
 ) -> dict[str, Any]:
     from staleflow.config import load_config
-    from staleflow.runfolder.run_summary import RunSummary
     from staleflow.runtime.driver.launch import launch
 
     # no dashboard: its poller would add RPCs to the runs being compared
@@ -87,14 +89,21 @@ def run_one(
         file=sys.stderr,
         flush=True,
     )
-    result = launch(cfg)
-    s = RunSummary.from_json(result.summary)  # summary.json, typed
+    return sweep_row(launch(cfg), eta, stream, fresh, cfg.seed)
+
+
+def sweep_row(
+    result: RunResult, eta: int, stream: bool, fresh: bool | None, seed: int
+) -> dict[str, Any]:
+    """One run's row of the table and the JSON, from what ``launch`` returned: its
+    summary (``summary.json``, typed) and its step records."""
+    s = result.summary
     steps = [r.step_s for r in result.records[1:] if r.step_s is not None]  # not the first
     return {
         "eta": eta,
         "stream": stream,
         "freshness": bool(fresh),
-        "seed": cfg.seed,
+        "seed": seed,
         "staleness_mean": s.staleness_mean,
         "corrected_frac": s.corrected_frac,
         "eval_reward_start": s.eval_reward_start,

@@ -117,7 +117,7 @@ def simulate(run: Run) -> dict[str, Any]:
         "steps": s.steps,
         "tokens_per_s": s.tokens_per_s,
         "steady_tokens_per_s": s.steady_tokens_per_s,
-        "seconds": s.seconds,
+        "seconds": s.elapsed_s,
         "rampup_s": s.rampup_s,
         "trainer_busy_steady": s.trainer_busy_steady,
         "rollout_idle_ratio": s.rollout_idle_ratio,

@@ -101,7 +101,7 @@ def simulate(run: Run) -> dict[str, Any]:
         "seed": run.seed,
         "tokens_per_s": s.tokens_per_s,
         "steady_tokens_per_s": s.steady_tokens_per_s,
-        "seconds": s.seconds,
+        "seconds": s.elapsed_s,
         "rampup_s": s.rampup_s,
         "warmup_waits_s": sum(waits[:warm]),
         "steady_waits_s": sum(waits[warm:]),

@@ -104,8 +104,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C: launch's teardown has run; no traceback
         console.print("[yellow]staleflow launch: interrupted, the actors stopped[/]")
         return 130
-    result.summary["run_dir"] = str(result.run_dir)
-    console.print(summary_table(result.summary, cfg.eta))
+    console.print(summary_table(result.summary, cfg.eta, result.run_dir))
     if result.stopped:
         print_text(
             console,

@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     table.add_column("value", justify="right")
     rows = [
         ("training steps", f"{summary.steps}" + (" (stalled)" if summary.stalled else "")),
-        ("virtual time", f"{summary.seconds:,.0f} s"),
+        ("virtual time", f"{summary.elapsed_s:,.0f} s"),
         ("throughput", f"{summary.tokens_per_s:,.0f} tokens/s"),
         ("throughput after warm-up", f"{summary.steady_tokens_per_s:,.0f} tokens/s"),
         (

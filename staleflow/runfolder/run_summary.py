@@ -20,29 +20,46 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 F = TypeVar("F", float, float | None)
+H = TypeVar("H", dict[int, int], dict[int, int] | None)
 
 _HISTOGRAMS = ("staleness_hist", "token_staleness_hist")
 _OWN = frozenset({"extra", "nulls"})  # the record's bookkeeping, not summary.json keys
 
 
 @dataclass(frozen=True, slots=True)
-class RunFigures(Generic[F]):
+class RunFigures(Generic[F, H]):
     """The figures a simulated and a real run both report, under the same names.
-    ``F`` is ``float`` for the simulator (it always has the figure) and ``float | None``
-    for a launch (a run without a step, or records without the figure, have none).
+    ``F`` (``H``) is ``float`` (``dict[int, int]``) for the simulator, which always has
+    the figure, and ``... | None`` for a launch (a run without a step, or records
+    without the figure, have none).
 
     ``tokens_per_s``: trained tokens per second since training started;
     ``trainer_idle_ratio``: share of the run the trainer waited for Ready buffers;
-    ``rollout_idle_ratio``: the rollout instances' idle share."""
+    ``rollout_idle_ratio``: the rollout instances' idle share;
+    ``elapsed_s``: seconds from the start of training to the end of the last step
+    (virtual seconds in the simulator);
+    ``staleness_hist``: consumed trajectories (not groups) per staleness
+    ``V_buf - V_traj``, over every counted step.
+
+    ``summary.json`` holds each figure under its name here; the simulator's JSON spells
+    ``elapsed_s`` as it always has (:data:`SIM_JSON_KEYS`)."""
 
     steps: int
     tokens_per_s: F
     trainer_idle_ratio: F
     rollout_idle_ratio: F
+    elapsed_s: F
+    staleness_hist: H
+
+
+# The one place where a shared figure's name differs from a file's key: the simulator's
+# JSON (``staleflow sim --json``, ``experiments/sim_*.py``, their saved results) keeps
+# the keys its readers know.
+SIM_JSON_KEYS: Mapping[str, str] = {"elapsed_s": "seconds"}
 
 
 @dataclass(frozen=True, slots=True)
-class RunSummary(RunFigures[float | None]):
+class RunSummary(RunFigures[float | None, dict[int, int] | None]):
     """``summary.json`` of a launch (``staleflow.runtime.driver.launch.summarise``).
 
     A field is None when the file lacks its key or holds null there; :attr:`nulls` names
@@ -54,10 +71,8 @@ class RunSummary(RunFigures[float | None]):
     (the policy's ``source``, ``chat_template``, ``placement``, ``audit``, ``launch``:
     the id that tells this launch's summary from an earlier one's, ...) as gathered."""
 
-    elapsed_s: float | None = None
     reward_start: float | None = None
     reward_end: float | None = None
-    staleness_hist: dict[int, int] | None = None
     staleness_max: int | None = None
     staleness_mean: float | None = None
     corrected_frac: float | None = None
@@ -114,7 +129,7 @@ class RunSummary(RunFigures[float | None]):
                     values[key] = {int(k): v for k, v in hist.items()}
         nulls = frozenset(k for k, v in values.items() if v is None)
         values.setdefault("steps", 0)  # the launcher always writes it: {} is a broken file
-        for key in ("tokens_per_s", "trainer_idle_ratio", "rollout_idle_ratio"):
-            values.setdefault(key, None)
+        for f in dataclasses.fields(RunFigures):  # a launch may lack any figure but steps
+            values.setdefault(f.name, None)
         extra = {k: v for k, v in data.items() if k not in known}
         return cls(**values, extra=extra, nulls=nulls)

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from coordinator.seer import ProbeAccuracy
-from staleflow.runfolder.run_summary import RunFigures
+from staleflow.runfolder.run_summary import SIM_JSON_KEYS, RunFigures
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -61,15 +61,18 @@ class SimulatedRun(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class Summary(RunFigures[float]):
-    """What a simulated run reports; ``steps``, ``tokens_per_s``, ``trainer_idle_ratio``
-    and ``rollout_idle_ratio`` are the figures a real launch's summary has under the same
-    names (:class:`staleflow.runfolder.run_summary.RunFigures`, the base of both).
+class Summary(RunFigures[float, dict[int, int]]):
+    """What a simulated run reports; ``steps``, ``tokens_per_s``, ``trainer_idle_ratio``,
+    ``rollout_idle_ratio``, ``elapsed_s`` and ``staleness_hist`` are the figures a real
+    launch's summary has under the same names
+    (:class:`staleflow.runfolder.run_summary.RunFigures`, the base of both); the JSON of
+    :meth:`as_dict` keeps ``elapsed_s`` under its old key ``seconds``.
 
     Throughput is the paper's (§6.1): tokens (prompt + response) of the trajectories
     consumed by training, divided by the time until the last counted step ended.
 
-    ``staleness``: consumed groups per staleness ``V_buf - V_group``, over every batch.
+    ``staleness``: consumed groups per staleness ``V_buf - V_group``, over every batch
+    (``staleness_hist`` counts their trajectories, as a launch's summary does).
     ``steady_tokens_per_s``: the same after the warm-up, i.e. over the steps after the
     first ``eta + 1`` (whose buffers all hold version-0 data, shortest groups first);
     0.0 when the run has no step after the warm-up.
@@ -88,7 +91,6 @@ class Summary(RunFigures[float]):
 
     name: str
     eta: int
-    seconds: float
     tokens: int
     steady_tokens_per_s: float
     staleness: dict[int, int]
@@ -139,8 +141,11 @@ class Summary(RunFigures[float]):
     filtered_frac: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        """The simulator's JSON: the fields by name, a shared figure under its old key
+        (``SIM_JSON_KEYS``), histograms keyed by strings."""
+        out = {SIM_JSON_KEYS.get(k, k): v for k, v in asdict(self).items()}
         out["staleness"] = {str(k): v for k, v in self.staleness.items()}
+        out["staleness_hist"] = {str(k): v for k, v in self.staleness_hist.items()}
         out["max_staleness_per_batch"] = list(self.max_staleness_per_batch)
         return out
 
@@ -150,9 +155,12 @@ def summarise(cluster: SimulatedRun) -> Summary:
     end = trainer.step_ends[-1] if trainer.step_ends else cluster.now
     end = max(end, 1e-9)
     hist: Counter[int] = Counter()
+    trajs: Counter[int] = Counter()  # the same per trajectory, as a launch counts it
     per_batch = []
     for b in cluster.batches[: trainer.steps]:
         hist.update(b.staleness)
+        for g in b.groups:
+            trajs[g.staleness(b.version)] += len(g.trajectories)
         per_batch.append(max(b.staleness, default=0))
     times = [i.times for i in cluster.instances.values()]
     span = max(cluster.now, 1e-9) * len(times)
@@ -164,11 +172,12 @@ def summarise(cluster: SimulatedRun) -> Summary:
         name=cluster.config.name,
         eta=cluster.config.eta,
         steps=trainer.steps,
-        seconds=end,
+        elapsed_s=end,
         tokens=trainer.tokens,
         tokens_per_s=trainer.tokens / end,
         steady_tokens_per_s=_steady(cluster),
         staleness=dict(sorted(hist.items())),
+        staleness_hist=dict(sorted(trajs.items())),
         max_staleness_per_batch=tuple(per_batch),
         rollout_idle_ratio=sum(t.idle for t in times) / span,
         rollout_prefill_ratio=sum(t.prefill for t in times) / span,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -211,3 +212,22 @@ def test_cli_launch_interrupted_says_so_without_a_traceback(capsys, monkeypatch)
     assert code == 130
     out = capsys.readouterr().out
     assert "interrupted, the actors stopped" in out and "Traceback" not in out
+
+
+def test_cli_launch_prints_the_final_table_from_the_typed_summary(capsys, monkeypatch):
+    from staleflow.commands import launch as launching
+    from staleflow.runfolder.run_summary import RunSummary
+    from staleflow.runtime.driver.launch import RunResult
+
+    summary = RunSummary.from_json(
+        {"steps": 1, "elapsed_s": 2.5, "tokens_per_s": 40.0, "staleness_hist": {"0": 8}}
+    )
+
+    def finished(cfg, **kwargs):
+        return RunResult(Path("runs/r1"), [], summary)  # short: the table is 80 wide
+
+    monkeypatch.setattr(launching, "launch", finished)
+    assert main(["launch", "--no-dashboard", "--no-live", "--steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "40.0 trained tokens/s" in out and "2.5 s" in out and "0:8" in out
+    assert "runs/r1" in out  # the run folder, no longer a key of the summary

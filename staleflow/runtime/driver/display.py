@@ -28,6 +28,10 @@ from staleflow.runfolder.step_record import StepRecord
 from staleflow.runtime.driver.buffers_table import buffers_table
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+    from pathlib import Path
+
+    from staleflow.runfolder.run_summary import RunSummary
     from staleflow.runtime.controller.plane_records import LiveState
 
 
@@ -64,7 +68,9 @@ def live_panel(live: LiveState) -> Group:
     return Group(buffers, instances)
 
 
-def summary_table(summary: dict[str, Any], eta: int) -> Table:
+def summary_table(summary: RunSummary, eta: int, run_dir: Path | str = "") -> Table:
+    """The final table of ``staleflow launch``: the run's summary (``summary.json``) and
+    where its folder is."""
     table = Table(title=f"run summary (eta={eta})")
     table.add_column("metric")
     table.add_column("value", justify="right")
@@ -72,34 +78,33 @@ def summary_table(summary: dict[str, Any], eta: int) -> Table:
     def fmt(v: object, spec: str = "") -> str:
         return "-" if v is None else format(v, spec)
 
-    shares = summary.get("time_share", {})
+    s = summary
+    shares = s.time_share or {}
     rows = [
-        ("training steps", fmt(summary.get("steps"))),
-        ("wall time (training)", f"{fmt(summary.get('elapsed_s'), '.1f')} s"),
-        ("throughput", f"{fmt(summary.get('tokens_per_s'), ',.1f')} trained tokens/s"),
+        ("training steps", fmt(s.steps)),
+        ("wall time (training)", f"{fmt(s.elapsed_s, '.1f')} s"),
+        ("throughput", f"{fmt(s.tokens_per_s, ',.1f')} trained tokens/s"),
         (
             "mean reward, first → last quarter",
-            f"{fmt(summary.get('reward_start'), '.3f')} → {fmt(summary.get('reward_end'), '.3f')}",
+            f"{fmt(s.reward_start, '.3f')} → {fmt(s.reward_end, '.3f')}",
         ),
         (
-            f"held-out reward ({summary.get('eval_problems', 0)} problems), start → end",
-            f"{fmt(summary.get('eval_reward_start'), '.3f')} → "
-            f"{fmt(summary.get('eval_reward_end'), '.3f')}",
+            f"held-out reward ({s.eval_problems} problems), start → end",
+            f"{fmt(s.eval_reward_start, '.3f')} → {fmt(s.eval_reward_end, '.3f')}",
         )
-        if summary.get("eval_problems")  # scored only for the built-in task
+        if s.eval_problems  # scored only for the built-in task
         else None,
-        _evaluation_row(summary.get("eval_last"), summary.get("eval_best")),
+        _evaluation_row(s.eval_last, s.eval_best),
         (
             "staleness (V_buf - V_traj: trajectories)",
-            " ".join(f"{k}:{v}" for k, v in summary.get("staleness_hist", {}).items()),
+            " ".join(f"{k}:{v}" for k, v in (s.staleness_hist or {}).items()),
         ),
         (
             "mean staleness; tokens clipped or masked",
-            f"{fmt(summary.get('staleness_mean'), '.2f')}; "
-            f"{fmt(summary.get('corrected_frac'), '.2%')}",
+            f"{fmt(s.staleness_mean, '.2f')}; {fmt(s.corrected_frac, '.2%')}",
         ),
-        ("trainer idle", fmt(summary.get("trainer_idle_ratio"), ".1%")),
-        ("rollout idle", fmt(summary.get("rollout_idle_ratio"), ".1%")),
+        ("trainer idle", fmt(s.trainer_idle_ratio, ".1%")),
+        ("rollout idle", fmt(s.rollout_idle_ratio, ".1%")),
         (
             "rollout time in Pull / Route / Interrupt",
             " / ".join(fmt(shares.get(k), ".2%") for k in ("pull", "route", "interrupt")),
@@ -108,7 +113,7 @@ def summary_table(summary: dict[str, Any], eta: int) -> Table:
             "rollout time in prefill / decode",
             " / ".join(fmt(shares.get(k), ".1%") for k in ("prefill", "decode")),
         ),
-        ("run folder", str(summary.get("run_dir", ""))),
+        ("run folder", str(run_dir)),
     ]
     for row in rows:
         if row is not None:
@@ -117,13 +122,13 @@ def summary_table(summary: dict[str, Any], eta: int) -> Table:
 
 
 def _evaluation_row(
-    last: dict[str, Any] | None, best: dict[str, Any] | None
+    last: Mapping[str, Any] | None, best: Mapping[str, Any] | None
 ) -> tuple[str, str] | None:
     """The evaluation during training (eval.every), last and best: mean@k / pass@k."""
     if not last or not best:
         return None
 
-    def one(e: dict[str, Any]) -> str:
+    def one(e: Mapping[str, Any]) -> str:
         return f"{e['mean_at_k']:.3f} / {e['pass_at_k']:.3f} (step {e['step']})"
 
     label = f"held-out mean@{last['samples']} / pass@{last['k']}, last; best"

@@ -104,7 +104,7 @@ __all__ = [
 class RunResult:
     run_dir: Path
     records: list[StepRecord]
-    summary: dict[str, Any]
+    summary: RunSummary  # what summary.json holds
     consumed: list[dict[str, Any]] = field(default_factory=list)  # per step: ids, versions
     stopped: bool = False  # asked to stop before its step count: resume it
     checkpoint: Path | None = None  # the last run checkpoint written
@@ -498,10 +498,9 @@ def _launch_on(
     if last is not None:
         facts["resume_from"] = str(last)
     facts["launch"] = state.launch  # status tells this launch's summary from an earlier one's
-    record_of_run = summarise(records, facts)
-    RunLayout(out.path).write_summary(record_of_run)
-    summary = record_of_run.to_json()
-    trackers.log_summary(summary)
+    summary = summarise(records, facts)
+    RunLayout(out.path).write_summary(summary)
+    trackers.log_summary(summary.to_json())
     trackers.close(failed=False)
     state.end(STOPPED if stopped else FINISHED, "a signal asked it to stop" if stopped else "")
     consumed = [

@@ -92,7 +92,7 @@ def test_launch_vllm_eta0_multi_turn_is_exactly_on_policy(tmp_path):
     check_run(result, 0, STEPS, 2 * 4)  # the embedded engine's end-to-end checks
     for step in result.consumed:
         assert set(step["staleness"]) == {0} and set(step["token_staleness"]) == {0}
-    assert result.summary["on_policy_tokens"] is True
+    assert result.summary.on_policy_tokens is True
     episodes = [r for r in result.records if r.turns_mean is not None]
     assert episodes and sum(r.tool_calls for r in episodes) > 0
     _, tok = load_pretrained(policy)
@@ -188,7 +188,8 @@ def test_launch_vllm_raises_the_mean_reward(tmp_path):
     )
     result = launch(cfg)
     s = result.summary
-    assert s["eval_reward_end"] > s["eval_reward_start"] + 0.04, s
+    assert s.eval_reward_end is not None and s.eval_reward_start is not None, s
+    assert s.eval_reward_end > s.eval_reward_start + 0.04, s
     first, last = reward_mean(result.records[:50]), reward_mean(result.records[-50:])
     assert first is not None and last is not None
     assert last > first + 0.03, (first, last)

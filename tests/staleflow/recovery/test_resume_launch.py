@@ -52,7 +52,7 @@ def test_a_run_stopped_at_step_k_and_resumed_trains_its_steps_once(tmp_path):
     assert first.stopped and first.checkpoint is not None
     k = len(first.records)
     assert k >= STOP_AT and first.checkpoint.name.startswith(f"step-{k:08d}")
-    assert first.summary["resume_from"] == str(first.checkpoint)
+    assert first.summary.resume_from == str(first.checkpoint)
 
     resumed_cfg, ck = check_resume(first.run_dir, [f"steps={k + MORE}"])
     assert (ck.steps, ck.version) == (k, k)
@@ -83,7 +83,7 @@ def test_a_run_stopped_at_step_k_and_resumed_trains_its_steps_once(tmp_path):
         ids.update(step["traj_ids"])
     assert len(first.consumed) + len(second.consumed) == k + MORE  # the same steps in all
     assert max(ids.values()) == 1, "a trajectory was trained on twice across the resume"
-    audit = second.summary["audit"]
+    audit = second.summary.audit
     assert audit["ps_latest"] == {"ps/0": k + MORE}  # PS and trainer went on from version k
     assert audit["consumed"] == sum(ids.values())
     assert (

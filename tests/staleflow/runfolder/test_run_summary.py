@@ -9,10 +9,16 @@ import dataclasses
 import json
 from typing import get_args, get_type_hints
 
+import pytest
+
+from staleflow.dashboard.sim_source import SimSource
 from staleflow.runfolder.layout import RunLayout
 from staleflow.runfolder.reader import read_summary
-from staleflow.runfolder.run_summary import F, RunFigures, RunSummary
+from staleflow.runfolder.run_summary import SIM_JSON_KEYS, F, H, RunFigures, RunSummary
+from staleflow.runtime.driver.launch import summarise as summarise_launch
+from staleflow.sim import tiny
 from staleflow.sim.summary import Summary
+from staleflow.sim.summary import summarise as summarise_sim
 
 # what the launcher wrote before RunSummary (launch.summarise's dict, json.dumps with
 # indent=2, sort_keys=True) for a 4-step run: histograms keyed by strings, nulls kept
@@ -89,6 +95,7 @@ def test_the_record_round_trips():
         tokens_per_s=10.0,
         trainer_idle_ratio=0.25,
         rollout_idle_ratio=0.5,
+        elapsed_s=None,
         staleness_hist={0: 2, 2: 1},
         eval_best={"step": 2.0, "mean@k": 0.5},
         launch="x",
@@ -105,12 +112,50 @@ def test_no_summary_file_reads_as_none(tmp_path):
 
 def test_the_simulator_and_the_launch_share_the_common_figures():
     common = [f.name for f in dataclasses.fields(RunFigures)]
-    assert common == ["steps", "tokens_per_s", "trainer_idle_ratio", "rollout_idle_ratio"]
+    assert common == [
+        "steps",
+        "tokens_per_s",
+        "trainer_idle_ratio",
+        "rollout_idle_ratio",
+        "elapsed_s",
+        "staleness_hist",
+    ]
     assert issubclass(Summary, RunFigures) and issubclass(RunSummary, RunFigures)
     hints = get_type_hints(RunFigures)
-    assert hints["steps"] is int and all(hints[n] is F for n in common[1:])
-    # F bound per record: the simulator always has the figure; a launch may lack it
-    assert get_args(Summary.__orig_bases__[0]) == (float,)  # type: ignore[attr-defined]
-    assert get_args(RunSummary.__orig_bases__[0]) == (float | None,)  # type: ignore[attr-defined]
-    # the same names reach both files: the simulator's JSON and summary.json
+    assert hints["steps"] is int and hints["staleness_hist"] is H
+    assert all(hints[n] is F for n in common[1:-1])
+    # bound per record: the simulator always has the figure; a launch may lack it
+    assert get_args(Summary.__orig_bases__[0]) == (float, dict[int, int])  # type: ignore[attr-defined]
+    assert get_args(RunSummary.__orig_bases__[0]) == (  # type: ignore[attr-defined]
+        float | None,
+        dict[int, int] | None,
+    )
+    # the same names reach summary.json; the simulator's JSON renames only what
+    # SIM_JSON_KEYS says
     assert set(common) <= set(RunSummary.from_json(OLD).to_json())
+    assert set(SIM_JSON_KEYS) <= set(common)
+
+
+def test_a_simulated_run_gives_the_same_figures_to_both_summaries():
+    """The launch's summary, computed by the launcher's own ``summarise`` from the step
+    records a simulated run yields (the dashboard's sim source), and the simulator's
+    ``Summary`` of that run agree on the shared figures, read under the same names."""
+    src = SimSource(tiny(eta=1, steps=4), speed=1e6).start()
+    try:
+        assert src.wait(lambda live: live.finished)
+        records = src.records(0, 100).items
+    finally:
+        src.close()
+    run = summarise_launch(records, {})
+    sim = summarise_sim(src.cluster)
+    assert run.steps == sim.steps == 4
+    assert run.staleness_hist == sim.staleness_hist and max(sim.staleness_hist) <= 1
+    assert sum(sim.staleness_hist.values()) == sum(r.trajectories or 0 for r in records)
+    assert run.elapsed_s == sim.elapsed_s
+    assert run.tokens_per_s == pytest.approx(sim.tokens_per_s)
+    # and each reaches its file under that name (the simulator's elapsed_s as "seconds")
+    assert run.to_json()["staleness_hist"] == run.staleness_hist
+    sim_json = json.loads(json.dumps(sim.as_dict()))
+    assert sim_json["seconds"] == sim.elapsed_s and "elapsed_s" not in sim_json
+    assert sim_json["staleness_hist"] == {str(k): n for k, n in sim.staleness_hist.items()}
+    assert sim_json["staleness"] == {str(k): n for k, n in sim.staleness.items()}  # groups

@@ -69,7 +69,7 @@ def test_unknown_system_names_the_choices() -> None:
 
 def test_summary_figures_are_consistent() -> None:
     s = SimCluster(tiny(eta=1, steps=4)).run()
-    assert s.tokens_per_s == pytest.approx(s.tokens / s.seconds)
+    assert s.tokens_per_s == pytest.approx(s.tokens / s.elapsed_s)
     assert sum(s.staleness.values()) == 4 * 4
     for ratio in (s.rollout_idle_ratio, s.rollout_prefill_ratio, s.trainer_idle_ratio):
         assert 0.0 <= ratio <= 1.0

@@ -165,7 +165,7 @@ def test_at_eta_zero_streaming_shortens_steps_and_idles_the_trainer_less(workloa
         assert on.steps == off.steps == 5 and not on.stalled
         assert on.streamed_groups > 0 and on.streamed_tokens > 0
         assert on.trainer_idle_ratio < off.trainer_idle_ratio, (seed, on, off)
-        assert on.seconds / on.steps < off.seconds / off.steps, (seed, on, off)
+        assert on.elapsed_s / on.steps < off.elapsed_s / off.steps, (seed, on, off)
         assert on.rollout_to_train_end_s < off.rollout_to_train_end_s
         assert on.train_wait_ratio < off.train_wait_ratio
 

@@ -64,7 +64,7 @@ def test_launch_megatron_tp2_is_bounded_conserving_and_advancing(tmp_path):
     for rec in result.records:
         assert rec.tokens and rec.tokens > 0 and "train/push_wait_s" in rec.extra
     # the two ranks ran in the trainer gang's two bundles and each Pushed its own shard
-    placement = result.summary["placement"]
+    placement = result.summary.placement
     (gang,) = [g for g in placement["gangs"] if g["name"] == "trainer"]
     assert list(gang["members"]) == ["trainer/0", "trainer/1"]
     assert {p["sender"] for p in placement["weights"]["push"]} == {"trainer/0", "trainer/1"}
@@ -82,7 +82,7 @@ def test_launch_megatron_tp2_is_bounded_conserving_and_advancing(tmp_path):
     )
     assert len(resumed.records) == 2
     assert all(rec.tokens and rec.tokens > 0 for rec in resumed.records)
-    assert set(resumed.summary["audit"]["ps_latest"].values()) == {2}
+    assert set(resumed.summary.audit["ps_latest"].values()) == {2}
 
 
 @pytest.mark.slow  # a Megatron launch (56 s); real ranks step in test_megatron_{equivalence,pipeline,mask}
@@ -114,10 +114,10 @@ def test_launch_megatron_pp2_is_bounded_conserving_and_advancing(tmp_path):
     result = launch(_config(tmp_path, "trainer.pp=2", "steps=2"))
     check_run(result, eta=3, steps=2, trajectories_per_step=2 * 4)
     assert all(rec.tokens and rec.tokens > 0 for rec in result.records)
-    push = result.summary["placement"]["weights"]["push"]
+    push = result.summary.placement["weights"]["push"]
     assert {p["sender"] for p in push} == {"trainer/0", "trainer/1"}
     assert all(p["bytes"] > 0 for p in push)
-    assert set(result.summary["audit"]["ps_latest"].values()) == {2}
+    assert set(result.summary.audit["ps_latest"].values()) == {2}
     model, _ = load_pretrained(result.run_dir / "checkpoint")
     assert model.config.num_hidden_layers == 4
 
@@ -152,7 +152,7 @@ def test_a_lost_ps_replica_is_refilled_by_the_ranks_and_the_run_goes_on(tmp_path
     result = launch(cfg, on_record=kill_ps)
     assert killed
     check_run(result, eta=1, steps=steps, trajectories_per_step=2 * 4)  # ps/0 at v8 too
-    audit = result.summary["audit"]
+    audit = result.summary.audit
     assert audit["recovery"]["ps_lost"] == audit["recovery"]["ps_restarted"] == 1, audit
 
 
@@ -221,12 +221,12 @@ def test_every_rank_pushes_to_every_ps_replica(two_rollout_nodes, tmp_path):
     )
     result = launch(cfg)
     check_run(result, eta=1, steps=3, trajectories_per_step=2 * 4)  # both replicas at v3
-    placement = result.summary["placement"]
+    placement = result.summary.placement
     planned = {role: n for g in placement["gangs"] for role, n in g["members"].items()}
     replicas = {role: n for role, n in planned.items() if role.startswith("ps/")}
     assert sorted(replicas.values()) == sorted([node_a, node_b])
     assert planned["trainer/0"] == planned["trainer/1"] == node_a
-    assert set(result.summary["audit"]["ps_latest"]) == set(replicas)
+    assert set(result.summary.audit["ps_latest"]) == set(replicas)
     push = placement["weights"]["push"]
     assert {(p["sender"], p["replica"]) for p in push} == {
         (rank, replica) for rank in ("trainer/0", "trainer/1") for replica in replicas
@@ -337,7 +337,8 @@ def test_the_default_run_learns_with_the_megatron_trainer(tmp_path):
     )
     result = launch(cfg)
     s = result.summary
-    assert s["eval_reward_end"] > s["eval_reward_start"] + 0.04, s
+    assert s.eval_reward_end is not None and s.eval_reward_start is not None, s
+    assert s.eval_reward_end > s.eval_reward_start + 0.04, s
     first, last = reward_mean(result.records[:50]), reward_mean(result.records[-50:])
     assert first is not None and last is not None
     assert last > first + 0.03, (first, last)
@@ -395,7 +396,7 @@ def test_a_stopped_megatron_run_resumes_from_its_run_checkpoint(tmp_path):
         assert min(step["staleness"]) >= 0 and max(step["staleness"]) <= eta
         ids.update(step["traj_ids"])
     assert max(ids.values()) == 1, "a trajectory was trained on twice across the resume"
-    assert set(second.summary["audit"]["ps_latest"].values()) == {k + more}
+    assert set(second.summary.audit["ps_latest"].values()) == {k + more}
     # the final distributed checkpoint: version and AdamW steps both count every step
     final = second.checkpoint / "trainer" / "megatron"
     assert read_meta(final)["version"] == k + more

@@ -27,7 +27,7 @@ def check_run(result, eta: int, steps: int, trajectories_per_step: int) -> None:
         ids.update(step["traj_ids"])
         assert len(step["traj_ids"]) == trajectories_per_step  # batch x group, with redundancy too
     assert ids and max(ids.values()) == 1, "a trajectory was consumed twice"
-    audit = result.summary["audit"]
+    audit = result.summary.audit
     assert audit["routed"] == 0 and audit["on_instances"] == 0, audit
     assert audit["consumed"] == sum(ids.values())
     # dynamic sampling's drops are counted apart (0 when it is off)

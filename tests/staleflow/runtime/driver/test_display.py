@@ -10,6 +10,7 @@ from rich.console import Console
 
 from coordinator.types import InstanceSnapshot
 from staleflow.progress import Progress
+from staleflow.runfolder.run_summary import RunSummary
 from staleflow.runfolder.step_record import StepRecord
 from staleflow.runtime.controller.plane_records import LiveState
 from staleflow.runtime.driver.display import LaunchView, live_panel, step_line, summary_table
@@ -62,13 +63,13 @@ def test_step_line_and_summary_carry_the_figures():
         "staleness_hist": {0: 3, 2: 5},
         "time_share": {"pull": 0.01, "route": 0.02, "interrupt": 0.0},
     }
-    text = _text(summary_table(summary, eta=3))
-    assert "0.250 → 0.400" in text
+    text = _text(summary_table(RunSummary.from_json(summary), eta=3, run_dir="runs/x"))
+    assert "0.250 → 0.400" in text and "runs/x" in text
     assert "1.00% / 2.00% / 0.00%" in text
     assert "812.5 trained tokens/s" in text
     assert "mean staleness; tokens clipped or masked" not in text or "-; -" in text
     summary |= {"staleness_mean": 1.25, "corrected_frac": 0.045}
-    assert "1.25; 4.50%" in _text(summary_table(summary, eta=3))
+    assert "1.25; 4.50%" in _text(summary_table(RunSummary.from_json(summary), eta=3))
 
 
 # -- the waits before training ------------------------------------------------------------

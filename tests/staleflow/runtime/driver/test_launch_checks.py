@@ -174,11 +174,12 @@ def test_with_ones_own_checkpoint_launch_says_it_loads_it_and_warms_nothing_up(t
 def test_the_summary_shows_the_held_out_row_only_when_problems_were_scored():
     from rich.console import Console
 
+    from staleflow.runfolder.run_summary import RunSummary
     from staleflow.runtime.driver.display import summary_table
 
     def rendered(summary: dict) -> str:
         console = Console(width=200, record=True)
-        console.print(summary_table(summary, eta=3))
+        console.print(summary_table(RunSummary.from_json(summary), eta=3))
         return console.export_text()
 
     base = {"steps": 2, "elapsed_s": 1.0, "tokens_per_s": 5.0, "staleness_hist": {0: 8}}

@@ -154,7 +154,7 @@ def test_every_actor_lands_where_its_plan_says_and_weights_take_the_planned_rout
     result = launch(cfg, on_record=on_record)
     check_run(result, eta=1, steps=STEPS, trajectories_per_step=2 * 4)
 
-    plan = result.summary["placement"]
+    plan = result.summary.placement
     planned = {role: n for g in plan["gangs"] for role, n in g["members"].items()}
     # node groups: the plan put each pool on its group
     rollout_nodes = {node["rollout-a"], node["rollout-b"]}
@@ -179,7 +179,7 @@ def test_every_actor_lands_where_its_plan_says_and_weights_take_the_planned_rout
     assert set(pushed) == set(replicas) and set(pushed.values()) <= {"nixl", "socket"}, pushed
     assert all(p["bytes"] > 0 for p in weights["push"])
     # and it reached every replica: each holds the last version (check_run's ps_latest)
-    assert set(result.summary["audit"]["ps_latest"]) == set(replicas)
+    assert set(result.summary.audit["ps_latest"]) == set(replicas)
     # found from another process by name, and the dashboard shows the placement
     code, text = seen["status"]
     assert code == 0 and seen["run"] in text, text

@@ -52,9 +52,9 @@ def _launch(tmp_path, eta: int, *extra: str):
 def _check_eval(result) -> None:
     # held-out rewards of the initial weights and of the final checkpoint
     summary = result.summary
-    assert summary["eval_problems"] == 32
-    assert 0.0 <= summary["eval_reward_start"] <= 1.0
-    assert 0.0 <= summary["eval_reward_end"] <= 1.0
+    assert summary.eval_problems == 32
+    assert summary.eval_reward_start is not None and 0.0 <= summary.eval_reward_start <= 1.0
+    assert summary.eval_reward_end is not None and 0.0 <= summary.eval_reward_end <= 1.0
 
 
 def test_launch_eta1_bounded_and_conserving(tmp_path):
@@ -72,15 +72,16 @@ def test_launch_eta1_bounded_and_conserving(tmp_path):
         "trainer.dynamic_sampling_max_drop=0.5",
     )
     check_run(result, 1, STEPS, 2 * 4)  # full batches, the bound, the audit with filtered
-    audit, summary = result.summary["audit"], result.summary
+    audit, summary = result.summary.audit, result.summary
     assert audit["filtered_groups"] > 0 and audit["filtered"] == 4 * audit["filtered_groups"]
     records = [r.extra for r in result.records]
     assert all(0 <= e["rollout/filtered_groups"] <= e["rollout/sampled_groups"] for e in records)
     assert all(0.0 <= e["rollout/filtered_frac"] <= 1.0 for e in records)
     # the records count what the control plane filtered up to the last step; the audit
     # also what it filtered between that step and the stop
-    assert 0 < summary["filtered_groups"] <= audit["filtered_groups"]
-    assert 0.0 < summary["filtered_frac"] < 1.0
+    assert summary.filtered_groups is not None and summary.filtered_frac is not None
+    assert 0 < summary.filtered_groups <= audit["filtered_groups"]
+    assert 0.0 < summary.filtered_frac < 1.0
     _check_eval(result)
     ref_kl = [r.extra["train/ref_kl"] for r in result.records]
     assert len(ref_kl) == STEPS and all(k >= 0 for k in ref_kl)
@@ -131,7 +132,7 @@ def test_launch_eta0_is_exactly_on_policy(tmp_path):
     for step in result.consumed:
         # every token of every consumed trajectory came from the version being trained
         assert set(step["staleness"]) == {0} and set(step["token_staleness"]) == {0}
-    assert result.summary["on_policy_tokens"] is True
+    assert result.summary.on_policy_tokens is True
 
 
 def test_launch_with_streamed_training_is_exactly_on_policy_and_loses_nothing(tmp_path):
@@ -215,7 +216,7 @@ def test_launch_with_batch_and_group_redundancy_drops_the_surplus(tmp_path):
     check_run(result, 2, STEPS, 2 * 4)  # redundancy trains batch x group all the same
     _check_eval(result)
     # every consumed group ran 5 members and trained on 4: the fifth was dropped
-    assert result.summary["audit"]["aborted"] >= STEPS * 2
+    assert result.summary.audit["aborted"] >= STEPS * 2
 
 
 @pytest.mark.slow  # a launch (45-80 s on CI): CI's budget keeps two here; in-process tests cover it
@@ -332,4 +333,4 @@ def test_a_ps_worker_that_dies_under_its_live_actor_is_replaced(tmp_path):
     result = launch(cfg, on_started=kill_worker)
     assert len(killed) == 1
     check_run(result, 1, steps, 2 * 4)  # the restarted replica holds version 8
-    assert result.summary["audit"]["recovery"]["ps_restarted"] == 1
+    assert result.summary.audit["recovery"]["ps_restarted"] == 1

@@ -23,7 +23,8 @@ def test_default_run_raises_the_mean_reward(tmp_path):
     # Measured (docs/launch.md), seed 0: held-out 0.243 -> 0.407 over 200 steps, rollout
     # reward of the first and last 50 steps 0.312 -> 0.407 (seed 1: +0.049 and +0.047).
     # The thresholds are well under seed 0's gains and about 2 standard errors.
-    assert s["eval_reward_end"] > s["eval_reward_start"] + 0.04, s
+    assert s.eval_reward_end is not None and s.eval_reward_start is not None, s
+    assert s.eval_reward_end > s.eval_reward_start + 0.04, s
     first, last = reward_mean(result.records[:50]), reward_mean(result.records[-50:])
     assert first is not None and last is not None
     assert last > first + 0.03, (first, last)

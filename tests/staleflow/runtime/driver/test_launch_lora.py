@@ -50,7 +50,7 @@ def test_launch_with_lora_bounded_and_conserving(tmp_path):
     assert (final / "base" / "model.safetensors").is_file()
     # the PS's versions were the adapter: its layout is what every Push and Pull moved
     pushed = Layout.from_arrays({k: v.numpy() for k, v in adapter.items()})
-    assert result.summary["audit"]["ps_latest"] == {"ps/0": STEPS}
+    assert result.summary.audit["ps_latest"] == {"ps/0": STEPS}
     assert pushed.nbytes < (final / "base" / "model.safetensors").stat().st_size
 
     from staleflow.runtime.driver.resume import check_resume
@@ -59,6 +59,6 @@ def test_launch_with_lora_bounded_and_conserving(tmp_path):
     assert ck.version == STEPS and (ck.trainer_dir / "adapter").is_dir()
     second = launch(resumed_cfg, resume=ck)
     assert [s["version"] for s in second.consumed] == [STEPS, STEPS + 1]
-    assert second.summary["audit"]["ps_latest"] == {"ps/0": STEPS + 2}
+    assert second.summary.audit["ps_latest"] == {"ps/0": STEPS + 2}
     for step in second.consumed:
         assert max(step["staleness"]) <= 1

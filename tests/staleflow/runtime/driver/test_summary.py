@@ -31,7 +31,8 @@ def test_the_summary_of_a_resumed_run_counts_every_step_in_metrics_jsonl():
     after = [_record(s, {1: 8}, {1: 64, 2: 1}) for s in range(5, 9)]  # this launch's
     flat = [r.to_flat() for r in before + after]  # what metrics.jsonl holds
     records = [StepRecord.from_flat(f) for f in flat]
-    summary = summarise(records, {}).to_json()  # what summary.json holds
+    record = summarise(records, {})
+    summary = record.to_json()  # what summary.json holds
     whole: Counter[int] = Counter()
     tokens: Counter[int] = Counter()
     for r in records:
@@ -42,7 +43,7 @@ def test_the_summary_of_a_resumed_run_counts_every_step_in_metrics_jsonl():
     assert summary["token_staleness_hist"] == dict(tokens) == {0: 160, 1: 288, 2: 4}
     assert summary["staleness_max"] == 1 and "token_staleness_steps" not in summary
     console = Console(width=120, record=True)
-    console.print(summary_table(summary, eta=3))
+    console.print(summary_table(record, eta=3))
     text = console.export_text()
     assert "0:16 1:48" in text and "8" in text
 

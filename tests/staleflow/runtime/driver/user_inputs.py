@@ -79,9 +79,9 @@ def check_evaluation(result, step: int, problems: int, samples: int) -> None:
     assert 0.0 <= rec.eval_mean_at_k <= rec.eval_pass_at_k <= 1.0, rec
     assert 0 <= rec.eval_version <= rec.eval_version_max <= step, rec
     flat = rec.to_flat()
-    for key in ("eval_last", "eval_best"):
-        assert result.summary[key]["step"] == step
-        assert result.summary[key]["mean_at_k"] == flat["eval/mean_at_k"]
+    for evaluation in (result.summary.eval_last, result.summary.eval_best):
+        assert evaluation is not None and evaluation["step"] == step
+        assert evaluation["mean_at_k"] == flat["eval/mean_at_k"]
     run = result.run_dir
     events = EventAccumulator(str(run / "tracking" / "tensorboard"))
     events.Reload()
@@ -105,7 +105,7 @@ def check_user_inputs(result, steps: int) -> None:
     run = result.run_dir
     data = yaml.safe_load((run / "config.yaml").read_text())["data"]
     assert (data["chat_template"], data["system_prompt"]) == (True, "0")
-    assert result.summary["chat_template"] == TEMPLATE
+    assert result.summary.chat_template == TEMPLATE
     assert json.loads((run / "summary.json").read_text())["chat_template"] == TEMPLATE
 
     events = EventAccumulator(str(run / "tracking" / "tensorboard"))
