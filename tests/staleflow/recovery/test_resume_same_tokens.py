@@ -27,7 +27,7 @@ printed to show it). The cut that holds trajectories mid-turn and in their tool 
 the one a stop takes while the rollout runs: the launcher of ``KILLED_AT`` steps is held
 ``STOP_AFTER_S`` in its ``finishing`` phase (``STALEFLOW_TEST_PAUSE_AT``), after its last
 step, while the rollout of the next buffer runs (every tool call takes ``TOOL_S``,
-longer than a turn, and each instance decodes one of 8 trajectories at a time), then
+longer than a turn, and each instance decodes one of 16 trajectories at a time), then
 stops: the instances are interrupted (a turn in progress comes back whole to the TS,
 QUEUED) and the cut is taken with the trajectories whose tool is running REWARDING (a
 stop never waits for a tool). Held again in ``auditing``, the launcher is SIGKILLed
@@ -67,9 +67,15 @@ from tests.staleflow.runtime.driver.launch_checks import warm_micro_calculator
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 ETA, KILLED_AT, STEPS = 0, 2, 4
-BATCH, GROUP = 4, 4  # 16 trajectories a step, 8 on each of the 2 instances
-TOOL_S = 4.0
-STOP_AFTER_S = 4.0  # a pull and a few turns into the next buffer's rollout
+# 32 trajectories a step, 16 on each of the 2 instances, decoded one at a time: a tool
+# call (TOOL_S) ends before an instance has decoded the other first turns, so instances
+# decode without a gap, and a trajectory whose turn ended in the last TOOL_S is inside its
+# call. STOP_AFTER_S (a pull, then a few turns) finds both for turns of about 0.15 to 2.5 s;
+# with 16 trajectories, 4 s and 4 s, the first turns here (0.35 s each, load 4) had all
+# ended and every trajectory was in its call.
+BATCH, GROUP = 4, 8
+TOOL_S = 3.0
+STOP_AFTER_S = 3.0
 # what a step trains of a trajectory, compared between the two runs
 KEYS = (
     "group_id",
