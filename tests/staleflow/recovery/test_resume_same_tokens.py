@@ -4,7 +4,8 @@ launched twice with the same configuration and seed, once straight through ``STE
 steps, once cut with trajectories inside their tool calls and in the middle of a turn,
 SIGKILLed, and resumed with ``--resume`` to ``STEPS``. Every step must train the same
 trajectories with the same tokens, loss mask, per-token versions, ``V_traj``, prompt
-(sample id), finish reason, reward and episode record (``audit.jsonl``).
+(sample id), finish reason, reward and episode record (turns, tool calls, tool errors and
+latencies; ``audit.jsonl``), all but which instance decoded it.
 
 Why η = 0. Sampling is keyed (the embedded engine draws each token from the run's seed,
 the trajectory id and the token's position, docs/engines.md), and the calculator's
@@ -110,7 +111,10 @@ def _trained(run_dir: Path) -> dict[int, dict[int, dict[str, Any]]]:
         # exactly on-policy: the trajectory, and every token of it, at the step's version
         assert a["v_traj"] == a["version"] and set(a["versions"]) <= {a["version"]}, a
         mask = a.get("mask", [1] * len(a["tokens"]))  # written when not all the model's
-        out.setdefault(a["version"] + 1, {})[a["traj_id"]] = {**a, "mask": mask}
+        # the episode's record but the instance that decoded its last turn: placement,
+        # which differs between two runs (which instance is free first), not training data
+        info = {k: v for k, v in (a.get("info") or {}).items() if k != "instance"}
+        out.setdefault(a["version"] + 1, {})[a["traj_id"]] = {**a, "mask": mask, "info": info}
     return out
 
 
@@ -206,9 +210,7 @@ def test_cut_mid_turn_and_mid_tool_call_killed_and_resumed_trains_the_straight_r
         f"{len(diffs)} differences (in a tool call at the cut: {sorted(in_tool)}, mid-turn: "
         f"{sorted(mid_turn)}):\n" + "\n".join(d[:400] for d in diffs[:12])
     )
-    turns = Counter(
-        (t.get("info") or {}).get("turns") for step in a.values() for t in step.values()
-    )
+    turns = Counter(t["info"].get("turns") for step in a.values() for t in step.values())
     print(
         f"straight {took['straight']:.0f} s, killed {took['killed']:.0f} s, resumed "
         f"{took['resumed']:.0f} s; the stop's cut after step {KILLED_AT}: {len(in_tool)} in a "
