@@ -1,8 +1,10 @@
 """The audit trail of a run (``recovery.audit_log``): every trajectory the trainer
-consumed, with its tokens, per-token versions, finish reason and (multi-turn) loss mask
-and episode record (turns, tool calls, errors), one JSON line each in ``RUN_DIR/audit.jsonl``. It lets a check (the chaos test, an operator) prove that no
-trajectory was trained on twice across restarts and that a resumed partial continued
-from its tokens. A resumed run drops the lines of the steps it does again."""
+consumed, with its prompt's sample id, tokens, per-token versions, finish reason, reward
+and (multi-turn) loss mask and episode record (turns, tool calls, errors), one JSON line
+each in ``RUN_DIR/audit.jsonl``. It lets a check (the chaos tests, an operator) prove
+that no trajectory was trained on twice across restarts, that a resumed partial
+continued from its tokens, and that a resumed run trained what one run straight through
+trains. A resumed run drops the lines of the steps it does again."""
 
 from __future__ import annotations
 
@@ -52,11 +54,13 @@ def _line(version: int, g: TrainingGroup, t: TrainingTrajectory) -> dict[str, An
     line = {
         "version": version,
         "group_id": g.group_id,
+        "sample_id": int(g.sample_id),  # the prompt; with traj_id, the keys a resume must keep
         "traj_id": t.traj_id,
         "v_traj": t.v_traj,
         "tokens": t.tokens.tolist(),
         "versions": t.versions.tolist(),
         "finish_reason": t.finish_reason,
+        "reward": float(t.reward),
     }
     if t.mask is not None and not t.mask.all():  # a multi-turn response: its loss mask
         line["mask"] = t.mask.astype(int).tolist()

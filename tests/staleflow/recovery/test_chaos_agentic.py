@@ -26,26 +26,35 @@ What must hold, from the run folder alone:
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from staleflow.engines.base import FINISH_LENGTH
 from staleflow.envs import EnvSample, ModelTurn
-from staleflow.envs.calculator import CalculatorEnvironment, calculator_tokenizer
-from staleflow.envs.tool_calls import format_tool_response, has_tool_call
+from staleflow.envs.calculator import CalculatorEnvironment
+from staleflow.envs.tool_calls import format_tool_response
 from staleflow.recovery import list_checkpoints, read_checkpoint
-from staleflow.runfolder.run_state import FINISHED, PAUSE_ENV, read_state
+from staleflow.runfolder.run_state import FINISHED, read_state
 from staleflow.runtime.workers.audit_trail import read_audit
 from staleflow.runtime.workers.env_stage import turns_of
+from tests.staleflow.recovery.agentic_launch import (
+    TIMEOUT_S,
+    TOK,
+    calculator_run,
+    crash,
+    finish,
+    in_phase,
+    in_tool_call,
+    launch,
+    read_json,
+    reaped,
+    run_folder,
+    saved,
+    turn_begun,
+)
 from tests.staleflow.runtime.driver.launch_checks import warm_micro_calculator
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -57,122 +66,11 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 # only the trajectories just admitted (nothing reported yet).
 ETA, STEPS = 3, 7  # killed after step 7
 PER_STEP = 2 * 4  # batch x group
-TIMEOUT_S = 300.0  # per wait: a liveness bound on a loaded machine
-TOK = calculator_tokenizer()
-
-
-def _run(policy: Path) -> list[str]:
-    return [
-        f"eta={ETA}",
-        "data.task=calculator",
-        f"model.checkpoint={policy}",
-        "batch_size=2",
-        "group_size=4",
-        # a call, its answer and a last turn: the micro model is warmed with 256 positions
-        "rollout.max_response_tokens=220",
-        # each instance decodes one trajectory at a time (a turn of about 80 tokens takes
-        # about a second), the others wait: the rollout is the slowest stage, so whenever
-        # a step is cut, an instance is in the middle of some trajectory's turn
-        "rollout.max_running=1",
-        # the warmed micro model then nearly always opens its first turn with a tool call
-        # (at the default 1.0, 6 of the 24 trajectories of a run here opened one)
-        "rollout.temperature=0.5",
-        "coordinator.period_s=0.05",
-        # every tool call takes 2 s, longer than a turn: the trajectories whose turns
-        # ended in the last 2 s are inside their calls
-        "env.latency_scale_s=2",
-        "env.latency_cap_s=2",
-        "checkpoint_every=1",
-        "recovery.keep=10",
-        "recovery.progress_every_s=0.2",
-        "recovery.audit_log=true",
-        "eval_problems=0",
-    ]
-
-
-def _launch(tmp_path: Path, args: list[str], log: str, pauses: str = "") -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "staleflow.cli", "launch", "--no-live", "--no-dashboard"]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", PAUSE_ENV: pauses}
-    out = (tmp_path / log).open("w")
-    return subprocess.Popen([*cmd, *args], stdout=out, stderr=subprocess.STDOUT, env=env)
-
-
-def _wait(proc: subprocess.Popen, cond, what: str, log: Path):
-    deadline = time.monotonic() + TIMEOUT_S
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        if proc.poll() is not None:
-            pytest.fail(f"the run ended (exit {proc.returncode}) before {what}:\n{_tail(log)}")
-        time.sleep(0.1)
-    pytest.fail(f"timed out waiting for {what}:\n{_tail(log)}")
-
-
-def _tail(log: Path, n: int = 60) -> str:
-    return "\n".join(log.read_text(errors="replace").splitlines()[-n:])
-
-
-def _json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _saved(ck) -> dict[int, dict]:
-    """traj id -> what the cut holds of every live trajectory."""
-    t, g = ck.trajectories["trajectories"], ck.trajectories["groups"]
-    answers = dict(zip(g["id"].tolist(), g["answer"], strict=True))
-    off = t["offsets"]
-    return {
-        tid: {
-            "state": t["state"][k],
-            "v_traj": int(t["v_traj"][k]),
-            "tokens": t["tokens"][off[k] : off[k + 1]].tolist(),
-            "versions": t["versions"][off[k] : off[k + 1]].tolist(),
-            "mask": t["mask"][off[k] : off[k + 1]].tolist(),
-            "answer": answers[int(t["group"][k])],
-        }
-        for k, tid in enumerate(t["id"].tolist())
-    }
-
-
-def _in_tool_call(s: dict) -> bool:
-    """Handed to a reward worker after a model turn that called a tool and ended at its
-    end of turn (one cut at the token budget gets no step): in the TS's view, inside its
-    tool call (the environment's answer not stored)."""
-    spans = turns_of(np.array(s["mask"], bool))
-    if s["state"] != "rewarding" or not spans or spans[-1][1] != len(s["tokens"]):
-        return False
-    if s["tokens"][-1] != TOK.eos_id:
-        return False
-    a, b = spans[-1]
-    return has_tool_call(TOK.decode(np.array(s["tokens"][a:b], np.int32)))
 
 
 def _mid_turn(s: dict) -> bool:
-    """On an instance with a model turn begun and not ended (the last token the TS has
-    is the model's and is no end of turn)."""
-    return (
-        s["state"] == "routed"
-        and bool(s["tokens"])
-        and bool(s["mask"][-1])
-        and s["tokens"][-1] != TOK.eos_id
-    )
+    """On an instance with a model turn begun and not ended."""
+    return s["state"] == "routed" and turn_begun(s)
 
 
 def _replay(a: dict, answer: str) -> tuple[list[str], set[int]]:
@@ -202,62 +100,42 @@ def test_a_run_killed_mid_turn_and_mid_tool_call_resumes_rerunning_the_tool_once
     warm_micro_calculator(policy, positions=256)
     runs = tmp_path / "runs"
     log = tmp_path / "first.log"
-    args = [f"run_dir={runs}", f"steps={STEPS}", *_run(policy)]
-    first = _launch(tmp_path, args, "first.log", pauses=f"finishing:{TIMEOUT_S:g}")
-    try:
-        run_dir = _wait(first, lambda: next(runs.glob("*/live.json"), None), "the run", log).parent
-        _wait(first, lambda: (_json(run_dir / "state.json") or {}).get("phase") == "finishing",
-              "the finishing phase", log)  # fmt: skip
-        actors = dict(_json(run_dir / "live.json")["pids"])
-        first.send_signal(signal.SIGKILL)  # the launcher: a crash
-        first.wait(60)
-    finally:
-        if first.poll() is None:
-            first.kill()
-            first.wait()
-    # Ray's reaper takes the actors down with the launcher; the test stops any it left
-    deadline = time.monotonic() + 60
-    while any(_alive(p) for p in actors.values()) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    left = {role: pid for role, pid in actors.items() if _alive(pid)}
-    for pid in left.values():
-        os.kill(pid, signal.SIGKILL)
-    assert not left, f"actors outlived the killed launcher: {left}"
+    args = [f"run_dir={runs}", f"steps={STEPS}", "batch_size=2", "group_size=4"]
+    args += calculator_run(policy, ETA, tool_s=2)
+    first = launch(tmp_path, args, "first.log", pauses=f"finishing:{TIMEOUT_S:g}")
+    with reaped(first):
+        run_dir = run_folder(first, runs, log)
+        in_phase(first, run_dir, "finishing", log)
+        crash(first, run_dir)  # the launcher, and through Ray's reaper its actors
 
     state = read_state(run_dir)
     assert state.kind != FINISHED and not (run_dir / "summary.json").exists()
     cuts = []
     for path in list_checkpoints(run_dir):
         cut = read_checkpoint(path)
-        saved = _saved(cut)
-        in_tool = {t: s for t, s in saved.items() if _in_tool_call(s)}
-        mid_turn = {t: s for t, s in saved.items() if _mid_turn(s)}
-        cuts.append((cut, saved, in_tool, mid_turn))
+        held = saved(cut)
+        in_tool = {t: s for t, s in held.items() if in_tool_call(s)}
+        mid_turn = {t: s for t, s in held.items() if _mid_turn(s)}
+        cuts.append((cut, held, in_tool, mid_turn))
     assert len(cuts) >= STEPS - 1, [c.path.name for c, *_ in cuts]
     both = [c for c in cuts if c[2] and c[3]]
     assert both, "no cut held trajectories both inside a tool call and mid-turn: " + "; ".join(
         f"{c.path.name}: {len(t)} in a tool call, {len(m)} mid-turn, "
-        f"{dict(Counter(s['state'] for s in saved.values()))}"
-        for c, saved, t, m in cuts
+        f"{dict(Counter(s['state'] for s in held.values()))}"
+        for c, held, t, m in cuts
     )
-    ck, saved, in_tool, mid_turn = both[-1]
+    ck, held, in_tool, mid_turn = both[-1]
     # every trajectory the cut reserved belongs to a buffer of at most ck.steps + eta:
     # resumed to this step count, the run trains them all
     target = ck.steps + ETA + 1
 
     started = time.monotonic()
     resume = ["--resume", str(ck.path), f"steps={target}"]
-    second = _launch(tmp_path, resume, "second.log")
-    try:
-        assert second.wait(TIMEOUT_S * 2) == 0, _tail(tmp_path / "second.log")
-    finally:
-        if second.poll() is None:
-            second.kill()
-            second.wait()
+    finish(launch(tmp_path, resume, "second.log"), tmp_path / "second.log")
     print(f"resumed run: {time.monotonic() - started:.0f} s")
 
     # the run reached its step count, once each, within eta
-    summary = _json(run_dir / "summary.json")
+    summary = read_json(run_dir / "summary.json")
     assert summary is not None and summary["steps"] == target, summary
     assert read_state(run_dir).kind == FINISHED
     audit = read_audit(run_dir / "audit.jsonl")
@@ -271,11 +149,11 @@ def test_a_run_killed_mid_turn_and_mid_tool_call_resumes_rerunning_the_tool_once
     end = read_checkpoint(list_checkpoints(run_dir)[-1])
     assert end.steps == target
     counters = end.trajectories["counters"]
-    live_end = _saved(end)
+    live_end = saved(end)
     assert counters["next_traj"] == counters["consumed_trajs"] + len(live_end), counters
     assert counters["aborted_trajs"] == ck.trajectories["counters"]["aborted_trajs"] == 0
     consumed = {a["traj_id"]: a for a in audit}
-    assert set(saved) <= set(consumed) | set(live_end), set(saved) - set(consumed) - set(live_end)
+    assert set(held) <= set(consumed) | set(live_end), set(held) - set(consumed) - set(live_end)
 
     # inside its tool call at the cut: the same response, then the tool's answer, once
     for tid, s in in_tool.items():

@@ -287,3 +287,6 @@ def test_the_audit_trail_writes_down_each_episodes_mask_and_record(tmp_path) -> 
     assert len(turns_of(np.array(two["mask"], bool))) == 2
     assert two["finish_reason"] == "done"
     assert lines[1]["info"]["turns"] == 1 and "mask" not in lines[1]  # all the model's
+    # the keys a resume must keep (the prompt, the trajectory) and the reward trained with
+    assert {a["sample_id"] for a in lines.values()} == {first.sample_id}
+    assert two["reward"] == 1.0 and lines[1]["reward"] == 0.0
