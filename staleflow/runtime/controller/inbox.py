@@ -38,6 +38,8 @@ class TrajectoriesDropped:
 
 @dataclass(frozen=True, slots=True)
 class StepTrained:
+    """The trainer finished a step: its record is made from ``report``."""
+
     report: StepReport
 
 
@@ -73,12 +75,16 @@ class CutReleased:
 
 @dataclass(frozen=True, slots=True)
 class ConsumeAsked:
+    """The trainer asks for buffer ``version``; answered once it is Ready."""
+
     version: int
     future: Future[ConsumedBatch] = field(default_factory=Future)
 
 
 @dataclass(frozen=True, slots=True)
 class JoinAsked:
+    """A new or restarted instance joins the fleet at ``version``."""
+
     inst: int
     handle: InstanceHandle
     holder: InstanceId
@@ -89,6 +95,8 @@ class JoinAsked:
 
 @dataclass(frozen=True, slots=True)
 class RemoveAsked:
+    """Take ``inst`` out of the fleet (elastic rollout); answers its id."""
+
     inst: int
     future: Future[int] = field(default_factory=Future)
 

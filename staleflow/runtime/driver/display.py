@@ -5,7 +5,6 @@ table (rich renderables; printing is the CLI's business)."""
 from __future__ import annotations
 
 import threading
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console, Group, RenderableType
@@ -221,12 +220,7 @@ class TerminalProgress:
         self._live.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._live.stop()
 
 
@@ -263,11 +257,6 @@ class LaunchView:
             self.terminal.__enter__()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self.terminal is not None:
-            self.terminal.__exit__(exc_type, exc, tb)
+            self.terminal.__exit__(*exc)

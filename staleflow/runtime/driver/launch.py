@@ -146,32 +146,26 @@ def prepare_policy(
     )
 
     problems = ArithmeticConfig.level(data.difficulty)
-    if data.task == "calculator":  # the multi-turn task: a tokenizer with tool markup
-        if not m.warmup or not m.warmup_steps:
-            phase(f"building the built-in {m.preset} model for the calculator task, untrained")
-            model, tokenizer = build_calculator_model(m.preset, seed=seed)
-            return model, tokenizer, {"source": f"{m.preset} (untrained)"}
-        phase(f"preparing the built-in {m.preset} model for the calculator task")
-        path = ensure_warm_calculator_checkpoint(
-            m.preset,
-            problems,
-            steps=m.warmup_steps,
-            seed=seed,
-            target_accuracy=m.warmup_target or None,
-            cache_dir=m.cache_dir or None,
-            progress=progress,
+    calculator = data.task == "calculator"  # the multi-turn task: a tokenizer with tool markup
+    if calculator:
+        build, ensure = build_calculator_model, ensure_warm_calculator_checkpoint
+        untrained = not m.warmup or not m.warmup_steps
+        building = f"building the built-in {m.preset} model for the calculator task, untrained"
+        preparing = f"preparing the built-in {m.preset} model for the calculator task"
+    else:
+        build, ensure = build_arithmetic_model, ensure_warm_checkpoint
+        untrained = not m.warmup
+        building = f"building the built-in {m.preset} model, untrained (model.warmup=false)"
+        preparing = (
+            f"preparing the built-in {m.preset} model (the first run warms it up on the task; "
+            "later runs reuse it)"
         )
-        model, tokenizer = load_pretrained(path)
-        return model, tokenizer, {"source": str(path)}
-    if not m.warmup:
-        phase(f"building the built-in {m.preset} model, untrained (model.warmup=false)")
-        model, tokenizer = build_arithmetic_model(m.preset, seed=seed)
+    if untrained:
+        phase(building)
+        model, tokenizer = build(m.preset, seed=seed)
         return model, tokenizer, {"source": f"{m.preset} (untrained)"}
-    phase(
-        f"preparing the built-in {m.preset} model (the first run warms it up on the task; "
-        "later runs reuse it)"
-    )
-    path = ensure_warm_checkpoint(
+    phase(preparing)
+    path = ensure(
         m.preset,
         problems,
         steps=m.warmup_steps,
@@ -180,6 +174,9 @@ def prepare_policy(
         cache_dir=m.cache_dir or None,
         progress=progress,
     )
+    if calculator:
+        model, tokenizer = load_pretrained(path)
+        return model, tokenizer, {"source": str(path)}
     model, tokenizer = load_pretrained(path)
     meta = read_warmup_meta(path)
     return (

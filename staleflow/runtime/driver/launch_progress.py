@@ -6,7 +6,6 @@ time left), fed from the launcher's poll of the control plane (see ``staleflow.p
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from staleflow.progress import SILENT, Phase, Progress
@@ -97,12 +96,7 @@ class TrainingWaits:
             metrics = {} if reward is None else {"reward": reward}
             self._training.update(done=rec.step, **metrics)
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         for phase in (self._first, self._training):
             if phase is not None:
-                phase.__exit__(exc_type, exc, tb)
+                phase.__exit__(*exc)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 from coordinator.types import InstanceSnapshot
@@ -28,21 +28,20 @@ from staleflow.engines.base import RolloutEngine
 from staleflow.rollout.eval_lane import EvalOutput, EvalRequest
 from staleflow.rollout.instance import CopyEnd, Finished, InstanceTimes, RolloutInstance
 from staleflow.runtime.interface import InstanceGone
-from staleflow.runtime.workers.sibling_drafts import SiblingDrafts
+from staleflow.runtime.workers.sibling_drafts import SiblingDrafts, SiblingServer
 from staleflow.runtime.workers.weight_transfer import PullSource
 from trajectory_server.errors import NotHolder
 from trajectory_server.types import (
     InstanceId,
     PartialTrajectory,
     RoutedTrajectory,
-    SiblingResponses,
 )
 
 logger = logging.getLogger(__name__)
 
 
-class RoutingServer(Protocol):
-    """The part of the TS an instance uses."""
+class RoutingServer(SiblingServer, Protocol):
+    """The part of the TS an instance uses (siblings' responses included)."""
 
     def route(
         self,
@@ -62,13 +61,6 @@ class RoutingServer(Protocol):
     ) -> tuple[int, ...]: ...
 
     def fork(self, traj_id: int, instance_id: InstanceId) -> RoutedTrajectory | None: ...
-
-    def group_responses(
-        self,
-        known: Mapping[int, Mapping[int, int]],
-        instance_id: InstanceId | None = None,
-        watch: Iterable[int] = (),
-    ) -> SiblingResponses: ...
 
 
 class InstanceHost:
