@@ -28,8 +28,8 @@ from staleflow.rollout.eval_lane import EvalLane, EvalOutput, EvalRequest
 from trajectory_server.types import (
     InstanceId,
     PartialTrajectory,
+    RewardTask,
     RoutedTrajectory,
-    all_trained,
     extend_mask,
 )
 
@@ -39,26 +39,13 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Finished:
-    """A trajectory that finished generating, on its way to a reward worker."""
+    """A trajectory that finished generating, on its way to a reward worker: what the
+    worker needs to score it (the TS's own record of it) and the instance that generated
+    it (-1: unknown, a trajectory the TS handed a worker again). Its ``task.env_state``
+    is not read: the environment stage reads a trajectory's state from the TS."""
 
-    traj_id: int
-    group_id: int
-    v_traj: int
-    sample_id: int
-    answer: str
-    prompt: np.ndarray
-    tokens: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    finish_reason: str
+    task: RewardTask
     instance: int
-    # bool, one per token: False on observations an environment appended between turns
-    # (never trained); None: every token is the model's (single-turn)
-    mask: np.ndarray | None = None
-
-    def __post_init__(self) -> None:
-        if self.mask is None:
-            object.__setattr__(self, "mask", all_trained(len(self.tokens)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -529,7 +516,8 @@ class RolloutInstance:
                     won = set(self._on_copy_finished(copies))
                     with self._lock:
                         for f, _ in copies:
-                            self._copy_ends[f.traj_id] = CopyEnd(len(f.tokens), f.traj_id in won)
+                            t = f.task
+                            self._copy_ends[t.traj_id] = CopyEnd(len(t.tokens), t.traj_id in won)
                 if chunks:
                     assert self._on_chunk is not None  # chunk_tokens requires it
                     self._on_chunk(chunks)
@@ -572,7 +560,7 @@ class RolloutInstance:
         if not copy:  # a copy's completion is its holder's (Eq. 1 counts it there)
             self._completed.append(out.traj_id)
             self._finished += 1
-        return Finished(
+        task = RewardTask(
             traj_id=out.traj_id,
             group_id=m.group_id,
             v_traj=m.v_traj,
@@ -583,9 +571,9 @@ class RolloutInstance:
             logprobs=out.logprobs,
             versions=out.versions,
             finish_reason=out.finish_reason or "stop",
-            instance=self.inst,
             mask=extend_mask(m.mask, len(out.tokens)),
         )
+        return Finished(task, self.inst)
 
 
 def _meta(r: RoutedTrajectory) -> _Meta:

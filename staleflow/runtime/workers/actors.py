@@ -302,21 +302,21 @@ class RolloutActor:
                 self._ts,
                 [
                     FinishedTrajectory(
-                        f.traj_id, f.tokens, f.logprobs, f.versions, f.finish_reason, f.mask
+                        t.traj_id, t.tokens, t.logprobs, t.versions, t.finish_reason, t.mask
                     )
-                    for f in finished
+                    for t in (f.task for f in finished)
                 ],
                 worker_id,
                 instance_id=self._holder if holder is None else holder,
             )
         )
-        sent = [f for f in finished if f.traj_id in kept]
+        sent = [f for f in finished if f.task.traj_id in kept]
         if not sent:
             return []
         ref = target.process.remote(sent)
         with self._in_flight_lock:
             self._in_flight.append(ref)
-        return [f.traj_id for f in sent]
+        return [f.task.traj_id for f in sent]
 
     def _check_rewards(self) -> None:
         """Surface a failed reward call here (a lost completion would stall training);

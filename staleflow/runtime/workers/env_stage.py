@@ -59,7 +59,7 @@ from staleflow.envs.formats import TurnFormat
 from staleflow.rollout.instance import Finished
 from staleflow.runtime.workers.env_sandbox import SandboxedSteps, StepFailed, StepTimeout
 from staleflow.runtime.workers.reward_stage import RewardStage
-from trajectory_server.types import InfoValue, InstanceId, NextTurn
+from trajectory_server.types import InfoValue, InstanceId, NextTurn, RewardTask
 
 logger = logging.getLogger(__name__)
 
@@ -159,8 +159,11 @@ class EnvironmentStage:
         batch costs the wall time of its slowest tool once, not every trajectory."""
         if not finished:
             return []
-        states = self._ts.env_states([f.traj_id for f in finished])
-        futures = {self._pool.submit(self._one, f, states.get(f.traj_id, b"")): f for f in finished}
+        states = self._ts.env_states([f.task.traj_id for f in finished])
+        futures = {
+            self._pool.submit(self._one, f.task, states.get(f.task.traj_id, b"")): f
+            for f in finished
+        }
         completed: list[int] = []
         for future in as_completed(futures):
             f, o = futures[future], future.result()
@@ -178,18 +181,18 @@ class EnvironmentStage:
             )
         return completed
 
-    def _one(self, f: Finished, packed: bytes) -> _Outcome:
+    def _one(self, t: RewardTask, packed: bytes) -> _Outcome:
         try:
-            return self._step(f, packed)
+            return self._step(t, packed)
         except Exception as exc:  # one trajectory's failure, never the worker's
             with self._lock:
                 self.errors += 1
-            logger.warning("trajectory %d: its environment failed: %r", f.traj_id, exc)
+            logger.warning("trajectory %d: its environment failed: %r", t.traj_id, exc)
             why = str(exc) if isinstance(exc, StepTimeout | StepFailed) else repr(exc)
             return _Outcome(None, 0.0, FINISH_ERROR, f"environment: {why}"[:500])
 
-    def _step(self, f: Finished, packed: bytes) -> _Outcome:
-        mask = np.asarray(f.mask, dtype=np.bool_)
+    def _step(self, t: RewardTask, packed: bytes) -> _Outcome:
+        mask = np.asarray(t.mask, dtype=np.bool_)
         spans = turns_of(mask)
         if packed:
             # what the TS keeps: the environment's state and this stage's running tally of
@@ -197,14 +200,14 @@ class EnvironmentStage:
             envelope = msgpack.unpackb(packed)
             state, info = envelope["state"], envelope["info"]
         else:
-            state = self._env.start(EnvSample.from_json(f.answer), seed=f.traj_id).state
+            state = self._env.start(EnvSample.from_json(t.answer), seed=t.traj_id).state
             info = {}
         turns = len(spans)
         info["turns"] = turns
-        if f.finish_reason == FINISH_LENGTH or not spans:  # cut mid-turn: no step, in every mode
+        if t.finish_reason == FINISH_LENGTH or not spans:  # cut mid-turn: no step, in every mode
             return _Outcome(None, self._score(state), FINISH_MAX_TOKENS, info=info)
         start, end = spans[-1]
-        ids = f.tokens[start:end]
+        ids = t.tokens[start:end]
         turn = ModelTurn(turns - 1, self._fmt.turn_text(ids), ids)
         if self._sandbox is not None:
             step = self._sandbox(state, turn)
@@ -228,14 +231,14 @@ class EnvironmentStage:
         verdict = after_step(
             self._limits,
             turns_done=turns,
-            response_tokens=len(f.tokens),
+            response_tokens=len(t.tokens),
             step=step,
             observation_ids=obs,
         )
         if step.error:
             info["env_error"] = step.error[:500]
             info["env_errors"] = int(info.get("env_errors", 0)) + 1
-            logger.info("trajectory %d: %s", f.traj_id, step.error)
+            logger.info("trajectory %d: %s", t.traj_id, step.error)
         if verdict.ended:
             return _Outcome(None, self._score(step.state), verdict.finish, info=info)
         n = len(verdict.observation_ids)
@@ -244,13 +247,13 @@ class EnvironmentStage:
                 "the turn format rendered the observation as no tokens; an observation "
                 "needs at least one (e.g. the format's tool-response markup)"
             )
-        last_version = int(f.versions[-1]) if len(f.versions) else 0
+        last_version = int(t.versions[-1]) if len(t.versions) else 0
         return _Outcome(
             NextTurn(
-                f.traj_id,
-                np.concatenate([f.tokens, verdict.observation_ids]).astype(np.int32),
-                np.concatenate([f.logprobs, np.zeros(n, np.float32)]),
-                np.concatenate([f.versions, np.full(n, last_version, np.int32)]),
+                t.traj_id,
+                np.concatenate([t.tokens, verdict.observation_ids]).astype(np.int32),
+                np.concatenate([t.logprobs, np.zeros(n, np.float32)]),
+                np.concatenate([t.versions, np.full(n, last_version, np.int32)]),
                 np.concatenate([mask, np.zeros(n, np.bool_)]),
                 msgpack.packb({"state": step.state, "info": info}),
             )

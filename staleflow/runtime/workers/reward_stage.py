@@ -62,7 +62,8 @@ class RewardStage:
         completes in its holder's name, runtime/races.py)."""
         if not finished:
             return []
-        results = self._scored([(f.traj_id, f.tokens, f.answer) for f in finished])
+        tasks = [f.task for f in finished]
+        results = self._scored([(t.traj_id, t.tokens, t.answer) for t in tasks])
         return self.complete(finished, results, instance_id)
 
     def score(self, responses: Sequence[tuple[np.ndarray, str]]) -> list[float]:
@@ -102,23 +103,17 @@ class RewardStage:
         ids the TS took. ``infos`` and ``finish_reasons`` (one per trajectory) add to the
         record and replace the engine's reason (an episode's end, e.g. ``max_turns``)."""
         infos = infos or [{}] * len(finished)
-        reasons = finish_reasons or [f.finish_reason for f in finished]
+        reasons = finish_reasons or [f.task.finish_reason for f in finished]
         completions = []
         for f, r, extra, reason in zip(finished, results, infos, reasons, strict=True):
             info: dict[str, int | float | str] = {"instance": f.instance, **extra}
             if r.error:
                 info["reward_error"] = r.error[:500]
                 self.errors += 1
+            t = f.task
             completions.append(
                 Completion(
-                    f.traj_id,
-                    f.tokens,
-                    f.logprobs,
-                    f.versions,
-                    r.reward,
-                    reason,
-                    info,
-                    f.mask,
+                    t.traj_id, t.tokens, t.logprobs, t.versions, r.reward, reason, info, t.mask
                 )
             )
         stored = {
@@ -131,12 +126,12 @@ class RewardStage:
         self.late += len(finished) - len(stored)
         rewarded = [
             Rewarded(
-                traj_id=f.traj_id,
-                group_id=f.group_id,
-                v_traj=f.v_traj,
+                traj_id=f.task.traj_id,
+                group_id=f.task.group_id,
+                v_traj=f.task.v_traj,
                 reward=r.reward,
                 error=r.error,
-                response_len=len(f.tokens),
+                response_len=len(f.task.tokens),
                 finish_reason=reason,
                 instance=f.instance,
                 turns=int(extra.get("turns", 0)),
@@ -145,7 +140,7 @@ class RewardStage:
                 tool_wait_s=float(extra.get("tool_latency_s", 0.0)),
             )
             for f, r, reason, extra in zip(finished, results, reasons, infos, strict=True)
-            if f.traj_id in stored
+            if f.task.traj_id in stored
         ]
         if rewarded:
             self._report(rewarded)
@@ -156,17 +151,4 @@ def finished_from_task(t: RewardTask) -> Finished:
     """A REWARDING trajectory the TS hands a worker again (its worker was lost, or the run
     resumed), as the worker receives a finished one: a multi-turn trajectory's
     environment state stays in the TS, where the environment stage reads it."""
-    return Finished(
-        t.traj_id,
-        t.group_id,
-        t.v_traj,
-        t.sample_id,
-        t.answer,
-        t.prompt,
-        t.tokens,
-        t.logprobs,
-        t.versions,
-        t.finish_reason,
-        -1,  # its instance is unknown (and may be gone)
-        t.mask,
-    )
+    return Finished(t, -1)  # its instance is unknown (and may be gone)

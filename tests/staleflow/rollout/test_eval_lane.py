@@ -175,7 +175,7 @@ def test_evaluation_requests_run_beside_trajectories_and_never_reach_the_ts():
     for out in got.values():
         assert 1 <= len(out.tokens) <= 6 and out.finish_reason in ("stop", "length")
         assert out.versions.tolist() == [3] * len(out.tokens)  # the instance's weights
-    assert sorted(f.traj_id for f in finished) == [0, 1]  # no evaluation among them
+    assert sorted(f.task.traj_id for f in finished) == [0, 1]  # no evaluation among them
     assert ts.seen <= {0, 1}, "an evaluation request reached the trajectory server"
     assert 1 <= engine.most_evals <= 2  # eval_running: the rest waited in the lane
     assert host.held() == set()

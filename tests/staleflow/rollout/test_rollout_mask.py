@@ -13,7 +13,7 @@ import numpy as np
 from staleflow.rollout.instance import Finished, RolloutInstance
 from staleflow.runtime.workers.reward_stage import RewardStage
 from tests.staleflow.runtime.fakes import ScriptedEngine
-from trajectory_server.types import Completion, PartialTrajectory, RoutedTrajectory
+from trajectory_server.types import Completion, PartialTrajectory, RewardTask, RoutedTrajectory
 
 PREFIX_MASK = [True, True, False, False, False]
 
@@ -55,8 +55,8 @@ def test_a_finished_turn_keeps_the_observation_masked_and_trains_the_rest() -> N
     instance.submit([_routed(3)])
     _wait_finished(instance, done)
     (f,) = got
-    assert len(f.tokens) == 8
-    assert f.mask.tolist() == [*PREFIX_MASK, True, True, True]  # type: ignore[union-attr]
+    assert len(f.task.tokens) == 8
+    assert f.task.mask.tolist() == [*PREFIX_MASK, True, True, True]  # type: ignore[union-attr]
 
 
 def test_interrupt_progress_and_chunk_ends_carry_the_mask() -> None:
@@ -105,15 +105,15 @@ class _Scored:
 
 def test_the_reward_stage_stores_the_mask_it_was_given() -> None:
     mask = np.array([True, False, True])
-    finished = Finished(
+    task = RewardTask(
         1, 0, 0, 0, "x", np.array([1], np.int32), np.array([7, 9, 2], np.int32),
-        np.zeros(3, np.float32), np.zeros(3, np.int32), "stop", 0, mask,
+        np.zeros(3, np.float32), np.zeros(3, np.int32), "stop", mask,
     )  # fmt: skip
     sink = _Sink()
     stage = RewardStage(lambda items: [_Scored() for _ in items], str, sink, lambda r: None)
-    stage.process([finished])
+    # a trajectory built without a mask (single-turn code) trains every token
+    plain = RewardTask(2, 0, 0, 0, "x", task.prompt, task.tokens, task.logprobs,
+                       task.versions, "stop")  # fmt: skip
+    stage.process([Finished(task, 0), Finished(plain, 0)])
     assert sink.completions[0].mask.tolist() == [True, False, True]  # type: ignore[union-attr]
-    # a Finished built without a mask (single-turn code) trains every token
-    plain = Finished(2, 0, 0, 0, "x", finished.prompt, finished.tokens, finished.logprobs,
-                     finished.versions, "stop", 0)  # fmt: skip
-    assert plain.mask.all()  # type: ignore[union-attr]
+    assert sink.completions[1].mask.all()  # type: ignore[union-attr]

@@ -66,7 +66,7 @@ def test_an_instance_lists_held_prefixes_counts_reuse_and_a_pull_empties_it() ->
     try:
         instance.submit([_routed(7, np.zeros(0), [])])
         assert arrived.acquire(timeout=10)
-        first = got[-1]
+        first = got[-1].task
         assert first.finish_reason == FINISH_STOP, "the greedy turn did not stop"
         assert instance.held_prefixes() == (7,)
         # the next turn: the first turn, then a three-token observation (mask False)
@@ -74,7 +74,7 @@ def test_an_instance_lists_held_prefixes_counts_reuse_and_a_pull_empties_it() ->
         mask = [*first.mask.tolist(), False, False, False]  # type: ignore[union-attr]
         instance.submit([_routed(7, tokens, mask)])
         assert arrived.acquire(timeout=10)
-        second = got[-1]
+        second = got[-1].task
         assert second.mask[: len(mask)].tolist() == mask  # type: ignore[index]
         times = instance.times()
         assert times.prefix_hits == 1

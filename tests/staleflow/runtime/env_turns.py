@@ -7,6 +7,7 @@ import numpy as np
 
 from staleflow.rollout.instance import Finished
 from trajectory_server import FinishedTrajectory, RoutedTrajectory
+from trajectory_server.types import RewardTask
 
 
 def model_turn(
@@ -17,17 +18,17 @@ def model_turn(
     the environment steps it."""
     new = np.append(tok.encode(text), tok.eos_id).astype(np.int32)
     n = len(new)
-    f = Finished(
+    t = RewardTask(
         routed.traj_id, routed.group_id, routed.v_traj, routed.sample_id, routed.answer,
         routed.prompt, np.concatenate([routed.tokens, new]),
         np.concatenate([routed.logprobs, np.full(n, -0.5, np.float32)]),
         np.concatenate([routed.versions, np.full(n, version, np.int32)]),
-        reason, 0, np.concatenate([routed.mask, np.ones(n, bool)]),
+        reason, np.concatenate([routed.mask, np.ones(n, bool)]),
     )  # fmt: skip
     ts.hand_to_reward(
-        [FinishedTrajectory(f.traj_id, f.tokens, f.logprobs, f.versions, reason, f.mask)], "w"
+        [FinishedTrajectory(t.traj_id, t.tokens, t.logprobs, t.versions, reason, t.mask)], "w"
     )
-    return f
+    return Finished(t, 0)
 
 
 class _Source:

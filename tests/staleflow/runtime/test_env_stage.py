@@ -27,6 +27,7 @@ from staleflow.runtime.workers.reward_stage import RewardStage
 from tests.staleflow.runtime.env_turns import model_turn
 from trajectory_server import (
     FinishedTrajectory,
+    RewardTask,
     RoutedTrajectory,
     TrajectoryServer,
     TrajectoryServerConfig,
@@ -148,11 +149,11 @@ def test_a_trajectory_aborted_during_its_tool_call_is_dropped_late() -> None:
     h = Harness()
     a, _ = h.ts.route([0, 1], 0, "i0")
     new = np.append(TOK.encode(_call(a)), TOK.eos_id).astype(np.int32)
-    f = Finished(a.traj_id, a.group_id, 0, a.sample_id, a.answer, a.prompt, new,
-                 np.zeros(len(new), np.float32), np.zeros(len(new), np.int32), "stop", 0)  # fmt: skip
-    h.ts.hand_to_reward([FinishedTrajectory(0, f.tokens, f.logprobs, f.versions, "stop")], "w")
+    t = RewardTask(a.traj_id, a.group_id, 0, a.sample_id, a.answer, a.prompt, new,
+                   np.zeros(len(new), np.float32), np.zeros(len(new), np.int32), "stop")  # fmt: skip
+    h.ts.hand_to_reward([FinishedTrajectory(0, t.tokens, t.logprobs, t.versions, "stop")], "w")
     h.ts.abort([0])  # redundancy dropped it while its tool ran
-    assert h.stage.process([f]) == [] and h.stage.continued == 0
+    assert h.stage.process([Finished(t, 0)]) == [] and h.stage.continued == 0
 
 
 def test_a_tool_call_cut_by_a_stop_runs_again_after_the_resume_and_answers_the_same() -> None:

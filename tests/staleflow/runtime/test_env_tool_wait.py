@@ -111,11 +111,11 @@ def test_a_pull_while_every_trajectory_waits_on_its_tool_does_not_wait_for_the_t
         them to a worker in the TS, then send them to it without waiting (Ray's
         ``.remote``)."""
         items = [
-            FinishedTrajectory(f.traj_id, f.tokens, f.logprobs, f.versions, f.finish_reason, f.mask)
-            for f in finished
+            FinishedTrajectory(t.traj_id, t.tokens, t.logprobs, t.versions, t.finish_reason, t.mask)
+            for t in (f.task for f in finished)
         ]
         kept = set(hand_live(ts, items, "w", instance_id=holder))
-        worker.submit(stage.process, [f for f in finished if f.traj_id in kept])
+        worker.submit(stage.process, [f for f in finished if f.task.traj_id in kept])
 
     ps = MemoryPS()
     engines = {i: ScriptedEngine(target=4, max_running=4) for i in range(2)}

@@ -33,6 +33,7 @@ from tests.staleflow.runtime.fakes import (
 )
 from trajectory_server import TrajectoryServer, TrajectoryServerConfig
 from trajectory_server.errors import TrajectoryGone
+from trajectory_server.types import RewardTask
 
 
 @dataclass(frozen=True)
@@ -374,8 +375,8 @@ def test_a_late_reward_of_a_trajectory_redundancy_dropped_is_not_fatal():
     w.ts.abort([1])
     tokens = np.array([7, 2], np.int32)
     finished = [
-        Finished(t, 0, 0, 1, "x", np.arange(3, dtype=np.int32), tokens,
-                 np.zeros(2, np.float32), np.zeros(2, np.int32), "stop", 0)
+        Finished(RewardTask(t, 0, 0, 1, "x", np.arange(3, dtype=np.int32), tokens,
+                            np.zeros(2, np.float32), np.zeros(2, np.int32), "stop"), 0)
         for t in (0, 1, 2)
     ]  # fmt: skip
     stage.process(finished)

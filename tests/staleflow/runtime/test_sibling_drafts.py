@@ -101,9 +101,9 @@ class _Host:
         finally:
             self.host.stop()
         done = self.finished[-1]
-        n = len(done.tokens)
-        ts.complete(traj_id, done.tokens, done.logprobs, done.versions, 0.0, done.finish_reason)
-        assert n == RESPONSE
+        t = done.task
+        ts.complete(traj_id, t.tokens, t.logprobs, t.versions, 0.0, t.finish_reason)
+        assert len(t.tokens) == RESPONSE
         return done
 
 
@@ -119,7 +119,7 @@ def _split_group(fetch: bool, method: str = "group") -> tuple[_Host, Finished, F
 def test_a_sibling_on_another_instance_drafts_for_the_group() -> None:
     b, first, second = _split_group(fetch=True)
     # greedy: the same prompt gives the same response on both instances
-    np.testing.assert_array_equal(first.tokens, second.tokens)
+    np.testing.assert_array_equal(first.task.tokens, second.task.tokens)
     assert b.host.siblings is not None and b.host.siblings.tokens == RESPONSE
     with_siblings = b.host.times().speculation
     # the prefill samples the first token; the next step drafts the rest of the sibling's
@@ -127,7 +127,7 @@ def test_a_sibling_on_another_instance_drafts_for_the_group() -> None:
     assert with_siblings is not None
     assert with_siblings.accepted == with_siblings.drafted == RESPONSE - 2
     b_alone, _, alone = _split_group(fetch=False)
-    np.testing.assert_array_equal(alone.tokens, second.tokens)
+    np.testing.assert_array_equal(alone.task.tokens, second.task.tokens)
     without = b_alone.host.times().speculation
     assert without is not None and without.accepted == 0, "own history drafted: shorten RESPONSE"
     assert b_alone.host.siblings is not None and b_alone.host.siblings.fetches == 0

@@ -277,7 +277,7 @@ def test_a_copy_is_in_the_batch_but_no_trajectory_of_its_instance():
 
     def copy_done(pairs):
         copies.extend(pairs)
-        return [f.traj_id for f, _ in pairs]  # the TS took it: the copy won
+        return [f.task.traj_id for f, _ in pairs]  # the TS took it: the copy won
 
     inst = RolloutInstance(
         1,
@@ -299,11 +299,11 @@ def test_a_copy_is_in_the_batch_but_no_trajectory_of_its_instance():
     while not (copies and finished) and time.monotonic() < deadline:
         time.sleep(0.005)
     inst.stop()
-    assert [(f.traj_id, h) for f, h in copies] == [(20, "0.0")]
-    assert [f.traj_id for f in finished] == [10]
+    assert [(f.task.traj_id, h) for f, h in copies] == [(20, "0.0")]
+    assert [f.task.traj_id for f in finished] == [10]
     assert inst.snapshot().complete_trajs == (10,)  # the copy is its holder's completion
     ended = inst.drop_copies([20])
-    assert ended[20].won and ended[20].tokens == len(copies[0][0].tokens)
+    assert ended[20].won and ended[20].tokens == len(copies[0][0].task.tokens)
     # a Pull drops the copies still running, and they end as lost
     other = RolloutInstance(
         2,
