@@ -8,6 +8,7 @@ import json
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from coordinator.cost_model import MEASURED_ACCEPTANCE, SpeculationProfile
 from staleflow.config.checks import (
     ACTORS_WHY,
     BATCH_TOKENS_WHY,
@@ -245,6 +246,17 @@ class SpeculationOptions:
             a,
             "must be in [0, 1) (a per-token probability): use e.g. 0.8, or null for the measured one",
         )
+
+    def profile(self) -> SpeculationProfile | None:
+        """What the coordinator's cost model knows of this speculation before the engines'
+        counters measure the acceptance (None: off): the engines' draft-length rule and
+        the configured acceptance, or the one measured for the method."""
+        if self.method == "off":
+            return None
+        acceptance = self.acceptance
+        if acceptance is None:
+            acceptance = MEASURED_ACCEPTANCE[self.method]
+        return SpeculationProfile(acceptance, self.max_draft, self.batch_draft_tokens)
 
     def race_copy_method(self) -> str | None:
         """The draft method a tail-race copy runs with; None: the engine's (the original's,

@@ -29,7 +29,7 @@ from staleflow.dashboard.interface import (
     RunEvent,
     RunInfo,
 )
-from staleflow.dashboard.runconfig import read_run_config
+from staleflow.dashboard.runconfig import cost_model_at, read_run_config
 from staleflow.dashboard.timeline import SeqLog
 from staleflow.runfolder.layout import CONFIG, METRICS, RunLayout
 from staleflow.runfolder.reader import optional_int, read_summary
@@ -163,7 +163,7 @@ class FolderSource:
             batch_size=optional_int(cfg.get("batch_size")),
             group_size=optional_int(cfg.get("group_size")),
             instances=optional_int(rollout.get("instances")) or len(self._instance_ids()) or None,
-            cost_model=self._cost_model,
+            cost_model=cost_model_at(self._cost_model, self._records.last()),
             config=cfg,
             notes=tuple(notes),
         )

@@ -39,7 +39,7 @@ from staleflow.dashboard.interface import (
     RunEvent,
     RunInfo,
 )
-from staleflow.dashboard.runconfig import cost_model_of, read_run_config
+from staleflow.dashboard.runconfig import cost_model_at, cost_model_of, read_run_config
 from staleflow.dashboard.timeline import InstanceObservation, Recorder, SeqLog
 from staleflow.runfolder.layout import RunLayout
 from staleflow.runfolder.step_record import StepRecord, idle_ratio
@@ -369,7 +369,7 @@ class RaySource:
             batch_size=view.batch_size if view is not None else cfg.get("batch_size"),
             group_size=view.group_size if view is not None else cfg.get("group_size"),
             instances=len(self._instances) or rollout.get("instances"),
-            cost_model=self._cost,
+            cost_model=cost_model_at(self._cost, self._records.last()),
             config=cfg,
             actions=ACTIONS,
             notes=self._notes,

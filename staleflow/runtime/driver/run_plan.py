@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from coordinator.config import CoordinatorConfig, CostModelConfig
-from coordinator.cost_model import MEASURED_ACCEPTANCE, SpeculationProfile
 from staleflow.config import (
     DataConfig,
     EnvConfig,
@@ -30,7 +29,6 @@ from staleflow.config import (
     TrainerConfig,
 )
 from staleflow.config.env import ENV_TASKS
-from staleflow.config.rollout import SpeculationOptions
 from staleflow.runtime.backends import check_backend_names
 from staleflow.runtime.controller.plane_records import ControlConfig
 from staleflow.runtime.placement.plan import PlacementRequest, plan_placement
@@ -153,18 +151,6 @@ def control_config(cfg: RunConfig) -> ControlConfig:
         # keep a finished turn's KV; the embedded engine with its prefix store
         prefix_cache=cfg.data.task in ENV_TASKS
         and (cfg.rollout.backend in ("vllm", "sglang") or cfg.rollout.prefix_cache_tokens > 0),
-        speculation=speculation_prior(cfg.rollout.speculation),
+        speculation=cfg.rollout.speculation.profile(),
         race_draft_method=cfg.rollout.speculation.race_copy_method(),
     )
-
-
-def speculation_prior(options: SpeculationOptions) -> SpeculationProfile | None:
-    """What the coordinator's cost model knows of ``rollout.speculation`` before the
-    engines' counters measure the acceptance (None: off): the engines' draft-length rule
-    and the configured acceptance, or the one measured for the method."""
-    if options.method == "off":
-        return None
-    acceptance = options.acceptance
-    if acceptance is None:
-        acceptance = MEASURED_ACCEPTANCE[options.method]
-    return SpeculationProfile(acceptance, options.max_draft, options.batch_draft_tokens)

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from staleflow.config import RunConfig, save_config
+from coordinator.cost_model import learned_speculation
+from staleflow.config import RunConfig, load_config, save_config
 from staleflow.dashboard.folder_source import FolderError, FolderSource
 from tests.staleflow.dashboard.fakes import INSTANCES, flat_record
 
@@ -36,6 +37,28 @@ def test_reads_records_config_and_cost_model(tmp_path):
     assert live.buffers is None and live.ts is None and not live.finished
     assert live.steps == 3 and live.ps_version == 3 and live.elapsed_s == 6.0
     assert [d.version for d in live.instances] == [2] * INSTANCES  # from the last record
+
+
+def test_the_cost_model_knows_speculation_as_the_coordinator_does(tmp_path):
+    """With rollout.speculation on, the estimates use the coordinator's profile: the
+    prior before the engines counted 64 verifications, then the acceptance they count."""
+    run = tmp_path / "20250101-000000-eta2"
+    run.mkdir()
+    cfg = load_config(None, ["eta=2", "rollout.speculation.method=group"])
+    save_config(cfg, run / "config.yaml")
+    prior = cfg.rollout.speculation.profile()
+    assert prior is not None
+    with (run / "metrics.jsonl").open("w") as f:
+        f.write(json.dumps(flat_record(1)) + "\n")  # 4 verifications: the prior still
+    src = FolderSource(run, refresh_s=0.0)
+    assert src.info().cost_model.speculation == prior
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps(flat_record(20)) + "\n")  # 80 verifications, 2.5 accepted each
+    learned = src.info().cost_model.speculation
+    assert learned == learned_speculation(prior, 80, 400, 200) and learned != prior
+    (tmp_path / "off").mkdir()
+    plain = FolderSource(_folder(tmp_path / "off"))  # speculation off: no profile
+    assert plain.info().cost_model.speculation is None
 
 
 def test_markers_and_load_come_from_consecutive_records(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 from coordinator.cost_model import MEASURED_ACCEPTANCE, SpeculationProfile, expected_accepted
 from staleflow.config import load_config
 from staleflow.engines.drafts import SpeculationStats
-from staleflow.runtime.driver.run_plan import control_config, speculation_prior
+from staleflow.runtime.driver.run_plan import control_config
 from tests.staleflow.runtime.test_runtime_inprocess import run, wire
 
 
@@ -30,7 +30,7 @@ def test_the_prior_follows_rollout_speculation() -> None:
     own = load_config(
         None, ["rollout.speculation.method=own", "rollout.speculation.acceptance=0.4"]
     )
-    assert speculation_prior(own.rollout.speculation) == SpeculationProfile(0.4)
+    assert own.rollout.speculation.profile() == SpeculationProfile(0.4)
 
 
 def test_the_coordinator_learns_the_acceptance_the_engines_count() -> None:
