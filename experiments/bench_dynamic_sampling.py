@@ -43,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_one(args: argparse.Namespace, on: bool, repeat: int) -> dict[str, Any]:
     from staleflow.config import load_config
+    from staleflow.runfolder.run_summary import audit_balanced
     from staleflow.runfolder.step_record import FLAT_KEPT
     from staleflow.runtime.driver.launch import launch
 
@@ -62,7 +63,6 @@ def run_one(args: argparse.Namespace, on: bool, repeat: int) -> dict[str, Any]:
     audit = s.audit or {}
     full = cfg.batch_size * cfg.group_size
     fills = [(r.trajectories or 0) / full for r in result.records]
-    ended = audit["consumed"] + audit["aborted"] + audit.get("filtered", 0)
     return {
         "dynamic_sampling": on,
         "repeat": repeat,
@@ -76,9 +76,7 @@ def run_one(args: argparse.Namespace, on: bool, repeat: int) -> dict[str, Any]:
         "filtered_groups": s.filtered_groups,
         "flat_kept_groups": _sum_extra(result.records, FLAT_KEPT),
         "audit": {k: v for k, v in audit.items() if k != "recovery"},
-        "audit_balanced": audit["created"] == ended + audit["queued"] + audit["completed"]
-        and audit["routed"] == 0
-        and audit["on_instances"] == 0,
+        "audit_balanced": audit_balanced(audit),
         "staleness_max": s.staleness_max,
         "eta": cfg.eta,
         "tokens_per_s": s.tokens_per_s,

@@ -43,18 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def audit_balanced(audit: dict[str, Any] | None) -> bool:
-    """Every trajectory the TS created is consumed or accounted for in another state."""
-    if not audit:
-        return False
-    rest = ("consumed", "completed", "queued", "aborted", "rewarding", "routed", "on_instances")
-    return int(audit["created"]) == sum(int(audit.get(k, 0)) for k in rest) + int(
-        audit.get("filtered", 0)
-    )
-
-
 def run_one(args: argparse.Namespace, method: str, seed: int) -> dict[str, Any]:
     from staleflow.config import load_config
+    from staleflow.runfolder.run_summary import audit_balanced
     from staleflow.runfolder.step_record import speculation_counts
     from staleflow.runtime.driver.launch import launch
 

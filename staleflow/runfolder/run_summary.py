@@ -133,3 +133,17 @@ class RunSummary(RunFigures[float | None, dict[int, int] | None]):
             values.setdefault(f.name, None)
         extra = {k: v for k, v in data.items() if k not in known}
         return cls(**values, extra=extra, nulls=nulls)
+
+
+def audit_balanced(audit: Mapping[str, Any] | None) -> bool:
+    """Whether a finished run's audit (``summary.json``'s ``audit``) accounts for every
+    trajectory the TS created: consumed, aborted, dropped by dynamic sampling, or still
+    queued or completed for a next step, and none left routed, on an instance or
+    rewarding once the run stopped."""
+    if not audit:
+        return False
+    ended = int(audit["consumed"]) + int(audit["aborted"]) + int(audit.get("filtered", 0))
+    left = sum(int(audit.get(k, 0)) for k in ("routed", "on_instances", "rewarding"))
+    return left == 0 and int(audit["created"]) == ended + int(audit["queued"]) + int(
+        audit["completed"]
+    )

@@ -14,7 +14,14 @@ import pytest
 from staleflow.dashboard.sim_source import SimSource
 from staleflow.runfolder.layout import RunLayout
 from staleflow.runfolder.reader import read_summary
-from staleflow.runfolder.run_summary import SIM_JSON_KEYS, F, H, RunFigures, RunSummary
+from staleflow.runfolder.run_summary import (
+    SIM_JSON_KEYS,
+    F,
+    H,
+    RunFigures,
+    RunSummary,
+    audit_balanced,
+)
 from staleflow.runtime.driver.launch import summarise as summarise_launch
 from staleflow.sim import tiny
 from staleflow.sim.summary import Summary
@@ -159,3 +166,26 @@ def test_a_simulated_run_gives_the_same_figures_to_both_summaries():
     assert sim_json["seconds"] == sim.elapsed_s and "elapsed_s" not in sim_json
     assert sim_json["staleness_hist"] == {str(k): n for k, n in sim.staleness_hist.items()}
     assert sim_json["staleness"] == {str(k): n for k, n in sim.staleness.items()}  # groups
+
+
+def test_an_audit_balances_only_when_every_created_trajectory_is_accounted_for() -> None:
+    # a finished 3-step run's audit as summary.json holds it (issue 36's real runs)
+    audit = {
+        "created": 52224,
+        "consumed": 51200,
+        "completed": 768,
+        "queued": 256,
+        "aborted": 0,
+        "filtered": 0,
+        "routed": 0,
+        "on_instances": 0,
+        "rewarding": 0,
+    }
+    assert audit_balanced(audit)
+    assert audit_balanced(audit | {"aborted": 16, "created": 52240})  # aborted is accounted
+    assert not audit_balanced(audit | {"consumed": 51199})  # one trajectory unaccounted for
+    assert not audit_balanced(audit | {"created": 52225})
+    # still routed, on an instance or rewarding after the stop: the run lost track of it
+    for left in ("routed", "on_instances", "rewarding"):
+        assert not audit_balanced(audit | {left: 1, "created": 52225})
+    assert not audit_balanced(None) and not audit_balanced({})
