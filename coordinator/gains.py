@@ -113,7 +113,9 @@ class GainTable:
         "_t0",
         "_t0l",
         "_top",
+        "_top2",
         "_val",
+        "_val2",
         "_w",
         "_wl",
         "cost",
@@ -170,6 +172,8 @@ class GainTable:
         self._col0 = 0
         self._top: list[list[int]] = []
         self._val: list[list[float]] = []
+        self._top2: list[list[int]] = []  # the runner-up (-1: not known) and its gain
+        self._val2: list[list[float]] = []
         self._rows_at = 0
         self._nrows = 0
         self._dirty_in: set[int] = set()
@@ -311,8 +315,15 @@ class GainTable:
                 gd += FILL_BONUS
             gains.append(gd)
         if j in self._dirty_in:
-            # the row's best was routed to since: the best of the rest is unknown, so the
-            # row gets the current gains of those routed to, and its argmax is taken again
+            j = self._top2[b - self._first][r]
+            if j >= 0 and j not in self._dirty_in:
+                g = self._val2[b - self._first][r]  # the best of the rest
+            else:
+                j = self._top[b - self._first][r]
+        if j in self._dirty_in:
+            # the row's best and runner-up were routed to since: the best of the rest is
+            # unknown, so the row gets the current gains of those routed to, and its
+            # argmax is taken again
             assert self._ahead is not None
             c = self._col0
             row = self._ahead[r]
@@ -363,14 +374,24 @@ class GainTable:
             np.add(out, FILL_BONUS, out=out, where=headroom >= need + growth)
         np.copyto(out, -np.inf, where=headroom < need)
         rows = np.arange(len(lengths))
-        tops, vals = [], []
+        tops, vals, tops2, vals2 = [], [], [], []
         for b in range(self._first, len(self.starts)):
-            s = self.starts[b] - c
-            best = out[:, s : self.ends[b] - c].argmax(axis=1) + s
-            vals.append(out[rows, best].tolist())
-            tops.append((best + c).tolist())
+            bucket = out[:, self.starts[b] - c : self.ends[b] - c]
+            best = bucket.argmax(axis=1)
+            gain = bucket[rows, best]
+            # the runner-up: the argmax with the best out; none (-1) where it is -inf, as
+            # the argmax of an all -inf rest may be the best itself
+            bucket[rows, best] = -np.inf
+            second = bucket.argmax(axis=1)
+            gain2 = bucket[rows, second]
+            bucket[rows, best] = gain
+            at = self.starts[b]
+            tops.append((best + at).tolist())
+            vals.append(gain.tolist())
+            tops2.append(np.where(gain2 == -np.inf, -1, second + at).tolist())
+            vals2.append(gain2.tolist())
         self._ahead, self._col0 = out, c
-        self._top, self._val = tops, vals
+        self._top, self._val, self._top2, self._val2 = tops, vals, tops2, vals2
         self._rows_at, self._nrows = p, len(lengths)
         self._dirty_in = set()
         self._dirty = [[] for _ in self.starts]
