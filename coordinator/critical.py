@@ -39,8 +39,6 @@ tail race (race.py, one per instance).
 
 from __future__ import annotations
 
-from operator import attrgetter
-
 import numpy as np
 
 from coordinator.cost_model import CostModel
@@ -177,10 +175,7 @@ def oldest_tail(
         low = min(away)
         if oldest is None or low < oldest:
             oldest = low
-    versions: list[list[int]] = [
-        [*map(_V_TRAJ, run), *map(_V_TRAJ, wait)]
-        for run, wait in zip(fleet.run, fleet.wait, strict=True)
-    ]
+    versions = fleet.versions()
     lows = [min(vs) for vs in versions if vs]
     if lows:
         low = min(lows)
@@ -201,9 +196,6 @@ def oldest_tail(
                 i = vs.index(oldest, i + 1)
                 on.append((pos, trajs[i]))
     return oldest, on
-
-
-_V_TRAJ = attrgetter("v_traj")
 
 
 def _traj_id(pt: tuple[int, TrajectoryView]) -> int:

@@ -24,6 +24,7 @@ class Fleet:
 
     __slots__ = (
         "_env_versions",
+        "_versions",
         "cleared",
         "env",
         "held",
@@ -71,6 +72,7 @@ class Fleet:
         self.env = [s.env_trajs for s in insts]
         self.n_env = np.array([len(s.env_trajs) for s in insts], dtype=np.int64)
         self._env_versions: list[int] | None = None
+        self._versions: list[list[int]] | None = None
         held: dict[int, tuple[int, int]] = {}
         self.held = held
         self.cleared = frozenset()
@@ -98,6 +100,8 @@ class Fleet:
         out.env = self.env
         out.n_env = self.n_env
         out._env_versions = self._env_versions
+        # entries are replaced, never changed in place, so a shallow copy is independent
+        out._versions = None if self._versions is None else list(self._versions)
         out.held = self.held  # never written after construction
         out.cleared = self.cleared
         return out
@@ -109,6 +113,17 @@ class Fleet:
         if self._env_versions is None:
             self._env_versions = [v for trajs in self.env for v in map(_V_TRAJ, trajs)]
         return self._env_versions
+
+    def versions(self) -> list[list[int]]:
+        """``V_traj`` of run + wait, per instance, in that order (computed once and kept
+        current by :meth:`discard` and :meth:`discard_all`: the synchronisation and the
+        critical-path rule both ask it of every trajectory on an instance)."""
+        if self._versions is None:
+            self._versions = [
+                [*map(_V_TRAJ, run), *map(_V_TRAJ, wait)]
+                for run, wait in zip(self.run, self.wait, strict=True)
+            ]
+        return self._versions
 
     def latencies(self, cost: CostModel) -> npt.NDArray[np.float64]:
         """Seconds per token of each running trajectory, per instance, with each
@@ -130,6 +145,8 @@ class Fleet:
         """``S[inst].discard(run + wait)``: the instance is left empty (its KV released)."""
         out = self.run[pos] + self.wait[pos]
         self.run[pos] = self.wait[pos] = ()
+        if self._versions is not None:
+            self._versions[pos] = []
         self.n_run[pos] = 0.0
         self.kv[pos] = 0.0
         self.n_wait[pos] = 0
@@ -146,6 +163,8 @@ class Fleet:
         else:
             self.kv[pos] = 0.0  # nothing left running: no KV, whatever the page rounding
         self.run[pos], self.wait[pos] = run, wait
+        if self._versions is not None:
+            self._versions[pos] = [*map(_V_TRAJ, run), *map(_V_TRAJ, wait)]
         self.n_run[pos] = len(run)
         self.n_wait[pos] = len(wait)
 

@@ -28,9 +28,9 @@ FILL_BONUS = 1.0e9
 # GainTable.plan: rows computed at once, how far ahead in the plan a length is looked
 # for, and how many routed-to instances a row may be fixed for before the next rows are
 # computed afresh instead (each costs a Python evaluation per row).
-AHEAD = 24
+AHEAD = 34
 LOOK = 64
-MAX_DIRTY = 12
+MAX_DIRTY = 32
 
 
 def spare(
@@ -72,37 +72,54 @@ def routing_gains(
 
 
 class GainTable:
-    """Gains of instances laid out in version-bucket order (``starts``/``ends``)."""
+    """Gains of instances laid out in version-bucket order (``starts``/``ends``).
+
+    The loads are kept as Python floats (``_nl`` .. ``_hrl``: what :meth:`place`, run once
+    per route, reads and writes; a numpy scalar read or write costs several times a list
+    item's) and copied into the numpy arrays the vector expressions read only when one is
+    computed (``_stale``: an instance was routed to since)."""
 
     __slots__ = (
         "_a1",
+        "_a1l",
         "_ahead",
+        "_bucket",
         "_coeffs",
+        "_col0",
         "_cursor",
         "_dirty",
+        "_dirty_in",
         "_fill",
         "_fill_on",
         "_first",
         "_fresh",
         "_g",
         "_headroom",
+        "_hrl",
         "_k1k5",
+        "_kv",
         "_kvl",
         "_length",
-        "_log",
+        "_n",
         "_nl",
+        "_nrows",
         "_num",
+        "_numl",
         "_plan",
-        "_rows",
+        "_row",
         "_rows_at",
         "_scratch",
+        "_stale",
         "_t0",
+        "_t0l",
+        "_top",
+        "_top2",
+        "_val",
+        "_val2",
         "_w",
         "_wl",
         "cost",
         "ends",
-        "kv",
-        "n",
         "starts",
     )
 
@@ -121,53 +138,88 @@ class GainTable:
         instance whose steps take ``speed`` times the model's is the model's gain over it.
         ``fill_steps``: the fill rule's headroom in decode steps (:func:`spare`)."""
         self.cost, self.starts, self.ends = cost, starts, ends
-        self.n, self.kv = n, kv
+        self._n, self._kv = n, kv
         self._k1k5 = cost.k1 * cost.k5  # the operation order matches CostModel.marginal_gains
         # place() runs once per route: the constants, and the cost model's step term
         # (CostModel.decode_term, the part speculation changes) where it speculates
         term = cost.decode_term if cost.speculation is not None else None
         self._coeffs = (cost.k1, cost.k2, cost.k3, cost.k4, cost.k5, cost.kv_budget, term)
-        self._loads()
-        self._headroom = cost.kv_budget - kv
-        self._headroom[queued] = -np.inf  # Eq. 3: a queued engine takes nothing at once
         self._w = np.ones(len(n)) if weight is None else weight
-        # n, kv and weight as Python floats too: place() reads them once per route
-        self._nl: list[float] = n.tolist()
-        self._kvl: list[float] = kv.tolist()
         self._wl: list[float] = self._w.tolist()
+        self._stale = False
+        self._loads()
+        self._headroom[queued] = -np.inf  # Eq. 3: a queued engine takes nothing at once
+        self._hrl = self._headroom.tolist()
+        self._bucket: list[int] = [0] * len(n)  # bucket of every position
+        for b, (s, e) in enumerate(zip(starts, ends, strict=True)):
+            self._bucket[s:e] = [b] * (e - s)
         self._fill = fill_steps
         self._fill_on = fill_steps is not None
         self._scratch = np.empty(len(n))
-        self._g = self._scratch  # gains for self._length: the scratch or a row of _ahead
+        self._g = self._scratch  # gains for self._length (the vector path)
         self._length = -1.0
         self._fresh = len(starts)  # buckets >= this one hold gains for self._length
-        # The lengths the next decisions ask for (plan()), and the gains of a stretch of
-        # them computed at once: rows for plan[_rows_at:_rows_at + len(_ahead)], as they
-        # were before the routes since (_log: their instances, in order; _dirty: the same
-        # as a set), which a row gets on use (_rows[r]: how much of _log row r has had).
+        # The lengths the next decisions ask for (plan()), and rows of them computed at
+        # once (_row: the row of self._length, -1 if it has none): per bucket from the
+        # plan's first, per row, its best instance as the loads were then (_top) and that
+        # gain (_val): still the best of every instance not routed to since (_dirty_in;
+        # _dirty: the same per bucket), whose gains are evaluated on use.
         self._plan: list[float] = []
         self._first = 0  # the plan's lowest bucket: the rows hold no gains below it
         self._cursor = 0
-        self._ahead: FloatArray | None = None
+        self._row = -1
+        self._ahead: FloatArray | None = None  # the rows' gains, from column _col0 on
+        self._col0 = 0
+        self._top: list[list[int]] = []
+        self._val: list[list[float]] = []
+        self._top2: list[list[int]] = []  # the runner-up (-1: not known) and its gain
+        self._val2: list[list[float]] = []
         self._rows_at = 0
-        self._rows: list[int] = []
-        self._log: list[int] = []
-        # per instance in _log: (n + 1, its tokens per step, latency of S' minus new KV,
-        # T(S), weight, headroom) as Python floats, what a row's fix needs (numpy scalar
-        # reads cost more)
-        self._dirty: dict[int, tuple[float, float, float, float, float, float]] = {}
+        self._nrows = 0
+        self._dirty_in: set[int] = set()
+        self._dirty: list[list[int]] = [[] for _ in starts]
+
+    @property
+    def n(self) -> FloatArray:
+        """Trajectories running on each instance, the routes so far included."""
+        self._sync()
+        return self._n
+
+    @property
+    def kv(self) -> FloatArray:
+        """KV tokens of each instance, the routes so far included."""
+        self._sync()
+        return self._kv
+
+    def n_at(self, j: int) -> float:
+        """``n[j]``, without copying the loads into the arrays."""
+        return self._nl[j]
 
     def _loads(self) -> None:
         """The parts of Eq. 3 that depend on the loads alone (module docstring): with one
         more trajectory, the step's latency minus the new KV (``_a1``) and the tokens the
         batch keeps per step (``_num``: ``n + 1`` times what each keeps, 1 without
-        speculation), and ``T(S)``."""
-        n, kv, cost = self.n, self.kv, self.cost
+        speculation), ``T(S)``, the KV headroom; and the same as Python floats."""
+        n, kv, cost = self._n, self._kv, self.cost
         np1 = n + 1.0
         a1, kept1 = cost.steps(np1, kv)
         self._a1 = a1
         self._num = np1 * kept1
         self._t0 = cost.throughputs(n, kv)
+        self._headroom = cost.kv_budget - kv
+        self._nl, self._kvl = n.tolist(), kv.tolist()
+        self._a1l, self._numl, self._t0l = a1.tolist(), self._num.tolist(), self._t0.tolist()
+
+    def _sync(self) -> None:
+        """Copy the loads into the arrays if an instance was routed to since the last
+        copy (whole: a list of a few hundred floats becomes an array in one C loop, which
+        costs less than writing the few routed-to items one by one)."""
+        if not self._stale:
+            return
+        self._stale = False
+        self._n, self._kv = np.array(self._nl), np.array(self._kvl)
+        self._a1, self._num = np.array(self._a1l), np.array(self._numl)
+        self._t0, self._headroom = np.array(self._t0l), np.array(self._hrl)
 
     def fill_for(self, on: bool) -> None:
         """Apply the fill rule to the next decisions or not (initial trajectories only)."""
@@ -185,139 +237,203 @@ class GainTable:
         calls whose overhead, not their arithmetic, is the cost at a few hundred
         instances, and a pass over the TS's partial trajectories asks a new length for
         almost every trajectory. The gains of :data:`AHEAD` planned lengths are computed
-        as one matrix instead; a route then changes only its own instance's gains, which
-        a row gets in Python, exactly as :meth:`place` computes them, when it is used. So
-        the answers are the ones :meth:`best` gives without a plan, bit for bit. ``first``:
-        the lowest bucket the decisions ask about (rows start there; a lower one is
-        computed on demand)."""
+        as one matrix instead, with each row's best instance per bucket. A route changes
+        only its own instance's gains, so while a row's best was not routed to since, the
+        answer is that instance or one of those routed to (their gains evaluated in
+        Python, exactly as :meth:`place` computes them), and no numpy call is made; else
+        the row gets their gains and its argmax is taken again. So the answers are the
+        ones :meth:`best` gives without a plan, bit for bit, ties included
+        (tests/coordinator/test_routing_rules.py). ``first``: the lowest bucket the
+        decisions ask about (rows start there; a lower one is computed on demand)."""
         self._plan = lengths
         self._first = first
         self._cursor = 0
         self._ahead = None
+        self._length = -1.0
 
     def best(self, b: int, length: float) -> tuple[int, float]:
         """(index, gain) of the best instance of bucket ``b`` for a trajectory of ``length``;
         the gain is ``-inf`` where the trajectory would have to queue."""
         if length != self._length:
             self._length = length
-            if not self._from_plan(length):
+            self._row = self._plan_row(length)
+            if self._row < 0:
                 self._g = self._scratch
                 self._fresh = len(self.starts)
-        s, e = self.starts[b], self.ends[b]
-        g = self._g
-        if b < self._fresh:
+        if self._row >= 0:
+            if b >= self._first:
+                return self._planned(b, length)
+            self._g = self._scratch  # below the rows: this bucket alone, every time
+            self._vector(b, b + 1, length)
+        elif b < self._fresh:
             # The waterfall only moves to newer buckets, so compute every bucket from b on
             # at once: one vector expression costs about the same as a bucket's.
-            stop = self.starts[self._fresh] if self._fresh < len(self.starts) else len(g)
-            view = g[s:stop]
-            np.divide(self._num[s:stop], self._a1[s:stop] + self._k1k5 * length, out=view)
-            view -= self._t0[s:stop]
-            view *= self._w[s:stop]
-            need = self.cost.k5 * length
-            if self._fill_on:
-                assert self._fill is not None
-                growth = self.cost.k5 * (self.n[s:stop] + 1.0) * self._fill
-                np.add(view, FILL_BONUS, out=view, where=self._headroom[s:stop] >= need + growth)
-            np.copyto(view, -np.inf, where=self._headroom[s:stop] < need)
+            self._vector(b, self._fresh, length)
             self._fresh = b
+        s, e = self.starts[b], self.ends[b]
+        g = self._g
         j = s if e - s == 1 else s + int(g[s:e].argmax())
         return j, float(g[j])
 
-    def _from_plan(self, length: float) -> bool:
-        """Point ``_g`` at the precomputed row for ``length`` if the plan has it next
-        (within :data:`LOOK`), computing the next rows if needed (:meth:`plan`)."""
+    def _vector(self, b: int, stop_b: int, length: float) -> None:
+        """Gains for ``length`` of buckets ``b`` to ``stop_b`` (excluded) into ``_g``."""
+        self._sync()
+        s = self.starts[b]
+        stop = self.starts[stop_b] if stop_b < len(self.starts) else len(self._n)
+        view = self._g[s:stop]
+        np.divide(self._num[s:stop], self._a1[s:stop] + self._k1k5 * length, out=view)
+        view -= self._t0[s:stop]
+        view *= self._w[s:stop]
+        need = self.cost.k5 * length
+        if self._fill_on:
+            assert self._fill is not None
+            growth = self.cost.k5 * (self._n[s:stop] + 1.0) * self._fill
+            np.add(view, FILL_BONUS, out=view, where=self._headroom[s:stop] >= need + growth)
+        np.copyto(view, -np.inf, where=self._headroom[s:stop] < need)
+
+    def _planned(self, b: int, length: float) -> tuple[int, float]:
+        """:meth:`best` from the planned row ``_row`` (:meth:`plan`)."""
+        r = self._row
+        dirty = self._dirty[b]
+        j, g = self._top[b - self._first][r], self._val[b - self._first][r]
+        if not dirty:
+            return j, g
+        # the current gains of those routed to since (_gain1, inlined: this runs for
+        # every one of them on every decision)
+        k5, hrl, nl = self.cost.k5, self._hrl, self._nl
+        numl, a1l, t0l, wl = self._numl, self._a1l, self._t0l, self._wl
+        need, x = k5 * length, self._k1k5 * length
+        fill = self._fill if self._fill_on else None
+        gains = []
+        for d in dirty:
+            headroom = hrl[d]
+            if headroom < need:
+                gains.append(-np.inf)
+                continue
+            gd = (numl[d] / (a1l[d] + x) - t0l[d]) * wl[d]
+            if fill is not None and headroom >= need + k5 * (nl[d] + 1.0) * fill:
+                gd += FILL_BONUS
+            gains.append(gd)
+        if j in self._dirty_in:
+            j = self._top2[b - self._first][r]
+            if j >= 0 and j not in self._dirty_in:
+                g = self._val2[b - self._first][r]  # the best of the rest
+            else:
+                j = self._top[b - self._first][r]
+        if j in self._dirty_in:
+            # the row's best and runner-up were routed to since: the best of the rest is
+            # unknown, so the row gets the current gains of those routed to, and its
+            # argmax is taken again
+            assert self._ahead is not None
+            c = self._col0
+            row = self._ahead[r]
+            for d, gd in zip(dirty, gains, strict=True):
+                row[d - c] = gd
+            s = self.starts[b] - c
+            j = s + int(row[s : self.ends[b] - c].argmax())
+            return j + c, float(row[j])
+        for d, gd in zip(dirty, gains, strict=True):  # the best of the rest is j
+            if gd > g or (gd == g and d < j):
+                j, g = d, gd
+        return j, g
+
+    def _plan_row(self, length: float) -> int:
+        """The row of the planned rows for ``length`` if the plan has it next (within
+        :data:`LOOK`), computing the next rows if needed (:meth:`plan`); -1 if not."""
         plan, p = self._plan, self._cursor
         if not plan:
-            return False
+            return -1
         if p >= len(plan) or plan[p] != length:
             try:
                 p = plan.index(length, p, p + LOOK)
             except ValueError:
-                return False
+                return -1
             self._cursor = p
-        rows = self._ahead
         r = p - self._rows_at
-        if rows is None or not 0 <= r < len(rows) or len(self._dirty) > MAX_DIRTY:
-            rows = self._compute_ahead(plan[p : p + AHEAD])
+        if self._ahead is None or not 0 <= r < self._nrows or len(self._dirty_in) > MAX_DIRTY:
+            self._compute_ahead(p)
             r = 0
-            self._rows_at = p
-        row = rows[r]
-        log = self._log
-        if self._rows[r] < len(log):  # instances routed to since the row was computed
-            for j in set(log[self._rows[r] :]):
-                row[j] = self._gain1(j, length)
-            self._rows[r] = len(log)
-        self._g = row
-        self._fresh = self._first
-        return True
+        return r
 
-    def _compute_ahead(self, lengths: list[float]) -> FloatArray:
-        """Gains for each of ``lengths`` (rows) on every instance, in the operations and
-        order of :meth:`best`'s vector expression."""
-        c = self.starts[self._first] if self._first < len(self.starts) else len(self.n)
+    def _compute_ahead(self, p: int) -> None:
+        """Rows for the lengths ``plan[p:p + AHEAD]``: the gains of every instance, in the
+        operations and order of :meth:`best`'s vector expression, and per bucket each
+        row's best instance and its gain."""
+        self._sync()
+        lengths = self._plan[p : p + AHEAD]
+        c = self.starts[self._first] if self._first < len(self.starts) else len(self._n)
         ls = np.array(lengths, dtype=np.float64)[:, None]
-        rows: FloatArray = np.empty((len(lengths), len(self.n)))
-        out = rows[:, c:]
-        np.divide(self._num[c:], self._a1[c:] + self._k1k5 * ls, out=out)
+        out = np.divide(self._num[c:], self._a1[c:] + self._k1k5 * ls)
         out -= self._t0[c:]
         out *= self._w[c:]
         need = self.cost.k5 * ls
         headroom = self._headroom[c:]
         if self._fill_on:
             assert self._fill is not None
-            growth = self.cost.k5 * (self.n[c:] + 1.0) * self._fill
+            growth = self.cost.k5 * (self._n[c:] + 1.0) * self._fill
             np.add(out, FILL_BONUS, out=out, where=headroom >= need + growth)
         np.copyto(out, -np.inf, where=headroom < need)
-        self._ahead = rows
-        self._rows = [0] * len(lengths)
-        self._log = []
-        self._dirty = {}
-        return rows
+        rows = np.arange(len(lengths))
+        tops, vals, tops2, vals2 = [], [], [], []
+        for b in range(self._first, len(self.starts)):
+            bucket = out[:, self.starts[b] - c : self.ends[b] - c]
+            best = bucket.argmax(axis=1)
+            gain = bucket[rows, best]
+            # the runner-up: the argmax with the best out; none (-1) where it is -inf, as
+            # the argmax of an all -inf rest may be the best itself
+            bucket[rows, best] = -np.inf
+            second = bucket.argmax(axis=1)
+            gain2 = bucket[rows, second]
+            bucket[rows, best] = gain
+            at = self.starts[b]
+            tops.append((best + at).tolist())
+            vals.append(gain.tolist())
+            tops2.append(np.where(gain2 == -np.inf, -1, second + at).tolist())
+            vals2.append(gain2.tolist())
+        self._ahead, self._col0 = out, c
+        self._top, self._val, self._top2, self._val2 = tops, vals, tops2, vals2
+        self._rows_at, self._nrows = p, len(lengths)
+        self._dirty_in = set()
+        self._dirty = [[] for _ in self.starts]
 
     def _gain1(self, j: int, length: float) -> float:
-        """:meth:`best`'s gain for ``length`` of instance ``j``, routed to since the rows
-        were computed, in Python floats (the same IEEE operations in the same order as
-        the vector expression)."""
-        n1, num1, a1, t0, w, headroom = self._dirty[j]
+        """:meth:`best`'s gain for ``length`` of instance ``j`` in Python floats (the same
+        IEEE operations in the same order as the vector expression)."""
         k5 = self.cost.k5
         need = k5 * length
+        headroom = self._hrl[j]
         if headroom < need:
             return -np.inf
-        gain = (num1 / (a1 + self._k1k5 * length) - t0) * w
-        if self._fill_on and headroom >= need + k5 * n1 * (self._fill or 0):
+        gain = (self._numl[j] / (self._a1l[j] + self._k1k5 * length) - self._t0l[j]) * self._wl[j]
+        if self._fill_on and headroom >= need + k5 * (self._nl[j] + 1.0) * (self._fill or 0):
             gain += FILL_BONUS
         return gain
 
     def gain_at(self, j: int, length: float) -> float:
         """The gain of instance ``j`` for a trajectory of ``length`` without the fill rule
         (Eq. 3 over its speed; ``-inf`` where it would queue)."""
-        if self._headroom[j] < self.cost.k5 * length:
+        if self._hrl[j] < self.cost.k5 * length:
             return -np.inf
-        num1 = float(self._num[j])
-        return (num1 / (float(self._a1[j]) + self._k1k5 * length) - float(self._t0[j])) * float(
-            self._w[j]
-        )
+        return (self._numl[j] / (self._a1l[j] + self._k1k5 * length) - self._t0l[j]) * self._wl[j]
 
     def latency_with(self, j: int, length: float) -> float:
         """Instance ``j``'s seconds per token of each running trajectory (its step
         latency, over the tokens a step keeps with speculation), its speed included, with
         one more trajectory of ``length`` tokens."""
-        step = float(self._a1[j]) + self._k1k5 * length
-        kept = float(self._num[j]) / (float(self.n[j]) + 1.0)  # 1.0 without speculation
-        return step / kept / float(self._w[j])
+        step = self._a1l[j] + self._k1k5 * length
+        kept = self._numl[j] / (self._nl[j] + 1.0)  # 1.0 without speculation
+        return step / kept / self._wl[j]
 
     def load(self, dn: FloatArray, dkv: FloatArray) -> None:
         """Add ``dn`` trajectories and ``dkv`` KV tokens to every instance (negative to
         take them off again): load the decisions that follow must leave room for."""
-        budget = self._coeffs[5]
-        self.n += dn
-        self.kv += dkv
-        n, kv = self.n, self.kv
-        self._nl, self._kvl = n.tolist(), kv.tolist()
-        self._loads()
+        self._sync()
+        self._n += dn
+        self._kv += dkv
         queued = self._headroom == -np.inf
-        self._headroom = budget - kv
+        self._loads()
         self._headroom[queued] = -np.inf
+        self._hrl = self._headroom.tolist()
         self._length = -1.0  # cached gains were for the old loads
         self._ahead = None
 
@@ -326,8 +442,6 @@ class GainTable:
         k1, k2, k3, k4, k5, budget, term = self._coeffs
         n = self._nl[j] + 1.0
         kv = self._kvl[j] + k5 * length
-        self._nl[j], self._kvl[j] = n, kv
-        self.n[j], self.kv[j] = n, kv
         # CostModel.step and .throughput, inlined: this runs once per route, and without
         # speculation decode_term is max(k2, k3 * n) and 1.0, written out (two calls
         # doubled the time of a route; test_gains holds the two to the same floats)
@@ -336,14 +450,18 @@ class GainTable:
             top1, top0 = (k2 if k2 > top1 else top1), (k2 if k2 > top0 else top0)
         else:
             (top1, kept1), (top0, kept0) = term(n + 1.0), term(n)
-        self._a1[j] = a1 = k1 * kv + top1 + k4
-        self._num[j] = num1 = (n + 1.0) * kept1
-        self._t0[j] = t0 = n * kept0 / (k1 * kv + top0 + k4)
-        self._headroom[j] = headroom = budget - kv
-        if self._ahead is not None:
-            self._log.append(j)
-            self._dirty[j] = (n + 1.0, num1, a1, t0, self._wl[j], headroom)
-        if length == self._length:
+        self._nl[j], self._kvl[j] = n, kv
+        self._a1l[j] = a1 = k1 * kv + top1 + k4
+        self._numl[j] = num1 = (n + 1.0) * kept1
+        self._t0l[j] = t0 = n * kept0 / (k1 * kv + top0 + k4)
+        self._hrl[j] = headroom = budget - kv
+        self._stale = True
+        if self._ahead is not None and j not in self._dirty_in:
+            self._dirty_in.add(j)
+            self._dirty[self._bucket[j]].append(j)
+        if length != self._length:
+            self._length = -1.0  # the gains kept were for another length
+        elif self._row < 0:
             fits = headroom >= k5 * length
             gain = (num1 / (a1 + self._k1k5 * length) - t0) * self._wl[j]
             if self._fill_on and headroom >= k5 * length + k5 * (n + 1.0) * (self._fill or 0):

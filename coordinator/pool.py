@@ -23,7 +23,7 @@ class TrajectoryPool:
     TS would hand the trajectory out once and the executor report the other Route short.
     """
 
-    __slots__ = ("_base", "_excluded_groups", "_excluded_trajs", "_extra", "_ts")
+    __slots__ = ("_base", "_excluded_groups", "_excluded_trajs", "_extra", "_levels", "_ts")
 
     def __init__(
         self,
@@ -35,12 +35,14 @@ class TrajectoryPool:
         self._ts = ts_trajs
         self._extra: list[TrajectoryView] = []
         self._base: dict[int | None, list[TrajectoryView]] | None = None
+        self._levels: list[Level] | None = None  # levels(), until the next add()
         self._excluded_trajs = excluded_trajs
         self._excluded_groups = excluded_groups
 
     def add(self, trajs: Sequence[TrajectoryView]) -> None:
         """``ts_trajs <- ts_trajs + trajs`` (trajectories just interrupted)."""
         self._extra.extend(trajs)
+        self._levels = None
 
     def __len__(self) -> int:
         return len(self._ts) + len(self._extra)
@@ -69,7 +71,16 @@ class TrajectoryPool:
         return self._base
 
     def levels(self) -> list[Level]:
-        """The MLQ: levels by ascending ``V_traj``, initial trajectories (None) last."""
+        """The MLQ: levels by ascending ``V_traj``, initial trajectories (None) last.
+
+        Kept until the next :meth:`add` (a cycle asks it several times, with hundreds of
+        trajectories interrupted by its Pulls to merge in), so the lists are shared:
+        read them, never change them."""
+        if self._levels is None:
+            self._levels = self._merged()
+        return self._levels
+
+    def _merged(self) -> list[Level]:
         levels = self._index()
         if self._extra:
             levels = dict(levels)

@@ -32,6 +32,10 @@ from coordinator.types import TrajectoryView
 from staleness.interface import AdmissionSketch
 from staleness.types import GroupId
 
+# Placement((pos, ...)) without NamedTuple's Python-level __new__: what its _make does,
+# at a fifth of the cost, for the hundreds of routes of a cycle
+_placement = tuple.__new__
+
 
 class Placement(NamedTuple):
     """Route ``traj`` to the instance at position ``pos`` with ``V_traj = v_traj``.
@@ -222,11 +226,18 @@ class ThroughputRouting:
                         continue
                     first = bisect_left(bver, v_level)
                     left = []
-                    table.plan(home_of.lengths(trajs), first)
-                    for t in trajs:
+                    holders = home_of.holders(trajs)
+                    lengths = [
+                        t.length for t, h in zip(trajs, holders, strict=True) if h is not None
+                    ]
+                    table.plan(lengths, first)
+                    for t, held in zip(trajs, holders, strict=True):
+                        if held is None:
+                            left.append(t)
+                            continue
                         length = t.length
                         thr = mu * ideal_gain(length)
-                        home = home_of.choose(t, length, table, thr, first, self)
+                        home = home_of.choose(held, length, table, thr, first, self)
                         if home is None:
                             left.append(t)
                             continue
@@ -235,7 +246,7 @@ class ThroughputRouting:
                             t, length, thr, bver[b_home], g_home, order[j]
                         ):
                             return out
-                        out.append(Placement(order[j], t, v_level, False))
+                        out.append(_placement(Placement, (order[j], t, v_level, False)))
                         place(j, length)
                     if left:
                         rest.append((v_level, left))
@@ -256,6 +267,11 @@ class ThroughputRouting:
                 # New trajectories come in groups of one length, a group's routes between
                 # two lengths: they would dirty every row computed ahead (GainTable.plan)
                 table.plan([] if initial else _runs(trajs), first)
+                if not initial:
+                    assert v_level is not None
+                    if self._partials(table, trajs, v_level, first, bver, order, probe, out):
+                        return out
+                    continue
                 for batch in batches(trajs, initial):
                     length = batch[0].length
                     thr = mu * ideal_gain(length)
@@ -302,6 +318,41 @@ class ThroughputRouting:
             fleet.n_run[order] = table.n
             fleet.kv[order] = table.kv
 
+    def _partials(
+        self,
+        table: GainTable,
+        trajs: list[TrajectoryView],
+        v_level: int,
+        first: int,
+        bver: list[int],
+        order: list[int],
+        probe: Probe | None,
+        out: list[Placement],
+    ) -> bool:
+        """The waterfall of :meth:`run` for a level of partial trajectories (no Reserve,
+        so none of what admission asks of initial ones); True if it stopped the pass."""
+        best, place = table.best, table.place
+        mu, ideal_gain = self.mu, _ideal_gain(self.cost)
+        buckets = range(first, len(bver))
+        last, thr = -1, 0.0
+        for t in trajs:
+            length = t.length
+            if length != last:  # a run of equal lengths shares its threshold
+                last, thr = length, mu * ideal_gain(length)
+            for b in buckets:  # waterfall: oldest version group first
+                j, gain = best(b, length)
+                if gain >= thr:
+                    break
+            else:  # withheld: stop, lower priorities wait (Alg. 3 l. 41)
+                if probe is not None:
+                    probe(t, length, thr, None, 0.0, None)
+                return True
+            if probe is not None and probe(t, length, thr, bver[b], gain, order[j]):
+                return True
+            out.append(_placement(Placement, (order[j], t, v_level, False)))
+            place(j, length)
+        return False
+
 
 class _Homes:
     """KV locality for one routing pass: where each cached prefix is, in the pass's
@@ -317,26 +368,24 @@ class _Homes:
         for b, (s, e) in enumerate(zip(bk.starts, bk.ends, strict=True)):
             self.bucket[s:e] = b
 
-    def lengths(self, trajs: list[TrajectoryView]) -> list[float]:
-        """The lengths of those of ``trajs`` whose prefix an instance caches (those that
-        :meth:`choose` asks the gain table about), in order."""
+    def holders(self, trajs: list[TrajectoryView]) -> list[tuple[int, int] | None]:
+        """Per trajectory of ``trajs``, (position, KV tokens) of the instance caching its
+        prefix, None if none does."""
         held_by = self.fleet.held_by
-        return [t.length for t in trajs if held_by(t.traj_id) is not None]
+        return [held_by(t.traj_id) for t in trajs]
 
     def choose(
         self,
-        t: TrajectoryView,
+        held: tuple[int, int],
         length: int,
         table: GainTable,
         thr: float,
         first: int,
         routing: ThroughputRouting,
     ) -> tuple[int, int, float] | None:
-        """(index, bucket, gain) of the instance caching ``t``'s prefix when ``t`` stays
-        there (coordinator.agentic.stays_home), None to route it as any other."""
-        held = self.fleet.held_by(t.traj_id)
-        if held is None:
-            return None
+        """(index, bucket, gain) of the instance caching a trajectory's prefix (``held``,
+        from :meth:`holders`) when it stays there (coordinator.agentic.stays_home), None
+        to route it as any other."""
         j = int(self.index[held[0]])
         b_home = int(self.bucket[j])
         if b_home < first:
@@ -359,7 +408,7 @@ class _Homes:
             gain_best=g_best,
             length=length,
             cached=held[1],
-            n_best=float(table.n[sel]),
+            n_best=table.n_at(sel),
             latency_best=table.latency_with(sel, length),
             turn_tokens=routing.waits.turn_tokens(),
         ):

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coordinator import Snapshot, TrajectoryView
-from coordinator.cost_model import SpeculationProfile
+from coordinator.cost_model import CostModel, SpeculationProfile
 from coordinator.fleet import Fleet
 from coordinator.gains import FILL_BONUS, GainTable, routing_gains, spare
 from coordinator.pool import TrajectoryPool
@@ -194,6 +194,64 @@ def test_a_planned_table_answers_as_an_unplanned_one(
         if np.isfinite(g):
             for t in tables:
                 t.place(j, length)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    fill=st.sampled_from([None, 400]),
+    cost=st.sampled_from([COST, SPEC]),
+    first=st.integers(0, 2),
+    ties=st.booleans(),
+)
+def test_a_long_plan_answers_as_an_unplanned_table(
+    seed: int, fill: int | None, cost: CostModel, first: int, ties: bool
+) -> None:
+    """A plan longer than the rows computed at once (gains.AHEAD), more routes than a row
+    is answered past (gains.MAX_DIRTY), three buckets and a length per trajectory, as a
+    level of partial trajectories asks: the planned rows' best, runner-up and re-taken
+    argmax must each give the unplanned table's answer. ``ties``: loads and lengths on a
+    coarse grid, so that an instance routed to often takes the load, and the gains, of
+    another (which of two equal gains wins is argmax's: the lower position)."""
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(40, 90))
+    nn = rng.integers(0, 10 if ties else 60, k).astype(np.float64)
+    kv = rng.integers(0, 10 if ties else 40, k) * 1_000.0
+    queued = rng.random(k) < 0.1
+    weight = np.ones(k) if ties else 1 / rng.choice([1.0, 1.5], k)
+    a, b = sorted(rng.choice(np.arange(1, k), 2, replace=False).tolist())
+    starts, ends = [0, a, b], [a, b, k]
+    lengths = (rng.integers(1, 3, 150) * 1_000 if ties else rng.integers(50, 3_000, 150)).tolist()
+    plain = GainTable(cost, nn.copy(), kv.copy(), queued, starts, ends, weight, fill)
+    planned = GainTable(cost, nn.copy(), kv.copy(), queued, starts, ends, weight, fill)
+    for t in (plain, planned):
+        t.fill_for(fill is not None)
+    planned.plan([float(x) for x in lengths], first)
+    for length in lengths:
+        answers = [[t.best(b, length) for b in range(first, 3)] for t in (plain, planned)]
+        assert answers[0] == answers[1]
+        fits = [j for j, g in answers[0] if np.isfinite(g)]
+        if fits:  # route as the waterfall would, to one of the answers
+            j = fits[int(rng.integers(len(fits)))]
+            for t in (plain, planned):
+                t.place(j, length)
+    assert planned.n.tolist() == plain.n.tolist() and planned.kv.tolist() == plain.kv.tolist()
+
+
+def test_a_planned_row_breaks_a_tie_with_an_instance_routed_to_as_argmax() -> None:
+    """Instance 0, idle, is every row's best until a route gives it the load of 1 and 2:
+    for the next planned length its gain then equals theirs, and the lowest position
+    wins, as the unplanned table's argmax has it (the runner-up and routed-to path)."""
+    nn = np.array([0.0, 1.0, 1.0])
+    kv = np.array([0.0, COST.k5 * 1_000, COST.k5 * 1_000])
+    tables = [GainTable(COST, nn.copy(), kv.copy(), np.zeros(3, bool), [0], [3]) for _ in "ab"]
+    tables[1].plan([1_000.0, 1_500.0])
+    assert [t.best(0, 1_000.0)[0] for t in tables] == [0, 0]
+    for t in tables:
+        t.place(0, 1_000.0)
+    plain, planned = (t.best(0, 1_500.0) for t in tables)
+    assert planned == plain and plain[0] == 0
+    assert tables[0].gain_at(1, 1_500.0) == plain[1]  # a tie indeed
 
 
 def test_the_bonus_only_applies_where_the_trajectory_fits() -> None:
