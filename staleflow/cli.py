@@ -45,6 +45,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulated cluster and workload (default: tiny)",
     )
     sim.add_argument(
+        "--workload",
+        help="one of the experiment matrix's workloads instead of --preset, e.g. preset-20k, "
+        "heavy-tail or the agentic search-agent and swe-agent (docs/simulator.md, "
+        "docs/simulator_agentic.md; a wrong name lists them all)",
+    )
+    sim.add_argument(
+        "--rollout-gpus",
+        type=int,
+        help="with --workload: the GPUs that roll out (default half)",
+    )
+    sim.add_argument(
+        "--small",
+        action="store_true",
+        help="with --workload: the same shape at the tiny preset's scale (seconds to run)",
+    )
+    sim.add_argument(
         "--system",
         default="staleflow",
         help="staleflow, vanilla, sync, or an ablation such as R1S0M1",

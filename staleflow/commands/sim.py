@@ -10,17 +10,35 @@ from rich.console import Console
 from rich.table import Table
 
 from staleflow.sim import PRESETS, simulate, system
+from staleflow.sim.presets import WORKLOADS
 
 
 def run(args: argparse.Namespace) -> int:
-    preset = PRESETS[args.preset]
+    name = args.workload or args.preset
     try:
-        config = system(args.system, preset(eta=args.eta, steps=args.steps, seed=args.seed))
+        if args.workload:  # a matrix workload (agentic ones included) on its own cluster
+            if args.workload not in WORKLOADS:
+                raise ValueError(
+                    f"--workload {args.workload!r} is not one of the matrix's workloads: "
+                    f"use one of {', '.join(sorted(WORKLOADS))}"
+                )
+            cluster = WORKLOADS[args.workload].config(
+                args.eta,
+                steps=args.steps,
+                seed=args.seed,
+                rollout_gpus=args.rollout_gpus,
+                small=args.small,
+            )
+        elif args.rollout_gpus is not None or args.small:
+            raise ValueError("--rollout-gpus and --small go with --workload, not --preset")
+        else:
+            cluster = PRESETS[args.preset](eta=args.eta, steps=args.steps, seed=args.seed)
+        config = system(args.system, cluster)
     except ValueError as exc:
         print(f"staleflow sim: {exc}", file=sys.stderr)
         return 2
     summary = simulate(config)
-    table = Table(title=f"simulated {args.system} on {args.preset}, eta={args.eta}")
+    table = Table(title=f"simulated {args.system} on {name}, eta={args.eta}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     rows = [

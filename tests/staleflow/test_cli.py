@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -46,10 +47,30 @@ def test_cli_sim_prints_a_summary_and_writes_json(capsys, tmp_path):
     out = tmp_path / "sim.json"
     assert main(["sim", "--preset", "tiny", "--eta", "1", "--steps", "3", "--json", str(out)]) == 0
     assert "throughput" in capsys.readouterr().out
-    import json
-
     summary = json.loads(out.read_text())
     assert summary["steps"] == 3 and max(int(k) for k in summary["staleness"]) <= 1
+
+
+def test_cli_sim_runs_an_agentic_workload_of_the_matrix(capsys, tmp_path):
+    out = tmp_path / "agentic.json"
+    argv = ["sim", "--workload", "search-agent", "--small", "--steps", "2", "--json", str(out)]
+    assert main(argv) == 0
+    assert "simulated staleflow on search-agent" in capsys.readouterr().out
+    summary = json.loads(out.read_text())
+    assert summary["steps"] == 2 and max(map(int, summary["staleness"])) <= 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--workload", "nonsense"], "use one of"),
+        (["--small"], "go with --workload"),
+        (["--workload", "swe-agent", "--small", "--rollout-gpus", "99"], "rollout_gpus=99"),
+    ],
+)
+def test_cli_sim_bad_workload_arguments_are_clear_errors(capsys, argv, says):
+    assert main(["sim", "--steps", "1", *argv]) == 2
+    assert says in capsys.readouterr().err
 
 
 def test_cli_sim_unknown_system_is_a_clear_error(capsys):
