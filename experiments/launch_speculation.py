@@ -36,11 +36,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=200, help="training steps per run")
     p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1, each with every method")
     p.add_argument(
-        "--methods", nargs="+", default=["group"], help="speculation methods run against off"
+        "--methods",
+        nargs="+",
+        default=["group"],
+        help="speculation arms run against off: a method, or METHOD@key=value,... with "
+        "rollout.speculation settings, e.g. group@max_draft=4,batch_draft_tokens=1024",
+    )
+    p.add_argument(
+        "--baseline",
+        help="take the off runs from this earlier JSON of the script (same steps, seeds and "
+        "config) instead of running them again",
     )
     p.add_argument("--out", default="results/launch_speculation", help="run folders go here")
     p.add_argument("--json", help="write the figures to this JSON file")
     return p.parse_args(argv)
+
+
+def arm_overrides(arm: str) -> list[str]:
+    """``group`` or ``group@max_draft=4,batch_draft_tokens=1024`` as config overrides."""
+    method, _, settings = arm.partition("@")
+    extra = [f"rollout.speculation.{kv}" for kv in settings.split(",") if kv]
+    return [f"rollout.speculation.method={method}", *extra]
 
 
 def run_one(args: argparse.Namespace, method: str, seed: int) -> dict[str, Any]:
@@ -56,7 +72,7 @@ def run_one(args: argparse.Namespace, method: str, seed: int) -> dict[str, Any]:
         f"steps={args.steps}",
         f"run_dir={args.out}",
         f"seed={seed}",
-        f"rollout.speculation.method={method}",
+        *arm_overrides(method),
     ]
     cfg = load_config(args.config, overrides)
     print(f"-- speculation={method} seed={seed}: {args.steps} steps", file=sys.stderr, flush=True)
@@ -116,12 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.seeds < 1 or args.steps < 1:
         print("--seeds and --steps must be >= 1", file=sys.stderr)
         return 2
-    if "off" in args.methods:
+    if any(m.partition("@")[0] == "off" for m in args.methods):
         print("--methods lists the methods run against off; off runs anyway", file=sys.stderr)
         return 2
     runs: list[dict[str, Any]] = []
+    baseline = []
+    if args.baseline:
+        earlier = json.loads(Path(args.baseline).read_text())["runs"]
+        baseline = [r for r in earlier if r["method"] == "off" and r["seed"] < args.seeds]
+        if {r["seed"] for r in baseline} != set(range(args.seeds)):
+            print(f"--baseline {args.baseline} lacks an off run of some seed", file=sys.stderr)
+            return 2
     for seed in range(args.seeds):
-        for method in ("off", *args.methods):
+        runs += [r for r in baseline if r["seed"] == seed]
+        for method in ("off", *args.methods) if not baseline else args.methods:
             runs.append(run_one(args, method, seed))
             r = runs[-1]
             print(
