@@ -36,6 +36,7 @@ from staleflow.config.sections import (
 )
 from staleflow.config.walk import check_tree_bounds, check_types
 from staleflow.control.dynamic_sampling import SamplingConfig
+from staleflow.data.synthetic import ArithmeticConfig
 from staleflow.models.presets import PRESETS
 from staleflow.rewards.registry import resolve_reward_kind
 from staleflow.tracking import TrackerError, parse_trackers
@@ -407,7 +408,11 @@ class RunConfig:
         if self.data.task in ENV_TASKS and self.rollout.max_response_tokens == default:
             tokens = ENV_RESPONSE_TOKENS
             if builtin and out.model.preset == CALCULATOR_PRESET:
-                tokens = CALCULATOR_RESPONSE_TOKENS
+                # what micro's positions leave after the level's longest prompt
+                room = PRESETS[CALCULATOR_PRESET].max_position_embeddings - _longest_prompt(
+                    ArithmeticConfig.level(self.data.difficulty)
+                )
+                tokens = min(CALCULATOR_RESPONSE_TOKENS, room)
             out = replace(out, rollout=replace(self.rollout, max_response_tokens=tokens))
         t = out.trainer
         if t.aggregation(t.advantage) == "seq_mean_token_sum_norm" and not t.loss_norm_len:
@@ -487,3 +492,10 @@ def config_warnings(config: RunConfig) -> list[str]:
             "after the last '=' exactly; math_verify (reward.kind=auto) suits math datasets"
         )
     return out
+
+
+def _longest_prompt(problems: ArithmeticConfig) -> int:
+    """Tokens of the longest prompt of the built-in task: bos, the operands at their
+    most digits, the operators between them, and ``=``."""
+    n = problems.num_operands
+    return 1 + n * problems.max_digits + (n - 1) + 1

@@ -153,6 +153,25 @@ def play_episodes(
     return rewards
 
 
+def success_rate(
+    model: PreTrainedModel,
+    env: Environment,
+    fmt: TurnFormat,
+    samples: Sequence[EnvSample],
+    limits: EpisodeLimits = VALIDATION_LIMITS,
+    *,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> float:
+    """The mean reward of :func:`play_episodes` (for a task scoring 0 or 1, the share of
+    episodes solved), on the cores other jobs leave free."""
+    with torch_threads(idle_cores()):
+        rewards = play_episodes(
+            model, env, fmt, samples, limits, temperature=temperature, seed=seed
+        )
+    return float(np.mean(rewards)) if rewards else 0.0
+
+
 def build_calculator_model(
     preset: str | ModelPreset, *, seed: int = 0
 ) -> tuple[PreTrainedModel, Tokenizer]:

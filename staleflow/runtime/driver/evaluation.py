@@ -26,7 +26,10 @@ from staleflow.data.heldout import (
     load_heldout,
 )
 from staleflow.data.synthetic import ArithmeticConfig, ArithmeticTask
+from staleflow.envs.base import EpisodeLimits
+from staleflow.envs.formats import turn_format
 from staleflow.progress import SILENT, Progress
+from staleflow.runtime.driver.env_task import calculator_heldout, task_environment
 
 if TYPE_CHECKING:
     from torch import nn
@@ -130,25 +133,18 @@ def held_out_success(
     and ``rollout.max_response_tokens``, at ``rollout.temperature``; the tool answers
     at once: its latency is no part of the score), seeded by the run's seed."""
     # torch: as above
-    from staleflow.envs.base import EpisodeLimits
-    from staleflow.envs.formats import turn_format
-    from staleflow.models.threads import idle_cores, torch_threads
-    from staleflow.models.tool_warmup import play_episodes
-    from staleflow.runtime.driver.env_task import calculator_heldout, task_environment
+    from staleflow.models.tool_warmup import success_rate
 
     samples = calculator_heldout(task, task.eval.problems)
     env = task_environment(task)  # play_episodes never waits a tool's latency
     limits = EpisodeLimits(task.env.max_turns, rollout.max_response_tokens)
-    with (
-        progress.phase(
-            "scoring",
-            f"playing the {which} policy's held-out calculator episodes",
-            total=len(samples),
-            unit="episodes",
-        ) as phase,
-        torch_threads(idle_cores()),
-    ):
-        rewards = play_episodes(
+    with progress.phase(
+        "scoring",
+        f"playing the {which} policy's held-out calculator episodes",
+        total=len(samples),
+        unit="episodes",
+    ) as phase:
+        success = success_rate(
             model,
             env,
             turn_format(tokenizer),
@@ -157,6 +153,5 @@ def held_out_success(
             temperature=rollout.temperature,
             seed=task.seed,
         )
-        success = sum(rewards) / len(rewards)
         phase.update(done=len(samples), reward=success)
     return success

@@ -12,6 +12,7 @@ from staleflow.config.env import (
     CALCULATOR_TRAINER_LR,
     ENV_RESPONSE_TOKENS,
 )
+from staleflow.models.presets import PRESETS
 
 
 def test_an_environment_task_left_at_the_default_budget_gets_an_episodes_budget():
@@ -84,6 +85,12 @@ def test_the_calculator_task_left_at_the_default_model_gets_the_model_that_learn
     assert mine.model.preset == CALCULATOR_PRESET and mine.trainer.lr == 2e-4
     arithmetic = load_config(None, []).resolved()
     assert arithmetic.model.preset == "tiny" and arithmetic.trainer.lr == cfg.trainer.lr
+    # bos, "99*99+99=" and bos, "999*999-999*999=" (the levels' longest prompts)
+    for level, longest_prompt in ((3, 10), (5, 17)):
+        harder = load_config(None, ["data.task=calculator", f"data.difficulty={level}"])
+        budget = harder.resolved().rollout.max_response_tokens
+        assert budget < CALCULATOR_RESPONSE_TOKENS  # a longer prompt leaves less room
+        assert budget + longest_prompt == PRESETS[CALCULATOR_PRESET].max_position_embeddings
     with_ckpt = load_config(None, ["data.task=calculator", "model.checkpoint=/m"]).resolved()
     assert with_ckpt.model.preset == "tiny"  # unused with a checkpoint: left alone
 
