@@ -46,9 +46,14 @@ logger = logging.getLogger(__name__)
 
 def check_heldout(task: TaskPlan) -> None:
     """``eval.path`` is there and has the prompt and answer columns (``DatasetError``
-    otherwise); nothing to check without it."""
-    if task.eval.path and task.eval.problems > 0:
+    otherwise); the calculator task's level holds a problem outside the run's own
+    (``LaunchError`` otherwise, before the warm-up and Ray); nothing else to check."""
+    if task.eval.problems <= 0:
+        return
+    if task.eval.path:
         check_heldout_source(task.eval.path, task.data.record_layout(), task.eval.split)
+    elif task.data.task == "calculator":
+        calculator_heldout(task, 1)
 
 
 def heldout_set(task: TaskPlan, tokenizer: Tokenizer) -> PromptDataset | None:

@@ -9,7 +9,7 @@ import pytest
 from staleflow.config import load_config
 from staleflow.envs.calculator import calculator_tokenizer
 from staleflow.runtime.driver.env_task import calculator_heldout, task_environment, task_samples
-from staleflow.runtime.driver.evaluation import held_out_reward, held_out_success
+from staleflow.runtime.driver.evaluation import check_heldout, held_out_reward, held_out_success
 from staleflow.runtime.driver.run_plan import plan_run
 from tests.support.scripted_policy import ScriptedPolicy, never_calls, solves
 
@@ -34,8 +34,13 @@ def test_a_level_without_a_held_out_problem_is_refused_with_the_fix() -> None:
     from staleflow.runtime.errors import LaunchError
 
     # level 1: two one-digit operands, 200 problems, all among the run's 20,000 samples
+    plan = _plan("data.difficulty=1")
     with pytest.raises(LaunchError, match=r"eval.problems=0 or a higher data.difficulty"):
-        calculator_heldout(_plan("data.difficulty=1").task, 8)
+        calculator_heldout(plan.task, 8)
+    with pytest.raises(LaunchError, match=r"eval.problems=0 or a higher data.difficulty"):
+        check_heldout(plan.task)  # in the launcher's preflight, before the warm-up
+    check_heldout(_plan("data.difficulty=1", "eval.problems=0").task)  # nothing held out
+    check_heldout(_plan().task)
 
 
 @pytest.mark.parametrize(("rule", "expected"), [(solves, 1.0), (never_calls, 0.0)])
