@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING, ClassVar
 
 from coordinator.config import ConfigError, CoordinatorConfig, CostModelConfig
 from staleflow.config.checks import INT32_MAX, STEPS_WHY
-from staleflow.config.env import ENV_RESPONSE_TOKENS, ENV_TASKS, EnvConfig
+from staleflow.config.env import (
+    CALCULATOR_PRESET,
+    CALCULATOR_RESPONSE_TOKENS,
+    CALCULATOR_TRAINER_LR,
+    ENV_RESPONSE_TOKENS,
+    ENV_TASKS,
+    EnvConfig,
+)
 from staleflow.config.evaluation import EvalConfig
 from staleflow.config.loss import architecture_mismatch
 from staleflow.config.recovery import RecoveryConfig
@@ -29,6 +36,7 @@ from staleflow.config.sections import (
 )
 from staleflow.config.walk import check_tree_bounds, check_types
 from staleflow.control.dynamic_sampling import SamplingConfig
+from staleflow.data.synthetic import ArithmeticConfig
 from staleflow.models.presets import PRESETS
 from staleflow.rewards.registry import resolve_reward_kind
 from staleflow.tracking import TrackerError, parse_trackers
@@ -382,15 +390,30 @@ class RunConfig:
         (``reward.kind``, ``trainer.loss_norm_len``), so each component can be handed its
         own section alone. An environment task's response budget left at the default (sized
         for one arithmetic answer) becomes the budget of its multi-turn episodes
-        (``ENV_RESPONSE_TOKENS``)."""
+        (``ENV_RESPONSE_TOKENS``). The calculator task's built-in model left at the default
+        preset is ``CALCULATOR_PRESET``, with ``CALCULATOR_RESPONSE_TOKENS`` as that
+        budget (all its context holds) and, left at its default, the learning rate
+        ``CALCULATOR_TRAINER_LR``."""
         out = self
         kind = resolve_reward_kind(self.reward.kind, self.data.task)
         if kind != self.reward.kind:
             out = replace(out, reward=replace(out.reward, kind=kind))
+        preset = ModelConfig.__dataclass_fields__["preset"].default
+        builtin = self.data.task == "calculator" and not self.model.checkpoint
+        if builtin and self.model.preset == preset:
+            out = replace(out, model=replace(out.model, preset=CALCULATOR_PRESET))
+            if self.trainer.lr == TrainerConfig.__dataclass_fields__["lr"].default:
+                out = replace(out, trainer=replace(out.trainer, lr=CALCULATOR_TRAINER_LR))
         default = RolloutConfig.__dataclass_fields__["max_response_tokens"].default
         if self.data.task in ENV_TASKS and self.rollout.max_response_tokens == default:
-            budget = replace(self.rollout, max_response_tokens=ENV_RESPONSE_TOKENS)
-            out = replace(out, rollout=budget)
+            tokens = ENV_RESPONSE_TOKENS
+            if builtin and out.model.preset == CALCULATOR_PRESET:
+                # what micro's positions leave after the level's longest prompt
+                room = PRESETS[CALCULATOR_PRESET].max_position_embeddings - _longest_prompt(
+                    ArithmeticConfig.level(self.data.difficulty)
+                )
+                tokens = min(CALCULATOR_RESPONSE_TOKENS, room)
+            out = replace(out, rollout=replace(self.rollout, max_response_tokens=tokens))
         t = out.trainer
         if t.aggregation(t.advantage) == "seq_mean_token_sum_norm" and not t.loss_norm_len:
             # Dr. GRPO's constant: the longest response the rollout may sample
@@ -469,3 +492,10 @@ def config_warnings(config: RunConfig) -> list[str]:
             "after the last '=' exactly; math_verify (reward.kind=auto) suits math datasets"
         )
     return out
+
+
+def _longest_prompt(problems: ArithmeticConfig) -> int:
+    """Tokens of the longest prompt of the built-in task: bos, the operands at their
+    most digits, the operators between them, and ``=``."""
+    n = problems.num_operands
+    return 1 + n * problems.max_digits + (n - 1) + 1

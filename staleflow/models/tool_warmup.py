@@ -36,11 +36,8 @@ from staleflow.models.build import build_model
 from staleflow.models.presets import ModelPreset, get_preset
 from staleflow.models.threads import idle_cores, torch_threads
 from staleflow.models.warmup import (
-    CHECK_EVERY,
-    DEFAULT_BATCH_SIZE,
     DEFAULT_LR,
     META_FILE,
-    VALIDATION_PROBLEMS,
     cache_entry,
     cache_key,
     store_entry,
@@ -54,6 +51,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 VALIDATION_LIMITS = EpisodeLimits(max_turns=4, max_tokens=120)
+# The recipe (measured on 2 cores, docs/agentic.md "Learning"): a demonstration is about
+# 120 tokens, 8 times an arithmetic example, but all of it is fixed markup except the
+# expression and the answer the model copies, so batches of 32 suffice. The micro model
+# (the task's default, config.env.CALCULATOR_PRESET) learns to copy in a sudden jump,
+# after about 600 steps of 32 at lr 1e-2 (a few minutes), no success before it.
+CALCULATOR_BATCH_SIZE = 32
+CALCULATOR_LR = {"micro": 1e-2}  # by preset; any other: the arithmetic warm-up's
+CHECK_EVERY = 25  # steps between validation checks: the jump takes about 100 steps
+VALIDATION_EPISODES = 128
+RECIPE = 2  # bump when the procedure changes what it produces (the cache key holds it)
 
 
 def collate_demonstrations(
@@ -146,6 +153,25 @@ def play_episodes(
     return rewards
 
 
+def success_rate(
+    model: PreTrainedModel,
+    env: Environment,
+    fmt: TurnFormat,
+    samples: Sequence[EnvSample],
+    limits: EpisodeLimits = VALIDATION_LIMITS,
+    *,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> float:
+    """The mean reward of :func:`play_episodes` (for a task scoring 0 or 1, the share of
+    episodes solved), on the cores other jobs leave free."""
+    with torch_threads(idle_cores()):
+        rewards = play_episodes(
+            model, env, fmt, samples, limits, temperature=temperature, seed=seed
+        )
+    return float(np.mean(rewards)) if rewards else 0.0
+
+
 def build_calculator_model(
     preset: str | ModelPreset, *, seed: int = 0
 ) -> tuple[PreTrainedModel, Tokenizer]:
@@ -168,8 +194,8 @@ def ensure_warm_calculator_checkpoint(
     task_config: ArithmeticConfig,
     *,
     steps: int,
-    batch_size: int = DEFAULT_BATCH_SIZE,
-    lr: float = DEFAULT_LR,
+    batch_size: int = CALCULATOR_BATCH_SIZE,
+    lr: float | None = None,
     seed: int = 0,
     cache_dir: str | Path | None = None,
     target_accuracy: float | None = None,
@@ -177,20 +203,26 @@ def ensure_warm_calculator_checkpoint(
 ) -> Path:
     """The directory of the built-in model warmed up on calculator demonstrations (model,
     tokenizer, ``warmup.json``), built on the first call and reused after; with
-    ``target_accuracy``, it stops once that share of ``VALIDATION_PROBLEMS`` validation
-    episodes succeed at temperature 1 (checked every ``CHECK_EVERY`` steps)."""
+    ``target_accuracy``, it stops once that share of ``VALIDATION_EPISODES`` validation
+    episodes succeed at temperature 1 (checked every ``CHECK_EVERY`` steps). ``lr``
+    None: the preset's (``CALCULATOR_LR``)."""
     p = get_preset(preset) if isinstance(preset, str) else preset
     name = f"{preset if isinstance(preset, str) else 'custom'}-calculator"
+    if lr is None:
+        lr = CALCULATOR_LR.get(preset, DEFAULT_LR) if isinstance(preset, str) else DEFAULT_LR
     tokenizer = calculator_tokenizer()
     key = cache_key(p, task_config, steps=steps, batch_size=batch_size, lr=lr, seed=seed)
-    key.update(alphabet=tokenizer.alphabet, task="calculator", target_accuracy=target_accuracy)
+    key.update(
+        alphabet=tokenizer.alphabet, task="calculator", target_accuracy=target_accuracy,
+        recipe=RECIPE, check=[CHECK_EVERY, VALIDATION_EPISODES, asdict(VALIDATION_LIMITS)],
+    )  # fmt: skip
     root, final = cache_entry(cache_dir, name, key)
     if (final / META_FILE).is_file():
         return final
     fmt = PlainFormat(tokenizer)
     env = CalculatorEnvironment(latency_scale_s=0.0)
     train = _stream(task_config, "warmup", seed)
-    valid = calculator_samples(_stream(task_config, "validation", seed), VALIDATION_PROBLEMS)
+    valid = calculator_samples(_stream(task_config, "validation", seed), VALIDATION_EPISODES)
     model, _ = build_calculator_model(p, seed=seed)
     checks: list[tuple[int, float]] = []
 

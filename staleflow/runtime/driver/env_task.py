@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from staleflow.data import ArithmeticConfig, PromptDataset
 from staleflow.data.datasets import file_rows
+from staleflow.data.heldout import EVAL_SEED_OFFSET
 from staleflow.data.hf_datasets import open_hf_dataset
 from staleflow.data.layouts import DatasetError, RecordLayout
 from staleflow.envs import EnvContractError, Environment, EnvSample, make_environment
@@ -69,6 +70,29 @@ def task_samples(task: TaskPlan, env: Environment) -> list[EnvSample]:
         answer_field=layout.answer_field,
         columns=columns,
     )
+
+
+def calculator_heldout(task: TaskPlan, problems: int) -> list[EnvSample]:
+    """The first ``problems`` held-out problems of the built-in calculator task: the
+    stream seeded ``seed + EVAL_SEED_OFFSET`` (as the arithmetic task's) without every
+    problem the run's own samples hold (:func:`task_samples`). Disjoint by text, not only
+    by seed: at the default level (two two-digit operands) the two streams would share
+    most of their problems otherwise. Ids count from 0 in the held-out set."""
+    trained = {s.prompt for s in task_samples(task, task_environment(task))}
+    stream = ArithmeticConfig.level(task.data.difficulty, seed=task.seed + EVAL_SEED_OFFSET)
+    kept: list[EnvSample] = []
+    start, chunk = 0, max(4 * problems, 256)
+    while len(kept) < problems and start < 64 * chunk:
+        fresh = [s for s in calculator_samples(stream, chunk, start) if s.prompt not in trained]
+        kept.extend(fresh[: problems - len(kept)])
+        start += chunk
+    if not kept:  # a level so small that the run's samples hold every problem
+        raise LaunchError(
+            f"no calculator problem of data.difficulty={task.data.difficulty} is outside "
+            f"the run's {len(trained)} training problems, so none is held out; set "
+            "eval.problems=0 or a higher data.difficulty"
+        )
+    return [EnvSample(i, s.prompt, s.answer, s.extra) for i, s in enumerate(kept)]
 
 
 def _rows(path: str, split: str) -> Any:

@@ -1,5 +1,5 @@
 """The run's held-out set (the ``eval`` section), and the score of the policy on it before
-and after the run (built-in task only).
+and after the run (built-in tasks only: arithmetic, and the calculator's episodes).
 
 The per-step ``rollout/reward_mean`` mixes problems of different difficulty, 8 prompts at a
 time, and arrives in bursts; whether the policy improved is better answered on a fixed set
@@ -8,6 +8,9 @@ samples. The set is ``eval.path`` (read by the loaders and rules of ``data``), o
 built-in task's own held-out stream; the evaluation during training samples it on the
 rollout engines (``staleflow.runtime.driver.eval_rounds``), and for the built-in task
 the driver also scores the initial weights and the final checkpoint on it, on a CPU copy.
+For the calculator task that score is the share of held-out episodes solved, each played
+turn by turn against the environment (``staleflow.models.tool_warmup.play_episodes``,
+the player of the warm-up's validation) and scored by it.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from staleflow.data.heldout import (
     load_heldout,
 )
 from staleflow.data.synthetic import ArithmeticConfig, ArithmeticTask
+from staleflow.envs.base import EpisodeLimits
+from staleflow.envs.formats import turn_format
 from staleflow.progress import SILENT, Progress
+from staleflow.runtime.driver.env_task import calculator_heldout, task_environment
 
 if TYPE_CHECKING:
     from torch import nn
@@ -40,9 +46,14 @@ logger = logging.getLogger(__name__)
 
 def check_heldout(task: TaskPlan) -> None:
     """``eval.path`` is there and has the prompt and answer columns (``DatasetError``
-    otherwise); nothing to check without it."""
-    if task.eval.path and task.eval.problems > 0:
+    otherwise); the calculator task's level holds a problem outside the run's own
+    (``LaunchError`` otherwise, before the warm-up and Ray); nothing else to check."""
+    if task.eval.problems <= 0:
+        return
+    if task.eval.path:
         check_heldout_source(task.eval.path, task.data.record_layout(), task.eval.split)
+    elif task.data.task == "calculator":
+        calculator_heldout(task, 1)
 
 
 def heldout_set(task: TaskPlan, tokenizer: Tokenizer) -> PromptDataset | None:
@@ -70,13 +81,17 @@ def held_out_reward(
 ) -> float | None:
     """Mean reward of ``model`` on ``eval.problems`` held-out problems of the built-in
     task, one response each at ``rollout.temperature`` (of the resolved ``rollout``
-    section); None when there is nothing to
+    section), or its :func:`held_out_success` for the calculator task; None when there is nothing to
     evaluate (``eval.problems=0``, or a task other than the built-in one, whose policy
     would take too long on a CPU copy: evaluate it during training instead, ``eval.every``).
     ``progress`` gets a ``scoring`` phase counting problems; ``which`` names the policy
     in its label (initial, final)."""
     problems = task.eval.problems
-    if problems <= 0 or task.data.task != "arithmetic" or task.eval.path:
+    if problems <= 0 or task.eval.path:
+        return None
+    if task.data.task == "calculator":
+        return held_out_success(task, rollout, model, tokenizer, progress, which)
+    if task.data.task != "arithmetic":
         return None
     # torch: loaded only when the driver evaluates a model, not when launch imports this
     from staleflow.models.sampling import evaluate_accuracy
@@ -107,3 +122,41 @@ def held_out_reward(
         )
         phase.update(reward=reward)
     return reward
+
+
+def held_out_success(
+    task: TaskPlan,
+    rollout: RolloutConfig,
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    progress: Progress = SILENT,
+    which: str = "initial",
+) -> float:
+    """The share of ``eval.problems`` held-out calculator episodes (disjoint from the
+    run's samples: ``env_task.calculator_heldout``) that ``model`` solves, each played
+    against the environment as the run plays it (the run's turn format, ``env.max_turns``
+    and ``rollout.max_response_tokens``, at ``rollout.temperature``; the tool answers
+    at once: its latency is no part of the score), seeded by the run's seed."""
+    # torch: as above
+    from staleflow.models.tool_warmup import success_rate
+
+    samples = calculator_heldout(task, task.eval.problems)
+    env = task_environment(task)  # play_episodes never waits a tool's latency
+    limits = EpisodeLimits(task.env.max_turns, rollout.max_response_tokens)
+    with progress.phase(
+        "scoring",
+        f"playing the {which} policy's held-out calculator episodes",
+        total=len(samples),
+        unit="episodes",
+    ) as phase:
+        success = success_rate(
+            model,
+            env,
+            turn_format(tokenizer),
+            samples,
+            limits,
+            temperature=rollout.temperature,
+            seed=task.seed,
+        )
+        phase.update(done=len(samples), reward=success)
+    return success

@@ -174,9 +174,6 @@ def prepare_policy(
         cache_dir=m.cache_dir or None,
         progress=progress,
     )
-    if calculator:
-        model, tokenizer = load_pretrained(path)
-        return model, tokenizer, {"source": str(path)}
     model, tokenizer = load_pretrained(path)
     meta = read_warmup_meta(path)
     return (

@@ -6,15 +6,23 @@ from __future__ import annotations
 import pytest
 
 from staleflow.config import ConfigError, load_config
-from staleflow.config.env import ENV_RESPONSE_TOKENS
+from staleflow.config.env import (
+    CALCULATOR_PRESET,
+    CALCULATOR_RESPONSE_TOKENS,
+    CALCULATOR_TRAINER_LR,
+    ENV_RESPONSE_TOKENS,
+)
+from staleflow.models.presets import PRESETS
 
 
 def test_an_environment_task_left_at_the_default_budget_gets_an_episodes_budget():
-    cfg = load_config(None, ["data.task=calculator"]).resolved()
-    assert cfg.rollout.max_response_tokens == ENV_RESPONSE_TOKENS
+    cfg = load_config(None, ["data.task=calculator", "model.preset=micro"]).resolved()
+    assert cfg.rollout.max_response_tokens == CALCULATOR_RESPONSE_TOKENS  # micro's context
     assert cfg.reward.kind == "exact"  # scored by the environment, not this
     mine = load_config(None, ["data.task=calculator", "rollout.max_response_tokens=100"])
     assert mine.resolved().rollout.max_response_tokens == 100
+    ckpt = ["data.task=calculator", "model.checkpoint=/some/model"]
+    assert load_config(None, ckpt).resolved().rollout.max_response_tokens == ENV_RESPONSE_TOKENS
     assert load_config(None, []).resolved().rollout.max_response_tokens == 32  # arithmetic
     assert cfg.env.options("calculator")["latency_scale_s"] == 0.05
 
@@ -64,6 +72,27 @@ def test_data_task_env_takes_the_environment_from_env_name(tmp_path):
     assert cfg.env.environment("calculator") == "calculator"
     resolved = cfg.resolved()
     assert resolved.reward.kind == "exact" and resolved.rollout.max_response_tokens == 256
+
+
+def test_the_calculator_task_left_at_the_default_model_gets_the_model_that_learns_it():
+    cfg = load_config(None, ["data.task=calculator"])
+    assert cfg.model.preset == "tiny"  # the default, as written
+    resolved = cfg.resolved()
+    assert resolved.model.preset == CALCULATOR_PRESET
+    assert resolved.rollout.max_response_tokens == CALCULATOR_RESPONSE_TOKENS
+    assert resolved.trainer.lr == CALCULATOR_TRAINER_LR
+    mine = load_config(None, ["data.task=calculator", "trainer.lr=2e-4"]).resolved()
+    assert mine.model.preset == CALCULATOR_PRESET and mine.trainer.lr == 2e-4
+    arithmetic = load_config(None, []).resolved()
+    assert arithmetic.model.preset == "tiny" and arithmetic.trainer.lr == cfg.trainer.lr
+    # bos, "99*99+99=" and bos, "999*999-999*999=" (the levels' longest prompts)
+    for level, longest_prompt in ((3, 10), (5, 17)):
+        harder = load_config(None, ["data.task=calculator", f"data.difficulty={level}"])
+        budget = harder.resolved().rollout.max_response_tokens
+        assert budget < CALCULATOR_RESPONSE_TOKENS  # a longer prompt leaves less room
+        assert budget + longest_prompt == PRESETS[CALCULATOR_PRESET].max_position_embeddings
+    with_ckpt = load_config(None, ["data.task=calculator", "model.checkpoint=/m"]).resolved()
+    assert with_ckpt.model.preset == "tiny"  # unused with a checkpoint: left alone
 
 
 @pytest.mark.parametrize(

@@ -86,7 +86,7 @@ def test_launch_vllm_eta0_multi_turn_is_exactly_on_policy(tmp_path):
         "rollout.max_response_tokens=160",
         "env.latency_scale_s=0.01",
         "env.latency_cap_s=0.2",
-        "eval_problems=0",  # held-out evaluation covers the arithmetic task only
+        "eval_problems=0",  # no held-out episodes on a CPU copy: not what this checks
         "recovery.audit_log=true",
     )
     check_run(result, 0, STEPS, 2 * 4)  # the embedded engine's end-to-end checks

@@ -56,3 +56,19 @@ def test_warmup_needs_a_task_or_batches() -> None:
             ),
         ).first_loss
     )  # fmt: skip
+
+
+def test_a_changed_recipe_is_warmed_up_again_not_read_from_the_cache(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from staleflow.data.synthetic import ArithmeticConfig
+    from staleflow.models.tool_warmup import ensure_warm_calculator_checkpoint
+
+    def warm(**recipe: float) -> object:
+        return ensure_warm_calculator_checkpoint(
+            "micro", ArithmeticConfig.level(2), steps=1, batch_size=2, cache_dir=tmp_path,
+            **recipe,
+        )  # fmt: skip
+
+    first = warm()
+    assert warm() == first  # the same recipe: read back
+    assert warm(lr=1e-3) != first
+    assert warm(target_accuracy=0.5) != first
