@@ -38,6 +38,7 @@ ENV_RESPONSE_TOKENS = 256
 # about an hour (docs/agentic.md "Learning"). Its 128 positions hold the prompt and a
 # response of CALCULATOR_RESPONSE_TOKENS: one solved episode (about 118), no retry.
 CALCULATOR_PRESET = "micro"
+DEFAULT_PRESET = "tiny"  # model.preset=auto for every other task
 CALCULATOR_RESPONSE_TOKENS = 120
 # trainer.lr of that model left at its default (5e-5, the tiny model's): measured
 # (docs/agentic.md "Learning"), 1e-3 raised held-out success from 0.31 to 0.49 in 200

@@ -13,6 +13,7 @@ from staleflow.config.env import (
     CALCULATOR_PRESET,
     CALCULATOR_RESPONSE_TOKENS,
     CALCULATOR_TRAINER_LR,
+    DEFAULT_PRESET,
     ENV_RESPONSE_TOKENS,
     ENV_TASKS,
     EnvConfig,
@@ -23,6 +24,7 @@ from staleflow.config.recovery import RecoveryConfig
 from staleflow.config.resources import ResourcesConfig
 from staleflow.config.rollout import LORA_ROLLOUT_BACKENDS
 from staleflow.config.sections import (
+    AUTO_PRESET,
     FILE_TASKS,
     DataConfig,
     ModelConfig,
@@ -375,14 +377,23 @@ class RunConfig:
                 "test.jsonl (or .parquet, or a datasets folder), or eval.every=0",
             )
 
+    def builtin_preset(self) -> str:
+        """``model.preset`` with ``auto`` made explicit: ``CALCULATOR_PRESET`` for the
+        built-in calculator task on the built-in model, ``tiny`` otherwise."""
+        if self.model.preset != AUTO_PRESET:
+            return self.model.preset
+        if self.data.task == "calculator" and not self.model.checkpoint:
+            return CALCULATOR_PRESET
+        return DEFAULT_PRESET
+
     def _check_builtin_context(self) -> None:
-        limit = PRESETS[self.model.preset].max_position_embeddings
+        preset = self.builtin_preset()
+        limit = PRESETS[preset].max_position_embeddings
         require(
             self.rollout.max_response_tokens < limit,
             "rollout.max_response_tokens",
             self.rollout.max_response_tokens,
-            f"does not fit the {self.model.preset} model's {limit}-token context with a "
-            "prompt: lower it",
+            f"does not fit the {preset} model's {limit}-token context with a prompt: lower it",
         )
 
     def resolved(self) -> RunConfig:
@@ -390,19 +401,19 @@ class RunConfig:
         (``reward.kind``, ``trainer.loss_norm_len``), so each component can be handed its
         own section alone. An environment task's response budget left at the default (sized
         for one arithmetic answer) becomes the budget of its multi-turn episodes
-        (``ENV_RESPONSE_TOKENS``). The calculator task's built-in model left at the default
-        preset is ``CALCULATOR_PRESET``, with ``CALCULATOR_RESPONSE_TOKENS`` as that
-        budget (all its context holds) and, left at its default, the learning rate
-        ``CALCULATOR_TRAINER_LR``."""
+        (``ENV_RESPONSE_TOKENS``). ``model.preset=auto`` becomes :meth:`builtin_preset`; for
+        the calculator task that is ``CALCULATOR_PRESET``, with ``CALCULATOR_RESPONSE_TOKENS``
+        as that budget (all its context holds) and, left at its default, the learning
+        rate ``CALCULATOR_TRAINER_LR``."""
         out = self
         kind = resolve_reward_kind(self.reward.kind, self.data.task)
         if kind != self.reward.kind:
             out = replace(out, reward=replace(out.reward, kind=kind))
-        preset = ModelConfig.__dataclass_fields__["preset"].default
         builtin = self.data.task == "calculator" and not self.model.checkpoint
-        if builtin and self.model.preset == preset:
-            out = replace(out, model=replace(out.model, preset=CALCULATOR_PRESET))
-            if self.trainer.lr == TrainerConfig.__dataclass_fields__["lr"].default:
+        if self.model.preset == AUTO_PRESET:
+            out = replace(out, model=replace(out.model, preset=self.builtin_preset()))
+            lr_default = TrainerConfig.__dataclass_fields__["lr"].default
+            if out.model.preset == CALCULATOR_PRESET and builtin and self.trainer.lr == lr_default:
                 out = replace(out, trainer=replace(out.trainer, lr=CALCULATOR_TRAINER_LR))
         default = RolloutConfig.__dataclass_fields__["max_response_tokens"].default
         if self.data.task in ENV_TASKS and self.rollout.max_response_tokens == default:

@@ -64,6 +64,9 @@ TRANSPORTS = ("auto", "shm", "nixl", "socket")
 PUSH_TRANSPORTS = ("auto", "nixl", "socket")  # to another node: no shared memory there
 
 
+AUTO_PRESET = "auto"  # model.preset chosen for the task (RunConfig.builtin_preset)
+
+
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The policy: a built-in model warmed up on the task, or a local HF checkpoint."""
@@ -71,9 +74,11 @@ class ModelConfig:
     KEY: ClassVar[str] = "model"
 
     preset: str = field(
-        default="tiny",
+        default=AUTO_PRESET,
         metadata=_help(
-            "size of the built-in model (staleflow.models.presets); unused with a checkpoint"
+            "size of the built-in model (staleflow.models.presets), or auto: micro for the "
+            "built-in calculator task (the size that learns it in minutes on a CPU, "
+            "docs/agentic.md), tiny otherwise; unused with a checkpoint"
         ),
     )
     checkpoint: str = field(
@@ -118,7 +123,7 @@ class ModelConfig:
         if not self.checkpoint:
             require(bool(self.preset), "model.preset", self.preset, "is empty: use e.g. tiny")
             presets = _model_presets()
-            if presets is not None:
+            if presets is not None and self.preset != AUTO_PRESET:
                 require_choice("model.preset", self.preset, presets)
         require_at_least("model.warmup_steps", self.warmup_steps, 0, "steps (0 skips it)")
         require(

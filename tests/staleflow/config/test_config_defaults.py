@@ -24,7 +24,8 @@ def test_defaults_are_the_documented_embedded_run():
     assert (cfg.eta, cfg.steps, cfg.seed, cfg.batch_size, cfg.group_size) == (3, 200, 0, 32, 8)
     assert (cfg.run_dir, cfg.name, cfg.address) == ("runs", "", "")
     assert (cfg.dashboard, cfg.dashboard_port) == (True, 8266)  # 8265 is Ray's dashboard
-    assert cfg.model.preset == "tiny" and cfg.model.checkpoint == "" and cfg.model.warmup
+    assert cfg.model.preset == "auto" and cfg.model.checkpoint == "" and cfg.model.warmup
+    assert cfg.resolved().model.preset == "tiny"  # auto, for the built-in arithmetic task
     assert cfg.data.task == "arithmetic" and cfg.data.path == ""
     assert cfg.rollout.backend == "embedded" and cfg.rollout.instances == 2
     assert cfg.trainer.backend == "embedded" and cfg.trainer.off_policy == "decoupled"
@@ -87,7 +88,7 @@ def test_resolved_picks_the_reward_for_the_task():
     gsm = load_config(None, ["data.task=gsm8k", "data.path=g.jsonl", "model.checkpoint=/m"])
     assert gsm.resolved().reward.kind == "math_verify"
     assert gsm.resolved().data == gsm.data
-    explicit = load_config(None, ["reward.kind=exact"])
+    explicit = load_config(None, ["reward.kind=exact", "model.preset=tiny"])
     assert explicit.resolved() is explicit
     assert RewardConfig(kind="exact").kind == "exact"
 

@@ -76,7 +76,7 @@ def test_data_task_env_takes_the_environment_from_env_name(tmp_path):
 
 def test_the_calculator_task_left_at_the_default_model_gets_the_model_that_learns_it():
     cfg = load_config(None, ["data.task=calculator"])
-    assert cfg.model.preset == "tiny"  # the default, as written
+    assert cfg.model.preset == "auto"  # the default, as written
     resolved = cfg.resolved()
     assert resolved.model.preset == CALCULATOR_PRESET
     assert resolved.rollout.max_response_tokens == CALCULATOR_RESPONSE_TOKENS
@@ -92,7 +92,13 @@ def test_the_calculator_task_left_at_the_default_model_gets_the_model_that_learn
         assert budget < CALCULATOR_RESPONSE_TOKENS  # a longer prompt leaves less room
         assert budget + longest_prompt == PRESETS[CALCULATOR_PRESET].max_position_embeddings
     with_ckpt = load_config(None, ["data.task=calculator", "model.checkpoint=/m"]).resolved()
-    assert with_ckpt.model.preset == "tiny"  # unused with a checkpoint: left alone
+    assert with_ckpt.model.preset == "tiny"  # unused with a checkpoint
+    # a preset given is the one used, with the learning rate given or its default
+    tiny = load_config(None, ["data.task=calculator", "model.preset=tiny"]).resolved()
+    assert tiny.model.preset == "tiny" and tiny.trainer.lr == arithmetic.trainer.lr
+    assert tiny.rollout.max_response_tokens == 256  # the environment tasks' budget
+    micro = load_config(None, ["data.task=calculator", "model.preset=micro"]).resolved()
+    assert micro.model.preset == "micro" and micro.trainer.lr == arithmetic.trainer.lr
 
 
 @pytest.mark.parametrize(
