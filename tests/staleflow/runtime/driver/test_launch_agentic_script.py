@@ -15,7 +15,9 @@ def test_each_variant_is_a_valid_configuration_of_the_agentic_task(variant: str)
 
     script = load("launch_agentic")
     eta, extra = script.VARIANTS[variant]
-    cfg = load_config(None, [*script.BASE, *extra, f"eta={eta}", "steps=2"])
+    # the script launches its own warmed-up policy (a micro model of 256 positions)
+    policy = "model.checkpoint=/runs/policy"
+    cfg = load_config(None, [*script.BASE, *extra, f"eta={eta}", "steps=2", policy])
     assert cfg.data.task == "calculator" and cfg.eta == eta
     assert cfg.env.latency_shape < 1.5  # heavier-tailed than the task's default
     routing = "sticky" if variant == "sticky" else "throughput"
