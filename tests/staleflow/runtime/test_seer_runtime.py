@@ -37,7 +37,10 @@ def test_chunks_are_re_placed_and_the_run_keeps_eta_and_loses_nothing(eta):
     chunks = sum(h.times().chunks for h in w.hosts.values())
     assert chunks >= len(seen)  # every response is >= 3 tokens: at least one chunk end
     records = w.control.records()
-    assert records[-1].chunks == chunks
+    if eta == 0:
+        assert records[-1].chunks == chunks
+    else:  # the rollout runs ahead: chunks may end after the last step's record
+        assert 0 < records[-1].chunks <= chunks
     assert records[-1].probe_error is not None and 0.0 <= records[-1].probe_error < 1.0
 
 
