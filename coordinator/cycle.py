@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from coordinator.aborts import AbortRequests
 from coordinator.commands import Abort, Command, Interrupt, Pull, Reservation, Route
@@ -140,12 +141,25 @@ def _routes(ids: list[InstanceId], placements: list[Placement]) -> list[Route]:
     return [Route(ids[pos], tuple(t), tuple(reservations.get(pos, ()))) for pos, t in trajs.items()]
 
 
+class Decision(NamedTuple):
+    """One ``plan_cycle``: the CPU time it took and the size of what it decided over (the
+    figures ``experiments/bench_coordinator.py`` sets for a cycle, measured in a run)."""
+
+    cpu_s: float  # the deciding thread's CPU time: neighbours and other threads excluded
+    instances: int
+    on_instances: int  # trajectories decoding or queued on an instance
+    waiting_on_tools: int  # trajectories at their environment (InstanceSnapshot.env_trajs)
+    routable: int  # trajectories the TS offered to route
+
+
 @dataclass(slots=True)
 class CycleStats:
     cycles: int = 0  # snapshots taken
     discarded: int = 0  # snapshots rejected by Eq. 1
     commands: int = 0
     last_decision_s: float = 0.0  # wall time of the last plan_cycle
+    decisions: int = 0  # plan_cycle calls (valid snapshots)
+    last_decision: Decision | None = None
 
 
 class Coordinator:
@@ -247,7 +261,7 @@ class Coordinator:
                 logger.debug("snapshot discarded: %s", self.speculative.mismatches(snapshot)[:3])
             return []
         ts_trajs = self._trajectories.routable()
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         commands = plan_cycle(
             snapshot,
             ts_trajs,
@@ -256,7 +270,16 @@ class Coordinator:
             self.strategies,
             self._aborts if self._aborts else None,
         )
+        cpu = time.thread_time() - started_cpu
         self.stats.last_decision_s = time.perf_counter() - started
+        self.stats.decisions += 1
+        self.stats.last_decision = Decision(
+            cpu,
+            len(snapshot.instances),
+            sum(len(s.run_trajs) + len(s.wait_trajs) for s in snapshot.instances),
+            sum(len(s.env_trajs) for s in snapshot.instances),
+            len(ts_trajs),
+        )
         if self._aborts:
             self._aborts.retain_listed(ts_trajs)
         for command in commands:

@@ -76,6 +76,7 @@ from staleflow.sim.report import (
     stats,
     write_rows,
 )
+from staleflow.sim.summary import decision_figures
 
 SCRIPT = "sim_matrix"
 SYSTEMS = ("staleflow", "sticky", "vanilla", "pipeline", "sync")
@@ -108,6 +109,7 @@ def simulate(run: Run) -> dict[str, Any]:
     audit = StalenessAudit().attach(cluster)
     s = cluster.run()
     problems = cluster.check()
+    decided = decision_figures(cluster.decisions)  # measured: CPU ms per decision
     return {
         "workload": run.workload,
         "system": run.system,
@@ -134,6 +136,8 @@ def simulate(run: Run) -> dict[str, Any]:
         "stalled": s.stalled,
         "commands": s.commands,
         "wall_s": time.perf_counter() - started,
+        "decision_ms_median": decided.get("decision_ms_median", 0.0),
+        "decision_ms_p90": decided.get("decision_ms_p90", 0.0),
     }
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from coordinator import CoordinatorConfig, Snapshot
+from coordinator.cycle import Decision
 from staleflow.control import ControlLoop
 from staleflow.control.dynamic_sampling import DynamicSampling, SamplingConfig
 from staleflow.control.late import complete_live, return_live
@@ -194,6 +195,9 @@ class SimCluster:
         # an optional recorder (``timeline.Timeline``) sample instances without a copy of
         # this loop.
         self.observers: list[Callable[[SimCluster], None]] = []
+        # every plan_cycle's CPU time and size (summary.decision_figures): measured, so
+        # kept out of the deterministic Summary
+        self.decisions: list[Decision] = []
         self._seq = 0
         self.rewarding: dict[int, SimTrajectory] = {}  # finished, reward pending
         self.batches: list[ConsumedBatch] = []
@@ -265,7 +269,11 @@ class SimCluster:
     def _cycle(self) -> None:
         """The control loop's snapshot-command cycle at ``now``; the trainer Consumes if
         the cycle made its buffer Ready (the real control plane's order)."""
+        stats = self.coordinator.stats
+        decided = stats.decisions
         self.loop.cycle()
+        if stats.decisions != decided and stats.last_decision is not None:
+            self.decisions.append(stats.last_decision)
         self._maybe_train(self.now)
 
     def _push(self, t: float, kind: str, data: object) -> None:

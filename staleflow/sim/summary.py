@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -13,6 +15,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from coordinator import Coordinator
+    from coordinator.cycle import Decision
     from staleflow.sim.engine import InstanceTimes, SimInstance
     from staleflow.sim.planes import SimPlanes
     from staleflow.sim.race import SimRaces
@@ -273,3 +276,28 @@ def staleness_per_buffer(cluster: SimulatedRun) -> list[tuple[int, dict[int, int
     for version, staleness in list(cluster.manager.history)[: cluster.trainer.steps]:
         out.append((version, dict(sorted(Counter(staleness).items()))))
     return out
+
+
+def decision_figures(decisions: Sequence[Decision]) -> dict[str, float]:
+    """The coordinator's decisions in a run (``SimCluster.decisions``): CPU ms per
+    ``plan_cycle`` (median, p90, p99, max) and the mean size of what they decided over.
+    Measured CPU time, so not in the deterministic :class:`Summary`; empty if none ran."""
+    if not decisions:
+        return {}
+    ms = sorted(d.cpu_s * 1e3 for d in decisions)
+    n = len(ms)
+
+    def at(q: float) -> float:
+        return ms[min(n - 1, int(q * (n - 1)))]
+
+    return {
+        "decisions": n,
+        "decision_ms_median": statistics.median(ms),
+        "decision_ms_p90": at(0.9),
+        "decision_ms_p99": at(0.99),
+        "decision_ms_max": ms[-1],
+        "decision_instances": statistics.fmean(d.instances for d in decisions),
+        "decision_on_instances": statistics.fmean(d.on_instances for d in decisions),
+        "decision_waiting_on_tools": statistics.fmean(d.waiting_on_tools for d in decisions),
+        "decision_routable": statistics.fmean(d.routable for d in decisions),
+    }

@@ -125,6 +125,11 @@ def test_step_honours_the_period_and_discards_outdated_snapshots() -> None:
     h.world.enqueue(group(1, 2, first_traj=10) + group(2, 2, first_traj=20))
     first = h.coordinator.step(10.0)
     assert first and all(isinstance(c, Route) for c in first)
+    # the decision is recorded with the size of what it decided over
+    decided = h.coordinator.stats.last_decision
+    assert h.coordinator.stats.decisions == 1 and decided is not None
+    assert (decided.instances, decided.on_instances, decided.waiting_on_tools) == (2, 0, 0)
+    assert decided.routable == 4 and decided.cpu_s >= 0.0
     assert h.coordinator.next_due == 12.0
     assert h.coordinator.step(11.0) == []  # not due
     assert h.coordinator.step(12.0) == []  # due, but the routes have not landed yet
@@ -132,6 +137,9 @@ def test_step_honours_the_period_and_discards_outdated_snapshots() -> None:
     h.executor.run_until_idle()
     h.coordinator.step(14.0)
     assert h.coordinator.stats.discarded == 1 and h.coordinator.stats.cycles == 3
+    assert h.coordinator.stats.decisions == 2  # a discarded snapshot decides nothing
+    decided = h.coordinator.stats.last_decision
+    assert decided is not None and decided.on_instances == 4 and decided.routable == 0
     assert h.coordinator.step() == []  # the injected clock says 0.0: not due
 
 

@@ -55,7 +55,9 @@ def test_cli_sim_runs_an_agentic_workload_of_the_matrix(capsys, tmp_path):
     out = tmp_path / "agentic.json"
     argv = ["sim", "--workload", "search-agent", "--small", "--steps", "2", "--json", str(out)]
     assert main(argv) == 0
-    assert "simulated staleflow on search-agent" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "simulated staleflow on search-agent" in printed
+    assert "coordinator decision, CPU ms" in printed and "at tools" in printed
     summary = json.loads(out.read_text())
     assert summary["steps"] == 2 and max(map(int, summary["staleness"])) <= 3
 

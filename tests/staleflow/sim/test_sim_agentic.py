@@ -15,6 +15,7 @@ from staleflow.sim import SimCluster, system
 from staleflow.sim.agentic import AgenticConfig, AgenticWorkload, TurnPlan, draw_plan
 from staleflow.sim.audit import StalenessAudit
 from staleflow.sim.presets import AGENTIC, WORKLOADS, Layout
+from staleflow.sim.summary import decision_figures
 
 
 def test_a_plan_alternates_turns_and_tool_calls_within_the_context() -> None:
@@ -103,6 +104,22 @@ def test_agentic_runs_conserve_trajectories_and_hold_eta(
     # than their model turns
     turns = sum(i.times.turns for i in cluster.instances.values())
     assert turns >= stats.calls
+
+
+def test_every_decision_is_recorded_with_its_scene() -> None:
+    """The run keeps one record per plan_cycle (a valid snapshot), with what it decided
+    over: the trajectories at their tools are counted apart from those on instances."""
+    cluster, _ = _run("staleflow", "swe-agent", 2)
+    stats = cluster.coordinator.stats
+    assert len(cluster.decisions) == stats.decisions == stats.cycles - stats.discarded > 0
+    assert all(d.instances == 4 and d.cpu_s >= 0.0 for d in cluster.decisions)
+    assert max(d.waiting_on_tools for d in cluster.decisions) > 0
+    assert max(d.on_instances for d in cluster.decisions) > 0
+    figures = decision_figures(cluster.decisions)
+    ms = sorted(d.cpu_s * 1e3 for d in cluster.decisions)
+    assert figures["decisions"] == len(ms) and figures["decision_ms_max"] == ms[-1]
+    assert ms[0] <= figures["decision_ms_median"] <= figures["decision_ms_p90"] <= ms[-1]
+    assert decision_figures([]) == {}
 
 
 def test_a_cached_prefix_is_reused_when_the_next_turn_comes_back() -> None:
