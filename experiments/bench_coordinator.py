@@ -15,6 +15,10 @@ cycle's commands (``decisions``: unchanged by a change that must not change a de
 waiting on tools (``env_trajs``, their prefixes cached where their last turn ran), and
 half of the TS's partials next turns whose prefix an instance caches; the estimate of
 tool waits and turn sizes starts from 1,024 of each, as after a while of a run.
+``settled``: the ``agentic`` scene after its first cycle's commands were carried out.
+``agentic`` is a storm: 28 lagging instances are cheap to Pull at once, and every timed
+cycle decides that storm again (the scene never applies its commands); in a run it
+happens once per version, and ``settled`` is the cycle between two.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from coordinator import (
     Route,
     Snapshot,
     SpeculativeState,
+    Strategies,
     TrajRecord,
     build_strategies,
     plan_cycle,
@@ -152,12 +157,80 @@ def build_scene(instances: int, ts_trajs: int, scenario: str, seed: int) -> Scen
         for _ in range(min(GROUP, ts_trajs - len(ts))):
             ts.append(TrajRecord(next_traj, gid, None, prompt, prompt))
             next_traj += 1
+    return Scene(snap, ts, m, _placed(snap))
+
+
+def settle(scene: Scene, config: CoordinatorConfig) -> Scene:
+    """``scene`` after one cycle's commands, carried out as the executor would: Pulls
+    (the instance at the PS's version, its cached prefixes gone), Interrupts (back to the
+    TS), Routes (onto the instance, queued where its KV is full; Reservations made)."""
+    strategies = _strategies(config)
+    commands = plan_cycle(
+        later(scene.snapshot, 0), scene.ts, VERSION, scene.manager.sketch(), strategies
+    )
+    budget = int(QWEN3_30B_A3B_H20.kv_budget)
+    insts = {s.inst: s for s in scene.snapshot.instances}
+    run = {i: list(s.run_trajs) for i, s in insts.items()}
+    wait = {i: list(s.wait_trajs) for i, s in insts.items()}
+    version = {i: s.inst_version for i, s in insts.items()}
+    held = {i: s.held for i, s in insts.items()}
+    ts = {t.traj_id: t for t in scene.ts}
+    for c in commands:
+        if isinstance(c, Interrupt):
+            gone = set(c.trajs)
+            for trajs in (run[c.inst], wait[c.inst]):
+                ts.update((t.traj_id, t) for t in trajs if t.traj_id in gone)
+                trajs[:] = [t for t in trajs if t.traj_id not in gone]
+        elif isinstance(c, Pull):
+            version[c.inst], held[c.inst] = c.version, ()
+    for c in commands:
+        if not isinstance(c, Route):
+            continue
+        reserved = {r.traj_id: r for r in c.reservations}
+        for tid in c.trajs:
+            t = ts.pop(tid)
+            if (r := reserved.get(tid)) is not None:
+                scene.manager.reserve(r.group_id, tid, r.v_traj)
+                t = replace(t, v_traj=r.v_traj)
+            kv = sum(x.length for x in run[c.inst])
+            full = kv + t.length > budget or wait[c.inst]
+            (wait if full else run)[c.inst].append(t)
+    snap = Snapshot(
+        tuple(
+            replace(
+                s,
+                run_trajs=tuple(run[i]),
+                wait_trajs=tuple(wait[i]),
+                kv_cache=sum(t.length for t in run[i]),
+                inst_version=version[i],
+                held=held[i],
+            )
+            for i, s in insts.items()
+        )
+    )
+    return Scene(snap, list(ts.values()), scene.manager, _placed(snap))
+
+
+def _placed(snap: Snapshot) -> SpeculativeState:
+    """The coordinator's view of ``snap``, as if the routes that put it there had landed."""
     spec = SpeculativeState({s.inst: s.inst_version for s in snap.instances})
-    for s in snap.instances:  # as if the routes that put them there had been issued
+    for s in snap.instances:
         placed = Route(s.inst, tuple(t.traj_id for t in s.run_trajs + s.wait_trajs))
         spec.apply(placed)
         spec.settle(CommandDone(placed))
-    return Scene(snap, ts, m, spec)
+    return spec
+
+
+def _strategies(config: CoordinatorConfig) -> Strategies:
+    """The strategies of ``config``, their tool-wait estimate as after a while of a run."""
+    strategies = build_strategies(config)
+    if strategies.waits is not None:  # waits and turns measured (module docstring)
+        rng = np.random.default_rng(1)
+        strategies.waits.learn(
+            rng.lognormal(np.log(2.0), 1.5, 1024).tolist(),
+            rng.lognormal(np.log(250), 0.7, 1024).astype(int).clip(1).tolist(),
+        )
+    return strategies
 
 
 def later(snapshot: Snapshot, k: int) -> Snapshot:
@@ -180,13 +253,7 @@ def time_cycle(scene: Scene, config: CoordinatorConfig, repeats: int) -> dict[st
     the per-instance speed estimation when the config enables it), and the command mix.
     Each cycle sees the snapshot one period later, so the estimator times every instance
     it may, as in a run."""
-    strategies = build_strategies(config)
-    if strategies.waits is not None:  # as after a while of a run: waits and turns measured
-        rng = np.random.default_rng(1)
-        strategies.waits.learn(
-            rng.lognormal(np.log(2.0), 1.5, 1024).tolist(),
-            rng.lognormal(np.log(250), 0.7, 1024).astype(int).clip(1).tolist(),
-        )
+    strategies = _strategies(config)
 
     def cycle(snap: Snapshot) -> list[Command]:
         assert scene.speculative.validate(snap)
@@ -235,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         "--scenarios",
         nargs="+",
         default=["steady", "cold", "tail"],
-        choices=["steady", "cold", "tail", "agentic"],
+        choices=["steady", "cold", "tail", "agentic", "settled"],
     )
     parser.add_argument(
         "--strategies",
@@ -253,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [tuple(int(x) for x in size.split(":")) for size in args.sizes]
     for scenario in args.scenarios:
         for n, trajs in sizes:
-            scene = build_scene(n, trajs, scenario, args.seed)
+            if scenario == "settled":
+                scene = settle(build_scene(n, trajs, "agentic", args.seed), config)
+            else:
+                scene = build_scene(n, trajs, scenario, args.seed)
             in_flight = sum(len(s.run_trajs) + len(s.wait_trajs) for s in scene.snapshot.instances)
             tools = sum(len(s.env_trajs) for s in scene.snapshot.instances)
             rows.append(

@@ -62,3 +62,37 @@ def test_the_agentic_scene_has_a_third_of_its_trajectories_at_their_tools(
     (row,) = json.loads(out.read_text())["rows"]
     assert row["scenario"] == "agentic" and row["waiting_on_tools"] == tools
     assert row["routed"] > 0
+
+
+def test_the_settled_scene_carries_out_the_storm_and_loses_no_trajectory(
+    tmp_path: Path,
+) -> None:
+    """``settled``: the agentic scene after its first cycle's commands. Every trajectory
+    is still there once (on an instance, at its tool or in the TS), the Pulled instances
+    are at the PS's version, what was routed left the TS, and the next cycle has no storm
+    left to decide."""
+    bench = _bench()
+    storm = bench.build_scene(64, 1024, "agentic", 0)
+    config = CoordinatorConfig(
+        routing="throughput", synchronization="throughput", migration="throughput"
+    )
+
+    def everyone(scene: Any) -> list[int]:
+        insts = scene.snapshot.instances
+        on = [t.traj_id for s in insts for t in s.run_trajs + s.wait_trajs + s.env_trajs]
+        return sorted(on + [t.traj_id for t in scene.ts])
+
+    before = everyone(storm)
+    lagging = sum(s.inst_version < bench.VERSION for s in storm.snapshot.instances)
+    settled = bench.settle(storm, config)
+    assert everyone(settled) == before  # each exactly once
+    assert len(settled.ts) < len(storm.ts)  # routes left the TS
+    now_lagging = sum(s.inst_version < bench.VERSION for s in settled.snapshot.instances)
+    assert now_lagging < lagging  # the storm's Pulls were carried out
+    assert settled.speculative.validate(bench.later(settled.snapshot, 1))
+    out = tmp_path / "bench.json"
+    args = ["--sizes", "64:1024", "--scenarios", "agentic", "settled", "--repeats", "3"]
+    assert bench.main([*args, "--json", str(out)]) == 0
+    rows = {r["scenario"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["agentic"]["pulls"] > 0 and rows["settled"]["pulls"] == 0
+    assert rows["settled"]["interrupted"] < rows["agentic"]["interrupted"]
