@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --workload: the GPUs that roll out (default half)",
     )
     sim.add_argument(
+        "--gpus",
+        type=int,
+        help="with --workload: the cluster's GPUs, rollout and training together (default "
+        "the workload's, 128 for most; e.g. 256 with --rollout-gpus 128)",
+    )
+    sim.add_argument(
         "--small",
         action="store_true",
         help="with --workload: the same shape at the tiny preset's scale (seconds to run)",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from rich.console import Console
 from rich.table import Table
@@ -23,15 +24,23 @@ def run(args: argparse.Namespace) -> int:
                     f"--workload {args.workload!r} is not one of the matrix's workloads: "
                     f"use one of {', '.join(sorted(WORKLOADS))}"
                 )
-            cluster = WORKLOADS[args.workload].config(
+            workload = WORKLOADS[args.workload]
+            if args.gpus is not None:
+                if args.gpus < 2:
+                    raise ValueError(
+                        f"--gpus {args.gpus}: a cluster needs at least 2 GPUs (rollout "
+                        "and training), e.g. --gpus 256"
+                    )
+                workload = replace(workload, gpus=args.gpus)
+            cluster = workload.config(
                 args.eta,
                 steps=args.steps,
                 seed=args.seed,
                 rollout_gpus=args.rollout_gpus,
                 small=args.small,
             )
-        elif args.rollout_gpus is not None or args.small:
-            raise ValueError("--rollout-gpus and --small go with --workload, not --preset")
+        elif args.rollout_gpus is not None or args.small or args.gpus is not None:
+            raise ValueError("--rollout-gpus, --gpus and --small go with --workload, not --preset")
         else:
             cluster = PRESETS[args.preset](eta=args.eta, steps=args.steps, seed=args.seed)
         config = system(args.system, cluster)

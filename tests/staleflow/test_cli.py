@@ -68,11 +68,22 @@ def test_cli_sim_runs_an_agentic_workload_of_the_matrix(capsys, tmp_path):
         (["--workload", "nonsense"], "use one of"),
         (["--small"], "go with --workload"),
         (["--workload", "swe-agent", "--small", "--rollout-gpus", "99"], "rollout_gpus=99"),
+        (["--workload", "swe-agent", "--small", "--rollout-gpus", "12"], "rollout_gpus=12"),
+        (["--workload", "swe-agent", "--gpus", "1"], "at least 2 GPUs"),
+        (["--gpus", "256"], "go with --workload"),
     ],
 )
 def test_cli_sim_bad_workload_arguments_are_clear_errors(capsys, argv, says):
     assert main(["sim", "--steps", "1", *argv]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_cli_sim_gpus_sizes_the_workloads_cluster(capsys):
+    """--gpus 256 doubles the cluster (16 GPUs at --small's scale instead of 8), so 12
+    rollout instances fit where the workload's own size refuses them (above)."""
+    argv = ["sim", "--workload", "search-agent", "--small", "--gpus", "256"]
+    assert main([*argv, "--rollout-gpus", "12", "--steps", "1"]) == 0
+    assert "12 instances" in capsys.readouterr().out
 
 
 def test_cli_sim_unknown_system_is_a_clear_error(capsys):
