@@ -15,8 +15,9 @@ tokens/s, episodes/s, tool calls and the seconds tools took (summed over episode
 turns per episode, the staleness histogram and its maximum (the bound holds if it is at
 most η), the training reward, and the trainer's and rollout's idle shares, which say
 which side binds. Then the medians over the repeats, and the ratios of the issue's
-targets. Held-out success: the evaluation is refused for an environment task
-(docs/evaluation.md), so the training reward at the end is what is reported.
+targets. Held-out success: the share of ``eval.problems`` held-out episodes (128 here;
+problems the runs do not train on) the policy solves at the start and at the end of each
+run, played turn by turn against the environment on a CPU copy (docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ BASE = [
     "env.latency_scale_s=0.3",
     "env.latency_shape=1.1",
     "env.latency_cap_s=6",
-    "eval.problems=0",
+    "eval.problems=128",  # held-out episodes scored at the start and the end of each run
 ]
 POSITIONS = 256
 
@@ -174,6 +175,8 @@ def summarise_run(
         "staleness_max": s.staleness_max,
         "within_eta": s.staleness_max <= eta,
         "reward_end": s.reward_end,
+        "held_out_start": s.eval_reward_start,
+        "held_out_end": s.eval_reward_end,
         "trainer_idle_ratio": s.trainer_idle_ratio,
         "rollout_idle_ratio": s.rollout_idle_ratio,
         "run_dir": str(run_dir),
@@ -182,13 +185,13 @@ def summarise_run(
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     keys = ("tokens_per_s", "episodes_per_s", "tool_wait_s", "tool_calls", "reward_end")
-    keys += ("trainer_idle_ratio", "rollout_idle_ratio")
+    keys += ("held_out_end", "trainer_idle_ratio", "rollout_idle_ratio")
     out: dict[str, dict[str, float]] = {}
     for v in dict.fromkeys(r["variant"] for r in runs):
         mine = [r for r in runs if r["variant"] == v]
         out[v] = {
             k: statistics.median(vals)
-            if (vals := [float(r[k]) for r in mine if r[k] is not None])
+            if (vals := [float(r[k]) for r in mine if r.get(k) is not None])
             else float("nan")
             for k in keys
         }
@@ -209,12 +212,14 @@ def main(argv: list[str] | None = None) -> int:
         runs = [run_one(args, v, policy) for _ in range(args.repeats) for v in args.variants]
     med = medians(runs)
     print(f"{'run':<10} {'tok/s':>8} {'ep/s':>6} {'tool s':>7} {'calls':>5} {'turns':>5} "
-          f"{'reward':>6} {'tr idle':>7} {'ro idle':>7}  staleness")  # fmt: skip
+          f"{'reward':>6} {'held-out':>11} {'tr idle':>7} {'ro idle':>7}  staleness")  # fmt: skip
     for r in runs:
         print(
             f"{r['variant']:<10} {r['tokens_per_s']:>8.1f} {r['episodes_per_s']:>6.2f} "
             f"{r['tool_wait_s']:>7.1f} {r['tool_calls']:>5} {r['turns_mean'] or 0:>5.2f} "
-            f"{_f(r['reward_end'], '>6.3f')} {_f(r['trainer_idle_ratio'], '>7.1%')} "
+            f"{_f(r['reward_end'], '>6.3f')} "
+            f"{_f(r['held_out_start'], '>5.3f')}>{_f(r['held_out_end'], '<5.3f')} "
+            f"{_f(r['trainer_idle_ratio'], '>7.1%')} "
             f"{_f(r['rollout_idle_ratio'], '>7.1%')}  {r['staleness_hist']}"
             + ("" if r["within_eta"] else "  OVER ETA")
         )
@@ -222,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     for v, m in med.items():
         print(
             f"median {v:<10} tokens/s {m['tokens_per_s']:.1f}, episodes/s "
-            f"{m['episodes_per_s']:.3f}, tool s {m['tool_wait_s']:.1f} ({int(m['repeats'])} runs)"
+            f"{m['episodes_per_s']:.3f}, tool s {m['tool_wait_s']:.1f}, held-out success "
+            f"at the end {m['held_out_end']:.3f} ({int(m['repeats'])} runs)"
         )
     for num, den, target in (("staleflow", "eta0", 1.5), ("staleflow", "sticky", 1.15)):
         if num in med and den in med and med[den]["tokens_per_s"] > 0:

@@ -22,11 +22,12 @@ def test_each_variant_is_a_valid_configuration_of_the_agentic_task(variant: str)
     assert cfg.env.latency_shape < 1.5  # heavier-tailed than the task's default
     routing = "sticky" if variant == "sticky" else "throughput"
     assert cfg.coordinator.routing == routing
+    assert cfg.eval.problems > 0  # held-out success is scored at the start and the end
 
 
 def test_medians_are_per_variant_over_the_repeats() -> None:
     script = load("launch_agentic")
-    keys = ("episodes_per_s", "tool_wait_s", "tool_calls", "reward_end")
+    keys = ("episodes_per_s", "tool_wait_s", "tool_calls", "reward_end", "held_out_end")
     keys += ("trainer_idle_ratio", "rollout_idle_ratio")
     runs = [
         {"variant": v, "tokens_per_s": t, **dict.fromkeys(keys, 0.0)}

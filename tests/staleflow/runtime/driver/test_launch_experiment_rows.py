@@ -55,8 +55,10 @@ def test_a_sweep_row_comes_from_the_typed_summary(tmp_path) -> None:
 def test_an_agentic_row_is_the_same_from_the_result_and_from_an_old_folder(tmp_path) -> None:
     script = load("launch_agentic")
     records = _records()
-    summary = summarise(records, {})
+    # the held-out success the launch scored at the start and the end of the run
+    summary = summarise(records, {"eval_reward_start": 0.25, "eval_reward_end": 0.375})
     from_result = script.summarise_run("staleflow", 1, summary, records, tmp_path)
+    assert (from_result["held_out_start"], from_result["held_out_end"]) == (0.25, 0.375)
     assert from_result["episodes"] == 32 and from_result["episodes_per_s"] == 32 / 8.0
     assert from_result["staleness_max"] == 1 and from_result["within_eta"] is True
     assert from_result["tool_calls"] == 12 and from_result["turns_mean"] == 2.0
