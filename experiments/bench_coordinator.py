@@ -183,6 +183,7 @@ def settle(scene: Scene, config: CoordinatorConfig) -> Scene:
                 trajs[:] = [t for t in trajs if t.traj_id not in gone]
         elif isinstance(c, Pull):
             version[c.inst], held[c.inst] = c.version, ()
+    kv = {i: sum(t.length for t in trajs) for i, trajs in run.items()}
     for c in commands:
         if not isinstance(c, Route):
             continue
@@ -192,16 +193,18 @@ def settle(scene: Scene, config: CoordinatorConfig) -> Scene:
             if (r := reserved.get(tid)) is not None:
                 scene.manager.reserve(r.group_id, tid, r.v_traj)
                 t = replace(t, v_traj=r.v_traj)
-            kv = sum(x.length for x in run[c.inst])
-            full = kv + t.length > budget or wait[c.inst]
-            (wait if full else run)[c.inst].append(t)
+            if kv[c.inst] + t.length > budget or wait[c.inst]:
+                wait[c.inst].append(t)
+            else:
+                run[c.inst].append(t)
+                kv[c.inst] += t.length
     snap = Snapshot(
         tuple(
             replace(
                 s,
                 run_trajs=tuple(run[i]),
                 wait_trajs=tuple(wait[i]),
-                kv_cache=sum(t.length for t in run[i]),
+                kv_cache=kv[i],
                 inst_version=version[i],
                 held=held[i],
             )
