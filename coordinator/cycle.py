@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import logging
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from coordinator.aborts import AbortRequests
@@ -152,6 +154,19 @@ class Decision(NamedTuple):
     routable: int  # trajectories the TS offered to route
 
 
+class DecisionTimes(NamedTuple):
+    """CPU milliseconds of a window of decisions (``CycleStats.take_recent``)."""
+
+    count: int
+    median_ms: float
+    max_ms: float
+
+
+# the decisions a step record summarises: a step of a real run spans tens to hundreds of
+# cycles; more than this between two reads keeps the latest
+_RECENT = 4096
+
+
 @dataclass(slots=True)
 class CycleStats:
     cycles: int = 0  # snapshots taken
@@ -160,6 +175,19 @@ class CycleStats:
     last_decision_s: float = 0.0  # wall time of the last plan_cycle
     decisions: int = 0  # plan_cycle calls (valid snapshots)
     last_decision: Decision | None = None
+    # CPU seconds of the decisions since the last ``take_recent`` (the latest _RECENT)
+    recent_cpu_s: deque[float] = field(default_factory=lambda: deque(maxlen=_RECENT))
+    taken: int = 0  # ``decisions`` at the last ``take_recent``
+
+    def take_recent(self) -> DecisionTimes | None:
+        """The CPU time of the decisions since the last call, and forget them (one step
+        record's figures); None if there were none."""
+        if not self.recent_cpu_s:
+            return None
+        ms = sorted(s * 1e3 for s in self.recent_cpu_s)
+        self.recent_cpu_s.clear()
+        count, self.taken = self.decisions - self.taken, self.decisions
+        return DecisionTimes(count, statistics.median(ms), ms[-1])
 
 
 class Coordinator:
@@ -273,6 +301,7 @@ class Coordinator:
         cpu = time.thread_time() - started_cpu
         self.stats.last_decision_s = time.perf_counter() - started
         self.stats.decisions += 1
+        self.stats.recent_cpu_s.append(cpu)
         self.stats.last_decision = Decision(
             cpu,
             len(snapshot.instances),

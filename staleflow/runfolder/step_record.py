@@ -81,7 +81,11 @@ class StepRecord:
     cycles: int | None = _scalar("coordinator/cycles", whole=True)
     discarded: int | None = _scalar("coordinator/discarded", whole=True)
     commands: int | None = _scalar("coordinator/commands", whole=True)
+    # the coordinator's decisions during this step: how many, and their CPU time (the
+    # deciding thread's; median and max) against bench_coordinator.py's 10 ms target
+    decisions: int | None = _scalar("coordinator/decisions", whole=True)
     decision_ms: float | None = _scalar("coordinator/decision_ms")
+    decision_ms_max: float | None = _scalar("coordinator/decision_ms_max")
     # Seer (coordinator/seer.py): chunks handed back to the TS at a chunk boundary so far,
     # and the probes' mean shortfall against their group's longest response
     chunks: int | None = _scalar("rollout/chunks", whole=True)

@@ -141,6 +141,11 @@ def test_step_honours_the_period_and_discards_outdated_snapshots() -> None:
     decided = h.coordinator.stats.last_decision
     assert decided is not None and decided.on_instances == 4 and decided.routable == 0
     assert h.coordinator.step() == []  # the injected clock says 0.0: not due
+    # a step record's window: the two decisions (not the discarded snapshot), once
+    window = h.coordinator.stats.take_recent()
+    assert window is not None and window.count == 2
+    assert 0.0 <= window.median_ms <= window.max_ms
+    assert h.coordinator.stats.take_recent() is None
 
 
 def test_instances_join_and_leave_between_cycles() -> None:

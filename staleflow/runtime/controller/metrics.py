@@ -164,6 +164,7 @@ class StepMetrics:
         seconds = Counter(self._carried)
         for own in self._latest.values():
             seconds.update(own)
+        decided = coordinator.take_recent()
         rec = StepRecord(
             step=len(self.records) + 1,
             version=report.version,
@@ -191,7 +192,9 @@ class StepMetrics:
             cycles=coordinator.cycles,
             discarded=coordinator.discarded,
             commands=coordinator.commands,
-            decision_ms=coordinator.last_decision_s * 1e3,
+            decisions=decided.count if decided else 0,
+            decision_ms=decided.median_ms if decided else None,
+            decision_ms_max=decided.max_ms if decided else None,
             # Seer's counters, only where it is on (``probes`` given)
             chunks=sum(t.chunks for t in instance_times.values()) if probes is not None else None,
             probe_error=probes.mean_error if probes is not None and probes.groups else None,

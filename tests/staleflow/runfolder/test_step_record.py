@@ -5,6 +5,7 @@ line and key. No other module spells a metric key."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -50,6 +51,8 @@ OLD_LINE = (
     ' "trainer/train_s": 1.25, "trainer/wait_s": 0.5, "version": 2.0}'
 )
 
+NEWER_KEYS = {"coordinator/decisions": 1.0, "coordinator/decision_ms_max": 0.5}
+
 
 def _step() -> StepRecord:
     m = StepMetrics([0, 1], started=100.0)
@@ -73,12 +76,14 @@ def _step() -> StepRecord:
         ),
         1: InstanceTimes(2.0, 2.0, 0.25, 1.75, 80, 300, 0.1, 3, {"interrupt": 0.5}),
     }
+    stats = CycleStats(cycles=40, discarded=1, commands=12, decisions=1)
+    stats.recent_cpu_s.append(0.0005)  # one decision during the step, 0.5 ms of CPU
     return m.on_step(
         report,
         now=104.0,
         instance_times=times,
         command_seconds={"pull": 0.5, "route": 0.25},
-        coordinator=CycleStats(cycles=40, discarded=1, commands=12, last_decision_s=0.0005),
+        coordinator=stats,
         ps_version=3,
         instance_versions={0: 2, 1: 1},
     )
@@ -95,12 +100,14 @@ def test_the_built_record_is_typed_and_its_flat_form_has_not_moved():
     assert rec.trainer_idle_ratio == 0.125  # waited 0.5 s of a 4 s step
     assert rec.time_share["interrupt"] == pytest.approx((0.0625 + 0.5) / 8)  # aborts count
     assert rec.extra == {"train/loss": 0.5, "train/grad_norm": 1.5}  # train/tokens is typed
-    assert rec.to_flat() == json.loads(OLD_LINE)
+    # the keys added since: how many decisions the step made and the slowest one's CPU
+    # time (decision_ms, once the last decision's wall time, is now their median)
+    assert rec.to_flat() == json.loads(OLD_LINE) | NEWER_KEYS
 
 
 def test_an_old_line_reads_and_round_trips():
     rec = StepRecord.from_json(OLD_LINE)
-    assert rec == _step()
+    assert rec == dataclasses.replace(_step(), decisions=None, decision_ms_max=None)
     assert StepRecord.from_json(rec.to_json()) == rec
     assert json.loads(rec.to_json()) == json.loads(OLD_LINE)
 

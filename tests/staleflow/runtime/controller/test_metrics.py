@@ -213,3 +213,26 @@ def test_speculation_counters_are_summed_over_the_instances_and_the_run():
     resumed.continue_from([StepRecord.from_flat(r.to_flat()) for r in (first, second, third)])
     rec = _step(resumed, 101.0, {0: _spec(_times(1.0), 1, 1, 1)})
     assert _spec_keys(rec)["speculation/accepted"] == 10 + 3 + 4 + 1 + 1
+
+
+def test_a_step_record_has_the_cpu_time_of_the_decisions_made_during_it():
+    m = StepMetrics([0], started=0.0)
+    stats = CycleStats(cycles=3, discarded=0, commands=0, decisions=3)
+    stats.recent_cpu_s.extend([0.001, 0.004, 0.002])
+
+    def step(now: float) -> StepRecord:
+        return m.on_step(
+            REPORT,
+            now=now,
+            instance_times={0: _times(1.0)},
+            command_seconds={},
+            coordinator=stats,
+            ps_version=1,
+        )
+
+    first = step(4.0)
+    assert first.decisions == 3
+    assert first.decision_ms == pytest.approx(2.0) and first.decision_ms_max == pytest.approx(4.0)
+    assert first.scalars()["coordinator/decision_ms"] == pytest.approx(2.0)
+    second = step(8.0)  # no decision since: none to summarise, not the last step's again
+    assert second.decisions == 0 and second.decision_ms is None and second.decision_ms_max is None
