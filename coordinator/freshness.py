@@ -20,10 +20,15 @@ admitted this cycle only if its buffer is wanted within ``need`` seconds, where
 (tokens) times the fleet's decode step latency with one more trajectory per instance
 (the cost model at the instances' current loads, times each instance's measured speed
 factor, coordinator/estimation.py), averaged over the instances. ``margin`` is the
-``quantile`` of how late recent groups finished against that estimate (seconds, from the
-group's first Reserve to its Occupy, rewards included), so whatever the estimate misses
-(queueing, prefill, a cost model profiled on other hardware, reward latency) is learned
-online; a history of late groups raises it.
+``quantile`` over recent buffers of how late completions ran against that estimate
+(seconds, from a first Reserve to an Occupy, rewards included), so whatever the estimate
+misses (queueing, prefill, a cost model profiled on other hardware, reward latency) is
+learned online; a history of late completions raises it. Completions are counted in
+admission order, the n-th against the n-th admission: occupied groups move to the
+earliest buffer with room, so a buffer fills once as many groups completed as were
+admitted for it and those before, whichever they are, and a straggler's place is taken
+by a later group that finished first. Timing each group on its own would make the margin
+the tail of one group's time, and hold nothing wherever group lengths are heavy-tailed.
 
 When it gives way. The rule only removes new groups from one cycle's routable set: it
 never admits anything the manager would not (eta stays a hard ceiling), never touches a
@@ -168,11 +173,14 @@ class FreshnessRule:
         self.give_way = give_way
         self.min_samples = min_samples
         self.pace = TrainerPace()
-        # per consumed buffer: its latest group's actual - estimated completion, seconds
+        # per consumed buffer: how late it filled against its groups' estimates, seconds
         self._lateness: deque[float] = deque(maxlen=history)
         self._longest: deque[int] = deque(maxlen=history)  # longest response per group
-        self._open: dict[GroupId, tuple[float, float]] = {}  # admitted -> (t0, estimate)
-        self._late_of: dict[GroupId, float] = {}  # completed, not consumed -> lateness
+        # admitted groups not completed nor dropped -> (first Reserve, estimate then)
+        self._open: dict[GroupId, tuple[float, float | None]] = {}
+        # the admissions no completion has been counted against yet, oldest first
+        self._unmatched: deque[tuple[float, float | None]] = deque(maxlen=_MAX_OPEN)
+        self._late_since: float | None = None  # the latest lateness since the last Consume
         self._longest_of: dict[GroupId, int] = {}  # finished members' longest so far
         self._estimate: float | None = None  # C at the last cycle
         self.state = FreshnessState()
@@ -187,30 +195,44 @@ class FreshnessRule:
                 del self._longest_of[next(iter(self._longest_of))]
 
     def completed(self, group_id: GroupId, now: float) -> None:
-        """``group_id`` became complete (Occupied) at ``now``: learn its length and how
-        late it finished against its estimate."""
+        """``group_id`` became complete (Occupied) at ``now``: learn its length, and how
+        late the completions run against the admissions (see :meth:`consumed`)."""
         longest = self._longest_of.pop(group_id, None)
         if longest is not None:
             self._longest.append(longest)
-        started = self._open.pop(group_id, None)
-        if started is not None:
-            t0, estimate = started
-            self._late_of[group_id] = (now - t0) - estimate
-            if len(self._late_of) > _MAX_OPEN:
-                del self._late_of[next(iter(self._late_of))]
+        # a group admitted before the rule saw it (restored at a resume) is not counted
+        if self._open.pop(group_id, None) is not None and self._unmatched:
+            t0, estimate = self._unmatched.popleft()
+            if estimate is not None:
+                late = (now - t0) - estimate
+                if self._late_since is None or late > self._late_since:
+                    self._late_since = late
 
-    def consumed(self, group_ids: Iterable[GroupId], now: float) -> None:
-        """The trainer was served a buffer of these groups at ``now``: the buffer was as
-        late as its latest group (it is Ready only once every group is), so that is the
-        lateness the margin learns."""
+    def dropped(self, group_ids: Iterable[GroupId]) -> None:
+        """These groups were dropped (aborted, a redundant surplus): they will never
+        complete, so their admissions leave the count."""
+        for g in group_ids:
+            started = self._open.pop(g, None)
+            if started is None:
+                continue
+            try:  # groups admitted in one cycle are interchangeable here
+                self._unmatched.remove(started)
+            except ValueError:  # already counted against an earlier completion
+                if self._unmatched:
+                    self._unmatched.popleft()
+
+    def consumed(self, now: float) -> None:
+        """The trainer was served a buffer at ``now``: the margin's sample is the latest
+        of the completions since the last buffer, each against the admission its count
+        matches (module docstring)."""
         self.pace.served(now)
-        self.learn(group_ids)
+        self.learn()
 
-    def learn(self, group_ids: Iterable[GroupId]) -> None:
-        """The margin's sample of one consumed buffer (see :meth:`consumed`)."""
-        late = [x for g in group_ids if (x := self._late_of.pop(g, None)) is not None]
-        if late:
-            self._lateness.append(max(late))
+    def learn(self) -> None:
+        """Close the margin's sample of one buffer (see :meth:`consumed`)."""
+        if self._late_since is not None:
+            self._lateness.append(self._late_since)
+            self._late_since = None
 
     @property
     def margin_s(self) -> float:
@@ -286,14 +308,12 @@ class FreshnessRule:
     def note(self, commands: Iterable[Command], now: float) -> None:
         """The commands of this cycle: the groups whose first member was just Reserved
         start their clock (their estimate is this cycle's ``C``)."""
-        estimate = self._estimate
-        if estimate is None:
-            return
-        opened = self._open
+        estimate, opened = self._estimate, self._open
         for c in commands:
             if isinstance(c, Route):
                 for r in c.reservations:
                     if r.group_id not in opened:
                         opened[r.group_id] = (now, estimate)
+                        self._unmatched.append((now, estimate))
         while len(opened) > _MAX_OPEN:
             del opened[next(iter(opened))]

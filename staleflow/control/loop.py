@@ -253,7 +253,7 @@ class ControlLoop:
             self.sampling.forget(g.group_id for g in batch.groups)
         fresh = self.coordinator.strategies.freshness
         if fresh is not None:
-            fresh.consumed((g.group_id for g in batch.groups), self._clock())
+            fresh.consumed(self._clock())
         if self.on_decision is not None:
             self.on_decision(Consumed(self._clock(), batch))
         if batch.aborted_groups:
@@ -333,6 +333,8 @@ class ControlLoop:
             abort_groups_live(self._ts, groups)
             if self.sampling is not None:
                 self.sampling.forget(groups)
+            if (fresh := self.coordinator.strategies.freshness) is not None:
+                fresh.dropped(groups)
         self.coordinator.request_abort(trajs, groups)
         if self.on_decision is not None:
             self.on_decision(Dropped(self._clock(), tuple(trajs), tuple(groups)))

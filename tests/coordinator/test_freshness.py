@@ -31,8 +31,15 @@ def trained(rule: FreshnessRule, step_s: float, steps: int = 3, *, start: float 
         if i:
             t += step_s
             rule.pace.asked(t)
-        rule.consumed((), t)
+        rule.consumed(t)
     return t
+
+
+def admit(rule: FreshnessRule, g: int, t0: float, estimate: float | None) -> None:
+    """Group ``g``'s first Reserve at ``t0``, estimated then to take ``estimate`` s."""
+    rule._estimate, kept = estimate, rule._estimate
+    rule.note([Route(0, (g,), (Reservation(g, g, 0),))], t0)
+    rule._estimate = kept
 
 
 def learn(rule: FreshnessRule, lateness: float, buffers: int = 4, *, base: int = 10_000) -> None:
@@ -41,11 +48,10 @@ def learn(rule: FreshnessRule, lateness: float, buffers: int = 4, *, base: int =
     estimate = rule._estimate or 0.0
     for b in range(buffers):
         g = base + b
-        rule.note([Route(0, (g,), (Reservation(g, g, 0),))], 0.0)
-        rule._open.setdefault(g, (0.0, estimate))
+        admit(rule, g, 0.0, estimate)
         rule.finished(g, LENGTH)
         rule.completed(g, estimate + lateness)
-        rule.learn([g])
+        rule.learn()
 
 
 def ready_rule(step_s: float = 10.0, lateness: float = 0.5) -> tuple[FreshnessRule, float]:
@@ -128,11 +134,11 @@ def test_it_gives_way_while_the_trainer_waits() -> None:
     learn(rule, 0.5)
     rule.pace.count_waits = True
     t = 0.0
-    rule.consumed((), t)
+    rule.consumed(t)
     for _ in range(4):
         rule.pace.asked(t + 10.0)
         t += 14.0  # 4 s waiting for each buffer
-        rule.consumed((), t)
+        rule.consumed(t)
     m = manager(0, eta=3, batch=2)
     assert rule.hold(groups(8), m.sketch(), idle_fleet(), t + 1.0) == set()
     assert rule.state.giving_way
@@ -152,24 +158,57 @@ def test_a_late_history_raises_the_margin_and_starts_groups_earlier() -> None:
     assert rule.hold(groups(8), m.sketch(), idle_fleet(), served + 1.0) == set()  # all of eta
 
 
-def test_the_margin_is_the_quantile_of_each_buffers_latest_group() -> None:
+def test_the_margin_learns_when_buffers_fill_not_how_long_one_group_took() -> None:
+    """Buffers of 2. Groups 0 and 1 start at 0, groups 2 and 3 at 5, each estimated at
+    1 s. Group 1 straggles to 20: occupied groups move to the earliest buffer with room,
+    so the first buffer fills at 6 with groups 0 and 2 (6 s after its admissions: 5 late),
+    and the second at 20 with groups 3 and 1 (15 s after its admissions at 5: 14 late).
+    Timed one by one the groups would read 0, 0 and 0, 19: nothing learned for the first
+    buffer, and the straggler's whole time for the second."""
     rule = FreshnessRule(COST, quantile=0.5)
-    for g, (t0, done) in enumerate([(0.0, 5.0), (0.0, 9.0), (1.0, 3.0)]):
-        rule.finished(g, LENGTH)
-        rule._open[g] = (t0, 2.0)  # admitted at t0 with an estimate of 2 s
+    for g, t0 in enumerate([0.0, 0.0, 5.0, 5.0]):
+        admit(rule, g, t0, 1.0)
+    for g, done in [(0, 1.0), (2, 6.0)]:
         rule.completed(g, done)
-    rule.consumed([0, 1], 10.0)  # latenesses 3 and 7: the buffer was as late as 7
-    rule.consumed([2], 11.0)  # lateness 0
-    assert rule.margin_s == 0.0  # the median of 7 and 0
-    rule.consumed([2], 11.5)  # learnt once
-    rule.consumed([], 12.0)  # a buffer of groups admitted before any estimate: no sample
-    assert rule.margin_s == 0.0
-    rule.consumed([], 13.0)
-    rule2 = FreshnessRule(COST, quantile=0.6)
-    rule2._late_of = {0: 3.0, 1: 7.0, 2: 0.0}
-    rule2.learn([0, 1])
-    rule2.learn([2])
-    assert rule2.margin_s == 7.0  # 0.6 of two samples: the larger
+    rule.consumed(6.0)
+    for g, done in [(3, 6.0), (1, 20.0)]:
+        rule.completed(g, done)
+    rule.consumed(20.0)
+    assert sorted(rule._lateness) == [5.0, 14.0]
+    assert rule.margin_s == 5.0  # the median
+    rule.consumed(21.0)  # no completion since: no sample
+    assert len(rule._lateness) == 2
+    rule.q = 0.9
+    assert rule.margin_s == 14.0
+
+
+def test_dropped_groups_leave_the_count() -> None:
+    rule = FreshnessRule(COST, quantile=0.5)
+    admit(rule, 0, 0.0, 1.0)
+    admit(rule, 1, 0.0, 1.0)
+    admit(rule, 2, 5.0, 1.0)
+    rule.dropped([0])  # never completes: the next completions count against 0 and 5
+    rule.completed(1, 3.0)  # 3 s after 0: 2 late
+    rule.completed(2, 9.0)  # 4 s after 5: 3 late (against 0 it would be 8)
+    rule.consumed(9.0)
+    assert list(rule._lateness) == [3.0]
+    # a group dropped after its admission was counted against an earlier completion
+    admit(rule, 3, 10.0, 1.0)
+    admit(rule, 4, 12.0, 1.0)
+    rule.completed(4, 13.0)  # counted against 3's admission (10): 2 late
+    rule.dropped([3, 99])  # 3's admission was counted already: 4's leaves; 99 unknown
+    assert not rule._unmatched and not rule._open
+    rule.completed(5, 14.0)  # a group admitted before the rule saw it (a resume)
+    rule.consumed(14.0)
+    assert list(rule._lateness) == [3.0, 2.0]
+
+
+def test_completions_of_groups_admitted_before_any_estimate_teach_nothing() -> None:
+    rule = FreshnessRule(COST)
+    admit(rule, 0, 0.0, None)
+    rule.completed(0, 50.0)
+    rule.consumed(50.0)
+    assert not rule._lateness and rule.margin_s == 0.0
 
 
 def test_admissions_start_the_clock_of_new_groups_only() -> None:
@@ -181,6 +220,7 @@ def test_admissions_start_the_clock_of_new_groups_only() -> None:
     rule.note([Route(0, (1, 2), (Reservation(7, 1, 0), Reservation(7, 2, 0)))], 3.0)
     rule.note([Route(1, (3,), (Reservation(7, 3, 0),))], 4.0)
     assert rule._open[7] == (3.0, estimate)
+    assert list(rule._unmatched) == [(3.0, estimate)]  # one admission, counted once
 
 
 def test_it_holds_nothing_before_it_has_measured_or_at_eta_0() -> None:
