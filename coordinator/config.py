@@ -195,8 +195,9 @@ class FreshnessConfig:
     quantile: float = field(
         default=0.9,
         metadata={
-            "help": "the margin is this quantile of how late recent groups finished against "
-            "their estimate (seconds); higher starts groups earlier (staler, safer)",
+            "help": "the margin is this quantile of how late recent buffers filled against "
+            "their groups' estimates (seconds, completions counted in admission order); "
+            "higher starts groups earlier (staler, safer)",
             "max": 1.0,
             "max_why": "a quantile (the margin may not cover more than every group)",
         },
