@@ -243,3 +243,30 @@ def test_freshness_adds_the_rule_at_staleflows_split_and_compares_it(
     assert 0 <= cell["staleness_on"] <= 3 and 0 <= cell["staleness_off"] <= 3
     assert sum("freshness on >= 0.98x" in v for v in data["verdicts"]) == 1
     assert "Freshness off | on" in capsys.readouterr().out
+
+
+def test_freshness_verdicts_name_slow_and_stale_cells_and_spare_the_floor() -> None:
+    from staleflow.sim.freshness import freshness_verdicts
+
+    def cell(w: str, eta: int, ratio: float, off: float, on: float, binds: bool) -> dict:
+        return {
+            "workload": w,
+            "eta": eta,
+            "ratio": ratio,
+            "ratio_text": f"{ratio:.3f}",
+            "staleness_off": off,
+            "staleness_on": on,
+            "trainer_binds": binds,
+        }
+
+    good = [
+        cell("a", 3, 0.99, 2.8, 2.1, True),
+        cell("a", 1, 1.0, 0.97, 0.97, True),  # at the floor: nothing fresher without waiting
+        cell("b", 3, 1.0, 2.8, 2.8, False),  # the rollout binds: the rule gives way
+    ]
+    fast, fresh = freshness_verdicts(good)
+    assert fast.endswith("3 cells, PASS")
+    assert fresh.endswith("2 cells, 1 of them at that floor, PASS")
+    fast, fresh = freshness_verdicts([*good, cell("c", 3, 0.97, 2.81, 2.81, True)])
+    assert fast.endswith("FAIL in c eta=3 0.970")
+    assert fresh.endswith("FAIL in c eta=3 2.81 -> 2.81")
