@@ -69,7 +69,8 @@ def freshness_verdicts(cells: list[dict[str, Any]]) -> list[str]:
     slow = [c for c in cells if c["ratio"] < 0.98]
     bound = [c for c in cells if c["trainer_binds"]]
     floor = [c for c in bound if c["staleness_off"] <= FLOOR]
-    stale = [c for c in bound if c not in floor and not c["staleness_on"] < c["staleness_off"]]
+    above = (c for c in bound if c["staleness_off"] > FLOOR)
+    stale = [c for c in above if not c["staleness_on"] < c["staleness_off"]]
     name = lambda c: f"{c['workload']} eta={c['eta']}"  # noqa: E731
     return [
         f"verdict: freshness on >= 0.98x off in every cell (mean over seeds): {len(cells)} "
