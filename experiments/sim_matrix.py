@@ -128,6 +128,7 @@ def simulate(run: Run) -> dict[str, Any]:
         "estimate_error": s.estimate_error,
         "max_staleness": max(s.max_staleness_per_batch, default=0),
         "staleness_mean": _mean_staleness(s.staleness),
+        "ready_wait_versions": s.ready_wait_versions,
         "audit_max_staleness": audit.max_staleness,
         "audit_max_staleness_oldest_token": audit.max_staleness_oldest_token,
         "audit_trajectories": audit.trajectories,

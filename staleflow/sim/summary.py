@@ -61,6 +61,8 @@ class SimulatedRun(Protocol):
     def late_wasted_tokens(self) -> int: ...
     @property
     def tail_s(self) -> list[float]: ...
+    @property
+    def ready_wait(self) -> list[int]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +120,12 @@ class Summary(RunFigures[float, dict[int, int]]):
     reprefill_tokens: int = 0
     wasted_tokens: int = 0
     tail_s: float = 0.0
+    # mean over the counted steps of the trainer steps finished between the moment the
+    # step's batch was complete (its last trajectory rewarded) and its Consume: the
+    # staleness a batch gathers waiting for the trainer once generated, the part the
+    # freshness rule (coordinator/freshness.py) can take off; 1 where a batch completes
+    # while the trainer trains on the one before
+    ready_wait_versions: float = 0.0
     probe_groups: int = 0
     probe_error: float = 0.0
     # RolloutPipe's complete-group pipelining (``ClusterConfig.stream_training``): groups
@@ -199,6 +207,7 @@ def summarise(cluster: SimulatedRun) -> Summary:
         reprefill_tokens=sum(t.reprefill_tokens for t in times),
         wasted_tokens=sum(t.wasted_tokens for t in times) + cluster.late_wasted_tokens,
         tail_s=_mean(cluster.tail_s[: trainer.steps]),
+        ready_wait_versions=_mean([float(w) for w in cluster.ready_wait[: trainer.steps]]),
         probe_groups=probes.groups,
         probe_error=probes.mean_error,
         streamed_groups=sum(trainer.step_stream_groups),

@@ -43,6 +43,18 @@ def test_where_the_trainer_binds_the_data_is_fresher_at_the_same_throughput() ->
     assert rule is not None and rule.state.held_cycles > 0
     assert mean_staleness(on) < mean_staleness(off) - 0.5
     assert on.tokens_per_s >= 0.98 * off.tokens_per_s
+    # what the rule takes off is the steps a complete batch waits for the trainer: off,
+    # the rollout runs the window ahead and batches wait more than the one step that a
+    # batch completed during the step before it waits
+    assert off.ready_wait_versions > 1.5
+    assert on.ready_wait_versions < off.ready_wait_versions - 0.5
+
+
+def test_at_eta_0_every_batch_is_complete_only_when_the_trainer_wants_it() -> None:
+    off = SimCluster(system("staleflow", short_responses(8.0, eta=0, steps=6)))
+    run(off)
+    assert off.ready_wait[:6] == [0] * 6
+    assert summarise(off).ready_wait_versions == 0.0
 
 
 def test_where_the_rollout_binds_it_gives_way() -> None:

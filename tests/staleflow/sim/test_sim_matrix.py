@@ -248,7 +248,9 @@ def test_freshness_adds_the_rule_at_staleflows_split_and_compares_it(
 def test_freshness_verdicts_name_slow_and_stale_cells_and_spare_the_floor() -> None:
     from staleflow.sim.freshness import freshness_verdicts
 
-    def cell(w: str, eta: int, ratio: float, off: float, on: float, binds: bool) -> dict:
+    def cell(
+        w: str, eta: int, ratio: float, off: float, on: float, binds: bool, wait: float = 2.0
+    ) -> dict:
         return {
             "workload": w,
             "eta": eta,
@@ -257,6 +259,7 @@ def test_freshness_verdicts_name_slow_and_stale_cells_and_spare_the_floor() -> N
             "staleness_off": off,
             "staleness_on": on,
             "trainer_binds": binds,
+            "ready_wait_off": wait,
         }
 
     good = [
@@ -270,3 +273,10 @@ def test_freshness_verdicts_name_slow_and_stale_cells_and_spare_the_floor() -> N
     fast, fresh = freshness_verdicts([*good, cell("c", 3, 0.97, 2.81, 2.81, True)])
     assert fast.endswith("FAIL in c eta=3 0.970")
     assert fresh.endswith("FAIL in c eta=3 2.81 -> 2.81")
+    # batches that waited no longer than the step before them once complete: nothing to
+    # take off, so the same staleness is that floor, not a failure; a journal from before
+    # the wait was measured (None) gets no such allowance
+    _, fresh = freshness_verdicts([*good, cell("d", 3, 1.0, 2.81, 2.81, True, wait=1.12)])
+    assert fresh.endswith("3 cells, 2 of them at that floor, PASS")
+    _, fresh = freshness_verdicts([*good, cell("d", 3, 1.0, 2.81, 2.81, True, wait=None)])
+    assert fresh.endswith("FAIL in d eta=3 2.81 -> 2.81")
