@@ -205,10 +205,10 @@ class SimCluster:
         self.duplicates: list[int] = []
         self.response_lengths: list[int] = []  # of consumed trajectories
         self.late_wasted_tokens = 0  # responses finished after their trajectory was dropped
-        self.finish_times: dict[int, float] = {}  # rewarded, not yet trained -> when
-        # rewarded, not yet trained -> the trainer's finished steps then; per consumed
-        # batch, the steps it finished between the batch's last reward and the Consume
-        self.finish_versions: dict[int, int] = {}
+        # rewarded, not yet trained -> when, and the trainer's finished steps then
+        self.finished_at: dict[int, tuple[float, int]] = {}
+        # per consumed batch: the steps the trainer finished between the batch's last
+        # reward and its Consume
         self.ready_wait: list[int] = []
         # per consumed batch: seconds from its 90th-percentile finish to its last (the time
         # the buffer waited on its long tail, Seer's "long-tail time")
@@ -304,8 +304,7 @@ class SimCluster:
         while self._events and self._events[0][0] <= horizon:
             t, _, kind, data = heapq.heappop(self._events)
             if kind == REWARD:
-                self.finish_times[data[0].traj_id] = t
-                self.finish_versions[data[0].traj_id] = self.trainer.steps
+                self.finished_at[data[0].traj_id] = (t, self.trainer.steps)
                 self._reward(*data)
             elif kind == TRAIN_DONE:
                 self._push(self.trainer.finish_step(t), PUSH_DONE, None)
@@ -375,10 +374,10 @@ class SimCluster:
         taken = self.ts.take_batch(list(select), select)
         if taken.dropped:
             self._forget(taken.dropped)
-        self.tail_s.append(tail_seconds([self.finish_times.pop(t, 0.0) for t in kept]))
         now = self.trainer.steps  # finished steps: the version this batch trains
-        ready = max((self.finish_versions.pop(t, now) for t in kept), default=now)
-        self.ready_wait.append(now - ready)
+        finished = [self.finished_at.pop(t, (0.0, now)) for t in kept]
+        self.tail_s.append(tail_seconds([when for when, _ in finished]))
+        self.ready_wait.append(now - max((steps for _, steps in finished), default=now))
         tokens = squares = ahead_groups = ahead_tokens = 0
         for group in taken.groups:
             lengths = tuple(len(tr.tokens) for tr in group.trajectories)

@@ -207,7 +207,7 @@ def summarise(cluster: SimulatedRun) -> Summary:
         reprefill_tokens=sum(t.reprefill_tokens for t in times),
         wasted_tokens=sum(t.wasted_tokens for t in times) + cluster.late_wasted_tokens,
         tail_s=_mean(cluster.tail_s[: trainer.steps]),
-        ready_wait_versions=_mean([float(w) for w in cluster.ready_wait[: trainer.steps]]),
+        ready_wait_versions=_mean(cluster.ready_wait[: trainer.steps]),
         probe_groups=probes.groups,
         probe_error=probes.mean_error,
         streamed_groups=sum(trainer.step_stream_groups),
@@ -232,7 +232,7 @@ def _races(cluster: SimulatedRun) -> dict[str, int]:
     return {"races_started": r.started, "races_won": r.won, "race_wasted_tokens": r.wasted_tokens}
 
 
-def _mean(values: list[float]) -> float:
+def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
