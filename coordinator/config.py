@@ -260,14 +260,16 @@ class AgenticRulesConfig:
         },
     )
     tool_pulls: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "synchronisation weighs a Pull by the KV it discards that the fleet needs "
             "again soon (decoding, and the cached prefixes of trajectories expected back "
             "from their tools within a turn's time): deferred Pulls (pull_kv) count those "
             "prefixes, and a lagging instance under pull_kv is Pulled when new work waits "
-            "(coordinator/sync.py kv_in_use); off by default: it did not raise throughput "
-            "in the simulator (docs/simulator_agentic.md)"
+            "for an instance at the PS's version (coordinator/sync.py); false: Algorithm 4 "
+            "alone, which keeps an instance at its version while any next turn could resume "
+            "there, so new groups wait for the whole fleet to drain "
+            "(docs/simulator_agentic.md)"
         },
     )
     prior_wait_s: float = field(

@@ -176,7 +176,6 @@ RULES: dict[str, dict[str, Any]] = {
 AGENTIC_RULES: dict[str, dict[str, Any]] = {
     "locality": {"kv_locality": False},
     "returns": {"expected_returns": False},
-    # off by default (config.py): ``staleflow-no-tool-pulls`` is ``staleflow``
     "tool-pulls": {"tool_pulls": False},
     "tool-critical": {"tool_critical": False},
 }

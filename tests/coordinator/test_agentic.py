@@ -13,6 +13,7 @@ from coordinator import InstanceSnapshot, Snapshot, TrajRecord
 from coordinator.agentic import ToolWaits, expected_returns, move_penalty, stays_home
 from coordinator.estimation import SpeedEstimator
 from coordinator.fleet import Fleet
+from coordinator.pool import TrajectoryPool
 from tests.coordinator.builders import COST
 
 
@@ -194,3 +195,50 @@ def test_tool_pulls_count_the_prefixes_expected_back_as_kv_in_use() -> None:
     assert on[1] == fleet.kv[1] and on[0] > fleet.kv[0]
     with pytest.raises(ValueError, match="ToolWaits"):
         ThroughputSync(ThroughputRouting(COST, 0.5), returns=True)
+
+
+def _lagging_scene(held_len: int) -> tuple[Fleet, TrajectoryPool]:
+    """Two instances at version 0 (the PS is at 1), each decoding one short trajectory
+    while another waits on its tool, its prefix (``held_len`` tokens on instance 0) cached
+    there; the TS holds a next turn of version 0 and a new group."""
+    snap = Snapshot(
+        (
+            _inst(
+                0, run=_waiting([10], 2_000), env=_waiting([11], held_len), held=((11, held_len),)
+            ),
+            _inst(1, run=_waiting([20], 2_000), env=_waiting([21], 5_000), held=((21, 5_000),)),
+        ),
+        10.0,
+    )
+    ts = [TrajRecord(30, 0, 0, 4_000, 50), TrajRecord(40, 7, None, 100, 100)]
+    return Fleet(snap), TrajectoryPool(ts)
+
+
+@pytest.mark.parametrize("wait_s", [60.0, 1.0])
+def test_tool_pulls_take_a_lagging_instance_when_new_groups_wait(wait_s: float) -> None:
+    """Algorithm 4 keeps an instance at its version while a next turn could resume there,
+    and with multi-turn work the TS always holds one: without ``tool_pulls`` no lagging
+    instance is Pulled, and the new group waits for the fleet to drain. With it, a
+    lagging instance whose KV in use (decoding, and the prefixes expected back soon) is
+    under ``pull_kv`` is Pulled; instance 0's 60K-token prefix counts only when its tool
+    answers within a turn's time (short waits), which keeps that instance at its version."""
+    from coordinator.routing import ThroughputRouting
+    from coordinator.sync import ThroughputSync
+    from staleness import StalenessConfig, StalenessManager
+
+    waits = ToolWaits(min_samples=4)
+    waits.learn([wait_s] * 8)
+    routing = ThroughputRouting(COST, 0.5, fresh=True, waits=waits)
+    manager = StalenessManager(StalenessConfig(eta=2, batch_size=4, group_size=1), 1)
+    fleet, pool = _lagging_scene(held_len=60_000)
+    off = ThroughputSync(routing, pull_kv=0.5).select(fleet, pool, 1, manager.sketch())
+    assert off == []
+    on = ThroughputSync(routing, pull_kv=0.5, returns=True)
+    kv = on.kv_in_use(fleet)
+    chosen = on.select(fleet, pool, 1, manager.sketch())
+    if wait_s > 10.0:  # long tools: nothing is expected back soon, both Pulls are cheap
+        assert kv[0] < 0.5 * COST.kv_budget
+        assert chosen == [0, 1]
+    else:  # instance 0's prefix is expected back: discarding it is not cheap
+        assert kv[0] > 0.5 * COST.kv_budget > kv[1]
+        assert chosen == [1]
