@@ -198,18 +198,17 @@ def test_tool_pulls_count_the_prefixes_expected_back_as_kv_in_use() -> None:
 
 
 def _lagging_scene(held_len: int) -> tuple[Fleet, TrajectoryPool]:
-    """Two instances at version 0 (the PS is at 1), each decoding one short trajectory
+    """Two instances at version 1 (the PS is at 2), each decoding one short trajectory
     while another waits on its tool, its prefix (``held_len`` tokens on instance 0) cached
-    there; the TS holds a next turn of version 0 and a new group."""
-    snap = Snapshot(
-        (
-            _inst(
-                0, run=_waiting([10], 2_000), env=_waiting([11], held_len), held=((11, held_len),)
-            ),
-            _inst(1, run=_waiting([20], 2_000), env=_waiting([21], 5_000), held=((21, 5_000),)),
-        ),
-        10.0,
-    )
+    there; the TS holds a next turn of version 0 (the oldest in flight, resumable on
+    either) and a new group."""
+
+    def lagging(inst: int, tid: int, length: int) -> InstanceSnapshot:
+        run = (TrajRecord(tid, tid, 1, 2_000, 50),)
+        env = (TrajRecord(tid + 1, tid + 1, 1, length, 50),)
+        return InstanceSnapshot(inst, 2_000, run, (), (), 1, env, ((tid + 1, length),))
+
+    snap = Snapshot((lagging(0, 10, held_len), lagging(1, 20, 5_000)), 10.0)
     ts = [TrajRecord(30, 0, 0, 4_000, 50), TrajRecord(40, 7, None, 100, 100)]
     return Fleet(snap), TrajectoryPool(ts)
 
@@ -229,16 +228,44 @@ def test_tool_pulls_take_a_lagging_instance_when_new_groups_wait(wait_s: float) 
     waits = ToolWaits(min_samples=4)
     waits.learn([wait_s] * 8)
     routing = ThroughputRouting(COST, 0.5, fresh=True, waits=waits)
-    manager = StalenessManager(StalenessConfig(eta=2, batch_size=4, group_size=1), 1)
+    manager = StalenessManager(StalenessConfig(eta=2, batch_size=4, group_size=1), 2)
     fleet, pool = _lagging_scene(held_len=60_000)
-    off = ThroughputSync(routing, pull_kv=0.5).select(fleet, pool, 1, manager.sketch())
+    off = ThroughputSync(routing, pull_kv=0.5).select(fleet, pool, 2, manager.sketch())
     assert off == []
     on = ThroughputSync(routing, pull_kv=0.5, returns=True)
     kv = on.kv_in_use(fleet)
-    chosen = on.select(fleet, pool, 1, manager.sketch())
+    chosen = on.select(fleet, pool, 2, manager.sketch())
     if wait_s > 10.0:  # long tools: nothing is expected back soon, both Pulls are cheap
         assert kv[0] < 0.5 * COST.kv_budget
         assert chosen == [0, 1]
     else:  # instance 0's prefix is expected back: discarding it is not cheap
         assert kv[0] > 0.5 * COST.kv_budget > kv[1]
         assert chosen == [1]
+
+
+def test_tool_pulls_spare_an_instance_holding_the_oldest_trajectories() -> None:
+    """A cheap Pull would interrupt what the instance decodes: never the oldest version
+    in flight, which gates the trainer's next buffer. Both instances lag (version 1, the
+    PS at 2) with little KV in use; only the one whose trajectory is of version 1 is
+    Pulled, the one decoding a version-0 trajectory keeps its version."""
+    from coordinator.routing import ThroughputRouting
+    from coordinator.sync import ThroughputSync
+    from staleness import StalenessConfig, StalenessManager
+
+    def lagging(inst: int, v_traj: int, tid: int) -> InstanceSnapshot:
+        run = (TrajRecord(tid, tid, v_traj, 2_000, 50),)
+        env = (TrajRecord(tid + 1, tid + 1, 1, 5_000, 50),)  # at a long tool call
+        return InstanceSnapshot(inst, 2_000, run, (), (), 1, env, ((tid + 1, 5_000),))
+
+    waits = ToolWaits(min_samples=4)
+    waits.learn([60.0] * 8)
+    routing = ThroughputRouting(COST, 0.5, fresh=True, waits=waits)
+    manager = StalenessManager(StalenessConfig(eta=2, batch_size=4, group_size=1), 2)
+    fleet = Fleet(Snapshot((lagging(0, 0, 10), lagging(1, 1, 20)), 10.0))
+    pool = TrajectoryPool([TrajRecord(30, 0, 1, 4_000, 50), TrajRecord(40, 7, None, 100, 100)])
+    sync = ThroughputSync(routing, pull_kv=0.5, returns=True)
+    assert sync.select(fleet, pool, 2, manager.sketch()) == [1]
+    # the oldest in flight waiting in the TS instead: neither instance holds it
+    fleet = Fleet(Snapshot((lagging(0, 1, 10), lagging(1, 1, 20)), 10.0))
+    pool = TrajectoryPool([TrajRecord(30, 0, 0, 4_000, 50), TrajRecord(40, 7, None, 100, 100)])
+    assert sync.select(fleet, pool, 2, manager.sketch()) == [0, 1]
