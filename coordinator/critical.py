@@ -43,7 +43,7 @@ import numpy as np
 
 from coordinator.cost_model import CostModel
 from coordinator.fleet import Fleet
-from coordinator.pool import TrajectoryPool
+from coordinator.pool import Level, TrajectoryPool
 from coordinator.types import TrajectoryView
 from staleness.types import TrajId
 
@@ -153,6 +153,18 @@ class CriticalPath:
         return out
 
 
+def oldest_in_flight(
+    fleet: Fleet, levels: list[Level], away: list[int] | None = None
+) -> int | None:
+    """The lowest ``V_traj`` of the partial trajectories of ``levels``, of those on the
+    instances and of ``away`` (versions of trajectories at their tools); None if none."""
+    lows = [v for v, _ in levels if v is not None]
+    lows += [min(vs) for vs in fleet.versions() if vs]
+    if away:
+        lows.append(min(away))
+    return min(lows) if lows else None
+
+
 def oldest_tail(
     fleet: Fleet, pool: TrajectoryPool, per_instance: int = 1, waiting: bool = False
 ) -> tuple[int, list[tuple[int, TrajectoryView]]]:
@@ -167,22 +179,11 @@ def oldest_tail(
     they are not in the list). Without it the rule sees a version whose trajectories are
     all at their tools as finished, and takes the next one for the trainer's critical
     path, or the tail as reached while most of it waits on tools."""
-    partial = [v for v, _ in pool.levels() if v is not None]
-    oldest = min(partial) if partial else None
-    away: list[int] = []
-    if waiting and fleet.n_env.any():
-        away = fleet.env_versions()
-        low = min(away)
-        if oldest is None or low < oldest:
-            oldest = low
-    versions = fleet.versions()
-    lows = [min(vs) for vs in versions if vs]
-    if lows:
-        low = min(lows)
-        if oldest is None or low < oldest:
-            oldest = low
+    away = fleet.env_versions() if waiting and fleet.n_env.any() else []
+    oldest = oldest_in_flight(fleet, pool.levels(), away)
     if oldest is None:
         return 0, []
+    versions = fleet.versions()
     counts = [vs.count(oldest) for vs in versions]
     count = sum(counts) + sum(len(ts) for v, ts in pool.levels() if v == oldest)
     count += away.count(oldest)

@@ -8,7 +8,7 @@ import numpy as np
 import numpy.typing as npt
 
 from coordinator.agentic import expected_returns
-from coordinator.critical import oldest_tail
+from coordinator.critical import oldest_in_flight, oldest_tail
 from coordinator.fleet import Fleet
 from coordinator.gains import routing_gains
 from coordinator.pool import Level, TrajectoryPool
@@ -183,13 +183,10 @@ class ThroughputSync:
         # Never at the cost of the oldest trajectories in flight: they gate the trainer's
         # next buffer, and the Pull would interrupt them to re-prefill elsewhere (at
         # eta = 1 the simulator lost 5.7% on a seed of `search-agent` to such Pulls).
-        oldest = _oldest_in_flight(fleet, levels)
-        versions = fleet.versions()
-        cheap = [
-            p
-            for p in candidates
-            if p not in taken and kv[p] <= self.max_kv and oldest not in versions[p]
-        ]
+        cheap = [p for p in candidates if p not in taken and kv[p] <= self.max_kv]
+        if cheap:
+            oldest, versions = oldest_in_flight(fleet, levels), fleet.versions()
+            cheap = [p for p in cheap if oldest not in versions[p]]
         return sorted(chosen + cheap) if cheap else chosen
 
     def kv_in_use(self, fleet: Fleet) -> npt.NDArray[np.float64]:
@@ -328,14 +325,6 @@ class ThroughputSync:
         fresh = self.routing.fresh_from(ps_version)
         self.routing.run(fleet.copy(), levels, scratch, probe, fresh)
         return sorted(probe.chosen)
-
-
-def _oldest_in_flight(fleet: Fleet, levels: list[Level]) -> int | None:
-    """The lowest ``V_traj`` of the partial trajectories in the TS and of those on the
-    instances (None if there are none)."""
-    lows = [v for v, _ in levels if v is not None]
-    lows += [min(vs) for vs in fleet.versions() if vs]
-    return min(lows) if lows else None
 
 
 def _running_tail(

@@ -14,6 +14,9 @@ from coordinator.agentic import ToolWaits, expected_returns, move_penalty, stays
 from coordinator.estimation import SpeedEstimator
 from coordinator.fleet import Fleet
 from coordinator.pool import TrajectoryPool
+from coordinator.routing import ThroughputRouting
+from coordinator.sync import ThroughputSync
+from staleness import StalenessConfig, StalenessManager
 from tests.coordinator.builders import COST
 
 
@@ -174,8 +177,6 @@ def test_a_pull_drops_the_prefixes_of_the_pulled_instance() -> None:
 def test_tool_pulls_count_the_prefixes_expected_back_as_kv_in_use() -> None:
     """With ``tool_pulls`` the synchronisation weighs a Pull by the cached prefixes it
     would discard that are expected back within a turn's time; off, by decoding KV only."""
-    from coordinator.routing import ThroughputRouting
-    from coordinator.sync import ThroughputSync
 
     waits = ToolWaits(min_samples=4)
     waits.learn([1.0, 1.0, 1.0, 1.0])  # every wait is short: all expected back soon
@@ -195,6 +196,15 @@ def test_tool_pulls_count_the_prefixes_expected_back_as_kv_in_use() -> None:
     assert on[1] == fleet.kv[1] and on[0] > fleet.kv[0]
     with pytest.raises(ValueError, match="ToolWaits"):
         ThroughputSync(ThroughputRouting(COST, 0.5), returns=True)
+
+
+def _tool_sync_setup(wait_s: float) -> tuple[ThroughputRouting, StalenessManager]:
+    """Routing with fresh admission and tool waits all of ``wait_s`` seconds, and a
+    staleness manager at version 2 (eta 2) that admits a new group at the PS's version."""
+    waits = ToolWaits(min_samples=4)
+    waits.learn([wait_s] * 8)
+    routing = ThroughputRouting(COST, 0.5, fresh=True, waits=waits)
+    return routing, StalenessManager(StalenessConfig(eta=2, batch_size=4, group_size=1), 2)
 
 
 def _lagging_scene(held_len: int) -> tuple[Fleet, TrajectoryPool]:
@@ -221,14 +231,7 @@ def test_tool_pulls_take_a_lagging_instance_when_new_groups_wait(wait_s: float) 
     lagging instance whose KV in use (decoding, and the prefixes expected back soon) is
     under ``pull_kv`` is Pulled; instance 0's 60K-token prefix counts only when its tool
     answers within a turn's time (short waits), which keeps that instance at its version."""
-    from coordinator.routing import ThroughputRouting
-    from coordinator.sync import ThroughputSync
-    from staleness import StalenessConfig, StalenessManager
-
-    waits = ToolWaits(min_samples=4)
-    waits.learn([wait_s] * 8)
-    routing = ThroughputRouting(COST, 0.5, fresh=True, waits=waits)
-    manager = StalenessManager(StalenessConfig(eta=2, batch_size=4, group_size=1), 2)
+    routing, manager = _tool_sync_setup(wait_s)
     fleet, pool = _lagging_scene(held_len=60_000)
     off = ThroughputSync(routing, pull_kv=0.5).select(fleet, pool, 2, manager.sketch())
     assert off == []
@@ -248,19 +251,13 @@ def test_tool_pulls_spare_an_instance_holding_the_oldest_trajectories() -> None:
     in flight, which gates the trainer's next buffer. Both instances lag (version 1, the
     PS at 2) with little KV in use; only the one whose trajectory is of version 1 is
     Pulled, the one decoding a version-0 trajectory keeps its version."""
-    from coordinator.routing import ThroughputRouting
-    from coordinator.sync import ThroughputSync
-    from staleness import StalenessConfig, StalenessManager
 
     def lagging(inst: int, v_traj: int, tid: int) -> InstanceSnapshot:
         run = (TrajRecord(tid, tid, v_traj, 2_000, 50),)
         env = (TrajRecord(tid + 1, tid + 1, 1, 5_000, 50),)  # at a long tool call
         return InstanceSnapshot(inst, 2_000, run, (), (), 1, env, ((tid + 1, 5_000),))
 
-    waits = ToolWaits(min_samples=4)
-    waits.learn([60.0] * 8)
-    routing = ThroughputRouting(COST, 0.5, fresh=True, waits=waits)
-    manager = StalenessManager(StalenessConfig(eta=2, batch_size=4, group_size=1), 2)
+    routing, manager = _tool_sync_setup(60.0)
     fleet = Fleet(Snapshot((lagging(0, 0, 10), lagging(1, 1, 20)), 10.0))
     pool = TrajectoryPool([TrajRecord(30, 0, 1, 4_000, 50), TrajRecord(40, 7, None, 100, 100)])
     sync = ThroughputSync(routing, pull_kv=0.5, returns=True)
