@@ -73,9 +73,7 @@ from trajectory_server.types import AbortedTrajectory, InstanceId
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# How often a streaming trainer's wait looks at its buffer: groups are occupied at reward
-# speed, and a poll is a lock and a dict walk
-_STREAM_POLL_S = 0.02
+_STREAM_POLL_S = 0.02  # a streaming trainer's wait on its buffer: groups fill at reward speed
 
 
 class ControlPlaneError(RuntimeError):
@@ -316,6 +314,8 @@ class ControlPlane:
                 # aborts decided since the last cycle (the last step's surplus) would never
                 # be issued: carry them out, so that no instance keeps what the TS dropped
                 self.loop.abort_pending()
+                if self.races is not None:  # no cycle will end the races still running
+                    self.races.drop_all()
 
     def settle(self) -> int:
         """After :meth:`stop` (the end-of-run audit): interrupt every member and take out

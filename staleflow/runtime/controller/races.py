@@ -191,7 +191,9 @@ class RuntimeRaces:
             self._end(tid, settle_holder=True)
 
     def drop_all(self) -> None:
-        """Drop every copy (the run stops: only the holders' partials are kept)."""
+        """Drop every copy (the run stops: only the holders' partials are kept); the races
+        already over end first as :meth:`settle` ends them (a copy that won counts)."""
+        self.settle()
         for tid in list(self.active):
             self._end(tid, settle_holder=False)
 

@@ -228,6 +228,29 @@ def test_a_stop_drops_every_copy_and_keeps_the_holders_partials_whole():
     assert "routed" not in set(cut.trajectories["trajectories"]["state"])
 
 
+def test_the_end_of_a_run_drops_the_copies_still_racing():
+    """A run that ends (no stop asked) with a copy running: no cycle will end that race, so
+    the plane's stop drops it rather than leave it decoding on an instance."""
+    w = Wired(race=True, delay_s=0.2, fast_s=0.01)
+    races = w.control.races
+    assert races is not None
+    for h in w.hosts.values():
+        h.start(0, 0.0)
+    w.control.start()
+    deadline = time.monotonic() + 60
+    while not races.active and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert races.active, "no race started"
+    w.control.stop()
+    try:
+        assert not races.active
+        assert all(not h.copies() for h in w.hosts.values())
+    finally:
+        for h in w.hosts.values():
+            h.stop()
+        w.pool.shutdown()
+
+
 def test_with_draws_keyed_by_the_resume_point_a_copy_forks_where_its_original_resumed():
     """vLLM seeds a request by (run seed, trajectory, resume point): a copy samples its
     original's tokens only if both resumed at the same point. The holder reports progress
