@@ -23,6 +23,7 @@ class Fleet:
     instance. The snapshot itself is never modified."""
 
     __slots__ = (
+        "_at_home",
         "_env_versions",
         "_versions",
         "cleared",
@@ -72,16 +73,21 @@ class Fleet:
         self.env = [s.env_trajs for s in insts]
         self.n_env = np.array([len(s.env_trajs) for s in insts], dtype=np.int64)
         self._env_versions: list[int] | None = None
+        self._at_home: tuple[npt.NDArray[np.int64], list[int], list[int]] | None = None
         self._versions: list[list[int]] | None = None
-        held: dict[int, tuple[int, int]] = {}
-        self.held = held
         self.cleared = frozenset()
-        get = held.get  # thousands of prefixes per snapshot with multi-turn work
-        for pos, s in enumerate(insts):
-            for t, n in s.held:  # an instance left behind may cache a shorter, older prefix
-                old = get(t)
-                if n > (-1 if old is None else old[1]):
-                    held[t] = (pos, n)
+        # thousands of prefixes per snapshot with multi-turn work, each cached once but
+        # where an instance left behind caches a shorter, older one too
+        self.held = {t: (pos, n) for pos, s in enumerate(insts) for t, n in s.held}
+        if len(self.held) < sum(len(s.held) for s in insts):
+            held: dict[int, tuple[int, int]] = {}
+            get = held.get
+            for pos, s in enumerate(insts):
+                for t, n in s.held:  # the longest prefix wins, the first of equal ones
+                    old = get(t)
+                    if n > (-1 if old is None else old[1]):
+                        held[t] = (pos, n)
+            self.held = held
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -100,6 +106,7 @@ class Fleet:
         out.env = self.env
         out.n_env = self.n_env
         out._env_versions = self._env_versions
+        out._at_home = self._at_home
         # entries are replaced, never changed in place, so a shallow copy is independent
         out._versions = None if self._versions is None else list(self._versions)
         out.held = self.held  # never written after construction
@@ -113,6 +120,27 @@ class Fleet:
         if self._env_versions is None:
             self._env_versions = [v for trajs in self.env for v in map(_V_TRAJ, trajs)]
         return self._env_versions
+
+    def at_home(self) -> tuple[npt.NDArray[np.int64], list[int], list[int]]:
+        """The trajectories at their tools whose prefix the instance of their last turn
+        still caches: (positions, lengths, ids), in snapshot order. The scan is made once
+        (the synchronisation and routing both ask, a third of those in flight each
+        time); a Pull since only filters it, as it clears its instance's cache."""
+        if self._at_home is None:
+            pos_l, len_l, tid_l = [], [], []
+            get, nowhere = self.held.get, (-1, 0)
+            for pos, trajs in enumerate(self.env):
+                for t in trajs:
+                    if get(t.traj_id, nowhere)[0] == pos:
+                        pos_l.append(pos)
+                        len_l.append(t.length)
+                        tid_l.append(t.traj_id)
+            self._at_home = (np.array(pos_l, dtype=np.int64), len_l, tid_l)
+        where, lengths, ids = self._at_home
+        if self.cleared and len(where):
+            keep = np.flatnonzero(~np.isin(where, list(self.cleared))).tolist()
+            return where[keep], [lengths[i] for i in keep], [ids[i] for i in keep]
+        return where, lengths, ids
 
     def versions(self) -> list[list[int]]:
         """``V_traj`` of run + wait, per instance, in that order (computed once and kept

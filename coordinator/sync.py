@@ -139,9 +139,17 @@ class ThroughputSync:
         if max_kv is not None and self.hold_tail is not None:
             held = _running_tail(fleet, pool, self.hold_tail, ps_version, self.tail_waiting)
         candidates = [p for p in lagging if p not in held]
-        chosen = self._algorithm4(fleet, levels, candidates, ps_version, sketch, max_kv, kv)
+        cheap: list[int] = []
         if self.returns and self.max_kv is not None and fleet.n_env.any():
-            chosen = self._cheap_pulls(fleet, levels, candidates, chosen, ps_version, sketch, kv)
+            cheap = self._cheap_pulls(fleet, levels, candidates, ps_version, sketch, kv)
+        if cheap:
+            # Pulled whatever Algorithm 4 says of them: its tentative pass decides each
+            # candidate on its own, so it need not ask about these
+            taken = set(cheap)
+            candidates = [p for p in candidates if p not in taken]
+        chosen = self._algorithm4(fleet, levels, candidates, ps_version, sketch, max_kv, kv)
+        if cheap:
+            chosen = sorted(chosen + cheap)
         if self.phi_wait is None:
             return chosen
         taken = set(chosen)
@@ -157,7 +165,6 @@ class ThroughputSync:
         fleet: Fleet,
         levels: list[Level],
         candidates: list[int],
-        chosen: list[int],
         ps_version: int,
         sketch: AdmissionSketch,
         kv: npt.NDArray[np.float64],
@@ -178,16 +185,15 @@ class ThroughputSync:
         initial = [ts for v, ts in levels if v is None]
         groups = dict.fromkeys(map(_GROUP_ID, initial[0])) if initial else {}
         if not any(sketch.verify(ps_version, g) for g in groups):
-            return chosen
-        taken = set(chosen)
+            return []
         # Never at the cost of the oldest trajectories in flight: they gate the trainer's
         # next buffer, and the Pull would interrupt them to re-prefill elsewhere (at
         # eta = 1 the simulator lost 5.7% on a seed of `search-agent` to such Pulls).
-        cheap = [p for p in candidates if p not in taken and kv[p] <= self.max_kv]
+        cheap = [p for p in candidates if kv[p] <= self.max_kv]
         if cheap:
             oldest, versions = oldest_in_flight(fleet, levels), fleet.versions()
             cheap = [p for p in cheap if oldest not in versions[p]]
-        return sorted(chosen + cheap) if cheap else chosen
+        return cheap
 
     def kv_in_use(self, fleet: Fleet) -> npt.NDArray[np.float64]:
         """Per instance, the KV a Pull would discard and the fleet needs again soon: what

@@ -174,6 +174,48 @@ def test_a_pull_drops_the_prefixes_of_the_pulled_instance() -> None:
     assert fleet.holder(1) == 0  # the working copy's Pull leaves the original alone
 
 
+def test_a_prefix_cached_twice_is_held_by_the_instance_with_the_longer_one() -> None:
+    # an instance left behind may still cache a shorter, older prefix of a trajectory
+    snap = Snapshot(
+        (
+            _inst(0, held=((1, 100), (2, 300), (3, 200))),
+            _inst(1, held=((1, 400), (2, 300))),
+            _inst(2, held=((3, 150),)),
+        ),
+        0.0,
+    )
+    fleet = Fleet(snap)
+    assert fleet.held_by(1) == (1, 400)
+    assert fleet.held_by(2) == (0, 300)  # equal ones: the first instance's
+    assert fleet.held_by(3) == (0, 200)
+
+
+def test_expected_returns_drop_the_prefixes_a_pull_cleared() -> None:
+    """Asked again after a Pull in the same cycle, the expected returns leave out the
+    Pulled instance (its cache is gone) and nothing else; the original fleet, whose copy
+    was Pulled, still counts it."""
+    waits = ToolWaits(min_samples=4)
+    waits.learn([1.0, 1.0, 1.0, 1.0])
+    snap = Snapshot(
+        (
+            _inst(0, env=_waiting([1, 2], 5_000), held=((1, 5_000), (2, 5_000))),
+            _inst(1, env=_waiting([3], 3_000), held=((3, 3_000),)),
+        ),
+        10.0,
+    )
+    waits.observe(snap, [])
+    fleet = Fleet(snap)
+    n, kv = expected_returns(fleet, waits, COST)
+    assert n[0] > 0.0 and n[1] > 0.0
+    copy = fleet.copy()
+    copy.set_version(0, 5)
+    n2, kv2 = expected_returns(copy, waits, COST)
+    assert n2[0] == 0.0 and kv2[0] == 0.0
+    assert n2[1] == n[1] and kv2[1] == kv[1]
+    again, _ = expected_returns(fleet, waits, COST)
+    assert (again == n).all()
+
+
 def test_tool_pulls_count_the_prefixes_expected_back_as_kv_in_use() -> None:
     """With ``tool_pulls`` the synchronisation weighs a Pull by the cached prefixes it
     would discard that are expected back within a turn's time; off, by decoding KV only."""
