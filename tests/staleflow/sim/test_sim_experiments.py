@@ -29,6 +29,7 @@ SCRIPTS = (
     "sim_staleness",
     "sim_scaling",
     "sim_gap",
+    "sim_bound",
 )
 
 
@@ -304,6 +305,39 @@ def test_gap_window_and_tail(tmp_path: Path) -> None:
     tail = {r["statistic"]: r["ours"] for r in _rows(out / "gap_tail.json")}
     assert 0.0 < tail["trajectories at the cap"] < 0.2
     assert 0.8 < tail["log-length intra-group correlation"] < 1.0
+
+
+def test_bound_caps_every_run_and_says_which_targets_are_out_of_reach(tmp_path: Path) -> None:
+    """sim_bound's best split at the two sides' measured rates: no run (StaleFlow at any of
+    the splits, sticky, sync) trains faster after its warm-up, and a target above the cap
+    is called out of reach."""
+    out = tmp_path / "bound.json"
+    args = ["--small", "--workload", "preset-20k", "--rollout-bound", "1", "2"]
+    args += ["--trainer-bound", "7", "--compare", "sticky:3", "sync"]
+    assert (
+        _script("sim_bound").main([*args, "--targets", "sticky:1.3", "sync:50", "--json", str(out)])
+        == 0
+    )
+    figures = json.loads(out.read_text())
+    assert not figures["problems"]
+    rates = figures["rates"]
+    assert 0 < rates["rho_as_run"] <= rates["rho_decoding"] and rates["tau"] > 0
+    assert figures["bound_as_run"] <= figures["bound_decoding"]
+    assert len(figures["runs"]) == 5
+    for run in figures["runs"]:
+        assert run["steady_tokens_per_s"] <= figures["bound_decoding"]
+    verdicts = {v["system"]: v for v in figures["targets"]}
+    assert verdicts["sticky"]["verdict"] == "within reach"
+    assert verdicts["sync"]["verdict"] == "out of reach"
+    assert verdicts["sync"]["cap_decoding"] < 50
+
+
+def test_bound_refuses_a_split_where_its_side_does_not_bind(tmp_path: Path) -> None:
+    out = tmp_path / "bound.json"
+    args = ["--small", "--workload", "preset-20k", "--rollout-bound", "1"]
+    assert _script("sim_bound").main([*args, "--trainer-bound", "6", "--json", str(out)]) == 1
+    problems = json.loads(out.read_text())["problems"]
+    assert len(problems) == 1 and "not trainer-bound" in problems[0]
 
 
 def test_seed_list_and_stats() -> None:
