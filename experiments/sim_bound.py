@@ -30,11 +30,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from staleflow.sim import SimCluster, system
-from staleflow.sim.presets import WORKLOADS, Layout
+from staleflow.sim import SimCluster
+from staleflow.sim.presets import WORKLOADS
 from staleflow.sim.report import progress, run_each
 
 NO_SPLIT = ("sync",)  # every GPU for both phases
@@ -44,25 +45,18 @@ PLATEAU = 0.05  # the rollout rate at the fewest GPUs tried within this of the n
 
 
 class Run(NamedTuple):
-    """One simulated run; module-level and picklable for ``--jobs``."""
+    """One simulated run (the workload's shape is ``simulate``'s); picklable for --jobs."""
 
     role: str  # "rollout-bound", "trainer-bound" or "compare"
     system: str
-    workload: str
-    eta: int
-    seed: int
-    steps: int
     rollout_gpus: int
-    small: bool
 
 
-def simulate(run: Run) -> dict[str, Any]:
-    w = WORKLOADS[run.workload]
-    total = w.total_gpus(run.small)
-    base = w.config(
-        run.eta, steps=run.steps, seed=run.seed, rollout_gpus=run.rollout_gpus, small=run.small
-    )
-    cfg = system(run.system, base, Layout(run.rollout_gpus, total - run.rollout_gpus))
+def simulate(run: Run, workload: str, eta: int, shape: dict[str, Any]) -> dict[str, Any]:
+    """``shape``: the run's ``steps``, ``seed`` and ``small`` (Workload.system)."""
+    w = WORKLOADS[workload]
+    total = w.total_gpus(shape["small"])
+    cfg = w.system(run.system, eta, rollout_gpus=run.rollout_gpus, **shape)
     s = SimCluster(cfg).run()
     return {
         "role": run.role,
@@ -166,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--targets {spec!r}: the ratio must be a number") from None
 
     def run(role: str, name: str, split: str | None) -> Run:
-        r = total // 2 if split is None else _split(split, total)
-        return Run(role, name, args.workload, args.eta, args.seed, steps, r, args.small)
+        return Run(role, name, total // 2 if split is None else _split(split, total))
 
     tasks = [run("rollout-bound", "staleflow", split) for split in args.rollout_bound]
     tasks.append(run("trainer-bound", "staleflow", args.trainer_bound))
@@ -178,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         tasks.append(run("compare", name, split))
     rows = []
     with progress(len(tasks), "runs") as advance:
-        for _, row in run_each(args.jobs, simulate, tasks, advance, lambda t: t.system):
+        shape = {"steps": steps, "seed": args.seed, "small": args.small}
+        fn = partial(simulate, workload=args.workload, eta=args.eta, shape=shape)
+        for _, row in run_each(args.jobs, fn, tasks, advance, lambda t: t.system):
             rows.append(row)
     lows = [row for row in rows if row["role"] == "rollout-bound"]
     hi = next(row for row in rows if row["role"] == "trainer-bound")

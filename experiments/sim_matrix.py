@@ -56,7 +56,7 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from staleflow.sim import SimCluster, system
+from staleflow.sim import SimCluster
 from staleflow.sim.audit import StalenessAudit
 from staleflow.sim.freshness import (
     FRESH_SYSTEM,
@@ -64,7 +64,7 @@ from staleflow.sim.freshness import (
     freshness_verdicts,
     print_freshness,
 )
-from staleflow.sim.presets import WORKLOADS, Layout
+from staleflow.sim.presets import WORKLOADS
 from staleflow.sim.report import (
     add_seed_options,
     agentic_verdicts,
@@ -99,11 +99,9 @@ class Run(NamedTuple):
 
 def simulate(run: Run) -> dict[str, Any]:
     w = WORKLOADS[run.workload]
-    base = w.config(
-        run.eta, steps=run.steps, seed=run.seed, rollout_gpus=run.rollout_gpus, small=run.small
-    )
     total = w.total_gpus(run.small)
-    config = system(run.system, base, Layout(run.rollout_gpus, total - run.rollout_gpus))
+    shape = {k: getattr(run, k) for k in ("steps", "seed", "rollout_gpus", "small")}
+    config = w.system(run.system, run.eta, **shape)
     started = time.perf_counter()
     cluster = SimCluster(config)
     audit = StalenessAudit().attach(cluster)

@@ -436,6 +436,14 @@ class Workload:
     def total_gpus(self, small: bool = False) -> int:
         return self.gpus if not small else max(8, self.gpus // 16)
 
+    def system(
+        self, name: str, eta: int, *, steps: int, seed: int, rollout_gpus: int, small: bool
+    ) -> ClusterConfig:
+        """System ``name`` (:func:`system`) on this workload, ``rollout_gpus`` of its GPUs
+        rolling out and the rest training."""
+        base = self.config(eta, steps=steps, seed=seed, rollout_gpus=rollout_gpus, small=small)
+        return system(name, base, Layout(rollout_gpus, self.total_gpus(small) - rollout_gpus))
+
 
 WORKLOADS: dict[str, Workload] = {
     w.name: w
