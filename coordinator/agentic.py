@@ -224,6 +224,14 @@ def stays_home(
     return gained <= move_penalty(cost, length, cached, n_best, latency_best)
 
 
+def fleet_has_room(fleet: Fleet, cost: CostModel, share: float) -> bool:
+    """Is the fleet's mean KV in use under ``share`` of the budget? Then every instance
+    has room, and a next turn moved off its cache gains the fleet no throughput it could
+    not have at home, while its prefill is paid (KV locality's ``home_below``; at eta = 1
+    on `swe-agent` the cost model's moves cost 1.7-2.7%: docs/simulator_agentic.md)."""
+    return share > 0.0 and len(fleet) > 0 and float(fleet.kv.mean()) < share * cost.kv_budget
+
+
 def expected_returns(
     fleet: Fleet, waits: ToolWaits, cost: CostModel, turns: float = 1.0
 ) -> tuple[FloatArray, FloatArray]:

@@ -244,6 +244,16 @@ class AgenticRulesConfig:
             "cost model says moving it is faster (prefill of the prefix against Eq. 3)"
         },
     )
+    home_below: float = field(
+        default=0.3,
+        metadata={
+            "help": "with kv_locality: a next turn goes back to the instance caching its "
+            "prefix whenever that instance can run it now, while the fleet's mean KV in use "
+            "is under this share of the budget (every instance has room, so a move's "
+            "throughput gain is not there to take and its prefill is); 0: the cost model "
+            "decides every move (docs/simulator_agentic.md)"
+        },
+    )
     expected_returns: bool = field(
         default=True,
         metadata={
@@ -296,6 +306,11 @@ class AgenticRulesConfig:
                 raise ConfigError(
                     f"coordinator.agentic.{name}={getattr(self, name)!r} must be true or false"
                 )
+        if isinstance(self.home_below, bool) or not 0.0 <= self.home_below <= 1.0:
+            raise ConfigError(
+                f"coordinator.agentic.home_below={self.home_below!r} is out of range: use a "
+                "share of the KV budget in [0, 1] (e.g. 0.3; 0 turns the rule off)"
+            )
         if isinstance(self.prior_wait_s, bool) or not self.prior_wait_s > 0:
             raise ConfigError(
                 f"coordinator.agentic.prior_wait_s={self.prior_wait_s!r} must be > 0 seconds "

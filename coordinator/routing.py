@@ -23,7 +23,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 import numpy.typing as npt
 
-from coordinator.agentic import ToolWaits, expected_returns, stays_home
+from coordinator.agentic import ToolWaits, expected_returns, fleet_has_room, stays_home
 from coordinator.cost_model import CostModel
 from coordinator.fleet import Fleet
 from coordinator.gains import GainTable
@@ -151,6 +151,7 @@ class ThroughputRouting:
         whole_groups: bool = False,
         waits: ToolWaits | None = None,
         locality: bool = False,
+        home_below: float = 0.0,
         returns: bool = False,
     ) -> None:
         if not 0.0 < mu <= 1.0:
@@ -166,6 +167,7 @@ class ThroughputRouting:
             raise ValueError("KV locality and expected returns need the ToolWaits estimate")
         self.waits = waits
         self.locality = locality
+        self.home_below = home_below  # KV share under which next turns stay home
         self.returns = returns
 
     def route(
@@ -220,6 +222,7 @@ class ThroughputRouting:
                 # no cache loses its own cache to eviction meanwhile.
                 rest: list[Level] = []
                 table.fill_for(False)  # the fill rule admits new trajectories only
+                roomy = fleet_has_room(fleet, self.cost, self.home_below)
                 for v_level, trajs in levels:
                     if v_level is None:
                         rest.append((v_level, trajs))
@@ -237,7 +240,7 @@ class ThroughputRouting:
                             continue
                         length = t.length
                         thr = mu * ideal_gain(length)
-                        home = home_of.choose(held, length, table, thr, first, self)
+                        home = home_of.choose(held, length, table, thr, first, self, roomy)
                         if home is None:
                             left.append(t)
                             continue
@@ -382,6 +385,7 @@ class _Homes:
         thr: float,
         first: int,
         routing: ThroughputRouting,
+        roomy: bool = False,
     ) -> tuple[int, int, float] | None:
         """(index, bucket, gain) of the instance caching a trajectory's prefix (``held``,
         from :meth:`holders`) when it stays there (coordinator.agentic.stays_home), None
@@ -393,6 +397,8 @@ class _Homes:
         g_home = table.gain_at(j, length)
         if g_home == -np.inf:
             return None
+        if roomy:  # the fleet has room everywhere: no move gains (fleet_has_room)
+            return j, b_home, g_home
         # the best elsewhere, as the waterfall would see it (clearing the threshold)
         sel, g_best = -1, -np.inf
         for b in range(first, len(table.starts)):

@@ -100,6 +100,7 @@ def build_strategies(
         whole_groups=config.whole_groups,
         waits=waits,
         locality=waits is not None and agentic.kv_locality,
+        home_below=agentic.home_below,
         returns=waits is not None and agentic.expected_returns,
     )
     routing: RoutingStrategy = (

@@ -171,16 +171,21 @@ RULES: dict[str, dict[str, Any]] = {
     "freshness": {"freshness": FreshnessConfig()},
 }
 # The rules for multi-turn work (coordinator.agentic: AgenticRulesConfig), likewise:
-# ``staleflow-no-locality`` etc.; ``tool-waits`` turns off every rule that uses the
-# learned tool waits (all but KV locality).
+# ``staleflow-no-locality`` etc. (``staleflow-no-home``: the cost model decides every
+# move, however much room the fleet has); ``tool-waits`` turns off every rule that uses
+# the learned tool waits (all but KV locality and its ``home_below``).
 AGENTIC_RULES: dict[str, dict[str, Any]] = {
     "locality": {"kv_locality": False},
     "returns": {"expected_returns": False},
     "tool-pulls": {"tool_pulls": False},
     "tool-critical": {"tool_critical": False},
+    "home": {"home_below": 0.0},
 }
 AGENTIC_RULES["tool-waits"] = {
-    k: v for rule, off in AGENTIC_RULES.items() if rule != "locality" for k, v in off.items()
+    k: v
+    for rule, off in AGENTIC_RULES.items()
+    if rule not in ("locality", "home")
+    for k, v in off.items()
 }
 # ``<system>+fresh``: that system with the freshness rule on (coordinator/freshness.py).
 FRESH = "+fresh"

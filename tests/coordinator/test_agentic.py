@@ -308,3 +308,47 @@ def test_tool_pulls_spare_an_instance_holding_the_oldest_trajectories() -> None:
     fleet = Fleet(Snapshot((lagging(0, 1, 10), lagging(1, 1, 20)), 10.0))
     pool = TrajectoryPool([TrajRecord(30, 0, 0, 4_000, 50), TrajRecord(40, 7, None, 100, 100)])
     assert sync.select(fleet, pool, 2, manager.sketch()) == [0, 1]
+
+
+def _next_turn_scene(busy_kv: int) -> tuple[Fleet, TrajectoryPool]:
+    """A next turn whose 3,000-token prefix instance 0 caches while it decodes 20 short
+    trajectories; instance 1 is empty, instance 2 decodes ``busy_kv`` tokens (all at the
+    trajectory's version)."""
+
+    def decoding(inst: int, n: int, length: int, first: int) -> tuple[TrajRecord, ...]:
+        return tuple(TrajRecord(first + i, first + i, 3, length, 50) for i in range(n))
+
+    snap = Snapshot(
+        (
+            InstanceSnapshot(
+                0, 20_000, decoding(0, 20, 1_000, 1_000), (), (), 3, (), ((100, 3_000),)
+            ),
+            InstanceSnapshot(1, 0, (), (), (), 3, (), ()),
+            InstanceSnapshot(
+                2, busy_kv, decoding(2, busy_kv // 10_000, 10_000, 2_000), (), (), 3, (), ()
+            ),
+        ),
+        10.0,
+    )
+    return Fleet(snap), TrajectoryPool([TrajRecord(100, 9, 3, 3_000, 50)])
+
+
+@pytest.mark.parametrize("busy_kv", [0, 80_000])
+def test_a_next_turn_stays_home_while_the_fleet_has_room(busy_kv: int) -> None:
+    """``home_below``: while the fleet's mean KV in use is under that share of the budget
+    the next turn stays on the instance caching its prefix, where the cost model alone
+    moves it to the empty instance; once the fleet is loaded the cost model decides."""
+    waits = ToolWaits(min_samples=4)
+    waits.learn([1.0] * 8, [256] * 8)
+    manager = StalenessManager(StalenessConfig(eta=2, batch_size=4, group_size=1), 3)
+
+    def dest(home_below: float) -> int:
+        routing = ThroughputRouting(COST, 0.5, waits=waits, locality=True, home_below=home_below)
+        fleet, pool = _next_turn_scene(busy_kv)
+        (placed,) = routing.route(fleet, pool, manager.sketch(), 3)
+        assert placed.traj.traj_id == 100
+        return placed.pos
+
+    assert dest(0.0) == 1  # the cost model moves it: the empty instance gains more
+    roomy = busy_kv == 0  # mean KV in use 6.7K of the 100K budget; 33K with the busy one
+    assert dest(0.3) == (0 if roomy else 1)

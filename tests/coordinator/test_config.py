@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator import ConfigError, CoordinatorConfig, CostModelConfig, build_strategies
+from coordinator import (
+    AgenticRulesConfig,
+    ConfigError,
+    CoordinatorConfig,
+    CostModelConfig,
+    build_strategies,
+)
 from coordinator.migration import NoMigration, ThroughputMigration
 from coordinator.routing import ThroughputRouting
 from coordinator.sync import GreedySync, ThroughputSync
@@ -80,3 +86,10 @@ def test_cost_model_overrides() -> None:
 def test_bad_values_name_the_fix(kwargs: dict[str, object], hint: str) -> None:
     with pytest.raises(ConfigError, match=hint):
         CoordinatorConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5, True])
+def test_home_below_is_a_share_of_the_kv_budget(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"home_below=.* share of the KV budget in \[0, 1\]"):
+        AgenticRulesConfig(home_below=value)  # type: ignore[arg-type]
+    assert AgenticRulesConfig(home_below=0.0).home_below == 0.0
