@@ -251,7 +251,9 @@ class AgenticRulesConfig:
             "prefix whenever that instance can run it now, while the fleet's mean KV in use "
             "is under this share of the budget (every instance has room, so a move's "
             "throughput gain is not there to take and its prefill is); 0: the cost model "
-            "decides every move (docs/simulator_agentic.md)"
+            "decides every move (docs/simulator_agentic.md)",
+            "max": 1.0,
+            "max_why": "a share of the KV budget",
         },
     )
     expected_returns: bool = field(
