@@ -169,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         if split is None and name not in NO_SPLIT:
             raise SystemExit(f"--compare {spec!r}: give {name}'s split, e.g. {name}:0.3125")
         tasks.append(run("compare", name, split))
+    for name in targets.keys() - {t.system for t in tasks if t.role == "compare"}:
+        raise SystemExit(f"--targets {name}: no --compare run of {name}; add --compare {name}")
     rows = []
     with progress(len(tasks), "runs") as advance:
         shape = {"steps": steps, "seed": args.seed, "small": args.small}
@@ -240,8 +242,6 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = []
     for name, ratio in targets.items():
         ref = [row for row in rows if row["role"] == "compare" and row["system"] == name]
-        if not ref:
-            raise SystemExit(f"--targets {name}: no --compare run of {name}")
         most, most_decoding = ref[0]["bound_over"], ref[0]["decoding_bound_over"]
         reach = (
             "within reach"

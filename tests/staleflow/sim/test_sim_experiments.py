@@ -338,6 +338,8 @@ def test_bound_refuses_a_split_where_its_side_does_not_bind(tmp_path: Path) -> N
     assert _script("sim_bound").main([*args, "--trainer-bound", "6", "--json", str(out)]) == 1
     problems = json.loads(out.read_text())["problems"]
     assert len(problems) == 1 and "not trainer-bound" in problems[0]
+    with pytest.raises(SystemExit, match="no --compare run of vanilla"):  # before any run
+        _script("sim_bound").main([*args, "--compare", "sync", "--targets", "vanilla:2"])
 
 
 def test_seed_list_and_stats() -> None:
