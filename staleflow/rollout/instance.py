@@ -25,6 +25,7 @@ from coordinator.types import InstanceSnapshot, TrajRecord
 from staleflow.engines.base import FINISH_LENGTH, EngineOutput, GenerationRequest, RolloutEngine
 from staleflow.engines.drafts import SpeculationStats
 from staleflow.rollout.eval_lane import EvalLane, EvalOutput, EvalRequest
+from staleflow.rollout.step_lock import StepLock
 from trajectory_server.types import (
     InstanceId,
     PartialTrajectory,
@@ -140,8 +141,8 @@ class RolloutInstance:
         self._max_response = max_response
         self._on_finished = on_finished
         self._clock = clock
-        self._lock = threading.Lock()
-        self._work = threading.Condition(self._lock)
+        self._lock = StepLock()
+        self._work = self._lock.work
         self._meta: dict[int, _Meta] = {}
         # race copies here (SpecActor's tail race, runtime/controller/races.py) -> their holder's id:
         # in the engine's batch, but not trajectories of this instance (hidden from
@@ -487,7 +488,7 @@ class RolloutInstance:
     def _run(self) -> None:
         try:
             while True:
-                with self._lock:
+                with self._lock.step():
                     idle_from = self._clock()
                     while not self._stop and not self._engine.has_work:
                         self._work.wait()
