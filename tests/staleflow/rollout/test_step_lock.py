@@ -24,16 +24,9 @@ class Busy(ScriptedEngine):
 
 
 def _routed(traj_id: int) -> RoutedTrajectory:
+    none_i, none_f = np.zeros(0, np.int32), np.zeros(0, np.float32)
     return RoutedTrajectory(
-        traj_id,
-        group_id=0,
-        v_traj=0,
-        sample_id=0,
-        answer="",
-        prompt=np.arange(1, 5, dtype=np.int32),
-        tokens=np.zeros(0, np.int32),
-        logprobs=np.zeros(0, np.float32),
-        versions=np.zeros(0, np.int32),
+        traj_id, 0, 0, 0, "", np.arange(1, 5, dtype=np.int32), none_i, none_f, none_i
     )
 
 
