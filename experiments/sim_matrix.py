@@ -100,8 +100,14 @@ class Run(NamedTuple):
 def simulate(run: Run) -> dict[str, Any]:
     w = WORKLOADS[run.workload]
     total = w.total_gpus(run.small)
-    shape = {k: getattr(run, k) for k in ("steps", "seed", "rollout_gpus", "small")}
-    config = w.system(run.system, run.eta, **shape)
+    config = w.system(
+        run.system,
+        run.eta,
+        steps=run.steps,
+        seed=run.seed,
+        rollout_gpus=run.rollout_gpus,
+        small=run.small,
+    )
     started = time.perf_counter()
     cluster = SimCluster(config)
     audit = StalenessAudit().attach(cluster)
