@@ -113,9 +113,7 @@ class GainTable:
         "_t0",
         "_t0l",
         "_top",
-        "_top2",
         "_val",
-        "_val2",
         "_w",
         "_wl",
         "cost",
@@ -163,7 +161,8 @@ class GainTable:
         # once (_row: the row of self._length, -1 if it has none): per bucket from the
         # plan's first, per row, its best instance as the loads were then (_top) and that
         # gain (_val): still the best of every instance not routed to since (_dirty_in;
-        # _dirty: the same per bucket), whose gains are evaluated on use.
+        # _dirty: the same per bucket), whose gains are evaluated on use and read -inf in
+        # the rows (_ahead) from then on.
         self._plan: list[float] = []
         self._first = 0  # the plan's lowest bucket: the rows hold no gains below it
         self._cursor = 0
@@ -172,8 +171,6 @@ class GainTable:
         self._col0 = 0
         self._top: list[list[int]] = []
         self._val: list[list[float]] = []
-        self._top2: list[list[int]] = []  # the runner-up (-1: not known) and its gain
-        self._val2: list[list[float]] = []
         self._rows_at = 0
         self._nrows = 0
         self._dirty_in: set[int] = set()
@@ -241,7 +238,8 @@ class GainTable:
         only its own instance's gains, so while a row's best was not routed to since, the
         answer is that instance or one of those routed to (their gains evaluated in
         Python, exactly as :meth:`place` computes them), and no numpy call is made; else
-        the row gets their gains and its argmax is taken again. So the answers are the
+        the best of the rest is the row's argmax, as a route sets its instance's gains in
+        the rows to -inf, and is compared with theirs the same way. So the answers are the
         ones :meth:`best` gives without a plan, bit for bit, ties included
         (tests/coordinator/test_routing_rules.py). ``first``: the lowest bucket the
         decisions ask about (rows start there; a lower one is computed on demand)."""
@@ -295,44 +293,36 @@ class GainTable:
         """:meth:`best` from the planned row ``_row`` (:meth:`plan`)."""
         r = self._row
         dirty = self._dirty[b]
-        j, g = self._top[b - self._first][r], self._val[b - self._first][r]
+        i = b - self._first
+        j, g = self._top[i][r], self._val[i][r]
         if not dirty:
             return j, g
-        # the current gains of those routed to since (_gain1, inlined: this runs for
-        # every one of them on every decision)
+        dirty_in = self._dirty_in
+        if j in dirty_in:
+            # the row's argmax, where those routed to since read -inf (place): the best of
+            # the rest, or the bucket's first if every gain is -inf (then so is the answer
+            # unless one routed to since gains more, and ties go to the lowest position)
+            assert self._ahead is not None
+            c = self._col0
+            row = self._ahead[r]
+            s = self.starts[b] - c
+            j = s + int(row[s : self.ends[b] - c].argmax())
+            j, g = j + c, float(row[j])
+        # the best of the rest is j: compare the current gains of those routed to since,
+        # in Python floats with the vector expression's IEEE operations in its order
+        # (inlined: this runs for every one of them on every decision)
         k5, hrl, nl = self.cost.k5, self._hrl, self._nl
         numl, a1l, t0l, wl = self._numl, self._a1l, self._t0l, self._wl
         need, x = k5 * length, self._k1k5 * length
         fill = self._fill if self._fill_on else None
-        gains = []
         for d in dirty:
             headroom = hrl[d]
             if headroom < need:
-                gains.append(-np.inf)
-                continue
-            gd = (numl[d] / (a1l[d] + x) - t0l[d]) * wl[d]
-            if fill is not None and headroom >= need + k5 * (nl[d] + 1.0) * fill:
-                gd += FILL_BONUS
-            gains.append(gd)
-        if j in self._dirty_in:
-            j = self._top2[b - self._first][r]
-            if j >= 0 and j not in self._dirty_in:
-                g = self._val2[b - self._first][r]  # the best of the rest
+                gd = -np.inf
             else:
-                j = self._top[b - self._first][r]
-        if j in self._dirty_in:
-            # the row's best and runner-up were routed to since: the best of the rest is
-            # unknown, so the row gets the current gains of those routed to, and its
-            # argmax is taken again
-            assert self._ahead is not None
-            c = self._col0
-            row = self._ahead[r]
-            for d, gd in zip(dirty, gains, strict=True):
-                row[d - c] = gd
-            s = self.starts[b] - c
-            j = s + int(row[s : self.ends[b] - c].argmax())
-            return j + c, float(row[j])
-        for d, gd in zip(dirty, gains, strict=True):  # the best of the rest is j
+                gd = (numl[d] / (a1l[d] + x) - t0l[d]) * wl[d]
+                if fill is not None and headroom >= need + k5 * (nl[d] + 1.0) * fill:
+                    gd += FILL_BONUS
             if gd > g or (gd == g and d < j):
                 j, g = d, gd
         return j, g
@@ -373,41 +363,19 @@ class GainTable:
             growth = self.cost.k5 * (self._n[c:] + 1.0) * self._fill
             np.add(out, FILL_BONUS, out=out, where=headroom >= need + growth)
         np.copyto(out, -np.inf, where=headroom < need)
-        rows = np.arange(len(lengths))
-        tops, vals, tops2, vals2 = [], [], [], []
+        tops, vals = [], []
         for b in range(self._first, len(self.starts)):
             bucket = out[:, self.starts[b] - c : self.ends[b] - c]
             best = bucket.argmax(axis=1)
-            gain = bucket[rows, best]
-            # the runner-up: the argmax with the best out; none (-1) where it is -inf, as
-            # the argmax of an all -inf rest may be the best itself
-            bucket[rows, best] = -np.inf
-            second = bucket.argmax(axis=1)
-            gain2 = bucket[rows, second]
-            bucket[rows, best] = gain
+            gain = bucket[np.arange(len(lengths)), best]
             at = self.starts[b]
             tops.append((best + at).tolist())
             vals.append(gain.tolist())
-            tops2.append(np.where(gain2 == -np.inf, -1, second + at).tolist())
-            vals2.append(gain2.tolist())
         self._ahead, self._col0 = out, c
-        self._top, self._val, self._top2, self._val2 = tops, vals, tops2, vals2
+        self._top, self._val = tops, vals
         self._rows_at, self._nrows = p, len(lengths)
         self._dirty_in = set()
         self._dirty = [[] for _ in self.starts]
-
-    def _gain1(self, j: int, length: float) -> float:
-        """:meth:`best`'s gain for ``length`` of instance ``j`` in Python floats (the same
-        IEEE operations in the same order as the vector expression)."""
-        k5 = self.cost.k5
-        need = k5 * length
-        headroom = self._hrl[j]
-        if headroom < need:
-            return -np.inf
-        gain = (self._numl[j] / (self._a1l[j] + self._k1k5 * length) - self._t0l[j]) * self._wl[j]
-        if self._fill_on and headroom >= need + k5 * (self._nl[j] + 1.0) * (self._fill or 0):
-            gain += FILL_BONUS
-        return gain
 
     def gain_at(self, j: int, length: float) -> float:
         """The gain of instance ``j`` for a trajectory of ``length`` without the fill rule
@@ -459,6 +427,8 @@ class GainTable:
         if self._ahead is not None and j not in self._dirty_in:
             self._dirty_in.add(j)
             self._dirty[self._bucket[j]].append(j)
+            if j >= self._col0:  # its gains in the rows are gone (_planned)
+                self._ahead[:, j - self._col0] = -np.inf
         if length != self._length:
             self._length = -1.0  # the gains kept were for another length
         elif self._row < 0:

@@ -209,8 +209,8 @@ def test_a_long_plan_answers_as_an_unplanned_table(
 ) -> None:
     """A plan longer than the rows computed at once (gains.AHEAD), more routes than a row
     is answered past (gains.MAX_DIRTY), three buckets and a length per trajectory, as a
-    level of partial trajectories asks: the planned rows' best, runner-up and re-taken
-    argmax must each give the unplanned table's answer. ``ties``: loads and lengths on a
+    level of partial trajectories asks: the planned rows' best, and their argmax once the
+    best was routed to, must each give the unplanned table's answer. ``ties``: loads and lengths on a
     coarse grid, so that an instance routed to often takes the load, and the gains, of
     another (which of two equal gains wins is argmax's: the lower position)."""
     rng = np.random.default_rng(seed)
@@ -241,7 +241,7 @@ def test_a_long_plan_answers_as_an_unplanned_table(
 def test_a_planned_row_breaks_a_tie_with_an_instance_routed_to_as_argmax() -> None:
     """Instance 0, idle, is every row's best until a route gives it the load of 1 and 2:
     for the next planned length its gain then equals theirs, and the lowest position
-    wins, as the unplanned table's argmax has it (the runner-up and routed-to path)."""
+    wins, as the unplanned table's argmax has it (the path of a row whose best was routed to)."""
     nn = np.array([0.0, 1.0, 1.0])
     kv = np.array([0.0, COST.k5 * 1_000, COST.k5 * 1_000])
     tables = [GainTable(COST, nn.copy(), kv.copy(), np.zeros(3, bool), [0], [3]) for _ in "ab"]
@@ -252,6 +252,26 @@ def test_a_planned_row_breaks_a_tie_with_an_instance_routed_to_as_argmax() -> No
     plain, planned = (t.best(0, 1_500.0) for t in tables)
     assert planned == plain and plain[0] == 0
     assert tables[0].gain_at(1, 1_500.0) == plain[1]  # a tie indeed
+
+
+def test_a_planned_row_with_no_other_room_answers_as_argmax() -> None:
+    """Instances 0 and 2 queue (-inf for every length), so 1 is every row's best; routed
+    to, it is left room for a short trajectory only. For a long one every gain is then
+    -inf and argmax answers the first position; for a short one, instance 1 still (the
+    row's argmax, with the routed-to instance read as -inf, is the path taken)."""
+    k5 = COST.k5
+    nn = np.array([3.0, 1.0, 3.0])
+    kv = np.array([0.0, COST.kv_budget - k5 * (1_000.0 + 600.0), 0.0])
+    queued = np.array([True, False, True])
+    for later, expect in ((1_000.0, 0), (500.0, 1)):
+        tables = [GainTable(COST, nn.copy(), kv.copy(), queued, [0], [3]) for _ in "ab"]
+        tables[1].plan([1_000.0, later])
+        assert [t.best(0, 1_000.0)[0] for t in tables] == [1, 1]
+        for t in tables:
+            t.place(1, 1_000.0)
+        plain, planned = (t.best(0, later) for t in tables)
+        assert planned == plain and plain[0] == expect
+        assert np.isfinite(plain[1]) == (expect == 1)
 
 
 def test_the_bonus_only_applies_where_the_trajectory_fits() -> None:
