@@ -41,6 +41,10 @@ whether the trainer binds, with one verdict per requirement of issue 36::
     python experiments/sim_matrix.py --etas 1,3,5 --seeds 3 --freshness --jobs 2 \
         --json results/freshness_matrix.json
 
+``--stream staleflow`` runs StaleFlow with RolloutPipe's streamed training
+(``trainer.stream``; the baselines as they run), ``--stream all`` every system but sync
+with it (the same trainer on both sides); rows say ``stream``.
+
 ``--small`` runs the same matrix on the ``tiny`` preset's scale: a smoke test of the
 script, not a measurement.
 """
@@ -52,7 +56,6 @@ import itertools
 import json
 import sys
 import time
-from operator import itemgetter
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -71,6 +74,7 @@ from staleflow.sim.report import (
     progress,
     results_dir,
     run_each,
+    same_split_line,
     seed_list,
     spread,
     stats,
@@ -95,13 +99,14 @@ class Run(NamedTuple):
     steps: int
     rollout_gpus: int
     small: bool
+    stream: bool = False  # with RolloutPipe's streamed training (``--stream``)
 
 
 def simulate(run: Run) -> dict[str, Any]:
     w = WORKLOADS[run.workload]
     total = w.total_gpus(run.small)
     config = w.system(
-        run.system,
+        run.system + ("+stream" if run.stream else ""),
         run.eta,
         steps=run.steps,
         seed=run.seed,
@@ -117,6 +122,7 @@ def simulate(run: Run) -> dict[str, Any]:
     return {
         "workload": run.workload,
         "system": run.system,
+        "stream": run.stream,
         "eta": config.eta,
         "seed": run.seed,
         "rollout_gpus": run.rollout_gpus if run.system not in NO_SPLIT else total,
@@ -183,6 +189,14 @@ def main(argv: list[str] | None = None) -> int:
         help=f"add {FRESH_SYSTEM} at StaleFlow's split and compare freshness off and on",
     )
     p.add_argument(
+        "--stream",
+        choices=("off", "staleflow", "all"),
+        default="off",
+        help="RolloutPipe's streamed training (trainer.stream) in StaleFlow's runs only "
+        "(the systems as each one runs) or in every system's but sync's (the same trainer "
+        "on both sides)",
+    )
+    p.add_argument(
         "--resume",
         action="store_true",
         help="keep the runs already in --out's matrix_runs.jsonl (an interrupted matrix)",
@@ -211,9 +225,15 @@ def main(argv: list[str] | None = None) -> int:
     search_seeds = seeds[: args.search_seeds]
     out = results_dir(args.out, SCRIPT)
     started = time.perf_counter()
+    if args.stream != "off":
+        who = "StaleFlow's runs" if args.stream == "staleflow" else "every system's but sync's"
+        print(f"streamed training (trainer.stream) in {who}")
 
     def steps(eta: int) -> int:
         return args.steps or eta + 8
+
+    def streams(name: str) -> bool:
+        return name not in NO_SPLIT and args.stream in ("all", name)
 
     def eta_of(name: str, eta: int) -> int:
         return FIXED_ETA.get(name, eta)
@@ -232,7 +252,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for eta in search_etas(name):
                 for f, seed in itertools.product(fractions, search_seeds):
-                    search.append(Run(w, name, eta, seed, steps(eta), round(f * total), args.small))
+                    g = round(f * total)
+                    search.append(Run(w, name, eta, seed, steps(eta), g, args.small, streams(name)))
     journal = out / "matrix_runs.jsonl"
     done = _resume(journal) if args.resume else {}
     if not args.resume:
@@ -282,15 +303,15 @@ def main(argv: list[str] | None = None) -> int:
         for name in systems:
             for eta in sorted({eta_of(name, e) for e in etas}):
                 for seed in seeds:
-                    runs.append(
-                        Run(w, name, eta, seed, steps(eta), split(w, name, eta), args.small)
-                    )
+                    g = split(w, name, eta)
+                    runs.append(Run(w, name, eta, seed, steps(eta), g, args.small, streams(name)))
     if args.freshness:  # StaleFlow's own split: the rule is the only difference
         for w in workloads:
             for eta in etas:
                 for seed in seeds:
                     g = split(w, "staleflow", eta)
-                    runs.append(Run(w, FRESH_SYSTEM, eta, seed, steps(eta), g, args.small))
+                    stream = streams("staleflow")
+                    runs.append(Run(w, FRESH_SYSTEM, eta, seed, steps(eta), g, args.small, stream))
     _execute(args.jobs, [r for r in runs if r not in done], done, "matrix", journal)
     rows = [done[r] for r in runs]
     main_rows = [r for r in rows if r["system"] != FRESH_SYSTEM]
@@ -521,32 +542,6 @@ def verdict_lines(
             )
         )
     return lines
-
-
-def same_split_line(rows: list[dict[str, Any]]) -> str | None:
-    """StaleFlow against each in-flight-limited baseline on the same split and seed, over
-    every run made (the split search's included): what remains of a cell's shortfall once
-    the systems' split choices are taken out of it. None without such pairs."""
-    key = itemgetter("workload", "eta", "seed", "rollout_gpus", "steps")
-    others = {(r["system"], *key(r)): r for r in rows if r["system"] in ("sticky", "vanilla")}
-    pairs = []
-    for r in rows:
-        if r["system"] != "staleflow":
-            continue
-        for base in ("sticky", "vanilla"):
-            o = others.get((base, *key(r)))
-            if o is not None:
-                pairs.append((r["tokens_per_s"] / o["tokens_per_s"], base, r))
-    if not pairs:
-        return None
-    worst, base, r = min(pairs, key=itemgetter(0))
-    below = sum(p[0] < 0.98 for p in pairs)
-    return (
-        "verdict: StaleFlow >= 0.98x sticky and vanilla on the same split and seed: "
-        f"{len(pairs)} pairs, worst {worst:.3f} ({r['workload']} eta={r['eta']} "
-        f"seed={r['seed']} {r['rollout_gpus']} rollout GPUs vs {base}): "
-        + ("PASS" if not below else f"FAIL ({below} below)")
-    )
 
 
 def _mean_staleness(hist: dict[int, int]) -> float:

@@ -189,6 +189,8 @@ AGENTIC_RULES["tool-waits"] = {
 }
 # ``<system>+fresh``: that system with the freshness rule on (coordinator/freshness.py).
 FRESH = "+fresh"
+# ``<system>+stream``: that system with RolloutPipe's streamed training on (sim/trainer.py).
+STREAM = "+stream"
 PAPER_RULES: dict[str, Any] = {k: v for off in RULES.values() for k, v in off.items()}
 PAPER_AGENTIC: dict[str, Any] = {k: v for off in AGENTIC_RULES.values() for k, v in off.items()}
 
@@ -227,11 +229,24 @@ def system(name: str, config: ClusterConfig, layout: Layout | None = None) -> Cl
       (:data:`RULES` all off); ``staleflow-no-<rule>``: StaleFlow without one rule.
     - ``<system>+fresh``: any of these with the freshness rule on (eta as a ceiling:
       coordinator/freshness.py), e.g. ``staleflow+fresh``.
+    - ``<system>+stream``: any disaggregated one with RolloutPipe's streamed training on
+      (``ClusterConfig.stream_training``; a real run's ``trainer.stream``), e.g.
+      ``staleflow+stream``.
     """
     if name.endswith(FRESH):
         out = system(name.removesuffix(FRESH), config, layout)
         fresh = replace(out.coordinator.freshness, enabled=True)
         return replace(out, coordinator=replace(out.coordinator, freshness=fresh), name=name)
+    if name.endswith(STREAM):
+        out = system(name.removesuffix(STREAM), config, layout)
+        if out.name.split("+")[0] == "sync":
+            # its rollout and training take turns on the same GPUs: no idle trainer to
+            # stream groups into while the rollout runs
+            raise ValueError(
+                f"{name!r}: sync colocates rollout and training, so nothing "
+                "streams; use sync, or +stream on a disaggregated system"
+            )
+        return replace(out, stream_training=True, name=name)
     if name == "staleflow":
         return replace(_strategies(config, "throughput", "throughput", "throughput"), name=name)
     if name == "staleflow-paper" or name.startswith("staleflow-no-"):

@@ -280,6 +280,32 @@ def save_figure(fig: Figure, out: Path, stem: str) -> Path:
     return path
 
 
+def same_split_line(rows: list[dict[str, Any]]) -> str | None:
+    """StaleFlow against each in-flight-limited baseline on the same split and seed, over
+    every run made (the split search's included): what remains of a cell's shortfall once
+    the systems' split choices are taken out of it. None without such pairs."""
+    key = itemgetter("workload", "eta", "seed", "rollout_gpus", "steps")
+    others = {(r["system"], *key(r)): r for r in rows if r["system"] in ("sticky", "vanilla")}
+    pairs = []
+    for r in rows:
+        if r["system"] != "staleflow":
+            continue
+        for base in ("sticky", "vanilla"):
+            o = others.get((base, *key(r)))
+            if o is not None:
+                pairs.append((r["tokens_per_s"] / o["tokens_per_s"], base, r))
+    if not pairs:
+        return None
+    worst, base, r = min(pairs, key=itemgetter(0))
+    below = sum(p[0] < 0.98 for p in pairs)
+    return (
+        "verdict: StaleFlow >= 0.98x sticky and vanilla on the same split and seed: "
+        f"{len(pairs)} pairs, worst {worst:.3f} ({r['workload']} eta={r['eta']} "
+        f"seed={r['seed']} {r['rollout_gpus']} rollout GPUs vs {base}): "
+        + ("PASS" if not below else f"FAIL ({below} below)")
+    )
+
+
 def agentic_verdicts(
     cells: list[dict[str, Any]],
     rows: list[dict[str, Any]],

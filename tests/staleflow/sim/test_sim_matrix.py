@@ -245,6 +245,26 @@ def test_freshness_adds_the_rule_at_staleflows_split_and_compares_it(
     assert "Freshness off | on" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("stream", ["staleflow", "all"])
+def test_stream_trains_streamed_in_the_systems_it_names(tmp_path: Path, stream: str) -> None:
+    """``--stream staleflow``: StaleFlow's runs (its split search's included) train
+    streamed and the baselines as they run; ``all``: every system but sync, which has no
+    idle trainer to stream into. Rows say which, and a streamed run did stream."""
+    out = tmp_path / "m.json"
+    args = ["--small", "--workloads", "preset-20k", "--etas", "3", "--seeds", "1"]
+    args += ["--systems", "staleflow,sticky,sync", "--splits", "0.5", "--steps", "5"]
+    args += ["--stream", stream, "--out", str(tmp_path / "o"), "--json", str(out)]
+    assert _matrix().main(args) == 0
+    runs = json.loads(out.read_text())["runs"]
+    streamed = {r["system"]: r["stream"] for r in runs}
+    assert streamed == {"staleflow": True, "sticky": stream == "all", "sync": False}
+    on = next(r for r in runs if r["system"] == "staleflow")
+    off = _matrix().simulate(
+        _matrix().Run("preset-20k", "staleflow", 3, 0, 5, on["rollout_gpus"], True)
+    )
+    assert on["tokens_per_s"] != off["tokens_per_s"] and off["stream"] is False
+
+
 def test_freshness_verdicts_name_slow_and_stale_cells_and_spare_the_floor() -> None:
     from staleflow.sim.freshness import freshness_verdicts
 

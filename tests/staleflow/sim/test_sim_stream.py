@@ -190,3 +190,21 @@ def test_off_is_the_simulator_as_before() -> None:
             assert t.step_ends[k] == max(t.step_starts[k] + work, push)
             assert t.step_tokens[k] == sum(lengths)
             push = t.step_ends[k] + costs.push_s
+
+
+def test_the_stream_suffix_turns_streaming_on_for_any_disaggregated_system() -> None:
+    """``<system>+stream`` is that system with streamed training on, whatever else it is
+    (``+fresh`` composes either way); sync, which alternates rollout and training on the
+    same GPUs, has no idle trainer to stream into and is refused with the reason."""
+    base = tiny(eta=2, steps=4, seed=0)
+    for name in ("staleflow", "sticky", "staleflow+fresh"):
+        plain, streamed = system(name, base), system(f"{name}+stream", base)
+        assert not plain.stream_training and streamed.stream_training
+        assert streamed.name == f"{name}+stream"
+        assert streamed.with_(stream_training=False, name=name) == plain
+    both = system("staleflow+stream+fresh", base)
+    assert both.stream_training and both.coordinator.freshness.enabled
+    assert SimCluster(system("sticky+stream", base)).run().streamed_groups > 0
+    for name in ("sync+stream", "sync+fresh+stream"):
+        with pytest.raises(ValueError, match="sync colocates rollout and training"):
+            system(name, base)
