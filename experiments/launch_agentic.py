@@ -7,6 +7,9 @@ routing where a trajectory keeps its instance, vanilla synchronisation and migra
     python experiments/launch_agentic.py --steps 4 --repeats 1          # a smoke run
     python experiments/launch_agentic.py --steps 8 --repeats 3 --json results/agentic.json
 
+``staleflow+stream``: η = 3 with StaleFlow's strategies and RolloutPipe's streamed training
+(``trainer.stream=true``), against the same baselines (which do not stream).
+
 The policy is the micro model warmed up for a few seconds on tool-use demonstrations
 (written once into ``--out``/policy), so that it writes tool calls and its trajectories
 take more than one turn; the built-in tiny model's warm-up takes minutes on two cores.
@@ -36,6 +39,8 @@ if TYPE_CHECKING:
 VARIANTS: dict[str, tuple[int, list[str]]] = {
     "eta0": (0, []),
     "staleflow": (3, []),
+    # StaleFlow with RolloutPipe's streamed training (exact: docs/training.md)
+    "staleflow+stream": (3, ["trainer.stream=true"]),
     "sticky": (
         3,
         [
@@ -145,6 +150,7 @@ def from_folder(run_dir: Path) -> dict[str, Any]:
     eta = int(cfg["eta"])
     variant = "eta0" if eta == 0 else cfg["coordinator"]["routing"]
     variant = "staleflow" if variant == "throughput" else variant
+    variant += "+stream" if (cfg.get("trainer") or {}).get("stream") else ""
     summary = RunLayout(run_dir).read_summary()
     if summary is None:
         raise SystemExit(f"{run_dir}: no readable summary.json (did the run finish?)")
@@ -211,11 +217,11 @@ def main(argv: list[str] | None = None) -> int:
         warm_policy(policy)
         runs = [run_one(args, v, policy) for _ in range(args.repeats) for v in args.variants]
     med = medians(runs)
-    print(f"{'run':<10} {'tok/s':>8} {'ep/s':>6} {'tool s':>7} {'calls':>5} {'turns':>5} "
+    print(f"{'run':<16} {'tok/s':>8} {'ep/s':>6} {'tool s':>7} {'calls':>5} {'turns':>5} "
           f"{'reward':>6} {'held-out':>11} {'tr idle':>7} {'ro idle':>7}  staleness")  # fmt: skip
     for r in runs:
         print(
-            f"{r['variant']:<10} {r['tokens_per_s']:>8.1f} {r['episodes_per_s']:>6.2f} "
+            f"{r['variant']:<16} {r['tokens_per_s']:>8.1f} {r['episodes_per_s']:>6.2f} "
             f"{r['tool_wait_s']:>7.1f} {r['tool_calls']:>5} {r['turns_mean'] or 0:>5.2f} "
             f"{_f(r['reward_end'], '>6.3f')} "
             f"{_f(r['held_out_start'], '>5.3f')}>{_f(r['held_out_end'], '<5.3f')} "
@@ -226,11 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     ratios: dict[str, float] = {}
     for v, m in med.items():
         print(
-            f"median {v:<10} tokens/s {m['tokens_per_s']:.1f}, episodes/s "
+            f"median {v:<16} tokens/s {m['tokens_per_s']:.1f}, episodes/s "
             f"{m['episodes_per_s']:.3f}, tool s {m['tool_wait_s']:.1f}, held-out success "
             f"at the end {m['held_out_end']:.3f} ({int(m['repeats'])} runs)"
         )
-    for num, den, target in (("staleflow", "eta0", 1.5), ("staleflow", "sticky", 1.15)):
+    for num, den, target in (
+        ("staleflow", "eta0", 1.5),
+        ("staleflow", "sticky", 1.15),
+        ("staleflow+stream", "eta0", 1.5),
+        ("staleflow+stream", "sticky", 1.15),
+    ):
         if num in med and den in med and med[den]["tokens_per_s"] > 0:
             ratios[f"{num}/{den}"] = r_ = med[num]["tokens_per_s"] / med[den]["tokens_per_s"]
             print(f"tokens/s {num} / {den}: {r_:.2f}x (target >= {target}x)")

@@ -9,7 +9,7 @@ import pytest
 from tests.support.experiments import load
 
 
-@pytest.mark.parametrize("variant", ["eta0", "staleflow", "sticky"])
+@pytest.mark.parametrize("variant", ["eta0", "staleflow", "sticky", "staleflow+stream"])
 def test_each_variant_is_a_valid_configuration_of_the_agentic_task(variant: str) -> None:
     from staleflow.config import load_config
 
@@ -23,6 +23,7 @@ def test_each_variant_is_a_valid_configuration_of_the_agentic_task(variant: str)
     routing = "sticky" if variant == "sticky" else "throughput"
     assert cfg.coordinator.routing == routing
     assert cfg.eval.problems > 0  # held-out success is scored at the start and the end
+    assert cfg.trainer.stream == variant.endswith("+stream")  # only it streams
 
 
 def test_medians_are_per_variant_over_the_repeats() -> None:

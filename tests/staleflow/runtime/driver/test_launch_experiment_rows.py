@@ -71,3 +71,10 @@ def test_an_agentic_row_is_the_same_from_the_result_and_from_an_old_folder(tmp_p
         "".join(json.dumps(r.to_flat()) + "\n" for r in records)
     )
     assert script.from_folder(tmp_path) == from_result
+    # a streamed run's folder is the streamed variant's row
+    (tmp_path / "config.yaml").write_text(
+        yaml.safe_dump(
+            {"eta": 3, "coordinator": {"routing": "throughput"}, "trainer": {"stream": True}}
+        )
+    )
+    assert script.from_folder(tmp_path)["variant"] == "staleflow+stream"
