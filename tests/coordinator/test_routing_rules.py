@@ -210,9 +210,9 @@ def test_a_long_plan_answers_as_an_unplanned_table(
     """A plan longer than the rows computed at once (gains.AHEAD), more routes than a row
     is answered past (gains.MAX_DIRTY), three buckets and a length per trajectory, as a
     level of partial trajectories asks: the planned rows' best, and their argmax once the
-    best was routed to, must each give the unplanned table's answer. ``ties``: loads and lengths on a
-    coarse grid, so that an instance routed to often takes the load, and the gains, of
-    another (which of two equal gains wins is argmax's: the lower position)."""
+    best was routed to, must each give the unplanned table's answer. ``ties``: loads and
+    lengths on a coarse grid, so that an instance routed to often takes the load, and the
+    gains, of another (which of two equal gains wins is argmax's: the lower position)."""
     rng = np.random.default_rng(seed)
     k = int(rng.integers(40, 90))
     nn = rng.integers(0, 10 if ties else 60, k).astype(np.float64)
