@@ -70,6 +70,10 @@ class InstanceSnapshot:
     ended or an interrupt (a prefix cache, evicted when decoding needs the room; dropped
     by a Pull): a next turn routed here reuses them instead of prefilling. Both are empty
     for single-turn work and for engines that report neither; neither counts in Eq. 1.
+    ``held_exact``: ``held`` is the engine's own list, evictions included (the embedded
+    engine's prefix store, the simulator); False: the engine keeps no such list and a
+    real run's control plane fills ``held`` in by assumption
+    (``staleflow/runtime/controller/tool_view.py``).
     """
 
     inst: InstanceId
@@ -80,6 +84,7 @@ class InstanceSnapshot:
     inst_version: int
     env_trajs: tuple[TrajectoryView, ...] = ()
     held: tuple[tuple[TrajId, int], ...] = ()
+    held_exact: bool = False
 
     @property
     def accum_traj_num(self) -> int:

@@ -169,3 +169,24 @@ class ReportsProgress(Protocol):
         ``finish_reason`` None. Only tokens that stay in the response: a later interrupt
         or finish must start with them."""
         ...
+
+
+class KeepsPrefixes(Protocol):
+    """An engine that keeps a finished turn's KV for the trajectory's next turn and can
+    list what it keeps (the embedded engine's prefix store). The instance reports the list
+    in its snapshots (``InstanceSnapshot.held``, ``held_exact``), so the coordinator's KV
+    locality reads what is held, evictions included, and the control plane frees an ended
+    episode's prefix at once. vLLM's and SGLang's caches are keyed by token blocks, not by
+    trajectory: for them the control plane assumes (``runtime/controller/tool_view.py``)."""
+
+    def held_prefixes(self) -> tuple[int, ...]:
+        """Trajectories whose prefix is kept, least recently kept first."""
+        ...
+
+    def held_prefix_sizes(self) -> tuple[tuple[int, int], ...]:
+        """(trajectory, tokens kept) in :meth:`held_prefixes`' order."""
+        ...
+
+    def drop_prefixes(self, traj_ids: Iterable[int]) -> list[int]:
+        """Forget the prefixes of ``traj_ids``; returns those that were kept."""
+        ...

@@ -406,6 +406,9 @@ class RolloutInstance:
     # -- views -------------------------------------------------------------------------
 
     def snapshot(self) -> InstanceSnapshot:
+        # an engine that lists its kept prefixes (engines.base.KeepsPrefixes) tells the
+        # coordinator what it holds; for the others the control plane assumes
+        sizes = getattr(self._engine, "held_prefix_sizes", None)
         with self._lock:
             state = self._engine.state()
             return InstanceSnapshot(
@@ -415,6 +418,8 @@ class RolloutInstance:
                 wait_trajs=tuple(self._record(t, n) for t, n in state.waiting if self._own(t)),
                 complete_trajs=tuple(self._completed),
                 inst_version=state.version,
+                held=() if sizes is None else tuple(h for h in sizes() if self._own(h[0])),
+                held_exact=sizes is not None,
             )
 
     def times(self) -> InstanceTimes:

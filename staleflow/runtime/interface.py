@@ -63,6 +63,11 @@ class InstanceHandle(Protocol):
 
     def times(self) -> InstanceTimes: ...
 
+    def drop_prefixes(self, traj_ids: Sequence[int]) -> object:
+        """Free the KV kept for the next turns of ``traj_ids`` (their episodes ended):
+        a hint, so a client need not wait for it (an engine that keeps none ignores it)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class Rewarded:

@@ -257,6 +257,7 @@ class SimInstance:
             inst_version=self.version,
             env_trajs=tuple(self.env.values()),
             held=tuple(self.held.items()),
+            held_exact=True,
         )
 
     def take_returned(self) -> list[PartialTrajectory]:

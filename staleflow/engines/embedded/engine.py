@@ -194,6 +194,11 @@ class EmbeddedEngine:
         kept first: a next turn routed here prefills only its observation."""
         return self._prefixes.held()
 
+    def held_prefix_sizes(self) -> tuple[tuple[int, int], ...]:
+        """:meth:`held_prefixes` with the tokens each keeps (what the coordinator's KV
+        locality reads: ``InstanceSnapshot.held``)."""
+        return self._prefixes.sizes()
+
     def drop_prefixes(self, traj_ids: Iterable[int]) -> list[int]:
         """Forget the kept prefixes of ``traj_ids`` (their episodes ended); returns those
         that were kept."""

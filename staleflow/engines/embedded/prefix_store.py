@@ -84,6 +84,10 @@ class PrefixStore:
         """Trajectory ids, least recently stored first (the next to be evicted)."""
         return tuple(self._held)
 
+    def sizes(self) -> tuple[tuple[int, int], ...]:
+        """(trajectory id, tokens kept) in :meth:`held`'s order."""
+        return tuple((tid, len(p.tokens)) for tid, p in self._held.items())
+
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the longest common prefix of two 1-D token arrays."""

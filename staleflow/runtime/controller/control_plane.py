@@ -385,7 +385,8 @@ class ControlPlane:
                     for r in self.loop.occupy(records):
                         self.metrics.on_rewarded(r)
                     if self.tool_view is not None:
-                        self.tool_view.learn(records, self.coordinator.strategies.waits)
+                        waits = self.coordinator.strategies.waits
+                        self.tool_view.rewarded(records, waits, self.members)
                 case inbox.TrajectoriesDropped(trajectories):
                     self.loop.forget(trajectories)
                 case inbox.StepTrained(report):

@@ -8,12 +8,18 @@ an engine cannot report, because a trajectory waiting on its tool is on no insta
   worker (REWARDING) with the instance it ended on (``TrajectoryServer.tool_waits``), and
   in a multi-turn task every REWARDING trajectory waits on its environment (a tool call,
   then its next turn or its score: ``runtime/workers/env_stage.py``).
-- ``held``: the prefixes the instance still caches. vLLM's prefix caching, SGLang's
-  radix cache and the embedded engine's prefix store keep a finished turn's KV until
-  they need the room; a Pull empties them. The view assumes a prefix stays until the
-  instance Pulls or the trajectory is routed again (eviction is not seen; the routing's
-  gain rule still weighs the prefill). The instances' own ``held_prefixes`` would say
-  exactly; feeding them in is not done yet.
+- ``held``: the prefixes the instance still caches. The embedded engine lists what its
+  prefix store keeps (``engines.base.KeepsPrefixes``), evictions included, and its
+  instance reports that list (``held_exact``): the view keeps it as it is. vLLM's
+  prefix caching and SGLang's radix cache keep a finished turn's KV too, but keyed by
+  token blocks, not by trajectory, so for them the view assumes: a prefix stays until
+  the instance Pulls, the trajectory is routed again or its episode ends (an eviction
+  is not seen; the routing's gain rule still weighs the prefill).
+
+An episode that ends (:meth:`ToolWaitView.rewarded`) needs its prefix no more: the view
+forgets it and asks the instance of its last turn to drop it, which frees the embedded
+engine's store for the next turns of episodes still running (it would otherwise keep
+the ended one until evicted).
 
 The coordinator learns tool waits online from ``env_trajs`` (``ToolWaits.observe``);
 :meth:`ToolWaitView.learn` warm-starts that estimate from the episodes' own records
@@ -33,7 +39,7 @@ from coordinator.agentic import ToolWaits
 from coordinator.types import InstanceSnapshot, TrajRecord
 from staleflow.runtime.controller.instances import Members
 from staleflow.runtime.controller.plane_records import ControlConfig
-from staleflow.runtime.interface import Rewarded
+from staleflow.runtime.interface import InstanceGone, Rewarded
 from trajectory_server.types import InstanceId, RoutableTrajectory
 
 logger = logging.getLogger(__name__)
@@ -84,13 +90,15 @@ class ToolWaitView:
         inst_of = {h: i for i, h in self._holders().items()}
         on = {t.traj_id for s in snapshots for t in (*s.run_trajs, *s.wait_trajs)}
         versions = {s.inst: s.inst_version for s in snapshots}
+        # an instance that lists its prefixes is not assumed about
+        exact = {s.inst for s in snapshots if s.held_exact}
         env: dict[int, list[TrajRecord]] = {}
         for r, holder in waiting:
             inst = inst_of.get(holder)
             if inst is None or inst not in versions or r.traj_id in on:
                 continue  # the instance left the run, or the list is older than the snapshot
             env.setdefault(inst, []).append(TrajRecord(*r))
-            if self.prefix_cache and r.traj_id not in self._held:
+            if self.prefix_cache and inst not in exact and r.traj_id not in self._held:
                 self._held[r.traj_id] = (inst, versions[inst], r.length)
         held: dict[int, list[tuple[int, int]]] = {}
         if self.prefix_cache:
@@ -101,12 +109,33 @@ class ToolWaitView:
             replace(
                 s,
                 env_trajs=tuple(env.get(s.inst, ())),
-                held=tuple(held.get(s.inst, ())),
+                held=s.held if s.held_exact else tuple(held.get(s.inst, ())),
             )
             if s.inst in env or s.inst in held
             else s
             for s in snapshots
         ]
+
+    def rewarded(
+        self, records: Sequence[Rewarded], waits: ToolWaits | None, members: Members
+    ) -> int:
+        """Episodes that ended (the control plane Occupies them): :meth:`learn` from
+        their records, forget their prefixes and ask the instance of each one's last turn
+        to drop it (a hint: an instance that left is skipped). Returns the prefixes asked
+        to be dropped."""
+        self.learn(records, waits)
+        drops: dict[int, list[int]] = {}
+        for r in records:
+            was = self._held.pop(r.traj_id, None)
+            inst = r.instance if r.instance >= 0 else (-1 if was is None else was[0])
+            if inst >= 0:
+                drops.setdefault(inst, []).append(r.traj_id)
+        for inst, tids in drops.items():
+            try:
+                members[inst].drop_prefixes(tids)
+            except InstanceGone:
+                continue  # its prefixes went with it
+        return sum(map(len, drops.values()))
 
     def _forget(self, on: set[int], versions: Mapping[int, int]) -> None:
         """Drop the prefixes a Pull emptied (the instance's version moved), those of

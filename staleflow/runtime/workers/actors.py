@@ -164,6 +164,10 @@ class InstanceClient:
     def times(self) -> InstanceTimes:
         return self._get(self.handle.times.remote())
 
+    def drop_prefixes(self, traj_ids: Sequence[int]) -> None:
+        # not waited for: the control loop goes on, and a lost instance lost them anyway
+        self.handle.drop_prefixes.remote(list(traj_ids))
+
     # the tail race (runtime/races.py)
     def prepare_race(self, traj_id: int) -> bool:
         return self._get(self.handle.prepare_race.remote(traj_id))

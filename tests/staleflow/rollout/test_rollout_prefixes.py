@@ -22,7 +22,7 @@ from trajectory_server.types import RoutedTrajectory  # noqa: E402
 VOCAB = 48
 
 
-def _engine() -> EmbeddedEngine:
+def _engine(keep_trajs: int = 256) -> EmbeddedEngine:
     model = build_model(seed=0, tied=False, vocab=VOCAB)
     config = EmbeddedEngineConfig(
         kv_budget_tokens=512,
@@ -31,6 +31,7 @@ def _engine() -> EmbeddedEngine:
         temperature=0.0,
         eos_token_id=tuple(range(0, VOCAB, 2)),  # half the vocabulary ends a turn
         prefix_cache_tokens=1024,
+        prefix_cache_trajs=keep_trajs,
     )
     return EmbeddedEngine(model, config)
 
@@ -89,6 +90,38 @@ def test_an_instance_lists_held_prefixes_counts_reuse_and_a_pull_empties_it() ->
             instance.load_weights(weights, 1)
             assert instance.held_prefixes() == ()  # computed by the old weights
         assert instance.drop_prefixes([7]) == []
+    finally:
+        instance.stop()
+
+
+def test_the_snapshot_lists_what_the_engine_keeps_evictions_and_drops_included() -> None:
+    """What the coordinator's KV locality reads (``InstanceSnapshot.held``): the engine's
+    own list with the tokens each prefix keeps, marked exact, so an evicted prefix is not
+    routed to (the control plane's assumption would have kept it until a Pull)."""
+    engine = _engine(keep_trajs=1)  # room for one trajectory's prefix
+    got: list[Finished] = []
+    arrived = threading.Semaphore(0)
+
+    def on_finished(fs: list[Finished]) -> None:
+        got.extend(fs)
+        for _ in fs:
+            arrived.release()
+
+    instance = RolloutInstance(0, engine, max_response=24, on_finished=on_finished)
+    instance.start()
+    try:
+        assert instance.snapshot().held == () and instance.snapshot().held_exact
+        instance.submit([_routed(7, np.zeros(0), [])])
+        assert arrived.acquire(timeout=10)
+        first = got[-1].task
+        assert first.finish_reason == FINISH_STOP, "the greedy turn did not stop"
+        kept = 6 + len(first.tokens) - 1  # the prompt and the turn but its stop token
+        assert instance.snapshot().held == ((7, kept),)
+        instance.submit([_routed(8, np.zeros(0), [])])  # its turn evicts 7's prefix
+        assert arrived.acquire(timeout=10)
+        assert instance.snapshot().held == ((8, kept),)
+        assert instance.drop_prefixes([8, 7]) == [8]  # its episode ended
+        assert instance.snapshot().held == ()
     finally:
         instance.stop()
 

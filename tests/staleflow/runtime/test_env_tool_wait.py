@@ -189,3 +189,107 @@ def test_a_pull_while_every_trajectory_waits_on_its_tool_does_not_wait_for_the_t
         stats.consumed_trajectories + stats.aborted_trajectories + stats.queued
         + stats.routed + stats.completed
     )  # fmt: skip
+
+
+def test_an_ended_episode_has_its_prefix_dropped_on_the_instance_of_its_last_turn() -> None:
+    """The same runtime with a tool that answers in 0.2 s, episodes of two turns and the
+    engines assumed to keep prefixes (``ControlConfig.prefix_cache``; the fake engine
+    lists none, so the control plane assumes): the coordinator's snapshots list the
+    prefixes held while their trajectories wait; every episode that ends reaches the
+    control plane's records, which asks the instance its last turn ran on to drop its
+    prefix, and the snapshots stop listing it as held."""
+    ts = Serialized(TrajectoryServer(TrajectoryServerConfig(ETA, BATCH, GROUP), _Source()))
+    control_box: list[ControlPlane] = []
+    ended: dict[int, int] = {}  # trajectory -> instance of its last turn (the records')
+
+    def report(records) -> None:
+        ended.update((r.traj_id, r.instance) for r in records)
+        control_box[0].rewarded(records)
+
+    rewards = RewardStage(lambda items: [], TOK.decode, ts, report, "w")
+    stage = EnvironmentStage(
+        SlowToolEnv(),
+        PlainFormat(TOK),
+        EpisodeLimits(max_turns=2, max_tokens=64),
+        ts,
+        rewards,
+        worker_id="w",
+        threads=2,
+        sleep=lambda seconds: time.sleep(0.2),  # long enough for cycles to see it wait
+    )
+    worker = ThreadPoolExecutor(2, thread_name_prefix="reward-worker")
+
+    def dispatch(finished: list[Finished], holder: int) -> None:
+        items = [
+            FinishedTrajectory(t.traj_id, t.tokens, t.logprobs, t.versions, t.finish_reason, t.mask)
+            for t in (f.task for f in finished)
+        ]
+        kept = set(hand_live(ts, items, "w", instance_id=holder))
+        worker.submit(stage.process, [f for f in finished if f.task.traj_id in kept])
+
+    ps = MemoryPS()
+    hosts = {
+        i: InstanceHost(
+            i,
+            ScriptedEngine(target=4, max_running=4),
+            ts=ts,
+            weights=ps,
+            max_response=64,
+            on_finished=lambda fs, i=i: dispatch(fs, i),
+        )
+        for i in range(2)
+    }
+    dropped: dict[int, int] = {}  # trajectory -> instance asked to drop its prefix
+    lock = threading.Lock()
+    for i, host in hosts.items():
+        keep = host.drop_prefixes
+
+        def spy(traj_ids, i=i, keep=keep):
+            with lock:
+                dropped.update(dict.fromkeys(traj_ids, i))
+            return keep(traj_ids)
+
+        host.drop_prefixes = spy  # type: ignore[method-assign]
+    rounds = ThreadPoolExecutor(4)
+    control = ControlPlane(
+        ControlConfig(
+            StalenessConfig(eta=ETA, batch_size=BATCH, group_size=GROUP),
+            CoordinatorConfig(period_s=0.005),
+            idle_wait_s=0.002,
+            tool_waits=True,
+            prefix_cache=True,
+        ),
+        ts=ts,
+        instances=hosts,
+        ps_version=ps.latest,
+        run_round=lambda actions: list(rounds.map(lambda a: a(), actions)),
+    )
+    control_box.append(control)
+    for h in hosts.values():
+        h.start()
+    control.start()
+    try:
+        # every trajectory the window admits at version 0 plays its two turns and ends
+        seen: set[int] = set()  # listed as held while it waited
+
+        def all_ended() -> bool:
+            seen.update(t for s in control.loop.last_snapshot for t, _ in s.held)
+            return len(ended) == IN_FLIGHT
+
+        _until(all_ended, f"{IN_FLIGHT} episodes ended")
+        _until(lambda: len(dropped) == IN_FLIGHT, "every ended episode's prefix dropped")
+        control.check()
+        snapshot = control.loop.last_snapshot
+        _until(lambda: control.loop.last_snapshot is not snapshot, "a cycle after the ends")
+        held = {t for s in control.loop.last_snapshot for t, _ in s.held}
+    finally:
+        control.stop()
+        for h in hosts.values():
+            h.stop()
+        worker.shutdown(wait=True)
+        stage.close()
+        rounds.shutdown(wait=True)
+    assert dropped == ended  # each on the instance its last turn ran on
+    assert set(ended.values()) <= {0, 1}
+    assert seen & set(ended), "no snapshot listed a prefix while its trajectory waited"
+    assert not held & set(ended)

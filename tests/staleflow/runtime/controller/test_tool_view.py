@@ -1,14 +1,18 @@
 """The control plane's view of tool waits (runtime/controller/tool_view.py): what the
 TS lists as waiting reaches the snapshot of the instance its turn ended on, cached
-prefixes last until a Pull or the next route, and the episodes' records warm-start the
-learned waits."""
+prefixes last until a Pull, the next route or the episode's end (unless the instance
+lists its own), and the episodes' records warm-start the learned waits."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
+
 from coordinator.agentic import ToolWaits
 from coordinator.types import InstanceSnapshot, TrajRecord
+from staleflow.runtime.controller.instances import Members
 from staleflow.runtime.controller.tool_view import ToolWaitView
-from staleflow.runtime.interface import Rewarded
+from staleflow.runtime.interface import InstanceGone, Rewarded
 from trajectory_server.types import RoutableTrajectory
 
 
@@ -78,3 +82,61 @@ def test_records_warm_start_the_learned_waits_until_snapshots_measured_enough() 
     view.learn([_rewarded(3, 60.0)], waits)  # enough measured: records add nothing
     assert waits.samples == 4 and view.learned == 4
     view.learn([_rewarded(3, 6.0)], None)  # no rule uses the waits: nothing to learn
+
+
+def test_an_instance_that_lists_its_prefixes_is_read_not_assumed_about() -> None:
+    """Instance 0's engine lists what it keeps (``held_exact``): 8's prefix was evicted
+    there and 5's kept from an earlier turn, and the view reports exactly that, adding
+    nothing for the trajectories whose turns ended there. Instance 1 lists nothing, so
+    its prefixes are assumed as before."""
+    ts, view = _view(prefix_cache=True)
+    ts.waiting = [
+        (RoutableTrajectory(7, 1, 0, 60, 10), "inst-1"),
+        (RoutableTrajectory(8, 1, 0, 50, 10), "inst-0"),
+    ]
+    exact = replace(_snap(0), held=((5, 30),), held_exact=True)
+    out = view.merge([exact, _snap(1)], view.waiting())
+    assert out[0].held == ((5, 30),) and out[0].held_exact
+    assert [t.traj_id for t in out[0].env_trajs] == [8]  # waiting there all the same
+    assert out[1].held == ((7, 60),) and not out[1].held_exact
+    ts.waiting = []
+    out = view.merge([replace(exact, held=()), _snap(1)], view.waiting())
+    assert out[0].held == () and out[1].held == ((7, 60),)  # the engine dropped 5
+
+
+class _Host:
+    def __init__(self, gone: bool = False) -> None:
+        self.gone = gone
+        self.dropped: list[list[int]] = []
+
+    def drop_prefixes(self, traj_ids: Sequence[int]) -> list[int]:
+        if self.gone:
+            raise InstanceGone(1, "its process died")
+        self.dropped.append(list(traj_ids))
+        return list(traj_ids)
+
+
+def _ended(traj_id: int, instance: int) -> Rewarded:
+    return Rewarded(traj_id, 1, 0, 1.0, "", 40, "stop", instance, turns=2, tool_calls=1,
+                    tool_wait_s=0.5)  # fmt: skip
+
+
+def test_an_ended_episode_is_forgotten_and_its_instance_asked_to_drop_its_prefix() -> None:
+    ts, view = _view(prefix_cache=True)
+    ts.waiting = [
+        (RoutableTrajectory(7, 1, 0, 60, 10), "inst-1"),
+        (RoutableTrajectory(8, 1, 0, 50, 10), "inst-0"),
+        (RoutableTrajectory(9, 1, 0, 50, 10), "inst-0"),
+    ]
+    view.merge([_snap(0), _snap(1)], view.waiting())
+    hosts = {0: _Host(), 1: _Host(gone=True)}
+    members = Members(hosts, {0: "inst-0", 1: "inst-1"})
+    waits = ToolWaits(min_samples=4)
+    # 8 ended on instance 0; 7 on instance 1, which has left; 9's instance is unknown
+    # (its worker was lost): the view's record of its prefix names instance 0
+    asked = view.rewarded([_ended(8, 0), _ended(7, 1), _ended(9, -1)], waits, members)
+    assert asked == 3 and hosts[0].dropped == [[8, 9]]
+    assert waits.samples == 3  # the records still warm-start the waits
+    ts.waiting = []
+    out = view.merge([_snap(0), _snap(1)], view.waiting())
+    assert out[0].held == out[1].held == ()  # ended: no next turn will want them
