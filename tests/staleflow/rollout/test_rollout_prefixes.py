@@ -52,8 +52,10 @@ def _routed(traj_id: int, tokens: np.ndarray, mask: list[bool]) -> RoutedTraject
     )
 
 
-def test_an_instance_lists_held_prefixes_counts_reuse_and_a_pull_empties_it() -> None:
-    engine = _engine()
+def _instance(
+    engine: EmbeddedEngine,
+) -> tuple[RolloutInstance, list[Finished], threading.Semaphore]:
+    """A started instance, the turns it finished and a semaphore released per turn."""
     got: list[Finished] = []
     arrived = threading.Semaphore(0)
 
@@ -64,6 +66,12 @@ def test_an_instance_lists_held_prefixes_counts_reuse_and_a_pull_empties_it() ->
 
     instance = RolloutInstance(0, engine, max_response=24, on_finished=on_finished)
     instance.start()
+    return instance, got, arrived
+
+
+def test_an_instance_lists_held_prefixes_counts_reuse_and_a_pull_empties_it() -> None:
+    engine = _engine()
+    instance, got, arrived = _instance(engine)
     try:
         instance.submit([_routed(7, np.zeros(0), [])])
         assert arrived.acquire(timeout=10)
@@ -98,17 +106,7 @@ def test_the_snapshot_lists_what_the_engine_keeps_evictions_and_drops_included()
     """What the coordinator's KV locality reads (``InstanceSnapshot.held``): the engine's
     own list with the tokens each prefix keeps, marked exact, so an evicted prefix is not
     routed to (the control plane's assumption would have kept it until a Pull)."""
-    engine = _engine(keep_trajs=1)  # room for one trajectory's prefix
-    got: list[Finished] = []
-    arrived = threading.Semaphore(0)
-
-    def on_finished(fs: list[Finished]) -> None:
-        got.extend(fs)
-        for _ in fs:
-            arrived.release()
-
-    instance = RolloutInstance(0, engine, max_response=24, on_finished=on_finished)
-    instance.start()
+    instance, got, arrived = _instance(_engine(keep_trajs=1))  # one trajectory's room
     try:
         assert instance.snapshot().held == () and instance.snapshot().held_exact
         instance.submit([_routed(7, np.zeros(0), [])])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -31,6 +32,7 @@ from staleflow.rollout.instance import Finished
 from staleflow.runtime.controller.control_plane import ControlPlane
 from staleflow.runtime.controller.plane_records import ControlConfig
 from staleflow.runtime.in_process import Serialized
+from staleflow.runtime.interface import Rewarded
 from staleflow.runtime.workers.env_stage import EnvironmentStage
 from staleflow.runtime.workers.instance_host import InstanceHost
 from staleflow.runtime.workers.reward_stage import RewardStage
@@ -78,6 +80,97 @@ def _until(cond, what: str) -> None:
         time.sleep(0.01)
 
 
+class _Runtime:
+    """The runtime in one process: the real TS, environment stage, instance hosts over
+    fake engines, and control plane; ``report`` sees the rewarded records first."""
+
+    def __init__(
+        self,
+        sleep: Callable[[float], None],
+        threads: int,
+        coordinator: CoordinatorConfig,
+        prefix_cache: bool = False,
+        report: Callable[[list[Rewarded]], None] = lambda records: None,
+    ) -> None:
+        self.ts = ts = Serialized(
+            TrajectoryServer(TrajectoryServerConfig(ETA, BATCH, GROUP), _Source())
+        )
+
+        def rewarded(records: list[Rewarded]) -> None:
+            report(records)
+            self.control.rewarded(records)
+
+        rewards = RewardStage(lambda items: [], TOK.decode, ts, rewarded, "w")
+        self.stage = stage = EnvironmentStage(
+            SlowToolEnv(),
+            PlainFormat(TOK),
+            EpisodeLimits(max_turns=2, max_tokens=64),
+            ts,
+            rewards,
+            worker_id="w",
+            threads=threads,
+            sleep=sleep,
+        )
+        # as many calls at once as the stage has threads, as a reward actor takes
+        # (max_concurrency=env.threads, driver/pools/rewards.py): with fewer, calls whose
+        # tools sleep hold every worker thread and a later turn never reaches its tool
+        self.worker = worker = ThreadPoolExecutor(threads, thread_name_prefix="reward-worker")
+
+        def dispatch(finished: list[Finished], holder: int) -> None:
+            """What a rollout actor does with finished turns (RolloutActor._dispatch):
+            hand them to a worker in the TS, then send them to it without waiting (Ray's
+            ``.remote``)."""
+            items = [
+                FinishedTrajectory(
+                    t.traj_id, t.tokens, t.logprobs, t.versions, t.finish_reason, t.mask
+                )
+                for t in (f.task for f in finished)
+            ]
+            kept = set(hand_live(ts, items, "w", instance_id=holder))
+            worker.submit(stage.process, [f for f in finished if f.task.traj_id in kept])
+
+        self.ps = MemoryPS()
+        self.engines = {i: ScriptedEngine(target=4, max_running=4) for i in range(2)}
+        self.hosts = {
+            i: InstanceHost(
+                i,
+                self.engines[i],
+                ts=ts,
+                weights=self.ps,
+                max_response=64,
+                on_finished=lambda fs, i=i: dispatch(fs, i),
+            )
+            for i in range(2)
+        }
+        self.rounds = rounds = ThreadPoolExecutor(4)
+        self.control = ControlPlane(
+            ControlConfig(
+                StalenessConfig(eta=ETA, batch_size=BATCH, group_size=GROUP),
+                coordinator,
+                idle_wait_s=0.002,
+                tool_waits=True,
+                prefix_cache=prefix_cache,
+            ),
+            ts=ts,
+            instances=self.hosts,
+            ps_version=self.ps.latest,
+            run_round=lambda actions: list(rounds.map(lambda a: a(), actions)),
+        )
+
+    def start(self) -> None:
+        for h in self.hosts.values():
+            h.start()
+        self.control.start()
+
+    def close(self) -> None:
+        self.control.stop()
+        for h in self.hosts.values():
+            h.stop()
+        self.worker.shutdown(wait=True)
+        self.stage.close()
+        self.rounds.shutdown(wait=True)
+
+
 def test_a_pull_while_every_trajectory_waits_on_its_tool_does_not_wait_for_the_tool() -> None:
     released = threading.Event()  # the tool's hour ends when the test says so
     tool_sleeps: list[float] = []
@@ -86,67 +179,9 @@ def test_a_pull_while_every_trajectory_waits_on_its_tool_does_not_wait_for_the_t
         tool_sleeps.append(seconds)
         released.wait(seconds)
 
-    ts = Serialized(TrajectoryServer(TrajectoryServerConfig(ETA, BATCH, GROUP), _Source()))
-    control_box: list[ControlPlane] = []
-    rewards = RewardStage(
-        lambda items: [], TOK.decode, ts, lambda records: control_box[0].rewarded(records), "w"
-    )
-    stage = EnvironmentStage(
-        SlowToolEnv(),
-        PlainFormat(TOK),
-        EpisodeLimits(max_turns=2, max_tokens=64),
-        ts,
-        rewards,
-        worker_id="w",
-        threads=IN_FLIGHT,
-        sleep=tool_sleep,
-    )
-    # as many calls at once as the stage has threads, as a reward actor takes
-    # (max_concurrency=env.threads, driver/pools/rewards.py): with fewer, calls whose
-    # tools sleep hold every worker thread and a later turn never reaches its tool
-    worker = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="reward-worker")
-
-    def dispatch(finished: list[Finished], holder: int) -> None:
-        """What a rollout actor does with finished turns (RolloutActor._dispatch): hand
-        them to a worker in the TS, then send them to it without waiting (Ray's
-        ``.remote``)."""
-        items = [
-            FinishedTrajectory(t.traj_id, t.tokens, t.logprobs, t.versions, t.finish_reason, t.mask)
-            for t in (f.task for f in finished)
-        ]
-        kept = set(hand_live(ts, items, "w", instance_id=holder))
-        worker.submit(stage.process, [f for f in finished if f.task.traj_id in kept])
-
-    ps = MemoryPS()
-    engines = {i: ScriptedEngine(target=4, max_running=4) for i in range(2)}
-    hosts = {
-        i: InstanceHost(
-            i,
-            engines[i],
-            ts=ts,
-            weights=ps,
-            max_response=64,
-            on_finished=lambda fs, i=i: dispatch(fs, i),
-        )
-        for i in range(2)
-    }
-    rounds = ThreadPoolExecutor(4)
-    control = ControlPlane(
-        ControlConfig(
-            StalenessConfig(eta=ETA, batch_size=BATCH, group_size=GROUP),
-            CoordinatorConfig(period_s=0.005, synchronization="drain"),
-            idle_wait_s=0.002,
-            tool_waits=True,
-        ),
-        ts=ts,
-        instances=hosts,
-        ps_version=ps.latest,
-        run_round=lambda actions: list(rounds.map(lambda a: a(), actions)),
-    )
-    control_box.append(control)
-    for h in hosts.values():
-        h.start()
-    control.start()
+    rt = _Runtime(tool_sleep, IN_FLIGHT, CoordinatorConfig(period_s=0.005, synchronization="drain"))
+    ts, control, engines, ps, stage = rt.ts, rt.control, rt.engines, rt.ps, rt.stage
+    rt.start()
     try:
         # every trajectory of version 0 took its first turn and sits in its tool call:
         # in the TS with its worker, on no instance
@@ -154,7 +189,7 @@ def test_a_pull_while_every_trajectory_waits_on_its_tool_does_not_wait_for_the_t
             lambda: ts.stats().rewarding == IN_FLIGHT and len(tool_sleeps) == IN_FLIGHT,
             f"{IN_FLIGHT} trajectories in their tool calls",
         )
-        assert all(not h.held() for h in hosts.values())
+        assert all(not h.held() for h in rt.hosts.values())
         # the coordinator sees them, each on the instance its turn ended on
         _until(
             lambda: sum(len(s.env_trajs) for s in control.loop.last_snapshot) == IN_FLIGHT,
@@ -175,12 +210,7 @@ def test_a_pull_while_every_trajectory_waits_on_its_tool_does_not_wait_for_the_t
         assert ts.stats().rewarding == IN_FLIGHT
     finally:
         released.set()
-        control.stop()
-        for h in hosts.values():
-            h.stop()
-        worker.shutdown(wait=True)
-        stage.close()
-        rounds.shutdown(wait=True)
+        rt.close()
     # the tools' answers still reached the TS, once they came: every trajectory took
     # its observation and a next turn (or ended), none was lost in the Pull
     stats = ts.stats()
@@ -198,50 +228,18 @@ def test_an_ended_episode_has_its_prefix_dropped_on_the_instance_of_its_last_tur
     prefixes held while their trajectories wait; every episode that ends reaches the
     control plane's records, which asks the instance its last turn ran on to drop its
     prefix, and the snapshots stop listing it as held."""
-    ts = Serialized(TrajectoryServer(TrajectoryServerConfig(ETA, BATCH, GROUP), _Source()))
-    control_box: list[ControlPlane] = []
     ended: dict[int, int] = {}  # trajectory -> instance of its last turn (the records')
-
-    def report(records) -> None:
-        ended.update((r.traj_id, r.instance) for r in records)
-        control_box[0].rewarded(records)
-
-    rewards = RewardStage(lambda items: [], TOK.decode, ts, report, "w")
-    stage = EnvironmentStage(
-        SlowToolEnv(),
-        PlainFormat(TOK),
-        EpisodeLimits(max_turns=2, max_tokens=64),
-        ts,
-        rewards,
-        worker_id="w",
+    rt = _Runtime(
+        lambda seconds: time.sleep(0.2),  # long enough for cycles to see it wait
         threads=2,
-        sleep=lambda seconds: time.sleep(0.2),  # long enough for cycles to see it wait
+        coordinator=CoordinatorConfig(period_s=0.005),
+        prefix_cache=True,
+        report=lambda records: ended.update((r.traj_id, r.instance) for r in records),
     )
-    worker = ThreadPoolExecutor(2, thread_name_prefix="reward-worker")
-
-    def dispatch(finished: list[Finished], holder: int) -> None:
-        items = [
-            FinishedTrajectory(t.traj_id, t.tokens, t.logprobs, t.versions, t.finish_reason, t.mask)
-            for t in (f.task for f in finished)
-        ]
-        kept = set(hand_live(ts, items, "w", instance_id=holder))
-        worker.submit(stage.process, [f for f in finished if f.task.traj_id in kept])
-
-    ps = MemoryPS()
-    hosts = {
-        i: InstanceHost(
-            i,
-            ScriptedEngine(target=4, max_running=4),
-            ts=ts,
-            weights=ps,
-            max_response=64,
-            on_finished=lambda fs, i=i: dispatch(fs, i),
-        )
-        for i in range(2)
-    }
+    control = rt.control
     dropped: dict[int, int] = {}  # trajectory -> instance asked to drop its prefix
     lock = threading.Lock()
-    for i, host in hosts.items():
+    for i, host in rt.hosts.items():
         keep = host.drop_prefixes
 
         def spy(traj_ids, i=i, keep=keep):
@@ -250,24 +248,7 @@ def test_an_ended_episode_has_its_prefix_dropped_on_the_instance_of_its_last_tur
             return keep(traj_ids)
 
         host.drop_prefixes = spy  # type: ignore[method-assign]
-    rounds = ThreadPoolExecutor(4)
-    control = ControlPlane(
-        ControlConfig(
-            StalenessConfig(eta=ETA, batch_size=BATCH, group_size=GROUP),
-            CoordinatorConfig(period_s=0.005),
-            idle_wait_s=0.002,
-            tool_waits=True,
-            prefix_cache=True,
-        ),
-        ts=ts,
-        instances=hosts,
-        ps_version=ps.latest,
-        run_round=lambda actions: list(rounds.map(lambda a: a(), actions)),
-    )
-    control_box.append(control)
-    for h in hosts.values():
-        h.start()
-    control.start()
+    rt.start()
     try:
         # every trajectory the window admits at version 0 plays its two turns and ends
         seen: set[int] = set()  # listed as held while it waited
@@ -283,12 +264,7 @@ def test_an_ended_episode_has_its_prefix_dropped_on_the_instance_of_its_last_tur
         _until(lambda: control.loop.last_snapshot is not snapshot, "a cycle after the ends")
         held = {t for s in control.loop.last_snapshot for t, _ in s.held}
     finally:
-        control.stop()
-        for h in hosts.values():
-            h.stop()
-        worker.shutdown(wait=True)
-        stage.close()
-        rounds.shutdown(wait=True)
+        rt.close()
     assert dropped == ended  # each on the instance its last turn ran on
     assert set(ended.values()) <= {0, 1}
     assert seen & set(ended), "no snapshot listed a prefix while its trajectory waited"
