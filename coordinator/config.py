@@ -259,8 +259,9 @@ class AgenticRulesConfig:
     expected_returns: bool = field(
         default=True,
         metadata={
-            "help": "new trajectories are admitted as if the waiting trajectories expected "
-            "back within a turn's time (learned online) were running already"
+            "help": "new trajectories are admitted, and migration weighs its moves, as if "
+            "the waiting trajectories expected back within a turn's time (learned online) "
+            "were running already"
         },
     )
     tool_critical: bool = field(

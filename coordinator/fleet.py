@@ -16,6 +16,9 @@ from coordinator.cost_model import CostModel
 from coordinator.types import InstanceId, Snapshot, TrajectoryView
 
 _V_TRAJ = attrgetter("v_traj")
+# Fleet.at_home: positions, lengths and ids of the trajectories at their tools whose
+# prefix the instance of their last turn still caches
+AtHome = tuple[npt.NDArray[np.int64], list[int], list[int]]
 
 
 class Fleet:
@@ -24,6 +27,7 @@ class Fleet:
 
     __slots__ = (
         "_at_home",
+        "_at_home_kept",
         "_env_versions",
         "_versions",
         "cleared",
@@ -73,7 +77,9 @@ class Fleet:
         self.env = [s.env_trajs for s in insts]
         self.n_env = np.array([len(s.env_trajs) for s in insts], dtype=np.int64)
         self._env_versions: list[int] | None = None
-        self._at_home: tuple[npt.NDArray[np.int64], list[int], list[int]] | None = None
+        self._at_home: AtHome | None = None
+        # at_home() with the Pulls of ``cleared`` applied, for that ``cleared``
+        self._at_home_kept: tuple[frozenset[int], AtHome] | None = None
         self._versions: list[list[int]] | None = None
         self.cleared = frozenset()
         # thousands of prefixes per snapshot with multi-turn work, each cached once but
@@ -107,6 +113,7 @@ class Fleet:
         out.n_env = self.n_env
         out._env_versions = self._env_versions
         out._at_home = self._at_home
+        out._at_home_kept = self._at_home_kept
         # entries are replaced, never changed in place, so a shallow copy is independent
         out._versions = None if self._versions is None else list(self._versions)
         out.held = self.held  # never written after construction
@@ -121,7 +128,7 @@ class Fleet:
             self._env_versions = [v for trajs in self.env for v in map(_V_TRAJ, trajs)]
         return self._env_versions
 
-    def at_home(self) -> tuple[npt.NDArray[np.int64], list[int], list[int]]:
+    def at_home(self) -> AtHome:
         """The trajectories at their tools whose prefix the instance of their last turn
         still caches: (positions, lengths, ids), in snapshot order. The scan is made once
         (the synchronisation and routing both ask, a third of those in flight each
@@ -138,8 +145,14 @@ class Fleet:
             self._at_home = (np.array(pos_l, dtype=np.int64), len_l, tid_l)
         where, lengths, ids = self._at_home
         if self.cleared and len(where):
+            # the synchronisation's Pulls are made before migration and routing ask
+            kept = self._at_home_kept
+            if kept is not None and kept[0] == self.cleared:
+                return kept[1]
             keep = np.flatnonzero(~np.isin(where, list(self.cleared))).tolist()
-            return where[keep], [lengths[i] for i in keep], [ids[i] for i in keep]
+            out = where[keep], [lengths[i] for i in keep], [ids[i] for i in keep]
+            self._at_home_kept = (self.cleared, out)
+            return out
         return where, lengths, ids
 
     def versions(self) -> list[list[int]]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
+import numpy.typing as npt
 
 from coordinator.cost_model import CostModel
 from coordinator.fleet import Fleet
@@ -10,6 +13,10 @@ from coordinator.types import TrajectoryView
 from staleness.types import TrajId
 
 Migration = tuple[int, tuple[TrajectoryView, ...]]  # (instance position, trajectories)
+FloatArray = npt.NDArray[np.float64]
+# per instance, the trajectories and KV tokens expected back from their tools soon
+# (coordinator.agentic.expected_returns bound to the run's waits and cost model)
+Returns = Callable[[Fleet], tuple[FloatArray, FloatArray]]
 
 
 class ThroughputMigration:
@@ -56,6 +63,17 @@ class ThroughputMigration:
     one idle instance at the end of a step makes infinite: with per-instance speeds the
     ratio exceeds ``phi_throughput`` far more often, and the simulator measured 17,000
     such re-routed trajectories in a 12-step run at sigma = 0.2 (docs/simulator.md).
+
+    With ``returns`` (multi-turn work, ``coordinator.agentic.expected_returns``), both
+    cases count, as each instance's load, the trajectories expected back from their tools
+    within a turn's time where their prefix is cached: an instance whose batch emptied
+    while its trajectories are at their tools is not idle. Case 1 gives a queue back
+    only if another instance has room with its returns counted; case 2 still starts from
+    what decodes now (the returns are expected, not there: they never start a move), but
+    takes ``T_min`` and the improving moves on the loads with them. Without it, the
+    instances that look idle at a turn's end draw moves (each a re-prefill) that the
+    returning turns then find in their way. The returns are computed only once a case
+    has a move to weigh.
     """
 
     def __init__(
@@ -65,6 +83,7 @@ class ThroughputMigration:
         phi_throughput: float,
         min_gain: float | None = None,
         moved_at: dict[TrajId, int] | None = None,
+        returns: Returns | None = None,
     ) -> None:
         if phi_wait < 0:
             raise ValueError(f"phi_wait must be >= 0 (got {phi_wait})")
@@ -76,6 +95,7 @@ class ThroughputMigration:
         self.phi_wait = phi_wait
         self.phi_throughput = phi_throughput
         self.min_gain = min_gain
+        self.returns = returns
         # traj_id -> its length when it was last moved; shared with the critical-path rule
         # (build_strategies), so neither moves what the other has just moved
         self._moved_at: dict[TrajId, int] = {} if moved_at is None else moved_at
@@ -83,8 +103,12 @@ class ThroughputMigration:
     def select(self, fleet: Fleet) -> list[Migration]:
         out: list[Migration] = []
         excess_of: dict[int, int] = {}
-        room = (fleet.n_wait == 0) & (fleet.kv < self.cost.kv_budget)  # could start more
-        for pos in np.flatnonzero(fleet.n_wait > self.phi_wait).tolist():
+        over = np.flatnonzero(fleet.n_wait > self.phi_wait).tolist()
+        loads = self._loads(fleet) if over else None
+        room = (fleet.n_wait == 0) & (
+            (fleet.kv if loads is None else loads[1]) < self.cost.kv_budget
+        )
+        for pos in over:  # room: could start more
             excess = int(fleet.n_wait[pos]) - self.phi_wait
             tail = self._unmoved(fleet.wait[pos][-excess:])
             need = min((t.v_traj for t in tail if t.v_traj is not None), default=0)
@@ -95,12 +119,29 @@ class ThroughputMigration:
                 self._mark(tail)
                 out.append((pos, tail))
         if len(fleet) >= 2:
-            imbalance = self._imbalance(fleet, excess_of)
+            imbalance = self._imbalance(fleet, excess_of, loads)
             if imbalance is not None:
                 out.append(imbalance)
         return out
 
-    def _imbalance(self, fleet: Fleet, excess_of: dict[int, int]) -> Migration | None:
+    def _loads(self, fleet: Fleet) -> tuple[FloatArray, FloatArray]:
+        """Each instance's decoding trajectories and KV, with the returns expected soon
+        counted where ``returns`` is on (class docstring)."""
+        if self.returns is None or not fleet.n_env.any():
+            return fleet.n_run, fleet.kv
+        n_ret, kv_ret = self.returns(fleet)
+        return fleet.n_run + n_ret, fleet.kv + kv_ret
+
+    def _imbalance(
+        self,
+        fleet: Fleet,
+        excess_of: dict[int, int],
+        loads: tuple[FloatArray, FloatArray] | None,
+    ) -> Migration | None:
+        """Case 2. What decodes now decides whether the fleet is out of balance (the
+        returns never start a move: they are expected, not there); the returns count in
+        the hosts' throughputs (an instance whose trajectories are at their tools is not
+        as idle as it looks) and in the improving moves."""
         tput = fleet.throughputs(self.cost)  # with each instance's estimated speed
         top = int(tput.argmax())
         if tput[top] <= 0.0:
@@ -119,23 +160,33 @@ class ThroughputMigration:
         hosts[top] = False
         if not hosts.any():
             return None
-        low = float(tput[hosts].min())
+        n, kv = self._loads(fleet) if loads is None else loads
+        if n is not fleet.n_run:  # the returns are counted
+            low = float((self.cost.throughputs(n, kv) / fleet.speed)[hosts].min())
+        else:
+            low = float(tput[hosts].min())
         if low > 0.0 and tput[top] / low <= self.phi_throughput:
             return None
         if self.min_gain is not None:
-            trajs = self._improving(fleet, top, trajs)
+            trajs = self._improving(fleet, top, trajs, n, kv)
             if not trajs:
                 return None
         self._mark(trajs)
         return top, trajs
 
     def _improving(
-        self, fleet: Fleet, top: int, trajs: tuple[TrajectoryView, ...]
+        self,
+        fleet: Fleet,
+        top: int,
+        trajs: tuple[TrajectoryView, ...],
+        n: FloatArray,
+        kv: FloatArray,
     ) -> tuple[TrajectoryView, ...]:
-        """The improving moves out of ``top`` (class docstring), shortest first."""
+        """The improving moves out of ``top`` (class docstring), shortest first, from the
+        loads ``n`` and ``kv`` (:meth:`_loads`)."""
         c = self.cost
         queued = {t.traj_id for t in fleet.wait[top]}
-        n, kv = fleet.n_run.copy(), fleet.kv.copy()
+        n, kv = n.copy(), kv.copy()
         busy = fleet.n_wait > 0
         weight = 1.0 / fleet.speed
         out = []
