@@ -87,16 +87,17 @@ def test_the_settled_scene_carries_out_the_storm_and_loses_no_trajectory(
     settled = bench.settle(storm, config)
     assert everyone(settled) == before  # each exactly once
 
-    # the routes were carried out: trajectories sit on instances they were not on, and
-    # the TS holds no more than before (what the storm's Pulls interrupted may be all it
-    # routes, so the TS can keep its size)
+    # the routes were carried out: trajectories sit on instances they were not on, some
+    # of them taken from the TS (the TS's size may move either way: the storm's
+    # Interrupts fill it, its Routes empty it)
     def placed(scene: Any) -> dict[int, int]:
         insts = scene.snapshot.instances
         return {t.traj_id: s.inst for s in insts for t in s.run_trajs + s.wait_trajs}
 
     before_at = placed(storm)
     assert any(before_at.get(tid) != inst for tid, inst in placed(settled).items())
-    assert len(settled.ts) <= len(storm.ts)
+    in_ts = {t.traj_id for t in storm.ts}
+    assert any(tid in in_ts for tid in placed(settled))
     now_lagging = sum(s.inst_version < bench.VERSION for s in settled.snapshot.instances)
     assert now_lagging < lagging  # the storm's Pulls were carried out
     assert settled.speculative.validate(bench.later(settled.snapshot, 1))
