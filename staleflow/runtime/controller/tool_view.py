@@ -17,9 +17,10 @@ an engine cannot report, because a trajectory waiting on its tool is on no insta
   is not seen; the routing's gain rule still weighs the prefill).
 
 An episode that ends (:meth:`ToolWaitView.rewarded`) needs its prefix no more: the view
-forgets it and asks the instance of its last turn to drop it, which frees the embedded
-engine's store for the next turns of episodes still running (it would otherwise keep
-the ended one until evicted).
+forgets it and asks each instance that lists it (the one of its last turn, and one an
+earlier turn moved away from) to drop it, which frees the embedded engine's store for
+the next turns of episodes still running (it would otherwise keep the ended one until
+evicted).
 
 The coordinator learns tool waits online from ``env_trajs`` (``ToolWaits.observe``);
 :meth:`ToolWaitView.learn` warm-starts that estimate from the episodes' own records
@@ -74,6 +75,10 @@ class ToolWaitView:
         self.prefix_cache = prefix_cache
         # trajectory -> (instance, its version when the turn ended there, KV tokens)
         self._held: dict[int, tuple[int, int, int]] = {}
+        # instances that list their own prefixes, and where each prefix is listed (the
+        # last snapshots'): only their engines can drop one
+        self._exact: set[int] = set()
+        self._listed: dict[int, list[int]] = {}
         self.learned = 0  # waits taken from records
 
     def waiting(self) -> ToolWaitList:
@@ -91,7 +96,13 @@ class ToolWaitView:
         on = {t.traj_id for s in snapshots for t in (*s.run_trajs, *s.wait_trajs)}
         versions = {s.inst: s.inst_version for s in snapshots}
         # an instance that lists its prefixes is not assumed about
-        exact = {s.inst for s in snapshots if s.held_exact}
+        exact = self._exact = {s.inst for s in snapshots if s.held_exact}
+        listed: dict[int, list[int]] = {}
+        for s in snapshots:
+            if s.held_exact:
+                for tid, _ in s.held:
+                    listed.setdefault(tid, []).append(s.inst)
+        self._listed = listed
         env: dict[int, list[TrajRecord]] = {}
         for r, holder in waiting:
             inst = inst_of.get(holder)
@@ -120,15 +131,18 @@ class ToolWaitView:
         self, records: Sequence[Rewarded], waits: ToolWaits | None, members: Members
     ) -> int:
         """Episodes that ended (the control plane Occupies them): :meth:`learn` from
-        their records, forget their prefixes and ask the instance of each one's last turn
-        to drop it (a hint: an instance that left is skipped). Returns the prefixes asked
-        to be dropped."""
+        their records, forget their prefixes, and ask each instance that lists one (its
+        last turn's, and one an earlier turn left behind) to drop it: a hint, so an
+        instance that left is skipped. Engines that list none cannot drop one (vLLM,
+        SGLang: their caches evict by block). Returns the drops asked for."""
         self.learn(records, waits)
         drops: dict[int, list[int]] = {}
         for r in records:
-            was = self._held.pop(r.traj_id, None)
-            inst = r.instance if r.instance >= 0 else (-1 if was is None else was[0])
-            if inst >= 0:
+            self._held.pop(r.traj_id, None)
+            where = self._listed.get(r.traj_id, [])
+            if r.instance in self._exact and r.instance not in where:
+                where = [*where, r.instance]  # its last turn ended after the snapshots
+            for inst in where:
                 drops.setdefault(inst, []).append(r.traj_id)
         for inst, tids in drops.items():
             try:

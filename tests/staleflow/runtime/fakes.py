@@ -2,7 +2,10 @@
 
 Faked: the rollout engine (:class:`ScriptedEngine` emits token ``7`` each step until a
 length fixed by the trajectory id, then EOS ``2``; trajectories it is told to ``hold``
-never advance, standing in for the long tail that redundant rollout cuts), the trainer (:class:`CountingTrainer`
+never advance, standing in for the long tail that redundant rollout cuts;
+:class:`PrefixKeepingEngine` also keeps, as the embedded engine's prefix store does, the
+length of each turn that stopped, listed until the trajectory's next turn is submitted
+there, a drop or a weight load), the trainer (:class:`CountingTrainer`
 records batches and returns fixed weights), the PS (:class:`MemoryPS` holds versions in
 a dict), the reward function (reward = response length parity) and, for the driver's
 loops, Ray's calling convention (:class:`FakeRay`: ``handle.method.remote(...)`` runs the
@@ -143,6 +146,40 @@ class ScriptedEngine:
     def has_work(self) -> bool:
         # held trajectories alone give the generation thread nothing to do (no busy loop)
         return bool(self._waiting) or any(not self.hold(r.traj_id) for r in self._running)
+
+
+class PrefixKeepingEngine(ScriptedEngine):
+    """:class:`ScriptedEngine` with a prefix store's list (``engines.base.KeepsPrefixes``):
+    a turn that stops leaves its length kept for the trajectory's next turn."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self._kept: dict[int, int] = {}
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> None:
+        super().submit(requests)
+        for r in requests:
+            self._kept.pop(r.traj_id, None)  # the next turn takes its prefix back
+
+    def step(self) -> list[EngineOutput]:
+        out = super().step()
+        for o in out:
+            if o.finish_reason == FINISH_STOP:
+                self._kept[o.traj_id] = len(o.tokens)
+        return out
+
+    def load_weights(self, weights: Mapping[str, object], version: int) -> None:
+        super().load_weights(weights, version)
+        self._kept.clear()
+
+    def held_prefixes(self) -> tuple[int, ...]:
+        return tuple(self._kept)
+
+    def held_prefix_sizes(self) -> tuple[tuple[int, int], ...]:
+        return tuple(self._kept.items())
+
+    def drop_prefixes(self, traj_ids: Iterable[int]) -> list[int]:
+        return [t for t in traj_ids if self._kept.pop(t, None) is not None]
 
 
 @dataclass

@@ -37,7 +37,7 @@ from staleflow.runtime.workers.env_stage import EnvironmentStage
 from staleflow.runtime.workers.instance_host import InstanceHost
 from staleflow.runtime.workers.reward_stage import RewardStage
 from staleness import StalenessConfig
-from tests.staleflow.runtime.fakes import MemoryPS, ScriptedEngine
+from tests.staleflow.runtime.fakes import MemoryPS, PrefixKeepingEngine, ScriptedEngine
 from trajectory_server import FinishedTrajectory, TrajectoryServer, TrajectoryServerConfig
 
 HOUR_S = 3600.0
@@ -90,6 +90,7 @@ class _Runtime:
         threads: int,
         coordinator: CoordinatorConfig,
         prefix_cache: bool = False,
+        keeps_prefixes: bool = False,
         report: Callable[[list[Rewarded]], None] = lambda records: None,
     ) -> None:
         self.ts = ts = Serialized(
@@ -130,7 +131,8 @@ class _Runtime:
             worker.submit(stage.process, [f for f in finished if f.task.traj_id in kept])
 
         self.ps = MemoryPS()
-        self.engines = {i: ScriptedEngine(target=4, max_running=4) for i in range(2)}
+        engine = PrefixKeepingEngine if keeps_prefixes else ScriptedEngine
+        self.engines = {i: engine(target=4, max_running=4) for i in range(2)}
         self.hosts = {
             i: InstanceHost(
                 i,
@@ -221,30 +223,33 @@ def test_a_pull_while_every_trajectory_waits_on_its_tool_does_not_wait_for_the_t
     )  # fmt: skip
 
 
-def test_an_ended_episode_has_its_prefix_dropped_on_the_instance_of_its_last_turn() -> None:
-    """The same runtime with a tool that answers in 0.2 s, episodes of two turns and the
-    engines assumed to keep prefixes (``ControlConfig.prefix_cache``; the fake engine
-    lists none, so the control plane assumes): the coordinator's snapshots list the
-    prefixes held while their trajectories wait; every episode that ends reaches the
-    control plane's records, which asks the instance its last turn ran on to drop its
-    prefix, and the snapshots stop listing it as held."""
+def test_an_ended_episode_has_its_prefix_dropped_wherever_its_engine_keeps_it() -> None:
+    """The same runtime with a tool that answers in 0.2 s, episodes of two turns and
+    engines that keep each stopped turn's prefix and list it (``PrefixKeepingEngine``,
+    as the embedded engine's store): the coordinator's snapshots list the engines' own
+    prefixes while their trajectories wait; every episode that ends reaches the control
+    plane's records, which asks the instance of its last turn (and one an earlier turn
+    left a copy on) to drop it, so that in the end no engine keeps an ended episode's
+    prefix and no snapshot lists one."""
     ended: dict[int, int] = {}  # trajectory -> instance of its last turn (the records')
     rt = _Runtime(
         lambda seconds: time.sleep(0.2),  # long enough for cycles to see it wait
         threads=2,
         coordinator=CoordinatorConfig(period_s=0.005),
         prefix_cache=True,
+        keeps_prefixes=True,
         report=lambda records: ended.update((r.traj_id, r.instance) for r in records),
     )
     control = rt.control
-    dropped: dict[int, int] = {}  # trajectory -> instance asked to drop its prefix
+    dropped: dict[int, set[int]] = {}  # trajectory -> instances asked to drop its prefix
     lock = threading.Lock()
     for i, host in rt.hosts.items():
         keep = host.drop_prefixes
 
         def spy(traj_ids, i=i, keep=keep):
             with lock:
-                dropped.update(dict.fromkeys(traj_ids, i))
+                for t in traj_ids:
+                    dropped.setdefault(t, set()).add(i)
             return keep(traj_ids)
 
         host.drop_prefixes = spy  # type: ignore[method-assign]
@@ -254,18 +259,21 @@ def test_an_ended_episode_has_its_prefix_dropped_on_the_instance_of_its_last_tur
         seen: set[int] = set()  # listed as held while it waited
 
         def all_ended() -> bool:
-            seen.update(t for s in control.loop.last_snapshot for t, _ in s.held)
+            snaps = control.loop.last_snapshot
+            assert all(s.held_exact for s in snaps)  # the engines' own lists
+            seen.update(t for s in snaps for t, _ in s.held)
             return len(ended) == IN_FLIGHT
 
         _until(all_ended, f"{IN_FLIGHT} episodes ended")
-        _until(lambda: len(dropped) == IN_FLIGHT, "every ended episode's prefix dropped")
+        _until(lambda: set(dropped) >= set(ended), "every ended episode's prefix dropped")
         control.check()
         snapshot = control.loop.last_snapshot
         _until(lambda: control.loop.last_snapshot is not snapshot, "a cycle after the ends")
         held = {t for s in control.loop.last_snapshot for t, _ in s.held}
     finally:
         rt.close()
-    assert dropped == ended  # each on the instance its last turn ran on
-    assert set(ended.values()) <= {0, 1}
+    assert all(ended[t] in dropped[t] for t in ended)  # on the instance of its last turn
     assert seen & set(ended), "no snapshot listed a prefix while its trajectory waited"
     assert not held & set(ended)
+    kept = {t for e in rt.engines.values() for t in e.held_prefixes()}  # type: ignore[attr-defined]
+    assert not kept & set(ended), "an engine still keeps an ended episode's prefix"

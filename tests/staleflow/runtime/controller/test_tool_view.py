@@ -121,22 +121,29 @@ def _ended(traj_id: int, instance: int) -> Rewarded:
                     tool_wait_s=0.5)  # fmt: skip
 
 
-def test_an_ended_episode_is_forgotten_and_its_instance_asked_to_drop_its_prefix() -> None:
-    ts, view = _view(prefix_cache=True)
+def test_an_ended_episode_is_forgotten_and_dropped_wherever_an_engine_lists_it() -> None:
+    """Instances 0 and 2 list their prefixes; instance 1's engine keeps none it could
+    name (vLLM, SGLang), so its prefixes are assumed and only forgotten. 8 ended on
+    instance 0, whose list has it, and an earlier turn of 8 left a copy on instance 2
+    (it moved from there); 9 ended on instance 0 after the snapshots were taken; 2 has
+    since left the run."""
+    ts = _TS()
+    names = {0: "inst-0", 1: "inst-1", 2: "inst-2"}
+    view = ToolWaitView(ts, lambda: names, prefix_cache=True)
     ts.waiting = [
         (RoutableTrajectory(7, 1, 0, 60, 10), "inst-1"),
         (RoutableTrajectory(8, 1, 0, 50, 10), "inst-0"),
-        (RoutableTrajectory(9, 1, 0, 50, 10), "inst-0"),
     ]
-    view.merge([_snap(0), _snap(1)], view.waiting())
-    hosts = {0: _Host(), 1: _Host(gone=True)}
-    members = Members(hosts, {0: "inst-0", 1: "inst-1"})
+    exact0 = replace(_snap(0), held=((8, 50),), held_exact=True)
+    exact2 = replace(_snap(2), held=((8, 20),), held_exact=True)
+    out = view.merge([exact0, _snap(1), exact2], view.waiting())
+    assert out[1].held == ((7, 60),)  # assumed
+    hosts = {0: _Host(), 1: _Host(), 2: _Host(gone=True)}
     waits = ToolWaits(min_samples=4)
-    # 8 ended on instance 0; 7 on instance 1, which has left; 9's instance is unknown
-    # (its worker was lost): the view's record of its prefix names instance 0
-    asked = view.rewarded([_ended(8, 0), _ended(7, 1), _ended(9, -1)], waits, members)
-    assert asked == 3 and hosts[0].dropped == [[8, 9]]
+    asked = view.rewarded([_ended(8, 0), _ended(7, 1), _ended(9, 0)], waits, Members(hosts, names))
+    assert hosts[0].dropped == [[8, 9]] and hosts[1].dropped == []
+    assert asked == 3  # 8 on instances 0 and 2 (gone: skipped), 9 on instance 0
     assert waits.samples == 3  # the records still warm-start the waits
     ts.waiting = []
-    out = view.merge([_snap(0), _snap(1)], view.waiting())
-    assert out[0].held == out[1].held == ()  # ended: no next turn will want them
+    out = view.merge([replace(exact0, held=()), _snap(1), replace(exact2, held=())], view.waiting())
+    assert out[1].held == ()  # ended: no next turn will want it
