@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
+from functools import partial
 from typing import Protocol
 
 from coordinator.agentic import ToolWaits, expected_returns
@@ -14,13 +15,7 @@ from coordinator.drain_sync import DrainGlobalSync
 from coordinator.estimation import SpeedEstimator
 from coordinator.fleet import Fleet
 from coordinator.freshness import FreshnessRule
-from coordinator.migration import (
-    FloatArray,
-    Migration,
-    NoMigration,
-    Returns,
-    ThroughputMigration,
-)
+from coordinator.migration import Migration, NoMigration, ThroughputMigration
 from coordinator.pool import TrajectoryPool
 from coordinator.race import TailRace
 from coordinator.routing import RoutingStrategy, ThroughputRouting
@@ -153,7 +148,11 @@ def build_strategies(
             config.phi_throughput,
             config.mu if config.improving_moves else None,
             moved_at,
-            _returns(waits, cost) if waits is not None and agentic.expected_returns else None,
+            (
+                partial(expected_returns, waits=waits, cost=cost)
+                if waits is not None and agentic.expected_returns
+                else None
+            ),
         )
         if config.migration == "throughput"
         else NoMigration()
@@ -229,12 +228,3 @@ def _parts(obj: object, seen: set[int]) -> Iterator[object]:
         names += [n for n in getattr(cls, "__slots__", ()) if isinstance(n, str)]
     for name in dict.fromkeys(names):
         yield from _parts(getattr(obj, name, None), seen)
-
-
-def _returns(waits: ToolWaits, cost: CostModel) -> Returns:
-    """Migration's view of the expected returns (coordinator/migration.py)."""
-
-    def returns(fleet: Fleet) -> tuple[FloatArray, FloatArray]:
-        return expected_returns(fleet, waits, cost)
-
-    return returns

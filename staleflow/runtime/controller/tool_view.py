@@ -75,10 +75,12 @@ class ToolWaitView:
         self.prefix_cache = prefix_cache
         # trajectory -> (instance, its version when the turn ended there, KV tokens)
         self._held: dict[int, tuple[int, int, int]] = {}
-        # instances that list their own prefixes, and where each prefix is listed (the
-        # last snapshots'): only their engines can drop one
+        # instances that list their own prefixes, their lists in the last snapshots, and
+        # where each prefix is listed (indexed once an episode ends): only their engines
+        # can drop one
         self._exact: set[int] = set()
-        self._listed: dict[int, list[int]] = {}
+        self._lists: list[tuple[int, tuple[tuple[int, int], ...]]] = []
+        self._listed: dict[int, list[int]] | None = None
         self.learned = 0  # waits taken from records
 
     def waiting(self) -> ToolWaitList:
@@ -97,12 +99,8 @@ class ToolWaitView:
         versions = {s.inst: s.inst_version for s in snapshots}
         # an instance that lists its prefixes is not assumed about
         exact = self._exact = {s.inst for s in snapshots if s.held_exact}
-        listed: dict[int, list[int]] = {}
-        for s in snapshots:
-            if s.held_exact:
-                for tid, _ in s.held:
-                    listed.setdefault(tid, []).append(s.inst)
-        self._listed = listed
+        self._lists = [(s.inst, s.held) for s in snapshots if s.held_exact and s.held]
+        self._listed = None  # most cycles end no episode: indexed on demand (rewarded)
         env: dict[int, list[TrajRecord]] = {}
         for r, holder in waiting:
             inst = inst_of.get(holder)
@@ -136,6 +134,13 @@ class ToolWaitView:
         instance that left is skipped. Engines that list none cannot drop one (vLLM,
         SGLang: their caches evict by block). Returns the drops asked for."""
         self.learn(records, waits)
+        if not self.prefix_cache:
+            return 0  # the engines keep no prefix
+        if self._listed is None:
+            self._listed = {}
+            for inst, held in self._lists:
+                for tid, _ in held:
+                    self._listed.setdefault(tid, []).append(inst)
         drops: dict[int, list[int]] = {}
         for r in records:
             self._held.pop(r.traj_id, None)
